@@ -1,0 +1,5 @@
+import sys
+
+from megaformer.cli import main
+
+sys.exit(main())

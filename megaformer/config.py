@@ -1,0 +1,465 @@
+"""Typed, validated configuration: one YAML file, one namespace.
+
+A config has the sections ``model``, ``parallel``, ``data``, ``train``, ``eval``, ``checkpoint``,
+``log`` and a pass-through ``deepspeed`` dict. Every key is declared below with its type, default and
+documentation (``doc`` in the field metadata); ``megaformer train --help-config`` and the README table
+are generated from these declarations, so they cannot drift.
+
+Loading goes YAML (safe loader) -> dotted overrides (``train.steps=50``) -> type checks per key ->
+cross-key checks. Any problem raises :class:`~megaformer.errors.ConfigError` with one line naming the
+key, the value and what is allowed, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from megaformer.errors import ConfigError
+
+
+def option(default: Any, doc: str, choices: Optional[tuple] = None, factory: Any = None) -> Any:
+    """A dataclass field carrying its documentation (and allowed values) in metadata."""
+    meta = {"doc": doc, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """The decoder-only Transformer (Vaswani et al. 2017 and its modern descendants)."""
+
+    vocab_size: Optional[int] = option(
+        None, "Vocabulary size of the embedding and output layer; null takes it from the tokenizer.")
+    d_model: int = option(256, "Width of the residual stream (d_model).")
+    n_layers: int = option(4, "Number of Transformer blocks.")
+    n_heads: int = option(4, "Attention heads h; each has d_k = d_model / h.")
+    n_kv_heads: Optional[int] = option(
+        None, "Key/value heads for grouped-query attention; null = n_heads (MHA), 1 = MQA.")
+    d_ffn: Optional[int] = option(
+        None, "Hidden width of the FFN; null = 4*d_model for gelu, and 2/3 of that rounded up to a "
+              "multiple of 64 for swiglu (same parameter count, Llama's convention).")
+    max_seq_len: int = option(256, "Longest sequence the model accepts (size of the position table).")
+    position: str = option("rope", "Positional encoding.", ("sinusoidal", "learned", "rope", "none"))
+    rope_theta: float = option(10000.0, "Base theta of rotary embeddings.")
+    rotary_fraction: float = option(
+        1.0, "Fraction of each head's dimensions that rotary embeddings rotate (GPT-NeoX uses 0.25).")
+    norm: str = option("rmsnorm", "Normalisation layer.", ("layernorm", "rmsnorm"))
+    norm_eps: float = option(1e-5, "Epsilon of the normalisation layers.")
+    activation: str = option(
+        "swiglu", "FFN form: gelu (exact erf GELU, two matrices), gelu_tanh (GPT-2's tanh "
+                  "approximation) or swiglu (three matrices).", ("gelu", "gelu_tanh", "swiglu"))
+    residual: str = option(
+        "sequential", "Pre-norm residual form: sequential (x += attn(ln(x)); x += mlp(ln(x))) or "
+                      "parallel (x += attn(ln1(x)) + mlp(ln2(x))).", ("sequential", "parallel"))
+    tie_embeddings: bool = option(True, "Share the token embedding with the output layer.")
+    bias: bool = option(False, "Biases in the linear layers (and LayerNorm).")
+    dropout: float = option(0.0, "Dropout on embeddings and on each residual write.")
+    attention_dropout: float = option(0.0, "Dropout on the attention probabilities.")
+    init_std: float = option(0.02, "Std of the normal initialisation; residual-output projections "
+                                   "use init_std / sqrt(2 * n_layers).")
+    attention_backend: str = option(
+        "auto", "Attention kernel: auto (flash-attn on CUDA fp16/bf16, else torch SDPA), or force one.",
+        ("auto", "flash", "sdpa", "reference"))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ffn is not None:
+            return self.d_ffn
+        if self.activation == "swiglu":
+            return 64 * math.ceil(2 * 4 * self.d_model / 3 / 64)
+        return 4 * self.d_model
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split. Data parallelism is world_size / (tensor * pipeline)."""
+
+    tensor: int = option(1, "Tensor-parallel degree (only 1 in this release; TP arrives with [M2]).")
+    pipeline: int = option(1, "Pipeline-parallel degree (only 1 in this release; PP arrives with [M3]).")
+    zero_stage: int = option(0, "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), "
+                                "3 (+parameters).", (0, 1, 2, 3))
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    source: str = option(
+        "stdlib", "Training text: 'stdlib' (the .py files of the running Python's standard library, "
+                  "always present), a folder (its .txt/.md/.py/.json/.jsonl files), or one .txt or "
+                  ".jsonl file.")
+    tokenizer: str = option(
+        "byte", "'byte' (256 byte values + end-of-document), 'bpe:N' (byte-level BPE with N tokens "
+                "trained on the source with HF tokenizers), or a path to a HF tokenizer.json.")
+    text_field: str = option("text", "Field holding the text in .json/.jsonl records.")
+    seq_len: Optional[int] = option(None, "Training sequence length; null = model.max_seq_len.")
+    valid_fraction: float = option(0.05, "Fraction of documents held out for validation.")
+    max_bytes: Optional[int] = option(None, "Read at most this many bytes of text (null = all).")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation."""
+
+    steps: int = option(100, "Optimizer steps to train for.")
+    seed: int = option(1234, "Seed for initialisation, data order and dropout.")
+    micro_batch_size: int = option(8, "Sequences per micro-batch per data-parallel rank.")
+    global_batch_size: int = option(
+        8, "Sequences per optimizer step over all ranks = micro_batch_size * grad. accumulation * DP.")
+    lr: float = option(3e-4, "Peak learning rate.")
+    min_lr: float = option(0.0, "Final learning rate of the cosine/linear/wsd decay.")
+    lr_schedule: str = option("cosine", "LR schedule after warmup.",
+                              ("cosine", "linear", "wsd", "constant"))
+    warmup_steps: int = option(0, "Linear warmup steps from 0 to lr.")
+    decay_fraction: float = option(0.2, "wsd only: fraction of the steps spent in the final decay.")
+    weight_decay: float = option(0.1, "AdamW weight decay (not applied to norms, biases, embeddings).")
+    adam_beta1: float = option(0.9, "AdamW beta1.")
+    adam_beta2: float = option(0.95, "AdamW beta2.")
+    adam_eps: float = option(1e-8, "AdamW epsilon.")
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this value; 0 disables.")
+    precision: str = option("fp32", "Training precision (bf16/fp16 with fp32 master weights; fp16 "
+                                    "with dynamic loss scaling).", ("fp32", "bf16", "fp16"))
+    device: str = option("auto", "auto (CUDA when available, else CPU), cpu or cuda.",
+                         ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss and perplexity."""
+
+    interval: int = option(50, "Evaluate every N steps (0 = only at the end).")
+    iters: int = option(10, "Global batches (train.global_batch_size sequences each) of validation "
+                            "data per evaluation.")
+    at_end: bool = option(True, "Evaluate after the last step.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    interval: int = option(0, "Save every N steps (0 = only at the end).")
+    save_at_end: bool = option(True, "Save after the last step.")
+    keep_last: Optional[int] = option(None, "Keep only the newest N checkpoints (null = keep all).")
+    resume: bool = option(True, "Resume from the latest checkpoint in the run directory if there is one.")
+
+
+@dataclass
+class LogConfig:
+    """Console, TensorBoard and metrics.jsonl."""
+
+    interval: int = option(10, "Log metrics every N steps.")
+    tensorboard: bool = option(True, "Write TensorBoard events to RUN_DIR/tensorboard.")
+    progress_bar: bool = option(True, "Show a tqdm progress bar on rank 0.")
+    all_ranks: bool = option(False, "Every rank also logs to RUN_DIR/logs/rank_N.log.")
+    sample_prompt: str = option("def ", "Prompt of the text sample printed after training.")
+    sample_tokens: int = option(200, "Tokens of the sample printed after training (0 = none).")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+}
+
+# DeepSpeed keys megaformer derives itself; setting them in the pass-through section is refused.
+DERIVED_DEEPSPEED_KEYS = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size / (train.micro_batch_size * DP)",
+    "gradient_clipping": "train.grad_clip",
+    "optimizer": "train.lr / train.adam_* / train.weight_decay",
+    "scheduler": "train.lr_schedule",
+    "fp16": "train.precision",
+    "bf16": "train.precision",
+}
+
+
+@dataclass
+class Config:
+    """The whole run: see each section's class for its keys."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    deepspeed: dict = field(default_factory=dict)
+    name: str = "megaformer"
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len if self.data.seq_len is not None else self.model.max_seq_len
+
+    def to_dict(self) -> dict:
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["deepspeed"] = dict(self.deepspeed)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- type checking
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])} or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any, choices: Optional[tuple]) -> Any:
+    """Check ``value`` against the declared type ``tp`` (ints are accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(key, value, inner, choices)
+    ok = False
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+    elif tp is str:
+        ok = isinstance(value, str)
+    elif tp is dict:
+        ok = isinstance(value, dict)
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
+    if choices is not None and value not in choices:
+        allowed = ", ".join(str(c) for c in choices)
+        raise ConfigError(f"{key}={value!r}: must be one of {allowed}")
+    return value
+
+
+def _build_section(name: str, cls: type, values: Any) -> Any:
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{name}: expected a mapping of keys, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{name}.{key}' (known keys in '{name}': "
+                              f"{', '.join(fields)})")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], fields[key].metadata.get("choices"))
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': expected KEY=VALUE, e.g. train.steps=50")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override '{item}': key must be dotted, SECTION.KEY (e.g. train.steps)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=value`` strings to a nested dict (values parsed as YAML scalars)."""
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = raw
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{p}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def config_from_dict(raw: dict, name: str = "megaformer") -> Config:
+    """Build and validate a :class:`Config` from a nested dict."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+    known = list(SECTIONS) + ["deepspeed"]
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"unknown config section '{key}' (known sections: {', '.join(known)})")
+    sections = {n: _build_section(n, cls, raw.get(n)) for n, cls in SECTIONS.items()}
+    ds = raw.get("deepspeed") or {}
+    if not isinstance(ds, dict):
+        raise ConfigError(f"deepspeed: expected a mapping, got {type(ds).__name__}")
+    cfg = Config(**sections, deepspeed=ds, name=name)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Config:
+    """Read a YAML config (safe loader), apply dotted overrides, validate."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{p}: not valid YAML{where}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    raw = apply_overrides(raw, list(overrides or []))
+    return config_from_dict(raw, name=p.stem)
+
+
+# ----------------------------------------------------------------------------- cross-key checks
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _positive(key: str, value: Optional[float], allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    ok = value >= 0 if allow_zero else value > 0
+    _require(ok, f"{key}={value}: must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-key checks that do not depend on the world size."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    for key in ("d_model", "n_layers", "n_heads", "max_seq_len", "vocab_size", "n_kv_heads", "d_ffn"):
+        _positive(f"model.{key}", getattr(m, key))
+    _require(m.d_model % m.n_heads == 0,
+             f"model.d_model={m.d_model}: must be divisible by model.n_heads={m.n_heads}")
+    _require(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads={m.n_heads}: must be divisible by model.n_kv_heads={m.kv_heads}")
+    if m.position == "rope":
+        rot = int(m.head_dim * m.rotary_fraction)
+        _require(0 < m.rotary_fraction <= 1,
+                 f"model.rotary_fraction={m.rotary_fraction}: must be in (0, 1]")
+        _require(rot >= 2 and rot % 2 == 0,
+                 f"model.rotary_fraction={m.rotary_fraction}: rotary dims per head "
+                 f"({m.head_dim} * fraction = {rot}) must be even and >= 2")
+        _positive("model.rope_theta", m.rope_theta)
+    if m.position == "sinusoidal":
+        _require(m.d_model % 2 == 0, f"model.d_model={m.d_model}: sinusoidal positions need an even width")
+    for key in ("dropout", "attention_dropout"):
+        v = getattr(m, key)
+        _require(0 <= v < 1, f"model.{key}={v}: must be in [0, 1)")
+    _positive("model.norm_eps", m.norm_eps)
+    _positive("model.init_std", m.init_std)
+
+    p = cfg.parallel
+    _positive("parallel.tensor", p.tensor)
+    _positive("parallel.pipeline", p.pipeline)
+    _require(p.tensor == 1, f"parallel.tensor={p.tensor}: tensor parallelism is not available in this "
+                            "release of megaformer; only 1 is allowed")
+    _require(p.pipeline == 1, f"parallel.pipeline={p.pipeline}: pipeline parallelism is not available "
+                              "in this release of megaformer; only 1 is allowed")
+
+    _positive("data.seq_len", d.seq_len)
+    _require(cfg.seq_len <= m.max_seq_len,
+             f"data.seq_len={cfg.seq_len}: longer than model.max_seq_len={m.max_seq_len} "
+             "(the position table)")
+    _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction}: must be in (0, 1)")
+    _positive("data.max_bytes", d.max_bytes)
+
+    for key in ("steps", "micro_batch_size", "global_batch_size", "lr"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "adam_eps"):
+        _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    _require(t.global_batch_size % t.micro_batch_size == 0,
+             f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
+             f"train.micro_batch_size={t.micro_batch_size}")
+    _require(t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must not exceed train.lr={t.lr}")
+    _require(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction}: must be in [0, 1]")
+    for key in ("adam_beta1", "adam_beta2"):
+        v = getattr(t, key)
+        _require(0 <= v < 1, f"train.{key}={v}: must be in [0, 1)")
+
+    _positive("eval.interval", cfg.eval.interval, allow_zero=True)
+    _positive("eval.iters", cfg.eval.iters)
+    _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    _positive("log.interval", cfg.log.interval)
+    _positive("log.sample_tokens", cfg.log.sample_tokens, allow_zero=True)
+
+    for key in cfg.deepspeed:
+        if key in DERIVED_DEEPSPEED_KEYS:
+            raise ConfigError(f"deepspeed.{key}: derived by megaformer; set "
+                              f"{DERIVED_DEEPSPEED_KEYS[key]} instead")
+    zo = cfg.deepspeed.get("zero_optimization")
+    if isinstance(zo, dict) and "stage" in zo:
+        raise ConfigError("deepspeed.zero_optimization.stage: set parallel.zero_stage instead")
+
+
+def validate_for_world(cfg: Config, world_size: int) -> int:
+    """Checks that need the world size; returns the gradient-accumulation steps."""
+    p, t = cfg.parallel, cfg.train
+    model_parallel = p.tensor * p.pipeline
+    _require(world_size % model_parallel == 0,
+             f"world size {world_size}: not divisible by parallel.tensor * parallel.pipeline = "
+             f"{model_parallel}")
+    dp = world_size // model_parallel
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
+             f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp} = {per_step}")
+    return t.global_batch_size // per_step
+
+
+def describe_keys() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every config key, in declaration order."""
+    rows = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            doc = f.metadata.get("doc", "")
+            if choices:
+                doc += " One of: " + ", ".join(str(c) for c in choices) + "."
+            default = f.default
+            rows.append((f"{section}.{f.name}", _type_name(hints[f.name]),
+                         "null" if default is None else repr(default).strip("'"), doc))
+    rows.append(("deepspeed", "dict", "{}", "Passed through into the derived DeepSpeed config "
+                 "(deep-merged); batch, precision, clipping and ZeRO-stage keys are derived from the "
+                 "sections above and refused here."))
+    return rows

@@ -1,0 +1,1 @@
+"""Text in, token windows out: corpus readers, tokenizers, packed datasets and the DP-aware loader."""

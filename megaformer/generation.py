@@ -1,0 +1,62 @@
+"""Text generation from a trained model or a checkpoint (no DeepSpeed, no process group)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import yaml
+
+from megaformer.checkpoint import io as ckpt_io
+from megaformer.config import Config, config_from_dict
+from megaformer.data.tokenizer import Tokenizer, load_tokenizer
+from megaformer.errors import CheckpointError, ConfigError, UserError
+
+
+def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
+                  temperature: float = 0.0, top_k: Optional[int] = None,
+                  seed: int = 0) -> str:
+    """Prompt + continuation as text. Temperature 0 is greedy (argmax) decoding."""
+    if temperature < 0:
+        raise UserError(f"--temperature {temperature}: must be >= 0")
+    if max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: must be >= 0")
+    ids = tokenizer.encode(prompt) if prompt else []
+    prefix = list(ids) if ids else [tokenizer.eod_id]  # an empty prompt starts a new document
+    device = next(model.parameters()).device
+    x = torch.tensor([prefix], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen,
+                         eos_id=tokenizer.eod_id)
+    new = out[0, len(prefix):].tolist()
+    if tokenizer.eod_id in new:
+        new = new[:new.index(tokenizer.eod_id)]
+    return prompt + tokenizer.decode(new)
+
+
+def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Config, Path]:
+    """Model (eval mode, fp32), tokenizer and config from a run directory or checkpoint."""
+    from megaformer.model.transformer import Transformer
+
+    ckpt = ckpt_io.resolve_checkpoint(path)
+    try:
+        cfg = config_from_dict(yaml.safe_load((ckpt / ckpt_io.CONFIG).read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{ckpt}: cannot read {ckpt_io.CONFIG} ({e})") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt}: invalid {ckpt_io.CONFIG}: {e}") from None
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    weights = ckpt_io.load_weights(ckpt)
+    model = Transformer(cfg.model)
+    if cfg.model.tie_embeddings:
+        weights.pop("lm_head.weight", None)
+        weights["lm_head.weight"] = weights.get("tok_embeddings.weight")
+    try:
+        model.load_state_dict({k: v.float() for k, v in weights.items() if v is not None})
+    except RuntimeError as e:
+        raise CheckpointError(f"{ckpt}: weights do not fit the model its config describes "
+                              f"({str(e).splitlines()[0][:200]})") from None
+    model.to(device).eval()
+    return model, tokenizer, cfg, ckpt

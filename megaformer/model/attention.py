@@ -1,0 +1,97 @@
+"""Multi-head self-attention with grouped-query key/value heads (Vaswani et al. 2017; Ainslie et al. 2023).
+
+    head_i       = Attention(X W^Q_i, X W^K_{g(i)}, X W^V_{g(i)}),   g(i) = i // (h / h_kv)
+    MultiHead(X) = Concat(head_1, ..., head_h) W^O
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + M) V,           d_k = d_model / h
+
+h_kv = h is multi-head attention, 1 < h_kv < h grouped-query, h_kv = 1 multi-query. The causal mask M
+hides future positions. With rotary positions, q and k are rotated before the product. The number of
+local heads is read from the projection width (``view(B, T, -1, d_k)``), so a tensor-parallel plan can
+shard wq/wk/wv by columns and wo by rows without this file knowing the degree.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from megaformer.config import ModelConfig
+from megaformer.kernels.attention import attention
+from megaformer.model.positions import RotaryEmbedding, apply_rotary
+
+
+class LayerKVCache:
+    """Keys and values of one layer for positions [0, max_len): k, v of shape [B, h_kv, max_len, d_k].
+
+    Storage is allocated at the first write, with the batch size, device and dtype of the keys
+    (so it follows autocast and the model's placement without being told).
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, h_kv, T, d_k] at positions start_pos.. and return keys/values [0, start_pos + T)."""
+        end = start_pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot write up to {end}")
+        if self.k is None or self.k.shape[0] != k.shape[0] or self.k.dtype != k.dtype:
+            if start_pos != 0:
+                raise ValueError("KV cache is empty (or for another batch/dtype): start at position 0")
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Per-layer key/value caches for incremental decoding (``layers[i]`` belongs to block i)."""
+
+    def __init__(self, n_layers: int, max_len: int) -> None:
+        self.max_len = max_len
+        self.layers = [LayerKVCache(max_len) for _ in range(n_layers)]
+
+
+class Attention(nn.Module):
+    """MultiHead(X) = Concat(head_1..head_h) W^O with GQA key/value sharing; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.causal = causal
+        self.attention_dropout = cfg.attention_dropout
+        self.backend = cfg.attention_backend
+        d, dk = cfg.d_model, cfg.head_dim
+        self.wq = nn.Linear(d, cfg.n_heads * dk, bias=cfg.bias)
+        self.wk = nn.Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
+        self.wv = nn.Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * dk, d, bias=cfg.bias)
+        self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta)
+                       if cfg.position == "rope" else None)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                cache: Optional[LayerKVCache] = None, start_pos: int = 0) -> torch.Tensor:
+        """x [B, T, d_model] at absolute positions start_pos..start_pos+T-1 -> [B, T, d_model].
+
+        rope: precomputed (cos, sin) for those positions (computed here when None and position=rope).
+        cache: this layer's KV cache; keys/values of earlier positions are read from it.
+        """
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h, T, d_k]
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h_kv, T, d_k]
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:
+            if rope is None:
+                rope = self.rotary(torch.arange(start_pos, start_pos + T, device=x.device))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.update(start_pos, k, v)
+        p = self.attention_dropout if self.training else 0.0
+        y = attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))

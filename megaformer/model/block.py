@@ -1,0 +1,41 @@
+"""One pre-norm Transformer block writing additively onto the residual stream.
+
+    sequential:  h   = x + Dropout(Attn(Norm_a(x)))
+                 out = h + Dropout(MLP(Norm_m(h)))
+    parallel:    out = x + Dropout(Attn(Norm_a(x))) + Dropout(MLP(Norm_m(x)))     (GPT-J / GPT-NeoX)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from megaformer.config import ModelConfig
+from megaformer.model.attention import Attention, LayerKVCache
+from megaformer.model.mlp import MLP
+from megaformer.model.norms import build_norm
+
+
+class Block(nn.Module):
+    """Pre-norm block: attn_norm -> attn, mlp_norm -> mlp, sequential or parallel residual."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+        super().__init__()
+        if cfg.residual not in ("sequential", "parallel"):
+            raise ValueError(f"model.residual={cfg.residual!r}: must be sequential or parallel")
+        self.parallel = cfg.residual == "parallel"
+        self.attn_norm = build_norm(cfg)
+        self.attn = Attention(cfg, causal=causal)
+        self.mlp_norm = build_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                cache: Optional[LayerKVCache] = None, start_pos: int = 0) -> torch.Tensor:
+        a = self.drop(self.attn(self.attn_norm(x), rope=rope, cache=cache, start_pos=start_pos))
+        if self.parallel:
+            return x + a + self.drop(self.mlp(self.mlp_norm(x)))
+        h = x + a
+        return h + self.drop(self.mlp(self.mlp_norm(h)))

@@ -1,0 +1,38 @@
+"""Position-wise feed-forward network.
+
+    GELU:   FFN(x) = GELU(x W1 + b1) W2 + b2                 (Vaswani et al. 2017 with GELU, GPT-2)
+    SwiGLU: FFN(x) = (SiLU(x W1) * (x W3)) W2                 (Shazeer 2020; Llama)
+
+W1: d_model -> d_ffn (SwiGLU: the gate), W3: d_model -> d_ffn (the up projection), W2: d_ffn -> d_model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megaformer.config import ModelConfig
+
+
+class MLP(nn.Module):
+    """FFN(x) with GELU (w1, w2) or SwiGLU (w1 gate, w3 up, w2 down); d_ffn = cfg.ffn_dim."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, f = cfg.d_model, cfg.ffn_dim
+        # "gelu" is the exact erf form (GPT-NeoX); "gelu_tanh" (GPT-2's tanh approximation) is
+        # accepted too, should the config ever offer it.
+        if cfg.activation not in ("gelu", "gelu_tanh", "swiglu"):
+            raise ValueError(f"model.activation={cfg.activation!r}: must be gelu or swiglu")
+        self.activation = cfg.activation
+        self.w1 = nn.Linear(d, f, bias=cfg.bias)
+        if cfg.activation == "swiglu":
+            self.w3 = nn.Linear(d, f, bias=cfg.bias)
+        self.w2 = nn.Linear(f, d, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        approximate = "tanh" if self.activation == "gelu_tanh" else "none"
+        return self.w2(F.gelu(self.w1(x), approximate=approximate))

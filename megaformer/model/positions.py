@@ -1,0 +1,90 @@
+"""Positional information.
+
+Absolute (added to the token embedding, Vaswani et al. 2017, section 3.5):
+
+    PE(pos, 2i)   = sin(pos / 10000^(2i / d))
+    PE(pos, 2i+1) = cos(pos / 10000^(2i / d))
+
+or a learned table E_pos[pos] (GPT-2). Relative, rotary (Su et al. 2021, RoPE), applied to q and k
+inside attention: the first ``rot = int(d_k * rotary_fraction)`` dimensions of each head are split in
+two halves (x1, x2) = (x[:rot/2], x[rot/2:rot]), and pair (i, i + rot/2) is rotated by the angle
+pos * theta^(-2i/rot):
+
+    RoPE(x, pos) = [x1 * cos - x2 * sin,  x2 * cos + x1 * sin,  x[rot:]]
+
+This is the "rotate_half" convention of GPT-NeoX and Hugging Face Llama / GPT-NeoX, so checkpoints
+convert without permuting q/k weights. The remaining d_k - rot dimensions pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def sinusoidal_table(n_pos: int, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n_pos, d] table with PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
+
+    Angles are computed in float64 (pos * w loses ~1e-4 rad in fp32 at pos ~ 10^4), then cast.
+    """
+    if d % 2 != 0:
+        raise ValueError(f"sinusoidal positions need an even width, got d={d}")
+    pos = torch.arange(n_pos, dtype=torch.float64).unsqueeze(1)                      # [n_pos, 1]
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)           # [d/2]
+    angles = pos * inv_freq                                                          # [n_pos, d/2]
+    table = torch.stack((torch.sin(angles), torch.cos(angles)), dim=-1)              # [n_pos, d/2, 2]
+    return table.reshape(n_pos, d).to(dtype)
+
+
+def rotary_dim(head_dim: int, rotary_fraction: float) -> int:
+    """Number of rotated dimensions per head: int(head_dim * rotary_fraction)."""
+    return int(head_dim * rotary_fraction)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of RoPE for given positions: angle(pos, i) = pos * theta^(-2i/rot), i < rot/2.
+
+    Holds no parameters and no buffers (the tables are a few KB and recomputed per forward), so it is
+    safe under meta-device construction and never goes stale after ``to_empty``.
+    """
+
+    def __init__(self, head_dim: int, rotary_fraction: float = 1.0, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.rot = rotary_dim(head_dim, rotary_fraction)
+        if self.rot < 2 or self.rot % 2 != 0:
+            raise ValueError(f"rotary dims per head ({head_dim} * {rotary_fraction} = {self.rot}) "
+                             "must be even and >= 2")
+        self.theta = theta
+
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """theta^(-2i/rot) for i = 0 .. rot/2 - 1, fp32 (computed as Hugging Face does)."""
+        exponent = torch.arange(0, self.rot, 2, dtype=torch.int64).float() / self.rot
+        return (1.0 / (self.theta ** exponent)).to(device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] (int) -> (cos, sin), each [T, rot] fp32, halves duplicated: cat(f, f)."""
+        freqs = torch.outer(positions.float(), self.inv_freq(positions.device))  # [T, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def extra_repr(self) -> str:
+        return f"rot={self.rot}, theta={self.theta}"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, H, T, D]: x_rot * cos + rotate_half(x_rot) * sin on the first rot dims.
+
+    cos, sin: [T, rot] as returned by :class:`RotaryEmbedding` (cast to x's dtype, like HF).
+    """
+    rot = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)

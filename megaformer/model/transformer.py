@@ -1,0 +1,214 @@
+"""The decoder-only Transformer language model.
+
+    x_0     = E_tok[ids] (+ PE[pos])                     token embedding, absolute positions if any
+    x_l     = Block_l(x_{l-1}),  l = 1..L                pre-norm blocks on the residual stream
+    logits  = Norm(x_L) W_out                            W_out = E_tok^T when embeddings are tied
+    loss    = mean over positions with label != -100 of -log softmax(logits)[label]
+
+Initialisation: every Linear/Embedding weight ~ N(0, init_std), biases 0, norm gains 1; the
+residual-output projections (attn.wo, mlp.w2) ~ N(0, init_std / sqrt(2 L)) (GPT-2 / Megatron).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megaformer.config import ModelConfig
+from megaformer.model.attention import KVCache
+from megaformer.model.block import Block
+from megaformer.model.norms import RMSNorm, build_norm
+from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
+
+IGNORE_INDEX = -100
+
+
+class Transformer(nn.Module):
+    """Decoder-only Transformer: tok_embeddings, [pos_embeddings], layers, final_norm, lm_head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(cfg.vocab_size, int) or isinstance(cfg.vocab_size, bool) or cfg.vocab_size <= 0:
+            raise ValueError(f"model.vocab_size must be a positive int when the model is built, "
+                             f"got {cfg.vocab_size!r} (resolve it from the tokenizer first)")
+        if cfg.position not in ("sinusoidal", "learned", "rope", "none"):
+            raise ValueError(f"model.position={cfg.position!r}: must be sinusoidal, learned, rope or none")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings = (nn.Embedding(cfg.max_seq_len, cfg.d_model)
+                               if cfg.position == "learned" else None)
+        if cfg.position == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.d_model),
+                                 persistent=False)
+        else:
+            self.pos_table = None
+        self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta)
+                       if cfg.position == "rope" else None)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = build_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """W_out = E_tok (one Parameter) when tie_embeddings. ``Module.to_empty`` on a meta model
+        breaks the sharing; :meth:`reset_parameters` calls this again."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    # ------------------------------------------------------------------ initialisation
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """N(0, init_std) weights, zero biases, unit norm gains; wo and w2 use init_std / sqrt(2 L).
+
+        Also re-ties the embeddings and refills the sinusoidal table, so ``to_empty(device=...)``
+        after meta construction followed by ``reset_parameters()`` gives a complete model.
+        """
+        self.tie_weights()
+        if self.tok_embeddings.weight.is_meta:
+            return  # shapes only (e.g. counting a 70B model): there are no values to initialise
+        if self.pos_table is not None:
+            self.pos_table.copy_(sinusoidal_table(self.cfg.max_seq_len, self.cfg.d_model))
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.lm_head and self.cfg.tie_embeddings:
+                    continue  # the same Parameter as tok_embeddings.weight, initialised once
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                if module.weight is not None:
+                    nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for block in self.layers:
+            nn.init.normal_(block.attn.wo.weight, mean=0.0, std=out_std)
+            nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=out_std)
+
+    # ------------------------------------------------------------------ forward
+
+    def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int) -> torch.Tensor:
+        """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        T = input_ids.shape[1]
+        if start_pos + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds model.max_seq_len="
+                             f"{self.cfg.max_seq_len}")
+        positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
+        x = self.tok_embeddings(input_ids)
+        if self.pos_embeddings is not None:
+            x = x + self.pos_embeddings(positions)
+        elif self.pos_table is not None:
+            x = x + self.pos_table[start_pos:start_pos + T].to(x.dtype)
+        x = self.drop(x)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope=rope, cache=cache.layers[i] if cache is not None else None,
+                      start_pos=start_pos)
+        return self.final_norm(x)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100."""
+        logits = self.lm_head(self._hidden(input_ids, None, 0))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    def new_cache(self, max_len: Optional[int] = None) -> KVCache:
+        """An empty KV cache for up to ``max_len`` (default max_seq_len) positions; storage is
+        allocated at the first forward_cached call."""
+        return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None,
+                       start_pos: int = 0, last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
+        """Logits of tokens at positions start_pos.. given the cache of positions < start_pos.
+
+        Returns (logits [B, T, V] or [B, 1, V] with ``last_only``, cache updated in place).
+        """
+        if cache is None:
+            cache = self.new_cache()
+        h = self._hidden(input_ids, cache, start_pos)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h), cache
+
+    # ------------------------------------------------------------------ generation
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+        """Next token [B, 1] from logits [B, V]: argmax at temperature 0, else top-k softmax sampling."""
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 eos_id: Optional[int] = None) -> torch.Tensor:
+        """Append up to ``max_new_tokens`` tokens to ``input_ids`` [B, T] -> [B, T + n], with a KV cache.
+
+        Temperature 0 is greedy. Generation stops once every row has produced ``eos_id`` (finished
+        rows are padded with eos_id). The model sees at most max_seq_len tokens: a longer prompt is
+        cropped from the left, and once the context is full each step recomputes over the last
+        max_seq_len tokens (exactly what a cache-free sliding window computes). Runs in eval mode.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty [batch, seq] tensor, "
+                             f"got {tuple(input_ids.shape)}")
+        was_training = self.training
+        self.eval()
+        try:
+            L = self.cfg.max_seq_len
+            out = input_ids
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            context = out[:, -L:]
+            cache = self.new_cache()
+            logits, _ = self.forward_cached(context, cache, 0, last_only=True)
+            pos = context.shape[1]
+            for step in range(max_new_tokens):
+                nxt = self._sample(logits[:, -1], temperature, top_k, generator)
+                if eos_id is not None:
+                    nxt = nxt.masked_fill(done.unsqueeze(1), eos_id)
+                    done |= nxt.squeeze(1) == eos_id
+                out = torch.cat((out, nxt), dim=1)
+                if step == max_new_tokens - 1 or bool(done.all()):
+                    break
+                if pos < L:  # room left: feed only the new token
+                    logits, _ = self.forward_cached(nxt, cache, pos, last_only=True)
+                    pos += 1
+                else:  # context full: positions shift, so recompute over the last L tokens
+                    logits, _ = self.forward_cached(out[:, -L:], cache, 0, last_only=True)
+            return out
+        finally:
+            self.train(was_training)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count, tied weights once; without token/learned-position embeddings and an
+        untied lm_head when ``exclude_embeddings``."""
+        total = sum(p.numel() for p in self.parameters())  # parameters() yields shared tensors once
+        if exclude_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+            if self.pos_embeddings is not None:
+                total -= self.pos_embeddings.weight.numel()
+            if not self.cfg.tie_embeddings:
+                total -= self.lm_head.weight.numel()
+        return total

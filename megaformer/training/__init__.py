@@ -1,0 +1,1 @@
+"""DeepSpeed engine setup, the training loop, schedules and logging."""

@@ -1,0 +1,37 @@
+"""The DeepSpeed config, derived from megaformer's config (never written twice by hand)."""
+
+from __future__ import annotations
+
+import copy
+
+from megaformer.config import Config
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
+    """ZeRO stage, batch sizes, precision and clipping from ``cfg``; ``cfg.deepspeed`` merged on top."""
+    t = cfg.train
+    ds = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # megaformer passes torch's AdamW; DeepSpeed's ZeRO wraps it (it only "tests" its own).
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(ds, cfg.deepspeed)

@@ -1,0 +1,369 @@
+"""The training loop: DeepSpeed engine, periodic evaluation, logging, checkpoints, exact resume.
+
+One optimizer step = ``grad_accum`` micro-batches per data-parallel rank::
+
+    for each micro-batch (x, y):  loss = engine(x, y); engine.backward(loss); engine.step()
+
+``engine.step()`` applies the update only at the accumulation boundary (DeepSpeed averages the
+gradients over micro-batches and ranks, clips the global norm and steps the LR schedule). The logged
+loss is the mean over the step's micro-batches and the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megaformer.checkpoint import io as ckpt_io
+from megaformer.config import Config, config_from_dict, validate_for_world
+from megaformer.data.dataset import (PackedDataset, TrainLoader, unigram_cross_entropy,
+                                     validation_batches)
+from megaformer.errors import CheckpointError, ConfigError
+from megaformer.training import distributed as dist
+from megaformer.training.data_setup import prepare_data
+from megaformer.training.deepspeed_config import build_deepspeed_config
+from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
+from megaformer.training.optimizer import build_optimizer
+from megaformer.training.schedule import lr_lambda
+
+log = logging.getLogger("megaformer")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    train_loss: float
+    val_loss: Optional[float]
+    unigram_loss: float
+    tokens_per_s: float
+    wall_s: float
+    checkpoint: Optional[Path]
+    sample: Optional[str]
+
+
+def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
+    logger = logging.getLogger("megaformer")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    if rank == 0:
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(h)
+    if all_ranks:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
+        logger.addHandler(fh)
+    try:
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+    except ImportError:
+        pass
+
+
+# Model keys that do not change the weights, so a resumed run may set them differently.
+RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std"}
+
+
+def _check_resume_compatible(cfg: Config, ckpt: Path) -> None:
+    """The model a checkpoint holds must be the model the config describes."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((ckpt / ckpt_io.CONFIG).read_text())
+        saved_cfg = config_from_dict(saved)
+    except (OSError, yaml.YAMLError, ConfigError) as e:
+        raise CheckpointError(f"{ckpt}: its {ckpt_io.CONFIG} is missing or invalid ({e})") from None
+    for f in dataclasses.fields(saved_cfg.model):
+        new, old = getattr(cfg.model, f.name), getattr(saved_cfg.model, f.name)
+        if f.name in RESUME_MAY_CHANGE or (f.name == "vocab_size" and new is None):
+            continue
+        if new != old:
+            raise CheckpointError(f"model.{f.name}={new!r} differs from the checkpoint {ckpt} "
+                                  f"({old!r}); use another --run-dir or the checkpoint's model")
+    for key in ("seq_len", "tokenizer"):
+        new, old = getattr(cfg.data, key), getattr(saved_cfg.data, key)
+        if new != old:
+            raise CheckpointError(f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r})")
+
+
+def _precision_checks(cfg: Config, device: torch.device) -> None:
+    if cfg.train.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision=fp16: needs a CUDA device; use bf16 or fp32 on CPU")
+
+
+def _resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
+    v = cfg.model.vocab_size
+    if v is None:
+        v = tokenizer_vocab
+    elif v < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={v}: smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab})")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=v))
+
+
+def _global_grad_norm(engine: Any) -> Optional[float]:
+    """Pre-clipping global gradient norm, from DeepSpeed or computed over the (reduced) grads."""
+    grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+class Trainer:
+    """Builds everything for one run and runs the loop; see :func:`train`."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.proc = dist.detect_process(cfg.train.device)
+        self.grad_accum = validate_for_world(cfg, self.proc.world_size)
+        _precision_checks(cfg, self.proc.device)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise CheckpointError(f"--run-dir {run_dir}: exists and is not a directory")
+        self.run_dir = run_dir
+        self.resume_from = ckpt_io.latest_checkpoint(run_dir / ckpt_io.CHECKPOINTS)
+        if self.resume_from is not None and not cfg.checkpoint.resume:
+            raise CheckpointError(f"{run_dir} already holds checkpoints (latest "
+                                  f"{self.resume_from.name}); resume with checkpoint.resume=true "
+                                  "or choose another --run-dir")
+        if self.resume_from is not None:
+            _check_resume_compatible(cfg, self.resume_from)
+        from megaformer.kernels.attention import resolve_backend
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        self.attention_backend = resolve_backend(cfg.model.attention_backend, self.proc.device,
+                                                 dtype[cfg.train.precision])
+        self.cfg = cfg
+        self.rank = self.proc.rank
+        self.is_main = self.proc.is_main
+
+    # ------------------------------------------------------------------------- setup
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        dist.init_distributed(self.proc)
+        dist.barrier()
+        setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
+        self.tokenizer, corpus = prepare_data(cfg, self.run_dir, self.rank, dist.barrier,
+                                              self.resume_from)
+        self.cfg = cfg = _resolve_vocab(cfg, self.tokenizer.vocab_size)
+        self.train_set = PackedDataset(corpus.train, cfg.seq_len, "train")
+        self.valid_set = PackedDataset(corpus.valid, cfg.seq_len, "validation")
+        self.unigram = unigram_cross_entropy(corpus.train, corpus.valid, cfg.model.vocab_size)
+        self.model = self._build_model()
+        self._build_engine()
+        self.step, consumed = 0, 0
+        if self.resume_from is not None:
+            client = ckpt_io.load_engine_state(self.engine, self.resume_from, self.rank)
+            self.step, consumed = int(client["step"]), int(client["consumed_samples"])
+            log.info("resumed from %s (step %d, %s samples consumed)", self.resume_from,
+                     self.step, f"{consumed:,}")
+        self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
+                                  self.proc.rank, self.proc.world_size, cfg.train.seed, consumed)
+        if self.is_main:
+            ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
+            truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+        self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard)
+        self._print_summary()
+
+    def _build_model(self) -> torch.nn.Module:
+        from megaformer.model.transformer import Transformer
+
+        torch.manual_seed(self.cfg.train.seed)
+        model = Transformer(self.cfg.model)
+        torch.manual_seed(self.cfg.train.seed + 1)  # dropout stream, independent of init
+        return model.to(self.proc.device)
+
+    def _build_engine(self) -> None:
+        import deepspeed
+
+        from megaformer.checkpoint.safe_load import install_safe_checkpoint_engine
+
+        optimizer = build_optimizer(self.model, self.cfg.train)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg.train))
+        ds_config = build_deepspeed_config(self.cfg, self.grad_accum)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+            dist_init_required=False)
+        install_safe_checkpoint_engine(self.engine)
+
+    def _print_summary(self) -> None:
+        cfg, p = self.cfg, self.proc
+        n_params = self.model.num_parameters()
+        n_body = self.model.num_parameters(exclude_embeddings=True)
+        name, reason = self.attention_backend
+        log.info("megaformer: %s parameters (%s non-embedding) | world %d = DP %d x TP %d x PP %d | "
+                 "ZeRO %d | %s %s | attention %s (%s)", f"{n_params:,}", f"{n_body:,}",
+                 p.world_size, p.world_size, cfg.parallel.tensor, cfg.parallel.pipeline,
+                 cfg.parallel.zero_stage, p.device.type, cfg.train.precision, name, reason)
+        log.info("batch: %d sequences x %d tokens per step (micro %d x accumulation %d x DP %d) | "
+                 "%d steps | run dir %s", cfg.train.global_batch_size, cfg.seq_len,
+                 cfg.train.micro_batch_size, self.grad_accum, p.world_size, cfg.train.steps,
+                 self.run_dir)
+
+    # ------------------------------------------------------------------------- steps
+
+    def train_step(self) -> dict[str, Any]:
+        engine, dev = self.engine, self.proc.device
+        lr = self.scheduler.get_last_lr()[0]
+        t0 = time.perf_counter()
+        losses, grad_norm = [], None
+        micro_batches = self.loader.next_step()
+        for j, (x, y) in enumerate(micro_batches):
+            loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+            engine.backward(loss)
+            if j == len(micro_batches) - 1 and not hasattr(engine.optimizer, "_global_grad_norm"):
+                grad_norm = _global_grad_norm(engine)
+            engine.step()
+            losses.append(loss.detach().float())
+        loss = dist.all_reduce_mean(torch.stack(losses).mean())
+        if grad_norm is None:
+            gn = engine.get_global_grad_norm()
+            grad_norm = float(gn) if gn is not None else float("nan")
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        self.step += 1
+        return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm,
+                "step_time_s": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.engine.eval()
+        losses = [self.engine(x.to(self.proc.device), y.to(self.proc.device)).float()
+                  for x, y in validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
+                                                 self.grad_accum, self.cfg.eval.iters, self.rank,
+                                                 self.proc.world_size)]
+        self.engine.train()
+        return float(dist.all_reduce_mean(torch.stack(losses).mean()))
+
+    def save(self) -> Optional[Path]:
+        stage3 = self.cfg.parallel.zero_stage == 3
+        weights = (self.engine._zero3_consolidated_16bit_state_dict() if stage3
+                   else self.engine.module.state_dict())
+        if weights is not None and self.cfg.model.tie_embeddings:
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        consumed = self.loader.consumed_samples
+        meta = {"consumed_samples": consumed, "consumed_tokens": consumed * self.cfg.seq_len,
+                "parallel": {"tensor": self.cfg.parallel.tensor, "pipeline": self.cfg.parallel.pipeline,
+                             "data": self.proc.world_size},
+                "zero_stage": self.cfg.parallel.zero_stage, "precision": self.cfg.train.precision}
+        path = ckpt_io.save_checkpoint(
+            self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
+            client_state={"step": self.step, "consumed_samples": consumed},
+            weights=weights if self.is_main else None, config_yaml=self.cfg.to_yaml(),
+            tokenizer=self.tokenizer, meta=meta, keep_last=self.cfg.checkpoint.keep_last,
+            barrier=dist.barrier)
+        if path is not None:
+            log.info("saved checkpoint %s", path)
+        return path
+
+    # ------------------------------------------------------------------------- loop
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
+        bar = self._progress_bar()
+        window: list[dict] = []
+        val_loss: Optional[float] = None
+        last_ckpt: Optional[Path] = None
+        last: dict = {}
+        train_time, train_tokens = 0.0, 0
+        while self.step < cfg.train.steps:
+            last = self.train_step()
+            window.append(last)
+            train_time += last["step_time_s"]
+            train_tokens += tokens_per_step
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.3f}",
+                                tok_s=f"{tokens_per_step / last['step_time_s']:,.0f}")
+            record: dict[str, Any] = {}
+            if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
+                record = self._interval_record(window, tokens_per_step)
+                window = []
+            final = self.step == cfg.train.steps
+            if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or (final and cfg.eval.at_end):
+                val_loss = self.evaluate()
+                record = record or {"step": self.step}
+                record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+                self._console(f"step {self.step}: val loss {val_loss:.4f} | val ppl "
+                              f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}", bar)
+            if record:
+                self.metrics.write(record)
+                if bar is None and "loss" in record:
+                    self._console(self._format(record), bar)
+            if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or \
+                    (final and cfg.checkpoint.save_at_end):
+                last_ckpt = self.save() or last_ckpt
+        if bar is not None:
+            bar.close()
+        self.metrics.close()
+        sample = self.sample() if self.is_main else None
+        return TrainResult(self.run_dir, self.step, last.get("loss", float("nan")), val_loss,
+                           self.unigram, train_tokens / train_time if train_time else 0.0,
+                           time.perf_counter() - t_start, last_ckpt, sample)
+
+    def _interval_record(self, window: list[dict], tokens_per_step: int) -> dict:
+        t = sum(w["step_time_s"] for w in window)
+        return {"step": self.step, "loss": sum(w["loss"] for w in window) / len(window),
+                "lr": window[-1]["lr"], "grad_norm": window[-1]["grad_norm"],
+                "tokens_per_s": tokens_per_step * len(window) / t, "step_time_s": t / len(window),
+                "consumed_tokens": self.loader.consumed_samples * self.cfg.seq_len}
+
+    @staticmethod
+    def _format(r: dict) -> str:
+        return (f"step {r['step']}: loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm "
+                f"{r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tokens/s | "
+                f"{r['step_time_s'] * 1000:.0f} ms/step")
+
+    def _progress_bar(self) -> Any:
+        if not (self.is_main and self.cfg.log.progress_bar):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step",
+                    dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+
+    def _console(self, text: str, bar: Any) -> None:
+        if not self.is_main:
+            return
+        if bar is not None:
+            bar.write(text, file=sys.stdout)
+        else:
+            log.info(text)
+
+    def sample(self) -> Optional[str]:
+        """A short text sample from the trained weights (rank 0, no collectives)."""
+        n = self.cfg.log.sample_tokens
+        if n == 0 or self.cfg.parallel.zero_stage == 3:
+            return None
+        from megaformer.generation import generate_text
+
+        model = self.engine.module
+        was_training = model.training
+        model.eval()
+        text = generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,
+                             temperature=0.8, top_k=40, seed=self.cfg.train.seed)
+        model.train(was_training)
+        return text
+
+
+def train(cfg: Config, run_dir: Path) -> TrainResult:
+    """Train ``cfg`` in ``run_dir`` (resuming from its latest checkpoint when there is one)."""
+    trainer = Trainer(cfg, Path(run_dir))
+    trainer.setup()
+    return trainer.run()

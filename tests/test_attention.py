@@ -1,0 +1,136 @@
+"""Attention kernels: every available path agrees with the reference; backend resolution."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+
+import pytest
+import torch
+
+from megaformer.errors import ConfigError
+from megaformer.kernels import attention as kernels
+from megaformer.kernels.attention import attention, resolve_backend
+
+HEADS = [(4, 4), (4, 2), (4, 1)]            # MHA, GQA, MQA
+LENGTHS = [(6, 6), (3, 8), (1, 8)]          # T == S, and the KV-cache cases T < S
+
+
+def qkv(B, H, Hkv, T, S, D=16, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    return (t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+def naive(q, k, v, causal):
+    """Loop over heads and queries, in float64: softmax(q k^T / sqrt(D)) v over allowed keys."""
+    B, H, T, D = q.shape
+    S, groups = k.shape[2], H // k.shape[1]
+    out = torch.zeros(B, H, T, D, dtype=torch.float64)
+    for h in range(H):
+        for i in range(T):
+            n = (S - T + i + 1) if causal else S  # query i sits at absolute position S - T + i
+            kk, vv = k[:, h // groups, :n].double(), v[:, h // groups, :n].double()  # [B, n, D]
+            s = torch.einsum("bd,bnd->bn", q[:, h, i].double(), kk) / math.sqrt(D)
+            out[:, h, i] = torch.einsum("bn,bnd->bd", torch.softmax(s, -1), vv)
+    return out
+
+
+@pytest.mark.parametrize("T,S", LENGTHS)
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_naive_loop(causal, H, Hkv, T, S):
+    q, k, v = qkv(2, H, Hkv, T, S)
+    out = attention(q, k, v, causal=causal, backend="reference")
+    assert out.shape == (2, H, T, 16)
+    assert torch.allclose(out.double(), naive(q, k, v, causal), atol=1e-5)
+
+
+@pytest.mark.parametrize("T,S", LENGTHS)
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_matches_reference(causal, H, Hkv, T, S):
+    q, k, v = qkv(2, H, Hkv, T, S, seed=1)
+    ref = attention(q, k, v, causal=causal, backend="reference")
+    assert torch.allclose(attention(q, k, v, causal=causal, backend="sdpa"), ref, atol=1e-5, rtol=0)
+    assert torch.allclose(attention(q, k, v, causal=causal, backend="auto"), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_cached_queries_equal_last_rows_of_full_attention(backend):
+    q, k, v = qkv(1, 4, 2, 8, 8, seed=2)
+    full = attention(q, k, v, causal=True, backend=backend)
+    last = attention(q[:, :, -3:], k, v, causal=True, backend=backend)
+    assert torch.allclose(last, full[:, :, -3:], atol=1e-6)
+
+
+def _flash_skip_reason():
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    func, why = kernels._flash_status()
+    return None if func is not None else why
+
+
+@pytest.mark.parametrize("T,S", LENGTHS)
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_matches_reference(causal, H, Hkv, T, S):
+    reason = _flash_skip_reason()
+    if reason:
+        print(f"flash path skipped: {reason}")
+        pytest.skip(f"flash path skipped: {reason}")
+    q, k, v = qkv(2, H, Hkv, T, S, dtype=torch.bfloat16, device="cuda", seed=3)
+    ref = attention(q.float(), k.float(), v.float(), causal=causal, backend="reference")
+    out = attention(q, k, v, causal=causal, backend="flash")
+    # bf16 inputs/outputs: 1e-5 is below bf16 resolution; compare at bf16 precision.
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)
+    assert resolve_backend("auto", "cuda", torch.bfloat16)[0] == "flash"
+
+
+def test_resolve_backend_on_cpu():
+    name, reason = resolve_backend("auto", torch.device("cpu"), torch.float32)
+    assert name == "sdpa" and reason
+    assert resolve_backend("reference", "cpu", torch.float32)[0] == "reference"
+    assert resolve_backend("sdpa", "cpu", torch.bfloat16)[0] == "sdpa"
+
+
+def test_forcing_flash_on_cpu_raises():
+    with pytest.raises(ConfigError, match="flash") as e:
+        resolve_backend("flash", torch.device("cpu"), torch.float32)
+    assert "\n" not in str(e.value)
+    q, k, v = qkv(1, 2, 2, 3, 3)
+    with pytest.raises(ConfigError):
+        attention(q, k, v, causal=True, backend="flash")
+
+
+def test_unknown_backend_and_bad_shapes():
+    with pytest.raises(ConfigError, match="attention_backend"):
+        resolve_backend("xformers", "cpu", torch.float32)
+    q, k, v = qkv(1, 3, 2, 3, 3)
+    with pytest.raises(ValueError):
+        attention(q, k, v, causal=True)
+    q, k, v = qkv(1, 2, 2, 5, 3)
+    with pytest.raises(ValueError):
+        attention(q, k, v, causal=True)
+
+
+def test_backend_logged_once(caplog, monkeypatch):
+    monkeypatch.setattr(kernels, "_logged", set())
+    q, k, v = qkv(1, 2, 2, 3, 3)
+    with caplog.at_level(logging.INFO, logger="megaformer"):
+        attention(q, k, v, causal=True, backend="reference")
+        attention(q, k, v, causal=True, backend="reference")
+    msgs = [r.getMessage() for r in caplog.records if r.name == "megaformer"]
+    assert msgs == ["attention backend: reference (requested in config)"]
+
+
+def test_sdpa_without_enable_gqa_falls_back_to_repeat(monkeypatch):
+    monkeypatch.setattr(kernels, "_sdpa_has_gqa", lambda: False)  # as on torch < 2.5
+    q, k, v = qkv(2, 4, 2, 3, 8, seed=4)
+    ref = attention(q, k, v, causal=True, backend="reference")
+    assert torch.allclose(attention(q, k, v, causal=True, backend="sdpa"), ref, atol=1e-5, rtol=0)

@@ -1,0 +1,133 @@
+"""Config: every shipped config loads; every bad value is refused with the key and the rule."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megaformer.analysis.params import count_parameters
+from megaformer.config import (SECTIONS, Config, apply_overrides, config_from_dict, describe_keys,
+                               load_config, validate_for_world)
+from megaformer.errors import ConfigError
+from tests.conftest import ROOT, assert_one_line_error, run_cli
+
+PUBLISHED = {"gpt2-124m": 124_439_808, "llama-1b": 1_235_814_400, "llama-7b": 6_738_415_616,
+             "llama-70b": 68_976_648_192}
+
+
+@pytest.mark.parametrize("name", ["quickstart", "gpt2-124m", "llama-1b", "llama-7b", "llama-70b"])
+def test_shipped_configs_load_and_count(name):
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    assert cfg.name == name
+    if name in PUBLISHED:
+        assert count_parameters(cfg.model)["total"] == PUBLISHED[name]
+    else:
+        vocab = dataclasses.replace(cfg.model, vocab_size=257)
+        assert 5_000_000 <= count_parameters(vocab)["total"] <= 20_000_000
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = load_config(ROOT / "configs/quickstart.yaml",
+                      ["model.n_layers=4", "train.steps=50", "train.lr=1e-3", "log.interval=5",
+                       "checkpoint.interval=7", "eval.interval=3", "parallel.zero_stage=2",
+                       "train.seed=9", "model.n_kv_heads=null", "parallel.tensor=1",
+                       "parallel.pipeline=1"])
+    assert (cfg.model.n_layers, cfg.train.steps, cfg.train.lr) == (4, 50, 1e-3)
+    assert (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval) == (5, 7, 3)
+    assert cfg.parallel.zero_stage == 2 and cfg.train.seed == 9 and cfg.model.n_kv_heads is None
+    assert cfg.model.kv_heads == cfg.model.n_heads
+
+
+def test_defaults_follow_the_paper():
+    m = Config().model
+    assert m.head_dim * m.n_heads == m.d_model
+    gelu = dataclasses.replace(m, activation="gelu")
+    assert gelu.ffn_dim == 4 * gelu.d_model
+
+
+BAD = [
+    ({"model": {"bogus": 1}}, "unknown config key 'model.bogus'"),
+    ({"modle": {}}, "unknown config section 'modle'"),
+    ({"model": {"d_model": "big"}}, "model.d_model='big': expected int"),
+    ({"model": {"d_model": 1.5}}, "model.d_model=1.5: expected int"),
+    ({"train": {"lr": True}}, "train.lr=True: expected float"),
+    ({"model": {"d_model": 100, "n_heads": 3}}, "model.d_model=100: must be divisible by model.n_heads=3"),
+    ({"model": {"n_heads": 4, "n_kv_heads": 3, "d_model": 64}}, "model.n_heads=4: must be divisible by model.n_kv_heads=3"),
+    ({"model": {"position": "alibi"}}, "model.position='alibi': must be one of"),
+    ({"model": {"max_seq_len": 64}, "data": {"seq_len": 128}}, "data.seq_len=128: longer than model.max_seq_len=64"),
+    ({"train": {"micro_batch_size": 3, "global_batch_size": 8}}, "train.global_batch_size=8: must be a multiple of train.micro_batch_size=3"),
+    ({"train": {"steps": 0}}, "train.steps=0: must be > 0"),
+    ({"parallel": {"zero_stage": 4}}, "parallel.zero_stage=4: must be one of 0, 1, 2, 3"),
+    ({"parallel": {"tensor": 2}}, "parallel.tensor=2"),
+    ({"model": {"dropout": 1.0}}, "model.dropout=1.0: must be in [0, 1)"),
+    ({"deepspeed": {"train_batch_size": 4}}, "deepspeed.train_batch_size: derived by megaformer"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "set parallel.zero_stage instead"),
+    ({"train": {"lr": 1e-3, "min_lr": 1e-2}}, "train.min_lr=0.01: must not exceed train.lr=0.001"),
+]
+
+
+@pytest.mark.parametrize("raw,message", BAD)
+def test_bad_values_are_refused_with_key_and_rule(raw, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_world_size_checks():
+    cfg = config_from_dict({"train": {"micro_batch_size": 2, "global_batch_size": 8}})
+    assert validate_for_world(cfg, 1) == 4
+    assert validate_for_world(cfg, 2) == 2
+    with pytest.raises(ConfigError, match="micro_batch_size \\* data-parallel size = 2 \\* 3 = 6"):
+        validate_for_world(cfg, 3)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_overrides({}, ["train.steps"])
+    with pytest.raises(ConfigError, match="key must be dotted"):
+        apply_overrides({}, ["steps=5"])
+
+
+def test_every_key_is_documented():
+    rows = describe_keys()
+    n_fields = sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+    assert len(rows) == n_fields + 1
+    assert all(doc.strip() for _, _, _, doc in rows)
+    readme = (ROOT / "README.md").read_text()
+    missing = [key for key, *_ in rows if f"`{key}`" not in readme]
+    assert not missing, f"README lacks config keys: {missing}"
+
+
+def test_resolved_config_round_trips():
+    cfg = load_config(ROOT / "configs/llama-70b.yaml")
+    import yaml
+
+    again = config_from_dict(yaml.safe_load(cfg.to_yaml()), name=cfg.name)
+    assert again == cfg
+
+
+def test_cli_config_errors_are_one_line(tmp_path):
+    assert_one_line_error(run_cli("train", str(tmp_path / "nope.yaml")), "config file not found")
+    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.d_model=100"),
+                          "model.d_model=100", "divisible")
+    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.layers=3"),
+                          "unknown config key 'model.layers'")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    assert_one_line_error(run_cli("train", str(bad)), "not valid YAML")
+
+
+def test_cli_dry_run_reports_parameter_count():
+    out = run_cli("train", "configs/llama-7b.yaml", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "6,738,415,616 total" in out.stdout
+
+
+def test_help_lists_config_keys():
+    out = run_cli("train", "--help-config")
+    assert out.returncode == 0
+    for key, *_ in describe_keys():
+        assert key in out.stdout

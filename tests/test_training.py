@@ -1,0 +1,198 @@
+"""End to end through DeepSpeed: loss falls, exact resume, generation, ZeRO stages, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_one_line_error, run_cli, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def train(run_dir: Path, *overrides: str, corpus: str | Path = "stdlib"):
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(corpus), *overrides,
+                   "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """6 steps with dropout, checkpoints at 3 and 6, TensorBoard on."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train(run, "checkpoint.interval=3", "model.dropout=0.1", "log.tensorboard=true",
+          "train.steps=6")
+    return run
+
+
+def test_run_dir_layout_and_metrics(trained):
+    assert (trained / "config.yaml").is_file()
+    assert any((trained / "tensorboard").iterdir())
+    ckpts = trained / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_0000006"
+    for tag in ("step_0000003", "step_0000006"):
+        for name in ("model.safetensors", "config.yaml", "tokenizer.json", "meta.json"):
+            assert (ckpts / tag / name).is_file()
+    meta = json.loads((ckpts / "step_0000006" / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["consumed_samples"] == 48 and meta["consumed_tokens"] == 48 * 32
+    recs = metrics(trained)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    for r in recs:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+            assert key in r and r[key] == r[key]  # present and not NaN
+    assert "val_loss" in recs[2] and "val_loss" in recs[5] and "val_loss" not in recs[0]
+
+
+def test_loss_falls_below_unigram_baseline(tmp_path, text_corpus):
+    proc = train(tmp_path / "run", "train.steps=40", "eval.interval=0", "train.lr=1e-2",
+                 "train.warmup_steps=4", corpus=text_corpus)
+    ls = losses(tmp_path / "run")
+    assert sum(ls[s] for s in range(36, 41)) / 5 < ls[1] - 1.0
+    final = [line for line in proc.stdout.splitlines() if line.startswith("final:")][0]
+    val = float(final.split("val loss ")[1].split()[0])
+    unigram = float(final.split("unigram baseline ")[1].split()[0])
+    assert val < unigram - 0.2, final
+
+
+def test_resume_is_exact(trained, tmp_path):
+    """Stop at step 3 (drop the later checkpoint), resume: steps 4-6 equal the uninterrupted run."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(trained, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000006")
+    (resumed / "checkpoints" / "latest").write_text("step_0000003\n")
+    proc = train(resumed, "checkpoint.interval=3", "model.dropout=0.1", "log.tensorboard=true",
+                 "train.steps=6")
+    assert "resumed from" in proc.stdout
+    a, b = losses(trained), losses(resumed)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert b[step] == a[step], (step, a[step], b[step])
+    ga = {r["step"]: r["grad_norm"] for r in metrics(trained)}
+    gb = {r["step"]: r["grad_norm"] for r in metrics(resumed)}
+    assert all(ga[s] == gb[s] for s in (4, 5, 6))
+
+
+def test_generate_from_run_dir_and_checkpoint(trained):
+    a = run_cli("generate", str(trained), "--prompt", "def ", "--max-new-tokens", "20",
+                "--temperature", "0")
+    b = run_cli("generate", str(trained / "checkpoints" / "step_0000006"), "--prompt", "def ",
+                "--max-new-tokens", "20", "--temperature", "0")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout and a.stdout.startswith("def ")
+
+    from megaformer.generation import generate_text, load_checkpoint_model
+
+    model, tok, _, _ = load_checkpoint_model(trained)
+    assert generate_text(model, tok, "def ", 20, temperature=0) == a.stdout.rstrip("\n")
+    sampled = run_cli("generate", str(trained), "--prompt", "x", "--max-new-tokens", "5",
+                      "--temperature", "1.0", "--top-k", "5")
+    assert sampled.returncode == 0 and sampled.stdout.startswith("x")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_stage_0(tmp_path, stage):
+    ref = tmp_path / "z0"
+    train(ref, "train.steps=4", "eval.interval=0", "parallel.zero_stage=0")
+    run = tmp_path / f"z{stage}"
+    train(run, "train.steps=4", "eval.interval=0", f"parallel.zero_stage={stage}")
+    a, b = losses(ref), losses(run)
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=1e-5)
+
+
+def test_bf16_trains_on_cpu(tmp_path):
+    train(tmp_path / "bf16", "train.precision=bf16", "train.steps=4", "eval.interval=0")
+    ls = losses(tmp_path / "bf16")
+    assert all(v == v and v < 10 for v in ls.values())
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_empty_corpus(tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    (folder / "blank.txt").write_text("   \n\n")
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(folder),
+                   "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(proc, "empty")
+
+
+def test_missing_corpus(tmp_path):
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(tmp_path / "nope"),
+                   "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(proc, "no such file or folder")
+
+
+def test_sequence_longer_than_position_table(tmp_path):
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "data.seq_len=64",
+                   "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(proc, "data.seq_len=64", "model.max_seq_len=32")
+
+
+def test_generate_on_something_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "junk").mkdir()
+    assert_one_line_error(run_cli("generate", str(tmp_path / "junk"), "--prompt", "a"),
+                          "not a megaformer run directory or checkpoint")
+    assert_one_line_error(run_cli("generate", str(tmp_path / "missing")), "no such")
+
+
+def test_corrupt_weights_are_refused(trained, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(trained / "checkpoints" / "step_0000006", bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run_cli("generate", str(bad), "--prompt", "a"), "model.safetensors")
+
+
+def test_corrupt_engine_state_on_resume_loses_nothing(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    state = run / "checkpoints" / "step_0000006" / "mp_rank_00_model_states.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    before = digest(run / "checkpoints")
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=8",
+                   "--run-dir", str(run))
+    assert_one_line_error(proc, "mp_rank_00_model_states.pt")
+    assert digest(run / "checkpoints") == before
+
+
+def test_existing_checkpoints_are_never_overwritten(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = digest(run / "checkpoints")
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "checkpoint.resume=false",
+                   "--run-dir", str(run))
+    assert_one_line_error(proc, "already holds checkpoints")
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "model.n_layers=3",
+                   "--run-dir", str(run))
+    assert_one_line_error(proc, "model.n_layers=3 differs from the checkpoint")
+    assert digest(run / "checkpoints") == before
+
+
+def test_half_written_checkpoint_is_ignored(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    shutil.rmtree(run / "checkpoints" / "step_0000006")
+    (run / "checkpoints" / ".tmp-step_0000009").mkdir()
+    (run / "checkpoints" / "step_0000009").mkdir()  # no meta.json: incomplete
+    from megaformer.checkpoint.io import latest_checkpoint
+
+    assert latest_checkpoint(run / "checkpoints").name == "step_0000003"
