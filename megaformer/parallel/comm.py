@@ -1,0 +1,213 @@
+"""The conjugate communication operators of Megatron-style tensor and sequence parallelism.
+
+Each is an autograd function whose backward is the adjoint of its forward, over an explicit
+process group (the tensor-parallel group):
+
+=====================  ===========================  ===========================
+operator               forward                      backward
+=====================  ===========================  ===========================
+``copy_to_tp``  (f)    identity                     all-reduce
+``reduce_from_tp`` (g) all-reduce                   identity
+``gather_seq``         all-gather along the seq.    reduce-scatter along the seq.
+``reduce_scatter_seq`` reduce-scatter along seq.    all-gather along the seq.
+``scatter_seq``        keep this rank's seq. chunk  all-gather along the seq.
+``gather_seq_split``   all-gather along the seq.    keep this rank's chunk
+=====================  ===========================  ===========================
+
+The sequence dimension is dim 1 of [batch, seq, hidden] activations. Every collective goes through
+:func:`_record`, so a benchmark can count the bytes each rank sends per step
+(:class:`CommCounter`): an all-reduce of an N-byte tensor counts N bytes, an all-gather or a
+reduce-scatter counts the N bytes of the full (unsharded) tensor — the convention of Megatron's
+analytical volume "4 all-reduces of b·s·h per layer per step".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+_COUNTERS: list["CommCounter"] = []
+
+
+class CommCounter:
+    """Counts collective calls and bytes (by kind) while active: ``with CommCounter() as c: ...``."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __enter__(self) -> "CommCounter":
+        _COUNTERS.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _COUNTERS.remove(self)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _record(kind: str, nbytes: int) -> None:
+    for c in _COUNTERS:
+        c.bytes[kind] += nbytes
+        c.calls[kind] += 1
+
+
+def _world(group: ProcessGroup) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce(x: torch.Tensor, group: ProcessGroup,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``x`` over ``group`` (returned; a no-op for a group of one)."""
+    if _world(group) == 1:
+        return x
+    x = x.contiguous()
+    _record("all_reduce", x.numel() * x.element_size())
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def all_gather_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
+    n = _world(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    _record("all_gather", x.numel() * x.element_size() * n)
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
+    n = _world(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"sequence of {x.shape[dim]} cannot be split over {n} ranks")
+    chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    _record("reduce_scatter", x.numel() * x.element_size())
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+def split_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
+    n = _world(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"sequence of {x.shape[dim]} cannot be split over {n} ranks")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _GatherSeqSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return split_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """f: identity forward, all-reduce backward (input of a column-parallel layer)."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """g: all-reduce forward, identity backward (output of a row-parallel layer)."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sequence parallel input of a column-parallel layer: all-gather fwd, reduce-scatter bwd."""
+    return _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sequence parallel output of a row-parallel layer: reduce-scatter fwd, all-gather bwd."""
+    return _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Enter the sequence-parallel region from a replicated activation: split fwd, gather bwd."""
+    return _ScatterSeq.apply(x, group)
+
+
+def gather_seq_split_bwd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Leave the sequence-parallel region into a replicated one: gather fwd, split bwd."""
+    return _GatherSeqSplit.apply(x, group)
+
+
+@contextlib.contextmanager
+def no_counting() -> Iterator[None]:
+    saved = list(_COUNTERS)
+    _COUNTERS.clear()
+    try:
+        yield
+    finally:
+        _COUNTERS.extend(saved)

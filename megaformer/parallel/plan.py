@@ -1,0 +1,164 @@
+"""The tensor-parallel plan: which layer of the plain model becomes which parallel layer.
+
+TorchTitan keeps tensor parallelism as a short mapping from layer names to styles; so does
+megaformer. The model in ``megaformer/model`` is built whole (identical on every rank, from the same
+seed, so TP=N starts from exactly the weights of TP=1) and :func:`parallelize` then replaces:
+
+    tok_embeddings           -> vocab-parallel embedding   (rows split; padded vocab)
+    layers.*.attn.wq/wk/wv   -> column parallel             (heads split; KV heads split)
+    layers.*.attn.wo         -> row parallel
+    layers.*.mlp.w1 (/w3)    -> column parallel             (SwiGLU gate and up split alike)
+    layers.*.mlp.w2          -> row parallel
+    lm_head                  -> column parallel over the vocabulary, + vocab-parallel cross-entropy
+    norms                    -> replicated
+
+With sequence parallelism the residual stream inside the blocks is split along the sequence: the
+first block's input is scattered, the last block's output gathered; column-parallel inputs are
+all-gathered and row-parallel outputs reduce-scattered instead of all-reduced; replicated
+parameters that see only this rank's positions (norms, row-parallel biases) have their gradients
+summed over the TP group. Dropout on sharded activations draws from the per-rank RNG stream.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from megaformer.parallel.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
+from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                        VocabParallelEmbedding, gather_vocab, sum_grad_over_tp,
+                                        vocab_parallel_cross_entropy)
+from megaformer.parallel.random import TensorParallelRNG
+from megaformer.parallel.topology import Topology
+
+BLOCK_PLAN: dict[str, type] = {
+    "attn.wq": ColumnParallelLinear,
+    "attn.wk": ColumnParallelLinear,
+    "attn.wv": ColumnParallelLinear,
+    "attn.wo": RowParallelLinear,
+    "mlp.w1": ColumnParallelLinear,
+    "mlp.w3": ColumnParallelLinear,
+    "mlp.w2": RowParallelLinear,
+}
+
+
+def padded_vocab_size(vocab: int, tensor: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple * tensor`` >= vocab (Megatron's make-vocab-size-divisible-by)."""
+    unit = multiple * tensor
+    return -(-vocab // unit) * unit
+
+
+class ForkedDropout(nn.Dropout):
+    """Dropout whose mask comes from the tensor-parallel RNG stream (sharded activations)."""
+
+    def __init__(self, p: float, rng: TensorParallelRNG) -> None:
+        super().__init__(p)
+        self.rng = rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.rng.fork():
+            return super().forward(x)
+
+
+class VocabParallelLoss:
+    """loss_fn of a model whose lm_head is vocab-sharded."""
+
+    def __init__(self, vocab_start: int, vocab_size: int, group: ProcessGroup) -> None:
+        self.vocab_start, self.vocab_size, self.group = vocab_start, vocab_size, group
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group,
+                                            vocab_size=self.vocab_size)
+
+
+class GatheredLogits:
+    """output_logits of a model whose lm_head is vocab-sharded: gather, drop the padding."""
+
+    def __init__(self, vocab_size: int, group: ProcessGroup) -> None:
+        self.vocab_size, self.group = vocab_size, group
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_vocab(logits, self.group)[..., :self.vocab_size]
+
+
+def _submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
+    *path, leaf = dotted.split(".")
+    parent = root
+    for p in path:
+        parent = getattr(parent, p)
+    return (parent if getattr(parent, leaf, None) is not None else None), leaf
+
+
+def _scatter_input(group: ProcessGroup) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return (scatter_seq(args[0], group), *args[1:]), kwargs
+    return hook
+
+
+def _gather_output(group: ProcessGroup) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return gather_seq_split_bwd(output, group)
+    return hook
+
+
+def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
+                rng: Optional[TensorParallelRNG]) -> nn.Module:
+    """Apply the tensor-parallel plan to ``model`` in place (a no-op for TP = 1)."""
+    if topo.tp == 1:
+        return model
+    group = topo.group("tp")
+    sp = sequence_parallel
+    for block in model.layers:
+        for name, style in BLOCK_PLAN.items():
+            parent, leaf = _submodule(block, name)
+            if parent is not None:
+                setattr(parent, leaf, style(getattr(parent, leaf), group, sp))
+        if rng is not None:
+            block.attn.dropout_rng = rng.fork  # local heads: independent masks per rank
+            if sp and block.drop.p > 0:
+                block.drop = ForkedDropout(block.drop.p, rng)  # local positions
+        if sp:
+            for norm in (block.attn_norm, block.mlp_norm):
+                for p in norm.parameters():
+                    sum_grad_over_tp(p, group)
+            for row in (block.attn.wo, block.mlp.w2):
+                if row.bias is not None:
+                    sum_grad_over_tp(row.bias, group)
+    if sp:
+        model.layers[0].register_forward_pre_hook(_scatter_input(group), with_kwargs=True)
+        model.layers[-1].register_forward_hook(_gather_output(group))
+
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group)
+    head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=False)
+    if model.cfg.tie_embeddings:
+        head.weight = model.tok_embeddings.weight  # both split by vocabulary rows, alike
+    model.lm_head = head
+    vocab_start = topo.tp_rank * (model.padded_vocab_size // topo.tp)
+    model.loss_fn = VocabParallelLoss(vocab_start, model.vocab_size, group)
+    model.output_logits = GatheredLogits(model.vocab_size, group)
+    return model
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+    """Unsharded, unpadded weights (collective over the TP group; every rank gets them).
+
+    Tied output weights appear once, as ``tok_embeddings.weight``.
+    """
+    import torch.distributed as dist
+
+    group = topo.group("tp")
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if getattr(p, "tensor_model_parallel", False) and topo.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(topo.tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        if name in ("tok_embeddings.weight", "lm_head.weight"):
+            t = t[:model.vocab_size]
+        out[name] = t.clone()
+    return out
+
