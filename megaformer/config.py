@@ -91,10 +91,17 @@ class ModelConfig:
 class ParallelConfig:
     """How the world is split. Data parallelism is world_size / (tensor * pipeline)."""
 
-    tensor: int = option(1, "Tensor-parallel degree (only 1 in this release; TP arrives with [M2]).")
-    pipeline: int = option(1, "Pipeline-parallel degree (only 1 in this release; PP arrives with [M3]).")
+    tensor: int = option(1, "Tensor-parallel degree: each layer's matrices split over this many "
+                            "adjacent ranks (Megatron-style); must divide heads, KV heads, d_ffn.")
+    pipeline: int = option(1, "Pipeline-parallel degree (only 1 in this release).")
     zero_stage: int = option(0, "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), "
                                 "3 (+parameters).", (0, 1, 2, 3))
+    sequence_parallel: bool = option(
+        False, "Split the residual stream along the sequence across the tensor-parallel group "
+               "(all-gather / reduce-scatter instead of all-reduce); no effect when tensor = 1.")
+    vocab_multiple: int = option(
+        128, "Pad the vocabulary to a multiple of vocab_multiple * tensor rows; the padding never "
+             "reaches the loss, generation or exported weights.")
 
 
 @dataclass
@@ -112,6 +119,49 @@ class DataConfig:
     seq_len: Optional[int] = option(None, "Training sequence length; null = model.max_seq_len.")
     valid_fraction: float = option(0.05, "Fraction of documents held out for validation.")
     max_bytes: Optional[int] = option(None, "Read at most this many bytes of text (null = all).")
+    paths: Optional[list[str]] = option(
+        None, "The Megatron-style pipeline: a list of prepared datasets (PREFIX of PREFIX.bin + "
+              "PREFIX.idx, from `megaformer prepare-data`, Megatron-LM or GPT-NeoX) or sources that are "
+              "prepared on the fly with data.tokenizer and cached under data.cache_dir (local "
+              ".json/.jsonl/.parquet/.txt/.arrow files, globs or folders, 'stdlib', or a Hugging Face "
+              "hub dataset NAME[:CONFIG][@SPLIT], streamed; prefix 'hf:' forces the hub). Samples of "
+              "seq_len + 1 tokens are packed across documents and shuffled per epoch. "
+              "null or [] = the M1 in-memory path over data.source.")
+    weights: Optional[list[float]] = option(
+        None, "Blend weights, one per data.paths entry (normalised to sum 1; each dataset's count in "
+              "any prefix of the sample stream stays within one sample of weight * length); null = "
+              "proportional to each dataset's tokens.")
+    split: Optional[str] = option(
+        None, "data.paths only: train,valid,test ratios over each dataset's documents (contiguous "
+              "ranges, Megatron style, e.g. '969,30,1'); null = (1 - valid_fraction), valid_fraction, 0.")
+    cache_dir: Optional[str] = option(
+        None, "data.paths only: folder for the cached document/sample/shuffle indices and the data "
+              "prepared on the fly (keyed by a hash of the settings; share it between runs); "
+              "null = RUN_DIR/data_cache.")
+    prefetch: int = option(
+        2, "Optimizer steps of batches a background thread reads ahead (0 = read in the loop).")
+
+    def __post_init__(self) -> None:
+        if self.paths is not None and any(not p.strip() for p in self.paths):
+            raise ConfigError(f"data.paths={self.paths!r}: entries must be non-empty")
+        if self.weights is not None:
+            n = len(self.paths or [])
+            if len(self.weights) != n:
+                raise ConfigError(f"data.weights={self.weights!r}: needs one weight per data.paths "
+                                  f"entry ({n})")
+            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
+                raise ConfigError(f"data.weights={self.weights!r}: weights must be >= 0 with a "
+                                  "positive sum")
+        if self.split is not None:
+            try:
+                ratios = [float(x) for x in self.split.split(",")]
+            except ValueError:
+                ratios = []
+            if not 1 <= len(ratios) <= 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
+                raise ConfigError(f"data.split={self.split!r}: expected up to three non-negative "
+                                  "ratios train,valid,test, e.g. '969,30,1'")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch={self.prefetch}: must be >= 0")
 
 
 @dataclass
@@ -229,6 +279,8 @@ def _type_name(tp: Any) -> str:
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{_type_name(args[0])} or null"
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -240,6 +292,9 @@ def _coerce(key: str, value: Any, tp: Any, choices: Optional[tuple]) -> Any:
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
         return _coerce(key, value, inner, choices)
+    if origin is list:  # a single scalar is a one-element list
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0], choices) for i, v in enumerate(items)]
     ok = False
     if tp is bool:
         ok = isinstance(value, bool)
@@ -362,6 +417,23 @@ def _positive(key: str, value: Optional[float], allow_zero: bool = False) -> Non
     _require(ok, f"{key}={value}: must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _check_tensor_parallel(cfg: Config) -> None:
+    m, tp = cfg.model, cfg.parallel.tensor
+    if tp == 1:
+        return
+    _require(m.n_heads % tp == 0, f"parallel.tensor={tp}: must divide model.n_heads={m.n_heads}")
+    _require(m.kv_heads % tp == 0,
+             f"parallel.tensor={tp}: must divide the key/value heads (model.n_kv_heads="
+             f"{m.kv_heads}); replicating KV heads across TP ranks is not supported")
+    _require(m.ffn_dim % tp == 0, f"parallel.tensor={tp}: must divide the FFN width {m.ffn_dim}")
+    if cfg.parallel.sequence_parallel:
+        _require(cfg.seq_len % tp == 0, f"parallel.sequence_parallel=true: sequence length "
+                                        f"{cfg.seq_len} must be divisible by parallel.tensor={tp}")
+    _require(cfg.parallel.zero_stage < 3,
+             f"parallel.zero_stage=3 with parallel.tensor={tp}: ZeRO-3 does not partition "
+             "tensor-parallel shards here; use zero_stage 0, 1 or 2")
+
+
 def validate(cfg: Config) -> None:
     """Cross-key checks that do not depend on the world size."""
     m, t, d = cfg.model, cfg.train, cfg.data
@@ -390,8 +462,8 @@ def validate(cfg: Config) -> None:
     p = cfg.parallel
     _positive("parallel.tensor", p.tensor)
     _positive("parallel.pipeline", p.pipeline)
-    _require(p.tensor == 1, f"parallel.tensor={p.tensor}: tensor parallelism is not available in this "
-                            "release of megaformer; only 1 is allowed")
+    _positive("parallel.vocab_multiple", p.vocab_multiple)
+    _check_tensor_parallel(cfg)
     _require(p.pipeline == 1, f"parallel.pipeline={p.pipeline}: pipeline parallelism is not available "
                               "in this release of megaformer; only 1 is allowed")
 

@@ -166,7 +166,7 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
                     client_state: dict, weights: Optional[dict[str, torch.Tensor]],
                     config_yaml: str, tokenizer: Any, meta: dict, keep_last: Optional[int],
-                    barrier: Any) -> Optional[Path]:
+                    barrier: Any, extra_rng: Optional[dict] = None) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed)."""
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
@@ -186,7 +186,7 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     barrier()
     engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    torch.save({**rng_state(), **(extra_rng or {})}, tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
         from safetensors.torch import save_file
 
@@ -213,8 +213,10 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
 
 # ----------------------------------------------------------------------------- load
 
-def load_engine_state(engine: Any, ckpt: Path, rank: int) -> dict:
-    """Restore model, optimizer and scheduler into ``engine``; returns the client state."""
+def load_engine_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict, dict]:
+    """Restore model, optimizer and scheduler into ``engine`` and this rank's RNG streams.
+
+    Returns (client state, this rank's saved RNG dict — empty when the checkpoint has none)."""
     try:
         path, client = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
                                               load_optimizer_states=True,
@@ -227,11 +229,13 @@ def load_engine_state(engine: Any, ckpt: Path, rank: int) -> dict:
     if path is None or client is None:
         raise CheckpointError(f"{ckpt}: DeepSpeed found no engine state for this layout")
     rng_file = ckpt / "rng" / f"rank_{rank}.pt"
+    rng: dict = {}
     if rng_file.is_file():
-        set_rng_state(safe_torch_load(str(rng_file)))
+        rng = safe_torch_load(str(rng_file))
+        set_rng_state(rng)
     else:
         log.warning("%s has no RNG state for rank %d; dropout will not replay exactly", ckpt, rank)
-    return client
+    return client, rng
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ shard wq/wk/wv by columns and wo by rows without this file knowing the degree.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.nn as nn
@@ -66,6 +67,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.causal = causal
         self.attention_dropout = cfg.attention_dropout
+        # Context under which the attention-probability dropout mask is drawn; a tensor-parallel
+        # plan sets one that draws from a per-rank stream (heads are split across ranks).
+        self.dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext
         self.backend = cfg.attention_backend
         d, dk = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_heads * dk, bias=cfg.bias)
@@ -82,10 +86,11 @@ class Attention(nn.Module):
         rope: precomputed (cos, sin) for those positions (computed here when None and position=rope).
         cache: this layer's KV cache; keys/values of earlier positions are read from it.
         """
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h, T, d_k]
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h_kv, T, d_k]
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        B, T = q.shape[:2]  # a sequence-parallel projection returns the whole sequence
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h, T, d_k]
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h_kv, T, d_k]
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             if rope is None:
                 rope = self.rotary(torch.arange(start_pos, start_pos + T, device=x.device))
@@ -93,5 +98,6 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0
-        y = attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend)
+        with self.dropout_rng():
+            y = attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

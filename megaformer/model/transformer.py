@@ -5,6 +5,12 @@
     logits  = Norm(x_L) W_out                            W_out = E_tok^T when embeddings are tied
     loss    = mean over positions with label != -100 of -log softmax(logits)[label]
 
+The embedding and output tables may hold more rows than the vocabulary (``padded_vocab_size``, so
+that tensor parallelism splits them evenly); padding rows start at zero and are sliced off the
+logits before any softmax, so they never reach the loss, generation or exported weights.
+The output head is ``lm_head`` followed by ``output_logits`` / ``loss_fn``, which a parallel plan
+may replace (vocab-parallel cross-entropy) without this file knowing the tensor-parallel degree.
+
 Initialisation: every Linear/Embedding weight ~ N(0, init_std), biases 0, norm gains 1; the
 residual-output projections (attn.wo, mlp.w2) ~ N(0, init_std / sqrt(2 L)) (GPT-2 / Megatron).
 """
@@ -30,7 +36,7 @@ IGNORE_INDEX = -100
 class Transformer(nn.Module):
     """Decoder-only Transformer: tok_embeddings, [pos_embeddings], layers, final_norm, lm_head."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: Optional[int] = None) -> None:
         super().__init__()
         if not isinstance(cfg.vocab_size, int) or isinstance(cfg.vocab_size, bool) or cfg.vocab_size <= 0:
             raise ValueError(f"model.vocab_size must be a positive int when the model is built, "
@@ -38,7 +44,22 @@ class Transformer(nn.Module):
         if cfg.position not in ("sinusoidal", "learned", "rope", "none"):
             raise ValueError(f"model.position={cfg.position!r}: must be sinusoidal, learned, rope or none")
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab_size = padded_vocab_size or cfg.vocab_size
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size={padded_vocab_size} < vocab_size={cfg.vocab_size}")
+        # Submodules are created on the meta device and initialised once by reset_parameters, so
+        # the random draws depend only on the seed and the real shapes (not on vocabulary padding
+        # or on PyTorch's per-layer default initialisers).
+        target = torch.get_default_device()
+        with torch.device("meta"):
+            self._build(cfg)
+        if target.type != "meta":
+            self.to_empty(device=target)
+        self.reset_parameters()
+
+    def _build(self, cfg: ModelConfig) -> None:
+        self.tok_embeddings = nn.Embedding(self.padded_vocab_size, cfg.d_model)
         self.pos_embeddings = (nn.Embedding(cfg.max_seq_len, cfg.d_model)
                                if cfg.position == "learned" else None)
         if cfg.position == "sinusoidal":
@@ -51,9 +72,8 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = build_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, self.padded_vocab_size, bias=False)
         self.tie_weights()
-        self.reset_parameters()
 
     def tie_weights(self) -> None:
         """W_out = E_tok (one Parameter) when tie_embeddings. ``Module.to_empty`` on a meta model
@@ -80,6 +100,11 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.cfg.tie_embeddings:
                     continue  # the same Parameter as tok_embeddings.weight, initialised once
+                if module is self.lm_head or module is self.tok_embeddings:
+                    # real rows drawn exactly as without padding; padding rows zero
+                    nn.init.normal_(module.weight[:self.vocab_size], mean=0.0, std=std)
+                    nn.init.zeros_(module.weight[self.vocab_size:])
+                    continue
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
@@ -120,7 +145,16 @@ class Transformer(nn.Module):
         """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100."""
         logits = self.lm_head(self._hidden(input_ids, None, 0))
         if labels is None:
-            return logits
+            return self.output_logits(logits)
+        return self.loss_fn(logits, labels)
+
+    def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """lm_head output -> logits over the real vocabulary [.., V] (padding columns dropped)."""
+        return logits[..., :self.vocab_size]
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (fp32) over labels != -100, over the real vocabulary."""
+        logits = logits[..., :self.vocab_size]
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
@@ -139,7 +173,7 @@ class Transformer(nn.Module):
         h = self._hidden(input_ids, cache, start_pos)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(h), cache
+        return self.output_logits(self.lm_head(h)), cache
 
     # ------------------------------------------------------------------ generation
 
@@ -202,13 +236,16 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ bookkeeping
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameter count, tied weights once; without token/learned-position embeddings and an
-        untied lm_head when ``exclude_embeddings``."""
+        """Parameter count of the real model: tied weights once, vocabulary padding rows excluded;
+        without token/learned-position embeddings and an untied lm_head when ``exclude_embeddings``.
+        (Of an unsharded model; a tensor-parallel shard is counted by the analytic formula.)"""
         total = sum(p.numel() for p in self.parameters())  # parameters() yields shared tensors once
+        padding = (self.padded_vocab_size - self.vocab_size) * self.cfg.d_model
+        total -= padding * (1 if self.cfg.tie_embeddings else 2)
         if exclude_embeddings:
-            total -= self.tok_embeddings.weight.numel()
+            total -= self.vocab_size * self.cfg.d_model
             if self.pos_embeddings is not None:
                 total -= self.pos_embeddings.weight.numel()
             if not self.cfg.tie_embeddings:
-                total -= self.lm_head.weight.numel()
+                total -= self.vocab_size * self.cfg.d_model
         return total

@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -113,12 +114,14 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """Mean of a tensor over all ranks of the default group (data parallelism in this release)."""
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        value = value.clone()
-        torch.distributed.all_reduce(value)
-        value /= torch.distributed.get_world_size()
+def all_reduce_mean(value: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """Mean of a tensor over the ranks of ``group`` (default: all ranks)."""
+    if torch.distributed.is_initialized():
+        n = torch.distributed.get_world_size(group)
+        if n > 1:
+            value = value.clone()
+            torch.distributed.all_reduce(value, group=group)
+            value /= n
     return value
 
 

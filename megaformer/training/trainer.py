@@ -33,6 +33,10 @@ from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
 from megaformer.training.optimizer import build_optimizer
 from megaformer.training.schedule import lr_lambda
+from megaformer.analysis.params import count_parameters
+from megaformer.parallel.plan import full_state_dict, padded_vocab_size, parallelize
+from megaformer.parallel.random import TensorParallelRNG
+from megaformer.parallel.topology import build_topology, layout_groups
 
 log = logging.getLogger("megaformer")
 
@@ -77,7 +81,7 @@ def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
 RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std"}
 
 
-def _check_resume_compatible(cfg: Config, ckpt: Path) -> None:
+def _check_resume_compatible(cfg: Config, ckpt: Path, world_size: int) -> None:
     """The model a checkpoint holds must be the model the config describes."""
     import yaml
 
@@ -97,6 +101,22 @@ def _check_resume_compatible(cfg: Config, ckpt: Path) -> None:
         new, old = getattr(cfg.data, key), getattr(saved_cfg.data, key)
         if new != old:
             raise CheckpointError(f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r})")
+    _check_layout_unchanged(cfg, ckpt, world_size)
+
+
+def _check_layout_unchanged(cfg: Config, ckpt: Path, world_size: int) -> None:
+    """The engine state is stored per tensor/pipeline rank (and per DP rank under ZeRO): resuming
+    on another layout needs a reshard, which this release does not do."""
+    saved = ckpt_io.read_meta(ckpt).get("parallel", {})
+    dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
+    now = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline, "data": dp}
+    keys = ("tensor", "pipeline") if cfg.parallel.zero_stage == 0 else ("tensor", "pipeline", "data")
+    for key in keys:
+        if key in saved and saved[key] != now[key]:
+            raise CheckpointError(
+                f"{ckpt} was saved with {key}-parallel size {saved[key]}, this run has {now[key]}; "
+                "resuming on a different layout is not supported yet (same layout, or start a new "
+                "run from its model.safetensors)")
 
 
 def _precision_checks(cfg: Config, device: torch.device) -> None:
@@ -114,12 +134,28 @@ def _resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=v))
 
 
-def _global_grad_norm(engine: Any) -> Optional[float]:
-    """Pre-clipping global gradient norm, from DeepSpeed or computed over the (reduced) grads."""
-    grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
-    if not grads:
+def global_grad_norm(params: Any, tp_group: Any) -> Optional[float]:
+    """||g||_2 over the whole model: shards of tensor-parallel parameters summed over the TP
+    group, replicated parameters counted once (used when DeepSpeed does not report it)."""
+    from megaformer.parallel.comm import all_reduce, no_counting
+
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    seen = False
+    for p in params:
+        if p.grad is None:
+            continue
+        seen = True
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    if not seen:
         return None
-    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    with no_counting():
+        sharded = all_reduce(sharded, tp_group)
+    return float((sharded + replicated).sqrt())
 
 
 class Trainer:
@@ -138,7 +174,7 @@ class Trainer:
                                   f"{self.resume_from.name}); resume with checkpoint.resume=true "
                                   "or choose another --run-dir")
         if self.resume_from is not None:
-            _check_resume_compatible(cfg, self.resume_from)
+            _check_resume_compatible(cfg, self.resume_from, self.proc.world_size)
         from megaformer.kernels.attention import resolve_backend
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,6 +183,10 @@ class Trainer:
         self.cfg = cfg
         self.rank = self.proc.rank
         self.is_main = self.proc.is_main
+        # Data-parallel coordinates: which slice of each global batch this rank reads.
+        self.layout = layout_groups(self.proc.world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
+        self.layout.rank = self.proc.rank
+        self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp
 
     # ------------------------------------------------------------------------- setup
 
@@ -155,6 +195,8 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.init_distributed(self.proc)
+        self.topo = build_topology(self.proc.world_size, self.rank, cfg.parallel.tensor,
+                                   cfg.parallel.pipeline)
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         self.tokenizer, corpus = prepare_data(cfg, self.run_dir, self.rank, dist.barrier,
@@ -167,12 +209,14 @@ class Trainer:
         self._build_engine()
         self.step, consumed = 0, 0
         if self.resume_from is not None:
-            client = ckpt_io.load_engine_state(self.engine, self.resume_from, self.rank)
+            client, rng = ckpt_io.load_engine_state(self.engine, self.resume_from, self.rank)
+            if self.tp_rng is not None and "tensor_parallel" in rng:
+                self.tp_rng.load_state_dict(rng["tensor_parallel"])
             self.step, consumed = int(client["step"]), int(client["consumed_samples"])
             log.info("resumed from %s (step %d, %s samples consumed)", self.resume_from,
                      self.step, f"{consumed:,}")
         self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
-                                  self.proc.rank, self.proc.world_size, cfg.train.seed, consumed)
+                                  self.dp_rank, self.dp_size, cfg.train.seed, consumed)
         if self.is_main:
             ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
@@ -180,11 +224,18 @@ class Trainer:
         self._print_summary()
 
     def _build_model(self) -> torch.nn.Module:
+        """The whole model from the seed on every rank (so TP=N starts from TP=1's weights), then
+        the tensor-parallel plan keeps this rank's shards."""
         from megaformer.model.transformer import Transformer
 
+        p = self.cfg.parallel
+        padded = padded_vocab_size(self.cfg.model.vocab_size, p.tensor, p.vocab_multiple)
         torch.manual_seed(self.cfg.train.seed)
-        model = Transformer(self.cfg.model)
+        model = Transformer(self.cfg.model, padded_vocab_size=padded)
         torch.manual_seed(self.cfg.train.seed + 1)  # dropout stream, independent of init
+        self.tp_rng = (TensorParallelRNG(self.cfg.train.seed, self.topo.tp_rank)
+                       if p.tensor > 1 else None)
+        parallelize(model, self.topo, p.sequence_parallel, self.tp_rng)
         return model.to(self.proc.device)
 
     def _build_engine(self) -> None:
@@ -197,21 +248,25 @@ class Trainer:
         ds_config = build_deepspeed_config(self.cfg, self.grad_accum)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-            dist_init_required=False)
+            mpu=self.topo, dist_init_required=False)
         install_safe_checkpoint_engine(self.engine)
 
     def _print_summary(self) -> None:
         cfg, p = self.cfg, self.proc
-        n_params = self.model.num_parameters()
-        n_body = self.model.num_parameters(exclude_embeddings=True)
+        counts = count_parameters(cfg.model)
         name, reason = self.attention_backend
-        log.info("megaformer: %s parameters (%s non-embedding) | world %d = DP %d x TP %d x PP %d | "
-                 "ZeRO %d | %s %s | attention %s (%s)", f"{n_params:,}", f"{n_body:,}",
-                 p.world_size, p.world_size, cfg.parallel.tensor, cfg.parallel.pipeline,
-                 cfg.parallel.zero_stage, p.device.type, cfg.train.precision, name, reason)
+        sp = " + sequence parallel" if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1 else ""
+        log.info("megaformer: %s parameters (%s non-embedding; vocabulary %d padded to %d) | "
+                 "world %d = DP %d x TP %d%s x PP %d | ZeRO %d | %s %s | attention %s (%s)",
+                 f"{counts['total']:,}", f"{counts['non_embedding']:,}", cfg.model.vocab_size,
+                 self.model.padded_vocab_size, p.world_size, self.dp_size, cfg.parallel.tensor, sp,
+                 cfg.parallel.pipeline, cfg.parallel.zero_stage, p.device.type,
+                 cfg.train.precision, name, reason)
+        if p.world_size > 1:
+            log.info(self.topo.summary())
         log.info("batch: %d sequences x %d tokens per step (micro %d x accumulation %d x DP %d) | "
                  "%d steps | run dir %s", cfg.train.global_batch_size, cfg.seq_len,
-                 cfg.train.micro_batch_size, self.grad_accum, p.world_size, cfg.train.steps,
+                 cfg.train.micro_batch_size, self.grad_accum, self.dp_size, cfg.train.steps,
                  self.run_dir)
 
     # ------------------------------------------------------------------------- steps
@@ -226,10 +281,10 @@ class Trainer:
             loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
             engine.backward(loss)
             if j == len(micro_batches) - 1 and not hasattr(engine.optimizer, "_global_grad_norm"):
-                grad_norm = _global_grad_norm(engine)
+                grad_norm = global_grad_norm(engine.module.parameters(), self.topo.group("tp"))
             engine.step()
             losses.append(loss.detach().float())
-        loss = dist.all_reduce_mean(torch.stack(losses).mean())
+        loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp"))
         if grad_norm is None:
             gn = engine.get_global_grad_norm()
             grad_norm = float(gn) if gn is not None else float("nan")
@@ -244,31 +299,41 @@ class Trainer:
         self.engine.eval()
         losses = [self.engine(x.to(self.proc.device), y.to(self.proc.device)).float()
                   for x, y in validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
-                                                 self.grad_accum, self.cfg.eval.iters, self.rank,
-                                                 self.proc.world_size)]
+                                                 self.grad_accum, self.cfg.eval.iters, self.dp_rank,
+                                                 self.dp_size)]
         self.engine.train()
-        return float(dist.all_reduce_mean(torch.stack(losses).mean()))
+        return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp")))
 
     def save(self) -> Optional[Path]:
-        stage3 = self.cfg.parallel.zero_stage == 3
-        weights = (self.engine._zero3_consolidated_16bit_state_dict() if stage3
-                   else self.engine.module.state_dict())
-        if weights is not None and self.cfg.model.tie_embeddings:
-            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        weights = self.full_weights()
         consumed = self.loader.consumed_samples
         meta = {"consumed_samples": consumed, "consumed_tokens": consumed * self.cfg.seq_len,
                 "parallel": {"tensor": self.cfg.parallel.tensor, "pipeline": self.cfg.parallel.pipeline,
-                             "data": self.proc.world_size},
+                             "data": self.dp_size,
+                             "sequence_parallel": self.cfg.parallel.sequence_parallel},
                 "zero_stage": self.cfg.parallel.zero_stage, "precision": self.cfg.train.precision}
         path = ckpt_io.save_checkpoint(
             self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
             client_state={"step": self.step, "consumed_samples": consumed},
             weights=weights if self.is_main else None, config_yaml=self.cfg.to_yaml(),
             tokenizer=self.tokenizer, meta=meta, keep_last=self.cfg.checkpoint.keep_last,
-            barrier=dist.barrier)
+            barrier=dist.barrier,
+            extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None)
         if path is not None:
             log.info("saved checkpoint %s", path)
         return path
+
+    def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
+        if self.cfg.parallel.zero_stage == 3:
+            full = self.engine._zero3_consolidated_16bit_state_dict()
+            if full is None:
+                return None
+            V = self.cfg.model.vocab_size
+            return {k: (v[:V] if k in ("tok_embeddings.weight", "lm_head.weight") else v)
+                    for k, v in full.items()
+                    if not (k == "lm_head.weight" and self.cfg.model.tie_embeddings)}
+        return full_state_dict(self.engine.module, self.topo)
 
     # ------------------------------------------------------------------------- loop
 
@@ -312,7 +377,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.metrics.close()
-        sample = self.sample() if self.is_main else None
+        sample = self.sample()
         return TrainResult(self.run_dir, self.step, last.get("loss", float("nan")), val_loss,
                            self.unigram, train_tokens / train_time if train_time else 0.0,
                            time.perf_counter() - t_start, last_ckpt, sample)
@@ -347,19 +412,23 @@ class Trainer:
             log.info(text)
 
     def sample(self) -> Optional[str]:
-        """A short text sample from the trained weights (rank 0, no collectives)."""
+        """A short text sample from the trained weights (gathered on every rank, generated on 0)."""
         n = self.cfg.log.sample_tokens
-        if n == 0 or self.cfg.parallel.zero_stage == 3:
+        if n == 0:
             return None
         from megaformer.generation import generate_text
+        from megaformer.model.transformer import Transformer
 
-        model = self.engine.module
-        was_training = model.training
-        model.eval()
-        text = generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,
+        weights = self.full_weights()
+        if not self.is_main or weights is None:
+            return None
+        model = Transformer(self.cfg.model)
+        if self.cfg.model.tie_embeddings:
+            weights = {**weights, "lm_head.weight": weights["tok_embeddings.weight"]}
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
+        model.to(self.proc.device).eval()
+        return generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,
                              temperature=0.8, top_k=40, seed=self.cfg.train.seed)
-        model.train(was_training)
-        return text
 
 
 def train(cfg: Config, run_dir: Path) -> TrainResult:
