@@ -16,9 +16,11 @@ operator               forward                      backward
 
 The sequence dimension is dim 1 of [batch, seq, hidden] activations. Every collective goes through
 :func:`_record`, so a benchmark can count the bytes each rank sends per step
-(:class:`CommCounter`): an all-reduce of an N-byte tensor counts N bytes, an all-gather or a
-reduce-scatter counts the N bytes of the full (unsharded) tensor — the convention of Megatron's
-analytical volume "4 all-reduces of b·s·h per layer per step".
+(:class:`CommCounter`), with the bandwidth-optimal (ring) algorithms' volumes over p ranks for a
+full (unsharded) tensor of N bytes: all-reduce 2(p-1)/p N, all-gather and reduce-scatter (p-1)/p N
+each. Megatron's analytical TP volume, "4 all-reduces of b·s·h per layer per step", is then
+4 · 2(p-1)/p · b·s·h·bytes; sequence parallelism replaces each all-reduce by a reduce-scatter plus an
+all-gather, the same volume.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ class CommCounter:
         return sum(self.bytes.values())
 
 
-def _record(kind: str, nbytes: int) -> None:
+def _record(kind: str, full_bytes: int, world: int) -> None:
+    factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
     for c in _COUNTERS:
-        c.bytes[kind] += nbytes
+        c.bytes[kind] += int(round(full_bytes * factor))
         c.calls[kind] += 1
 
 
@@ -70,7 +73,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup,
     if _world(group) == 1:
         return x
     x = x.contiguous()
-    _record("all_reduce", x.numel() * x.element_size())
+    _record("all_reduce", x.numel() * x.element_size(), _world(group))
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -81,7 +84,7 @@ def all_gather_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(n)]
-    _record("all_gather", x.numel() * x.element_size() * n)
+    _record("all_gather", x.numel() * x.element_size() * n, n)
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
@@ -94,7 +97,7 @@ def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> to
         raise ValueError(f"sequence of {x.shape[dim]} cannot be split over {n} ranks")
     chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
     out = torch.empty_like(chunks[0])
-    _record("reduce_scatter", x.numel() * x.element_size())
+    _record("reduce_scatter", x.numel() * x.element_size(), n)
     dist.reduce_scatter(out, chunks, group=group)
     return out
 

@@ -52,19 +52,30 @@ def _rank(group: ProcessGroup) -> tuple[int, int]:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_i = f(X) A_i + b_i: the output features are split across the TP group."""
+    """Y_i = f(X) A_i + b_i: the output features are split across the TP group.
 
-    def __init__(self, full: nn.Linear, group: ProcessGroup, sequence_parallel: bool) -> None:
+    ``input_comm=False`` leaves f to the caller: projections that share one input (q, k, v; the
+    SwiGLU gate and up) apply it once to that input instead of once per projection.
+    """
+
+    def __init__(self, full: nn.Linear, group: ProcessGroup, sequence_parallel: bool,
+                 input_comm: bool = True) -> None:
         super().__init__()
         rank, world = _rank(group)
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.input_comm = group, sequence_parallel, input_comm
         self.weight = mark_sharded(nn.Parameter(shard(full.weight.data, 0, rank, world)), 0)
         self.bias = (mark_sharded(nn.Parameter(shard(full.bias.data, 0, rank, world)), 0)
                      if full.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        if self.input_comm:
+            x = tp_region_input(x, self.group, self.sequence_parallel)
         return F.linear(x, self.weight, self.bias)
+
+
+def tp_region_input(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Enter a column-parallel region: f (copy / all-reduce grads) or, with SP, gather the sequence."""
+    return gather_seq(x, group) if sequence_parallel else copy_to_tp(x, group)
 
 
 class RowParallelLinear(nn.Module):

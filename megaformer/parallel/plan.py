@@ -29,7 +29,7 @@ import torch.nn as nn
 from megaformer.parallel.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
 from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, gather_vocab, sum_grad_over_tp,
-                                        vocab_parallel_cross_entropy)
+                                        tp_region_input, vocab_parallel_cross_entropy)
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.topology import Topology
 
@@ -42,6 +42,8 @@ BLOCK_PLAN: dict[str, type] = {
     "mlp.w3": ColumnParallelLinear,
     "mlp.w2": RowParallelLinear,
 }
+# Modules whose input enters the column-parallel region once, for all their projections.
+REGION_INPUTS = ("attn", "mlp")
 
 
 def padded_vocab_size(vocab: int, tensor: int, multiple: int) -> int:
@@ -91,6 +93,12 @@ def _submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
     return (parent if getattr(parent, leaf, None) is not None else None), leaf
 
 
+def _region_input(group: ProcessGroup, sp: bool) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return (tp_region_input(args[0], group, sp), *args[1:]), kwargs
+    return hook
+
+
 def _scatter_input(group: ProcessGroup) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         return (scatter_seq(args[0], group), *args[1:]), kwargs
@@ -114,7 +122,10 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
         for name, style in BLOCK_PLAN.items():
             parent, leaf = _submodule(block, name)
             if parent is not None:
-                setattr(parent, leaf, style(getattr(parent, leaf), group, sp))
+                kwargs = {"input_comm": False} if style is ColumnParallelLinear else {}
+                setattr(parent, leaf, style(getattr(parent, leaf), group, sp, **kwargs))
+        for name in REGION_INPUTS:
+            getattr(block, name).register_forward_pre_hook(_region_input(group, sp), with_kwargs=True)
         if rng is not None:
             block.attn.dropout_rng = rng.fork  # local heads: independent masks per rank
             if sp and block.drop.p > 0:
