@@ -25,9 +25,11 @@ setup(
         "tokenizers>=0.19",
         "safetensors>=0.4",
         "datasets>=2.19",
+        "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # transformers: Hugging Face parity tests and `bench --compare-hf`; matplotlib: reports.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.44", "matplotlib>=3.7"],
         # Optional accelerators: flash-attn (CUDA) and NVIDIA apex (built from source, never the
         # unrelated PyPI package called "apex") are used when importable.
         "gpu": ["flash-attn>=2.5", "triton>=3.0"],

@@ -93,7 +93,12 @@ class ParallelConfig:
 
     tensor: int = option(1, "Tensor-parallel degree: each layer's matrices split over this many "
                             "adjacent ranks (Megatron-style); must divide heads, KV heads, d_ffn.")
-    pipeline: int = option(1, "Pipeline-parallel degree (only 1 in this release).")
+    pipeline: int = option(1, "Pipeline-parallel degree: stages of consecutive blocks, run by "
+                              "DeepSpeed's pipeline engine (1F1B over the micro-batches).")
+    pipeline_partition: str = option(
+        "layers", "How blocks are split over stages: 'layers' (equal block counts), 'parameters' "
+                  "(balanced parameter counts) or an explicit list of blocks per stage, e.g. '3,3,2'. "
+                  "The embedding goes with the first stage, the final norm and head with the last.")
     zero_stage: int = option(0, "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), "
                                 "3 (+parameters).", (0, 1, 2, 3))
     sequence_parallel: bool = option(
@@ -184,6 +189,12 @@ class TrainConfig:
     adam_beta2: float = option(0.95, "AdamW beta2.")
     adam_eps: float = option(1e-8, "AdamW epsilon.")
     grad_clip: float = option(1.0, "Clip the global gradient norm to this value; 0 disables.")
+    recompute: str = option(
+        "none", "Activation checkpointing: none; full (keep only each checkpointed block's input, "
+                "recompute the block in backward); selective (recompute only the attention core "
+                "softmax(QK^T)V, Megatron's selective recomputation).", ("none", "full", "selective"))
+    recompute_every: int = option(
+        1, "full recompute only: checkpoint every k-th block (1 = every block).")
     precision: str = option("fp32", "Training precision (bf16/fp16 with fp32 master weights; fp16 "
                                     "with dynamic loss scaling).", ("fp32", "bf16", "fp16"))
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu or cuda.",
@@ -220,6 +231,12 @@ class LogConfig:
     all_ranks: bool = option(False, "Every rank also logs to RUN_DIR/logs/rank_N.log.")
     sample_prompt: str = option("def ", "Prompt of the text sample printed after training.")
     sample_tokens: int = option(200, "Tokens of the sample printed after training (0 = none).")
+    gpu: Optional[str] = option(
+        None, "Accelerator name for MFU/HFU (a name from the peak table, e.g. H100-SXM, A100, MI300X); "
+              "null = the CUDA device's own name when the table knows it. CPUs have no peak: MFU is "
+              "then not logged unless log.peak_tflops is set.")
+    peak_tflops: Optional[float] = option(
+        None, "Peak dense TFLOP/s per device for the training dtype; overrides log.gpu's table value.")
 
 
 SECTIONS = {
@@ -417,6 +434,25 @@ def _positive(key: str, value: Optional[float], allow_zero: bool = False) -> Non
     _require(ok, f"{key}={value}: must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _check_pipeline(cfg: Config) -> None:
+    p, n = cfg.parallel, cfg.model.n_layers
+    spec = p.pipeline_partition
+    if spec not in ("layers", "parameters"):
+        try:
+            counts = [int(c) for c in spec.split(",")]
+        except ValueError:
+            counts = []
+        _require(len(counts) == p.pipeline and all(c >= 1 for c in counts) and sum(counts) == n,
+                 f"parallel.pipeline_partition={spec!r}: expected 'layers', 'parameters' or "
+                 f"{p.pipeline} positive block counts summing to model.n_layers={n}")
+    if p.pipeline == 1:
+        return
+    _require(n >= p.pipeline, f"parallel.pipeline={p.pipeline}: more stages than model.n_layers={n}")
+    _require(p.zero_stage <= 1,
+             f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's "
+             "pipeline engine does not support ZeRO-2/3; use parallel.zero_stage=1 (or 0)")
+
+
 def _check_tensor_parallel(cfg: Config) -> None:
     m, tp = cfg.model, cfg.parallel.tensor
     if tp == 1:
@@ -464,8 +500,7 @@ def validate(cfg: Config) -> None:
     _positive("parallel.pipeline", p.pipeline)
     _positive("parallel.vocab_multiple", p.vocab_multiple)
     _check_tensor_parallel(cfg)
-    _require(p.pipeline == 1, f"parallel.pipeline={p.pipeline}: pipeline parallelism is not available "
-                              "in this release of megaformer; only 1 is allowed")
+    _check_pipeline(cfg)
 
     _positive("data.seq_len", d.seq_len)
     _require(cfg.seq_len <= m.max_seq_len,
@@ -478,6 +513,7 @@ def validate(cfg: Config) -> None:
         _positive(f"train.{key}", getattr(t, key))
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "adam_eps"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    _positive("train.recompute_every", t.recompute_every)
     _require(t.global_batch_size % t.micro_batch_size == 0,
              f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
              f"train.micro_batch_size={t.micro_batch_size}")
@@ -493,6 +529,14 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive("log.interval", cfg.log.interval)
     _positive("log.sample_tokens", cfg.log.sample_tokens, allow_zero=True)
+    _positive("log.peak_tflops", cfg.log.peak_tflops)
+    if cfg.log.gpu is not None and cfg.log.peak_tflops is None:
+        from megaformer.analysis.peaks import UnknownGPUError, find_accelerator
+
+        try:
+            find_accelerator(cfg.log.gpu).peak(t.precision)
+        except UnknownGPUError as e:
+            raise ConfigError(f"log.gpu={cfg.log.gpu!r}: {e}") from None
 
     for key in cfg.deepspeed:
         if key in DERIVED_DEEPSPEED_KEYS:

@@ -10,6 +10,7 @@ Later issues (pipeline, checkpoints, diagnostics) reuse this harness.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import traceback
 from typing import Any, Callable
@@ -27,7 +28,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: An
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        out.put((rank, "ok", result))
+        # plain pickle: tensors travel by value, not as shared memory that dies with this process
+        out.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including assertion errors, to the parent
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -49,7 +51,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -
             rank, status, payload = out.get(timeout=timeout)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)  # our own child processes' results
     except queue.Empty:
         raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} did not "
                              f"finish within {timeout}s") from None

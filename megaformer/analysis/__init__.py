@@ -1,4 +1,4 @@
-"""Analysis: parameter counts (FLOPs, memory and planning arrive alongside)."""
+"""Analysis: parameter counts, FLOPs and MFU, peaks, memory estimates, the planner, reports, bench."""
 
 from megaformer.analysis.params import count_parameters
 

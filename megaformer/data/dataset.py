@@ -14,8 +14,10 @@ loader state saved in a checkpoint is ``consumed_samples``.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -121,35 +123,80 @@ class ShuffledOrder:
         return out
 
 
+class IdentityOrder:
+    """For datasets that shuffle themselves (``dataset.shuffled``): global sample g is index g."""
+
+    def __getitem__(self, globals_: np.ndarray) -> np.ndarray:
+        return globals_
+
+
 class TrainLoader:
     """Yields, per optimizer step, this DP rank's ``grad_accum`` micro-batches of the global batch.
 
     Global batch = samples ``[c, c + G)`` of the shuffled order, c = consumed_samples,
     G = micro_batch_size * grad_accum * dp_size. Micro-batch j of rank r holds the samples
-    ``c + (j * dp_size + r) * mbs + [0, mbs)``.
+    ``c + (j * dp_size + r) * mbs + [0, mbs)``: the ranks' slices are disjoint and cover the batch,
+    and the order of samples does not depend on G or the DP size, so a resume with another global
+    batch size or DP degree continues exactly at sample c.
+
+    ``prefetch`` > 0 reads that many steps ahead in one background thread (never past ``stop_at``
+    samples); the batches and ``consumed_samples`` are the same as without it.
     """
 
     def __init__(self, dataset: PackedDataset, micro_batch_size: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0) -> None:
+                 dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0,
+                 prefetch: int = 0, stop_at: Optional[int] = None) -> None:
         self.dataset = dataset
         self.mbs = micro_batch_size
         self.grad_accum = grad_accum
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.order = ShuffledOrder(len(dataset), seed)
+        self.order = IdentityOrder() if getattr(dataset, "shuffled", False) \
+            else ShuffledOrder(len(dataset), seed)
         self.consumed_samples = consumed_samples
+        self.prefetch = prefetch
+        self.stop_at = stop_at
+        self._pending: deque = deque()
+        self._pool: Optional[ThreadPoolExecutor] = None
 
     @property
     def global_batch_size(self) -> int:
         return self.mbs * self.grad_accum * self.dp_size
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def read_step(self, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the global batch that starts at sample ``consumed``."""
         out = []
         for j in range(self.grad_accum):
-            start = self.consumed_samples + (j * self.dp_size + self.dp_rank) * self.mbs
+            start = consumed + (j * self.dp_size + self.dp_rank) * self.mbs
             out.append(self.dataset.batch(self.order[np.arange(start, start + self.mbs)]))
-        self.consumed_samples += self.global_batch_size
         return out
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c, G = self.consumed_samples, self.global_batch_size
+        if self.prefetch <= 0:
+            out = self.read_step(c)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="megaformer-prefetch")
+            if self._pending and self._pending[0][0] != c:  # position moved: drop stale reads
+                self._pending.clear()
+            if not self._pending:
+                self._pending.append((c, self._pool.submit(self.read_step, c)))
+            while len(self._pending) <= self.prefetch:
+                nxt = self._pending[-1][0] + G
+                if self.stop_at is not None and nxt >= self.stop_at:
+                    break
+                self._pending.append((nxt, self._pool.submit(self.read_step, nxt)))
+            out = self._pending.popleft()[1].result()
+        self.consumed_samples = c + G
+        return out
+
+    def close(self) -> None:
+        """Stop the prefetch thread (pending reads are dropped)."""
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
 
 def validation_batches(dataset: PackedDataset, micro_batch_size: int, grad_accum: int, iters: int,

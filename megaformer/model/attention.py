@@ -70,6 +70,8 @@ class Attention(nn.Module):
         # Context under which the attention-probability dropout mask is drawn; a tensor-parallel
         # plan sets one that draws from a per-rank stream (heads are split across ranks).
         self.dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext
+        # softmax(QK^T/sqrt(d_k))V itself; selective recomputation wraps it in a checkpoint.
+        self.core_attention: Callable[..., torch.Tensor] = attention
         self.backend = cfg.attention_backend
         d, dk = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_heads * dk, bias=cfg.bias)
@@ -99,5 +101,5 @@ class Attention(nn.Module):
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0
         with self.dropout_rng():
-            y = attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend)
+            y = self.core_attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

@@ -1,4 +1,11 @@
-"""From ``cfg.data`` to a tokenizer and train/validation token streams, on every rank.
+"""From ``cfg.data`` to a tokenizer and train/validation datasets, on every rank.
+
+Two paths. With ``data.paths`` empty (M1): ``data.source`` is read and tokenized in memory
+(:func:`prepare_data`). With ``data.paths``: each entry is a prepared ``.bin``/``.idx`` prefix or a
+source that rank 0 prepares once into ``data.cache_dir``; each is split by ``data.split`` and packed
+into shuffled samples (:mod:`megaformer.data.gpt_dataset`), and several are blended by
+``data.weights`` (:mod:`megaformer.data.blend`). Rank 0 builds and caches every index; the other
+ranks wait and read the cache; an error on rank 0 is raised on every rank.
 
 A tokenizer that must be trained (``bpe:N``) is trained once by rank 0 and saved to
 ``RUN_DIR/tokenizer.json``; the other ranks wait and load it. A resumed run takes the tokenizer from
@@ -7,16 +14,24 @@ its checkpoint, so token ids never change under a running model.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
 import logging
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
 
 from megaformer.config import Config
 from megaformer.data.corpus import iter_documents
-from megaformer.data.dataset import TokenizedCorpus, tokenize_corpus
+from megaformer.data.dataset import (PackedDataset, TokenizedCorpus, tokenize_corpus,
+                                     unigram_cross_entropy)
 from megaformer.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
-from megaformer.errors import DataError
+from megaformer.errors import ConfigError, DataError, UserError
 
 log = logging.getLogger("megaformer")
 
@@ -46,3 +61,209 @@ def prepare_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], No
              f"{len(corpus.valid):,}", tokenizer.name, tokenizer.vocab_size,
              time.perf_counter() - t0)
     return tokenizer, corpus
+
+
+@dataclass
+class DataBundle:
+    """What the trainer reads: ``train``/``valid`` datasets (``len``, ``batch(indices)``) and the
+    unigram baseline as a function of the model's vocabulary size."""
+
+    train: Any
+    valid: Any
+    unigram: Callable[[int], float]
+
+
+def setup_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
+               checkpoint: Optional[Path]) -> tuple[Tokenizer, DataBundle]:
+    """The tokenizer and datasets of ``cfg.data``, by the M1 path or the indexed pipeline."""
+    if not cfg.data.paths:
+        tokenizer, corpus = prepare_data(cfg, run_dir, rank, barrier, checkpoint)
+        bundle = DataBundle(PackedDataset(corpus.train, cfg.seq_len, "train"),
+                            PackedDataset(corpus.valid, cfg.seq_len, "validation"),
+                            lambda vocab: unigram_cross_entropy(corpus.train, corpus.valid, vocab))
+        return tokenizer, bundle
+    return _setup_indexed(cfg, run_dir, rank, barrier, checkpoint)
+
+
+def _rank0_first(rank: int, barrier: Callable[[], None], work: Callable[[], None]) -> None:
+    """Run ``work`` on rank 0 while the others wait; a user error there is raised on every rank."""
+    import torch.distributed as tdist
+
+    error: Optional[tuple[str, str]] = None
+    if rank == 0:
+        try:
+            work()
+        except UserError as e:
+            error = (type(e).__name__, str(e))
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        box = [error]
+        tdist.broadcast_object_list(box, src=0)
+        error = box[0]
+    else:
+        barrier()
+    if error is not None:
+        raise (ConfigError if error[0] == "ConfigError" else DataError)(error[1])
+
+
+def _tokenizer_digest(tokenizer: Tokenizer, scratch: Path) -> str:
+    tokenizer.save(scratch)
+    digest = hashlib.sha256(scratch.read_bytes()).hexdigest()
+    scratch.unlink()
+    return digest
+
+
+def _indexed_tokenizer(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
+                       checkpoint: Optional[Path], sources: list[str]) -> Tokenizer:
+    from megaformer.data.sources import open_source
+
+    d = cfg.data
+    if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
+        return load_tokenizer(checkpoint / "tokenizer.json")
+    if not d.tokenizer.startswith("bpe:"):
+        return build_tokenizer(d.tokenizer, iter(()))
+    if not sources:
+        raise ConfigError(f"data.tokenizer={d.tokenizer}: cannot train a tokenizer on prepared "
+                          ".bin/.idx data; set data.tokenizer to the tokenizer.json the data was "
+                          "prepared with (PREFIX.tokenizer.json)")
+    shared = run_dir / "tokenizer.json"
+
+    def train() -> None:
+        opened = [open_source(s, d.text_field) for s in sources]
+        seen = [0]
+
+        def documents() -> Iterator[str]:
+            for doc in itertools.chain.from_iterable(o.documents() for o in opened):
+                seen[0] += 1
+                yield doc
+
+        tokenizer = build_tokenizer(d.tokenizer, documents())
+        if seen[0] == 0:
+            raise DataError(f"data.paths={sources}: no non-empty documents to train the tokenizer on")
+        tokenizer.save(shared)
+
+    _rank0_first(rank, barrier, train)
+    return load_tokenizer(shared)
+
+
+def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], None],
+                     tokenizer: Tokenizer) -> list[Path]:
+    """data.paths -> prefixes; sources are prepared by rank 0 into CACHE/prepared/<hash>/data."""
+    from megaformer.data.indexed import is_prefix
+    from megaformer.data.prepare import prepare
+    from megaformer.data.sources import open_source
+
+    d = cfg.data
+    prefixes: list[Path] = []
+    todo: list[tuple[str, Path]] = []
+    tok_digest = None
+    for spec in d.paths or []:
+        if is_prefix(spec):
+            prefixes.append(Path(spec))
+            continue
+        src = open_source(spec, d.text_field)  # every rank: resolves files, fails alike
+        if tok_digest is None:
+            cache.mkdir(parents=True, exist_ok=True)
+            tok_digest = _tokenizer_digest(tokenizer, cache / f".tokenizer-{rank}.json")
+        key = hashlib.sha256(json.dumps({"v": 1, "spec": spec, "content": src.fingerprint(),
+                                         "text_field": d.text_field, "tokenizer": tok_digest},
+                                        sort_keys=True).encode()).hexdigest()[:20]
+        out = cache / "prepared" / key / "data"
+        prefixes.append(out)
+        if not is_prefix(out):
+            todo.append((spec, out))
+
+    def work() -> None:
+        for spec, out in todo:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            r = prepare(spec, d.tokenizer, out, text_field=d.text_field, overwrite=True,
+                        tokenizer=tokenizer, progress=None)
+            log.info("data: prepared %s -> %s: %s documents, %s tokens in %.1fs", spec, out,
+                     f"{r.documents:,}", f"{r.tokens:,}", r.seconds)
+
+    if todo:
+        _rank0_first(rank, barrier, work)
+    return prefixes
+
+
+def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_limit: int) -> None:
+    from megaformer.data.indexed import IndexedDataset, bin_path, tokenizer_path
+
+    for p in prefixes:
+        side = tokenizer_path(p)
+        if side.is_file():
+            other = load_tokenizer(side)
+            if (other.vocab_size, other.eod_id) != (tokenizer.vocab_size, tokenizer.eod_id):
+                raise DataError(f"{p}: prepared with {side} (vocab {other.vocab_size}, EOD "
+                                f"{other.eod_id}) but the run's tokenizer has vocab "
+                                f"{tokenizer.vocab_size}, EOD {tokenizer.eod_id}; set "
+                                f"data.tokenizer={side}")
+        data = IndexedDataset(p)
+        head = data.tokens[:1 << 20]
+        if len(head) and (int(head.max()) >= vocab_limit or int(head.min()) < 0):
+            raise DataError(f"{bin_path(p)}: token id {int(head.max())} outside the vocabulary "
+                            f"(size {vocab_limit}); was it prepared with another tokenizer?")
+
+
+def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
+                   checkpoint: Optional[Path]) -> tuple[Tokenizer, DataBundle]:
+    from megaformer.data.blend import BlendedDataset, normalise
+    from megaformer.data.gpt_dataset import build_split_datasets, parse_split, split_ranges
+    from megaformer.data.indexed import IndexedDataset, is_prefix
+
+    t0 = time.perf_counter()
+    d, t = cfg.data, cfg.train
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else run_dir / "data_cache"
+    ratios = parse_split(d.split, d.valid_fraction)
+    if ratios[1] <= 0:
+        raise ConfigError(f"data.split={d.split!r}: the validation share must be > 0 "
+                          "(evaluation reads it)")
+    sources = [p for p in d.paths or [] if not is_prefix(p)]
+    tokenizer = _indexed_tokenizer(cfg, run_dir, rank, barrier, checkpoint, sources)
+    prefixes = _prepare_sources(cfg, cache, rank, barrier, tokenizer)
+    _check_tokenizer_matches(prefixes, tokenizer, max(tokenizer.vocab_size, cfg.model.vocab_size or 0))
+
+    if d.weights is not None:
+        weights = normalise(d.weights)
+    else:  # proportional to each dataset's training tokens
+        sizes = []
+        for p in prefixes:
+            data = IndexedDataset(p)
+            a, b = split_ranges(len(data), ratios)[0]
+            sizes.append(max(1, int(data.lengths[a:b].sum(dtype=np.int64))))
+        weights = normalise(sizes)
+    G = t.global_batch_size
+    n_train, n_valid = t.steps * G, cfg.eval.iters * G
+    parts = [build_split_datasets(p, ratios, cfg.seq_len, t.seed,
+                                  (math.ceil(w * n_train) + 1 if w > 0 else 0,
+                                   math.ceil(w * n_valid) + 1 if w > 0 else 0, 0),
+                                  cache, rank, barrier)
+             for p, w in zip(prefixes, weights)]
+    if len(parts) == 1:
+        train, valid = parts[0][0], parts[0][1]
+    else:
+        def blends(build: bool) -> tuple[BlendedDataset, BlendedDataset]:
+            return (BlendedDataset([p[0] for p in parts], weights, n_train, cache, build),
+                    BlendedDataset([p[1] for p in parts], weights, n_valid, cache, build))
+
+        built = blends(True) if rank == 0 else None
+        barrier()
+        train, valid = built if built is not None else blends(False)
+    log.info("data: %d dataset(s) [%s], weights [%s], split %s, tokenizer %s (vocab %d), "
+             "index cache %s, %.1fs", len(prefixes), ", ".join(str(p) for p in prefixes),
+             ", ".join(f"{w:.3f}" for w in weights), "/".join(f"{r:.3f}" for r in ratios),
+             tokenizer.name, tokenizer.vocab_size, cache, time.perf_counter() - t0)
+    return tokenizer, DataBundle(train, valid, lambda vocab: sampled_unigram(train, valid, vocab,
+                                                                              cfg.seq_len))
+
+
+def sampled_unigram(train: Any, valid: Any, vocab_size: int, seq_len: int,
+                    max_tokens: int = 1 << 20) -> float:
+    """The unigram baseline (see ``unigram_cross_entropy``) on the first ~``max_tokens`` tokens of
+    training samples and the validation samples' labels, for datasets too big to count fully."""
+    k = max(1, min(len(train), max_tokens // (seq_len + 1)))
+    counts_from = np.concatenate([train.sample(g) for g in range(k)])
+    kv = max(1, min(len(valid), max_tokens // (seq_len + 1)))
+    targets = np.concatenate([valid.sample(g)[1:] for g in range(kv)])
+    counts = np.bincount(counts_from.astype(np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[targets.astype(np.int64)].mean())

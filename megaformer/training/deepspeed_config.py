@@ -34,4 +34,11 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if cfg.parallel.pipeline > 1 and cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:
+        # DeepSpeed splits the activations it sends between stages over the TP group, assuming
+        # they are replicated there; under sequence parallelism each TP rank holds its own part.
+        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    if cfg.parallel.pipeline > 1 and t.precision == "bf16":
+        # the pipeline engine accumulates bf16 gradients over micro-batches in fp32 only if told
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
     return deep_merge(ds, cfg.deepspeed)

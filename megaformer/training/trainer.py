@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -24,17 +25,18 @@ import torch
 
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.config import Config, config_from_dict, validate_for_world
-from megaformer.data.dataset import (PackedDataset, TrainLoader, unigram_cross_entropy,
-                                     validation_batches)
+from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.training import distributed as dist
-from megaformer.training.data_setup import prepare_data
+from megaformer.training.data_setup import setup_data
 from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
 from megaformer.training.optimizer import build_optimizer
 from megaformer.training.schedule import lr_lambda
 from megaformer.analysis.params import count_parameters
+from megaformer.parallel.pipeline import build_pipeline, original_names, pipeline_state_dict
 from megaformer.parallel.plan import full_state_dict, padded_vocab_size, parallelize
+from megaformer.training.recompute import apply_recompute
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.topology import build_topology, layout_groups
 
@@ -52,6 +54,13 @@ class TrainResult:
     wall_s: float
     checkpoint: Optional[Path]
     sample: Optional[str]
+
+
+def _quiet_known_warnings() -> None:
+    # DeepSpeed's pipeline p2p moves activations with c10d broadcast inside autograd; torch warns
+    # that broadcast_ has no autograd kernel. DeepSpeed routes the gradients itself (losses and
+    # gradients equal one process: tests/test_pipeline.py).
+    warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
 
 def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
@@ -134,28 +143,27 @@ def _resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=v))
 
 
-def global_grad_norm(params: Any, tp_group: Any) -> Optional[float]:
+def global_grad_norm(params: Any, tp_group: Any, pp_group: Any = None) -> float:
     """||g||_2 over the whole model: shards of tensor-parallel parameters summed over the TP
-    group, replicated parameters counted once (used when DeepSpeed does not report it)."""
+    group, replicated parameters counted once, pipeline stages summed over the PP group (the copy
+    of a tied weight on the last stage skipped). Used when DeepSpeed does not report it."""
     from megaformer.parallel.comm import all_reduce, no_counting
 
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
-    seen = False
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
             continue
-        seen = True
         sq = p.grad.detach().double().pow(2).sum().cpu()
         if getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
             replicated += sq
-    if not seen:
-        return None
     with no_counting():
-        sharded = all_reduce(sharded, tp_group)
-    return float((sharded + replicated).sqrt())
+        total = all_reduce(sharded, tp_group) + replicated
+        if pp_group is not None:
+            total = all_reduce(total, pp_group)
+    return float(total.sqrt())
 
 
 class Trainer:
@@ -199,12 +207,12 @@ class Trainer:
                                    cfg.parallel.pipeline)
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
-        self.tokenizer, corpus = prepare_data(cfg, self.run_dir, self.rank, dist.barrier,
-                                              self.resume_from)
+        _quiet_known_warnings()
+        self.tokenizer, data = setup_data(cfg, self.run_dir, self.rank, dist.barrier,
+                                          self.resume_from)
         self.cfg = cfg = _resolve_vocab(cfg, self.tokenizer.vocab_size)
-        self.train_set = PackedDataset(corpus.train, cfg.seq_len, "train")
-        self.valid_set = PackedDataset(corpus.valid, cfg.seq_len, "validation")
-        self.unigram = unigram_cross_entropy(corpus.train, corpus.valid, cfg.model.vocab_size)
+        self.train_set, self.valid_set = data.train, data.valid
+        self.unigram = data.unigram(cfg.model.vocab_size)
         self.model = self._build_model()
         self._build_engine()
         self.step, consumed = 0, 0
@@ -216,7 +224,9 @@ class Trainer:
             log.info("resumed from %s (step %d, %s samples consumed)", self.resume_from,
                      self.step, f"{consumed:,}")
         self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
-                                  self.dp_rank, self.dp_size, cfg.train.seed, consumed)
+                                  self.dp_rank, self.dp_size, cfg.train.seed, consumed,
+                                  prefetch=cfg.data.prefetch,
+                                  stop_at=cfg.train.steps * cfg.train.global_batch_size)
         if self.is_main:
             ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
@@ -236,7 +246,13 @@ class Trainer:
         self.tp_rng = (TensorParallelRNG(self.cfg.train.seed, self.topo.tp_rank)
                        if p.tensor > 1 else None)
         parallelize(model, self.topo, p.sequence_parallel, self.tp_rng)
-        return model.to(self.proc.device)
+        apply_recompute(model.layers, self.cfg.train.recompute, self.cfg.train.recompute_every,
+                        self.tp_rng)
+        self.plain_model = model.to(self.proc.device)
+        if p.pipeline == 1:
+            return model
+        self.param_names = original_names(model)
+        return build_pipeline(model, self.topo, p.pipeline_partition, loss_fn=model.loss_fn)
 
     def _build_engine(self) -> None:
         import deepspeed
@@ -248,19 +264,48 @@ class Trainer:
         ds_config = build_deepspeed_config(self.cfg, self.grad_accum)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-            mpu=self.topo, dist_init_required=False)
+            # a PipelineModule brings its own grid (same rank order as self.topo)
+            mpu=self.topo if self.cfg.parallel.pipeline == 1 else None, dist_init_required=False)
         install_safe_checkpoint_engine(self.engine)
+        self._grad_norm: Optional[float] = None
+        if not hasattr(self.engine.optimizer, "_global_grad_norm"):
+            self._record_grad_norm()
+
+    def _record_grad_norm(self) -> None:
+        """Without a ZeRO/bf16 optimizer DeepSpeed reports no gradient norm, and its fp32 clipping
+        counts a pipeline-tied weight once per stage that holds it. megaformer measures the norm
+        itself (:func:`global_grad_norm`) and clips with it: g <- g * min(1, c / (||g|| + 1e-6))."""
+        engine = self.engine
+        groups = (self.topo.group("tp"), self.topo.group("pp"))
+        max_norm = self.cfg.train.grad_clip
+
+        def measure() -> None:
+            self._grad_norm = global_grad_norm(engine.module.parameters(), *groups)
+
+        def measure_and_clip() -> None:
+            measure()
+            coef = max_norm / (self._grad_norm + 1e-6)
+            if coef < 1:
+                for p in engine.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+
+        if max_norm > 0:
+            engine.clip_fp32_gradients = measure_and_clip
+        else:
+            engine.optimizer.register_step_pre_hook(lambda *args: measure())
 
     def _print_summary(self) -> None:
         cfg, p = self.cfg, self.proc
         counts = count_parameters(cfg.model)
+        dp, tp, pp = self.dp_size, cfg.parallel.tensor, cfg.parallel.pipeline
         name, reason = self.attention_backend
         sp = " + sequence parallel" if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1 else ""
         log.info("megaformer: %s parameters (%s non-embedding; vocabulary %d padded to %d) | "
                  "world %d = DP %d x TP %d%s x PP %d | ZeRO %d | %s %s | attention %s (%s)",
                  f"{counts['total']:,}", f"{counts['non_embedding']:,}", cfg.model.vocab_size,
-                 self.model.padded_vocab_size, p.world_size, self.dp_size, cfg.parallel.tensor, sp,
-                 cfg.parallel.pipeline, cfg.parallel.zero_stage, p.device.type,
+                 self.plain_model.padded_vocab_size, p.world_size, dp, tp, sp, pp,
+                 cfg.parallel.zero_stage, p.device.type,
                  cfg.train.precision, name, reason)
         if p.world_size > 1:
             log.info(self.topo.summary())
@@ -268,6 +313,10 @@ class Trainer:
                  "%d steps | run dir %s", cfg.train.global_batch_size, cfg.seq_len,
                  cfg.train.micro_batch_size, self.grad_accum, self.dp_size, cfg.train.steps,
                  self.run_dir)
+        from megaformer.analysis.throughput import TrainingMeter
+
+        self.meter = TrainingMeter.for_run(cfg, p.device, p.world_size)
+        log.info(self.meter.summary())
 
     # ------------------------------------------------------------------------- steps
 
@@ -275,19 +324,20 @@ class Trainer:
         engine, dev = self.engine, self.proc.device
         lr = self.scheduler.get_last_lr()[0]
         t0 = time.perf_counter()
-        losses, grad_norm = [], None
         micro_batches = self.loader.next_step()
-        for j, (x, y) in enumerate(micro_batches):
-            loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
-            engine.backward(loss)
-            if j == len(micro_batches) - 1 and not hasattr(engine.optimizer, "_global_grad_norm"):
-                grad_norm = global_grad_norm(engine.module.parameters(), self.topo.group("tp"))
-            engine.step()
-            losses.append(loss.detach().float())
-        loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp"))
-        if grad_norm is None:
-            gn = engine.get_global_grad_norm()
-            grad_norm = float(gn) if gn is not None else float("nan")
+        if self.cfg.parallel.pipeline > 1:
+            # 1F1B over the micro-batches; the loss comes back averaged over them and over DP
+            loss = engine.train_batch(iter(micro_batches)).detach().float()
+        else:
+            losses = []
+            for x, y in micro_batches:
+                loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float())
+            loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp"))
+        gn = self._grad_norm if self._grad_norm is not None else engine.get_global_grad_norm()
+        grad_norm = float(gn) if gn is not None else float("nan")
         if dev.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1
@@ -296,6 +346,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.cfg.parallel.pipeline > 1:
+            return self._evaluate_pipeline()
         self.engine.eval()
         losses = [self.engine(x.to(self.proc.device), y.to(self.proc.device)).float()
                   for x, y in validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
@@ -303,6 +355,16 @@ class Trainer:
                                                  self.dp_size)]
         self.engine.train()
         return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp")))
+
+    def _evaluate_pipeline(self) -> float:
+        batches = list(validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
+                                          self.grad_accum, self.cfg.eval.iters, self.dp_rank,
+                                          self.dp_size))
+        losses = []
+        for it in range(self.cfg.eval.iters):
+            chunk = batches[it * self.grad_accum:(it + 1) * self.grad_accum]
+            losses.append(float(self.engine.eval_batch(iter(chunk))))  # mean over micro & DP
+        return sum(losses) / len(losses)
 
     def save(self) -> Optional[Path]:
         weights = self.full_weights()
@@ -333,6 +395,9 @@ class Trainer:
             return {k: (v[:V] if k in ("tok_embeddings.weight", "lm_head.weight") else v)
                     for k, v in full.items()
                     if not (k == "lm_head.weight" and self.cfg.model.tie_embeddings)}
+        if self.cfg.parallel.pipeline > 1:
+            return pipeline_state_dict(self.engine.module, self.param_names, self.topo,
+                                       self.cfg.model.vocab_size)
         return full_state_dict(self.engine.module, self.topo)
 
     # ------------------------------------------------------------------------- loop
@@ -384,16 +449,22 @@ class Trainer:
 
     def _interval_record(self, window: list[dict], tokens_per_step: int) -> dict:
         t = sum(w["step_time_s"] for w in window)
-        return {"step": self.step, "loss": sum(w["loss"] for w in window) / len(window),
-                "lr": window[-1]["lr"], "grad_norm": window[-1]["grad_norm"],
-                "tokens_per_s": tokens_per_step * len(window) / t, "step_time_s": t / len(window),
-                "consumed_tokens": self.loader.consumed_samples * self.cfg.seq_len}
+        record = {"step": self.step, "loss": sum(w["loss"] for w in window) / len(window),
+                  "lr": window[-1]["lr"], "grad_norm": window[-1]["grad_norm"],
+                  "tokens_per_s": tokens_per_step * len(window) / t, "step_time_s": t / len(window),
+                  "consumed_tokens": self.loader.consumed_samples * self.cfg.seq_len}
+        if getattr(self, "meter", None) is not None:  # tflops_per_gpu, [mfu, hfu], peak_mem_gb
+            record.update(self.meter.record(t / len(window)))
+        return record
 
     @staticmethod
     def _format(r: dict) -> str:
         return (f"step {r['step']}: loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm "
                 f"{r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tokens/s | "
-                f"{r['step_time_s'] * 1000:.0f} ms/step")
+                f"{r['step_time_s'] * 1000:.0f} ms/step"
+                + (f" | {r['tflops_per_gpu']:.3g} TFLOP/s/GPU" if "tflops_per_gpu" in r else "")
+                + (f" | MFU {100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%" if "mfu" in r else "")
+                + (f" | mem {r['peak_mem_gb']:.2f} GB" if "peak_mem_gb" in r else ""))
 
     def _progress_bar(self) -> Any:
         if not (self.is_main and self.cfg.log.progress_bar):
@@ -435,4 +506,6 @@ def train(cfg: Config, run_dir: Path) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` (resuming from its latest checkpoint when there is one)."""
     trainer = Trainer(cfg, Path(run_dir))
     trainer.setup()
-    return trainer.run()
+    result = trainer.run()
+    dist.barrier()  # every rank leaves together: none closes its connections under another
+    return result

@@ -1,0 +1,221 @@
+"""``megaformer bench``: timed training steps of a config's model, optionally against transformers.
+
+One process, random tokens, one micro-batch (train.micro_batch_size x seq_len) per step:
+
+    forward + cross-entropy -> backward -> clip (train.grad_clip) -> AdamW step -> zero_grad
+
+megaformer's model is built as the trainer builds it (padded vocabulary, recompute mode, the
+trainer's AdamW parameter groups); with ``--compare-hf`` the same architecture is built as a
+Hugging Face ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU, GQA) or ``GPT2LMHeadModel`` (learned
+positions, LayerNorm, GELU, biases) from a config (no download), with the same weight-decay groups,
+AdamW hyper-parameters, batch and SDPA attention. After ``warmup`` steps of each, timed steps
+alternate between the two so that both see the same machine state; the reported figure is the
+median step time. FLOPs are megaformer's model FLOPs of the batch (identical architectures, so the
+same for both), so TFLOP/s per device and MFU are comparable.
+
+Peak memory: CUDA ``max_memory_allocated`` over one extra step; on CPU the allocator-measured peak
+of one extra step (:func:`megaformer.analysis.measure.measure`) plus the parameters and optimizer
+states already allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from megaformer.analysis.flops import step_flops
+from megaformer.analysis.peaks import find_accelerator, peak_tflops
+from megaformer.analysis.summary import resolve_vocab
+from megaformer.config import Config, ModelConfig
+from megaformer.errors import UserError
+
+
+# ----------------------------------------------------------------------------- Hugging Face twin
+
+def hf_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The transformers model with ``cfg``'s architecture (LlamaForCausalLM or GPT2LMHeadModel)."""
+    llama = (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"
+             and cfg.residual == "sequential" and cfg.rotary_fraction == 1.0)
+    gpt2 = (cfg.position == "learned" and cfg.norm == "layernorm" and cfg.bias
+            and cfg.activation in ("gelu", "gelu_tanh") and cfg.residual == "sequential"
+            and cfg.tie_embeddings and cfg.kv_heads == cfg.n_heads)
+    if llama:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                         intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+                         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+                         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+                         attention_bias=cfg.bias, mlp_bias=cfg.bias, hidden_act="silu",
+                         attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std)
+        hc._attn_implementation = "sdpa"
+        return LlamaForCausalLM(hc)
+    if gpt2:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hc = GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.n_layers,
+                        n_head=cfg.n_heads, n_positions=cfg.max_seq_len, n_inner=cfg.ffn_dim,
+                        activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+                        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                        attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.norm_eps,
+                        initializer_range=cfg.init_std)
+        hc._attn_implementation = "sdpa"
+        return GPT2LMHeadModel(hc)
+    raise UserError("bench --compare-hf: no transformers twin for this architecture (Llama: rope + "
+                    "rmsnorm + swiglu, full rotary; GPT-2: learned + layernorm + gelu + bias, tied, MHA)")
+
+
+# ----------------------------------------------------------------------------- one runner per model
+
+@dataclasses.dataclass
+class Runner:
+    name: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable[[torch.Tensor], torch.Tensor]
+    grad_clip: float
+    autocast: Callable[[], Any]
+    times: list = dataclasses.field(default_factory=list)
+
+    def step(self, x: torch.Tensor) -> float:
+        with self.autocast():
+            loss = self.loss(x)
+        loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def timed(self, x: torch.Tensor, device: torch.device) -> None:
+        _sync(device)
+        t0 = time.perf_counter()
+        self.step(x)
+        _sync(device)
+        self.times.append(time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    from megaformer.training.optimizer import build_optimizer
+
+    return build_optimizer(model, cfg.train)
+
+
+def _runners(cfg: Config, device: torch.device, compare_hf: bool) -> list[Runner]:
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.plan import padded_vocab_size
+
+    t = cfg.train
+    if t.precision == "fp16" and device.type != "cuda":
+        raise UserError("bench: fp16 needs CUDA; use fp32 or bf16 on CPU")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+
+    def autocast() -> Any:
+        return (torch.autocast(device.type, dtype=dtype) if dtype is not None
+                else contextlib.nullcontext())
+
+    torch.manual_seed(t.seed)
+    padded = padded_vocab_size(cfg.model.vocab_size, 1, cfg.parallel.vocab_multiple)
+    mf = Transformer(cfg.model, padded_vocab_size=padded).to(device)
+    if t.recompute != "none":
+        from megaformer.training.recompute import apply_recompute
+
+        apply_recompute(mf.layers, t.recompute, t.recompute_every)
+    mf.train()
+    out = [Runner("megaformer", mf, _adamw(mf, cfg), lambda x: mf(x, x), t.grad_clip, autocast)]
+    if compare_hf:
+        hf = hf_model(cfg.model).to(device)
+        hf.train()
+        out.append(Runner(f"transformers {type(hf).__name__}", hf, _adamw(hf, cfg),
+                          lambda x: hf(input_ids=x, labels=x).loss, t.grad_clip, autocast))
+    return out
+
+
+def _peak_memory(r: Runner, x: torch.Tensor, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        r.step(x)
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    from megaformer.analysis.measure import measure, optimizer_state_tensors, tensor_bytes
+
+    base = tensor_bytes(list(r.model.parameters()) + optimizer_state_tensors(r.optimizer))
+    return (base + measure(lambda: r.step(x)).peak) / 1e9
+
+
+def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = False,
+              device: Optional[str] = None, gpu: Optional[str] = None,
+              peak: Optional[float] = None) -> dict:
+    """Time ``steps`` training steps per model (alternating) after ``warmup``; returns a dict."""
+    cfg = resolve_vocab(cfg)
+    want = device or cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UserError("bench --device cuda: no CUDA device is available")
+    dev = torch.device(want)
+    if gpu is None and dev.type == "cuda" and peak is None:
+        name = torch.cuda.get_device_name(dev)
+        try:
+            gpu = find_accelerator(name).name
+        except UserError:
+            gpu = None  # not in the table: no MFU unless --peak-tflops (never a default)
+    peak_value = peak_tflops(gpu, cfg.train.precision, peak)
+    B, s = cfg.train.micro_batch_size, cfg.seq_len
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    x = torch.randint(0, cfg.model.vocab_size, (B, s), generator=gen).to(dev)
+    runners = _runners(cfg, dev, compare_hf)
+    for _ in range(warmup):
+        for r in runners:
+            r.step(x)
+    for _ in range(steps):
+        for r in runners:
+            r.timed(x, dev)
+    flops = step_flops(cfg.model, s, B, recompute=cfg.train.recompute,
+                       recompute_every=cfg.train.recompute_every)
+    results = []
+    for r in runners:
+        t = statistics.median(r.times)
+        row = {"name": r.name, "step_time_s": t, "step_times_s": r.times,
+               "tokens_per_s": B * s / t, "tflops_per_device": flops.model / t / 1e12,
+               "parameters": (r.model.num_parameters() if hasattr(r.model, "num_parameters")
+                              else sum(p.numel() for p in r.model.parameters())),
+               "peak_mem_gb": _peak_memory(r, x, dev)}
+        if peak_value:
+            row["mfu"] = row["tflops_per_device"] / peak_value
+        results.append(row)
+    out = {"config": cfg.name, "device": str(dev), "threads": torch.get_num_threads(),
+           "precision": cfg.train.precision, "batch": [B, s], "steps": steps, "warmup": warmup,
+           "model_flops_per_step": flops.model, "peak_tflops": peak_value, "results": results}
+    if compare_hf:
+        out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
+    return out
+
+
+def format_bench(r: dict) -> str:
+    B, s = r["batch"]
+    lines = [f"bench {r['config']}: {r['device']} ({r['threads']} threads), {r['precision']}, batch "
+             f"{B} x {s} tokens, {r['warmup']} warm-up + {r['steps']} timed steps per model "
+             f"(alternating), median step time",
+             f"{'model':34s} {'params':>12s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+             f"{'MFU':>6s} {'peak mem':>9s}"]
+    for x in r["results"]:
+        mfu = f"{100 * x['mfu']:.1f}%" if "mfu" in x else "-"
+        lines.append(f"{x['name']:34s} {x['parameters']:>12,} {1000 * x['step_time_s']:>9.1f} "
+                     f"{x['tokens_per_s']:>10,.0f} {x['tflops_per_device']:>8.4f} {mfu:>6s} "
+                     f"{x['peak_mem_gb']:>7.3f}GB")
+    if "ratio" in r:
+        lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x")
+    if r["peak_tflops"] is None:
+        lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Exact matmul FLOPs of one training step of the decoder-only Transformer.
+
+Convention (that of every published MFU formula): a multiply-add is 2 FLOPs and only matrix
+products are counted. Norms, activations, softmax, RoPE, residual and bias adds, dropout, the
+embedding lookup and the loss are elementwise (O(s*h) per layer against O(s*h^2)) and excluded.
+
+Forward FLOPs of one sequence of s tokens, with d = d_model, h_q = n_heads * d_k, h_kv = kv_heads * d_k,
+f = d_ffn, V = vocabulary rows of the output layer, L = n_layers:
+
+    q, k, v     2*s*d*h_q + 2 * 2*s*d*h_kv                    (GQA/MQA: h_kv < h_q)
+    out proj    2*s*h_q*d
+    scores      2*P*h_q        Q K^T,  P = s(s+1)/2 query-key pairs if causal, s^2 if not
+    values      2*P*h_q        softmax(.) V
+    mlp         gelu: 2 * 2*s*d*f;   swiglu: 3 * 2*s*d*f        (three matrices)
+    logits      2*s*d*V
+
+    forward = L * (q,k,v + out + scores + values + mlp) + logits
+
+Backward = 2 x forward, exactly: every product Y = X W needs dX = dY W^T and dW = X^T dY (the first
+layer's dX too, because the embedding is trained; scores and values need both operands' gradients).
+
+Recomputation adds forward work that the *hardware* executes but the *model* does not need:
+
+    none        0
+    selective   L * (scores + values)                         (Korthikanti et al. 2022: the attention core)
+    full        n_ckpt * per-layer forward, n_ckpt = ceil(L / recompute_every) checkpointed blocks
+                (blocks i with i % recompute_every == 0; the output layer is never recomputed)
+
+    model FLOPs    = 3 * forward                 -> MFU  (Chowdhery et al. 2022, PaLM, appendix B)
+    hardware FLOPs = 3 * forward + recompute     -> HFU
+
+Vocabulary: model FLOPs use the real vocabulary V (the padding rows are not useful work; PaLM's and
+the MFU convention); hardware FLOPs use the padded table (``padded_vocab``, what the GPU multiplies;
+Megatron-LM's reported TFLOPs count the padded vocabulary too).
+
+Causal attention: by default only the s(s+1)/2 visible query-key pairs are counted (what a causal
+FlashAttention kernel computes). ``causal=False`` counts all s^2, the convention of the closed forms:
+
+    Narayanan et al. 2021 (SC21), full recompute:  96 * B*s*L*d^2 * (1 + s/(6d) + V/(16*L*d))
+    Korthikanti et al. 2022, no recompute:         72 * B*s*L*d^2 * (1 + s/(6d) + V/(12*L*d))
+    PaLM per token (model FLOPs):                  6*N + 12*L*h_q*s,  N = matmul weights incl. logits
+
+(for MHA, GELU, f = 4d, no biases). Note: the *no-recompute* form with V/(16 L d) that is sometimes
+quoted scales the logit layer by 3/4 too; the exact count is 6*B*s*d*V = 72*B*s*L*d^2 * V/(12 L d).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from megaformer.config import Config, ModelConfig
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def attention_pairs(seq_len: int, causal: bool = True) -> int:
+    """Query-key pairs of one head: s(s+1)/2 under a causal mask, s^2 without."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def checkpointed_blocks(n_layers: int, every: int = 1) -> int:
+    """Blocks recomputed by full recomputation: i in [0, L) with i % every == 0, ceil(L / every)."""
+    return math.ceil(n_layers / every)
+
+
+@dataclass(frozen=True)
+class ForwardFlops:
+    """Forward matmul FLOPs of one sequence, by component (summed over layers)."""
+
+    qkv: int
+    attn_scores: int
+    attn_values: int
+    attn_out: int
+    mlp: int
+    logits: int
+
+    @property
+    def layers(self) -> int:
+        return self.qkv + self.attn_scores + self.attn_values + self.attn_out + self.mlp
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.logits
+
+
+def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = True,
+                  vocab: Optional[int] = None) -> ForwardFlops:
+    """Forward FLOPs of one sequence of ``seq_len`` tokens; ``vocab`` defaults to cfg.vocab_size."""
+    V = cfg.vocab_size if vocab is None else vocab
+    if not isinstance(V, int) or isinstance(V, bool):
+        raise ValueError(f"model.vocab_size must be an int to count FLOPs, got {V!r}")
+    s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
+    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    pairs = attention_pairs(s, causal)
+    n_mats = 3 if cfg.activation == "swiglu" else 2
+    return ForwardFlops(
+        qkv=L * (2 * s * d * hq + 2 * 2 * s * d * hkv),
+        attn_scores=L * 2 * pairs * hq,
+        attn_values=L * 2 * pairs * hq,
+        attn_out=L * 2 * s * hq * d,
+        mlp=L * n_mats * 2 * s * d * f,
+        logits=2 * s * d * V,
+    )
+
+
+def recompute_flops(fwd: ForwardFlops, n_layers: int, recompute: str, every: int = 1) -> int:
+    """Extra forward FLOPs of one sequence spent recomputing activations in backward."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
+    if recompute == "none":
+        return 0
+    if recompute == "selective":
+        return fwd.attn_scores + fwd.attn_values
+    return fwd.layers * checkpointed_blocks(n_layers, every) // n_layers
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Training FLOPs of one optimizer step of ``tokens`` tokens (all ranks together)."""
+
+    tokens: int
+    seq_len: int
+    model: int          # 3 x forward, real vocabulary: the numerator of MFU
+    hardware: int       # + recomputation, padded vocabulary: the numerator of HFU
+    forward: int        # model forward only
+    recompute: int      # hardware-only recomputation
+
+    @property
+    def model_per_token(self) -> float:
+        return self.model / self.tokens
+
+    @property
+    def hardware_per_token(self) -> float:
+        return self.hardware / self.tokens
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(model_per_token=self.model_per_token, hardware_per_token=self.hardware_per_token)
+        return out
+
+
+def step_flops(cfg: ModelConfig, seq_len: int, sequences: int, *, causal: bool = True,
+               recompute: str = "none", recompute_every: int = 1,
+               padded_vocab: Optional[int] = None) -> StepFlops:
+    """Model and hardware FLOPs of a step of ``sequences`` sequences of ``seq_len`` tokens."""
+    real = forward_flops(cfg, seq_len, causal)
+    padded = forward_flops(cfg, seq_len, causal, padded_vocab) if padded_vocab else real
+    extra = recompute_flops(padded, cfg.n_layers, recompute, recompute_every)
+    return StepFlops(tokens=sequences * seq_len, seq_len=seq_len,
+                     model=3 * real.total * sequences,
+                     hardware=(3 * padded.total + extra) * sequences,
+                     forward=real.total * sequences, recompute=extra * sequences)
+
+
+def config_step_flops(cfg: Config, causal: bool = True) -> StepFlops:
+    """:func:`step_flops` of one optimizer step of a full config (global batch, recompute mode,
+    vocabulary padded as the tensor-parallel plan pads it)."""
+    from megaformer.parallel.plan import padded_vocab_size
+
+    p, t = cfg.parallel, cfg.train
+    padded = padded_vocab_size(cfg.model.vocab_size, p.tensor, p.vocab_multiple)
+    return step_flops(cfg.model, cfg.seq_len, t.global_batch_size, causal=causal,
+                      recompute=t.recompute, recompute_every=t.recompute_every,
+                      padded_vocab=padded)
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights that take part in matrix products per token: all block matrices plus the output
+    layer (V*d, tied or not); excludes norms, biases and position tables. PaLM's N in 6N."""
+    d, f = cfg.d_model, cfg.ffn_dim
+    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    n_mats = 3 if cfg.activation == "swiglu" else 2
+    block = d * hq + 2 * d * hkv + hq * d + n_mats * d * f
+    return cfg.n_layers * block + cfg.vocab_size * d
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+def narayanan_full_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
+    """Narayanan et al. 2021 (SC21), eq. (3): 96 B s L h^2 (1 + s/(6h) + V/(16 L h)), full recompute."""
+    return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def korthikanti_no_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
+    """Korthikanti et al. 2022, sec. 6.3: 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) model FLOPs."""
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def palm_per_token(N: int, L: int, heads: int, head_dim: int, s: int) -> float:
+    """Chowdhery et al. 2022 (PaLM), appendix B: 6N + 12 L H Q T model FLOPs per token."""
+    return 6 * N + 12 * L * heads * head_dim * s
+
+
+# ----------------------------------------------------------------------------- utilisation
+
+def utilisation(flops: StepFlops, step_time_s: float, world_size: int,
+                peak_tflops: Optional[float]) -> dict:
+    """tokens/s, TFLOPs per device (model and hardware) and, when a peak is known, MFU and HFU.
+
+        TFLOPs/GPU = model FLOPs per step / step time / world size / 1e12
+        MFU        = TFLOPs/GPU / peak;   HFU = hardware TFLOPs/GPU / peak
+    """
+    model_tf = flops.model / step_time_s / world_size / 1e12
+    hw_tf = flops.hardware / step_time_s / world_size / 1e12
+    out = {"tokens_per_s": flops.tokens / step_time_s, "tflops_per_gpu": model_tf,
+           "hw_tflops_per_gpu": hw_tf}
+    if peak_tflops:
+        out.update(mfu=model_tf / peak_tflops, hfu=hw_tf / peak_tflops)
+    return out

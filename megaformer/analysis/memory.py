@@ -1,0 +1,203 @@
+"""Memory per GPU: model states under ZeRO 0-3 and TP/PP/DP, activations per micro-batch.
+
+Model states (Rajbhandari et al. 2020, ZeRO), P = parameters held by one TP x PP rank:
+
+    bytes/param    weights  grads  optimizer (Adam m, v + fp32 master)
+    fp32           4        4      8   (+4: DeepSpeed ZeRO >= 1 keeps an fp32 partition copy)
+    bf16 / fp16    2        2      12
+    ZeRO 1 divides the optimizer states by DP, 2 also the gradients, 3 also the weights.
+
+P per rank: block matrices and vocabulary tables / TP, norms replicated; PP splits the blocks
+(ceil(L / PP) on the worst stage), the embedding sits on the first stage, the final norm and the
+output layer on the last (both when tied).
+
+Activations of one micro-batch of b sequences of s tokens, n = b*s, in elements per layer of this
+implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.py; t = TP):
+
+    norm (each of 2)      RMSNorm: input, normalised, output = 3d;  LayerNorm: input, output = 2d
+    attention (fused)     q, k, v, out (= the output projection's input) = 2 h_q + 2 h_kv,
+                          + log-sum-exp: a heads in fp32 (FlashAttention / SDPA's fused kernels)
+    mlp                   GELU: 2f (pre-activation, activation);  SwiGLU: 4f (gate, silu, up, product)
+    dropout (p > 0)       a 1-byte mask per residual write (2d bytes per layer)
+    output                final norm + log-probabilities n*V in fp32
+
+    TP divides attention and MLP by t; sequence parallelism also divides the norm terms by t.
+    full recompute keeps only each checkpointed block's input (d per token), and in backward one
+    block's activations are live again; selective recompute keeps q, k, v and the output (the
+    output projection needs it), so with fused attention it saves only the log-sum-exp: its gain is
+    the s^2 softmax/dropout tensors of a non-fused kernel (Korthikanti's 5as/h term), which the
+    fused kernels never store. Pipeline 1F1B: the first stage holds min(PP, micro-batches) micro-
+    batches of its L/PP layers in flight.
+
+Checked against the CPU allocator's measured bytes (:mod:`megaformer.analysis.measure`) in
+tests/test_memory.py. For reference, Korthikanti et al. 2022 (Megatron, 16-bit, dropout masks,
+non-fused softmax) give per layer s*b*h*(34 + 5*a*s/h) bytes, /t with TP+SP, 34*s*b*h/t with
+selective recompute, 2*s*b*h with full recompute: :func:`korthikanti_layer_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from megaformer.config import ModelConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout and training setting of a model."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    recompute_every: int = 1
+    sequence_parallel: bool = False
+    precision: str = "fp32"
+    device: str = "cuda"        # dropout masks: 1-byte bool on CUDA, dtype-sized (x * mask) on CPU
+
+
+# ----------------------------------------------------------------------------- model states
+
+def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> int:
+    """Parameters held by the busiest TP x PP rank (before ZeRO-3 partitioning)."""
+    from megaformer.analysis.params import _attention, _mlp, _norm
+
+    t, V = layout.tp, padded_vocab or cfg.vocab_size
+    d = cfg.d_model
+    block = (_attention(cfg) - (d if cfg.bias else 0) + _mlp(cfg) - (d if cfg.bias else 0)) // t \
+        + (2 * d if cfg.bias else 0) + 2 * _norm(cfg)              # row-parallel biases replicated
+    layers = math.ceil(cfg.n_layers / layout.pp)
+    emb = V * d // t + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
+    head = _norm(cfg) + (V * d // t if (not cfg.tie_embeddings or layout.pp > 1) else 0)
+    if layout.pp == 1:
+        return layers * block + emb + head
+    return layers * block + max(emb, head)
+
+
+def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> dict:
+    """{'params', 'weights', 'grads', 'optimizer', 'total'} bytes per rank."""
+    P = params_per_rank(cfg, layout, padded_vocab)
+    if layout.precision == "fp32":
+        w, g, o = 4, 4, 8 + (4 if layout.zero >= 1 else 0)
+    else:
+        w, g, o = 2, 2, 12
+    dp = layout.dp
+    weights = P * w / (dp if layout.zero >= 3 else 1)
+    grads = P * g / (dp if layout.zero >= 2 else 1)
+    optim = P * o / (dp if layout.zero >= 1 else 1)
+    return {"params": P, "weights": weights, "grads": grads, "optimizer": optim,
+            "total": weights + grads + optim}
+
+
+# ----------------------------------------------------------------------------- activations
+
+def _mask_bytes(layout: Layout) -> int:
+    return 1 if layout.device == "cuda" else DTYPE_BYTES[layout.precision]
+
+
+def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> dict:
+    """Bytes one block keeps for backward for one micro-batch, by part (fused attention)."""
+    e = DTYPE_BYTES[layout.precision]
+    n = layout.micro_batch * seq_len
+    t = layout.tp
+    sp = t if layout.sequence_parallel and t > 1 else 1
+    d, f = cfg.d_model, cfg.ffn_dim
+    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_norm = 3 * d if cfg.norm == "rmsnorm" else 2 * d
+    norms = 2 * per_norm - (d if cfg.residual == "parallel" else 0)  # parallel: one shared input
+    lse = n * cfg.n_heads * 4 / t                                       # fp32 log-sum-exp
+    parts = {
+        "norms": n * norms * e / sp,
+        "attention": n * (2 * hq + 2 * hkv) * e / t + (0 if layout.recompute == "selective" else lse),
+        "mlp": n * (4 if cfg.activation == "swiglu" else 2) * f * e / t,
+        "dropout_masks": (2 * n * d * _mask_bytes(layout) / sp) if cfg.dropout > 0 else 0,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
+                     padded_vocab: Optional[int] = None) -> dict:
+    """Activation bytes held at the end of a micro-batch's forward on the busiest rank, and the
+    extra live during its backward; see the module docstring for the terms."""
+    e = DTYPE_BYTES[layout.precision]
+    n = layout.micro_batch * seq_len
+    t = layout.tp
+    sp = t if layout.sequence_parallel and t > 1 else 1
+    d, V = cfg.d_model, cfg.vocab_size
+    layer = layer_activation_bytes(cfg, seq_len, layout)["total"]
+    layers = math.ceil(cfg.n_layers / layout.pp)
+    if layout.recompute == "full":
+        ckpt = math.ceil(layers / layout.recompute_every)
+        kept = ckpt * n * d * e / sp + (layers - ckpt) * layer
+        recompute_live = layer      # one block rebuilt at a time in backward
+    else:
+        kept, recompute_live = layers * layer, 0.0
+    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
+    per_norm = 3 * d if cfg.norm == "rmsnorm" else 2 * d
+    rot = int(cfg.head_dim * cfg.rotary_fraction) if cfg.position == "rope" else 0
+    output = n * per_norm * e / sp + n * V * 4 / t          # final norm + fp32 log-probs
+    tables = 2 * rot * seq_len * 4                           # RoPE cos/sin, once per forward
+    dropout_emb = n * d * _mask_bytes(layout) / sp if cfg.dropout > 0 else 0
+    total = kept * in_flight + output + tables + dropout_emb
+    Vp = padded_vocab or V
+    # backward transient at the output layer: logits grad (padded, dtype e) + fp32 log-prob grad
+    transient = n * (Vp * e + V * 4) / t
+    return {"per_layer": layer, "layers": kept * in_flight, "output": output + tables + dropout_emb,
+            "total": total, "backward_transient": transient, "recompute_live": recompute_live}
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Korthikanti et al. 2022, table 2: activation bytes per layer (16-bit, Megatron kernels)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attn_core = 0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h * (34 + attn_core) / t
+    return s * b * h * (10 + (24 + attn_core) / t)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak = weights + optimizer + max(start of backward, end of backward):
+
+    start: activations + output-layer gradient transient (+ all gradients when accumulating, as
+           they live from the first micro-batch on); end (full recompute only): gradients + one
+           recomputed block + the (small) kept checkpoint inputs.
+    Gradients are freed by the optimizer step (set_to_none), so with one micro-batch they do not
+    coexist with a whole forward's activations.
+    """
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+    recompute_live: float
+    grads_during_forward: bool
+
+    @property
+    def total(self) -> float:
+        start = self.activations + self.transient + (self.grads if self.grads_during_forward else 0)
+        end = self.grads + (self.recompute_live + self.activations if self.recompute_live else 0)
+        return self.weights + self.optimizer + max(start, end)
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), total=self.total)
+
+
+def estimate(cfg: ModelConfig, seq_len: int, layout: Layout,
+             padded_vocab: Optional[int] = None) -> MemoryEstimate:
+    """Peak bytes per GPU of a training step: states + activations + the backward transient."""
+    st = state_bytes(cfg, layout, padded_vocab)
+    act = activation_bytes(cfg, seq_len, layout, padded_vocab)
+    return MemoryEstimate(st["weights"], st["grads"], st["optimizer"], act["total"],
+                          act["backward_transient"], act["recompute_live"], layout.grad_accum > 1)

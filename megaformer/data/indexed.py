@@ -1,0 +1,262 @@
+"""Megatron-LM's indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``, magic ``MMIDIDX``, version 1).
+
+``PREFIX.bin`` is the token ids of every sequence, back to back, in one dtype. ``PREFIX.idx`` is,
+little-endian::
+
+    magic            9 bytes   b"MMIDIDX\\x00\\x00"
+    version          uint64    1
+    dtype code       uint8     1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
+    S                uint64    number of sequences
+    D                uint64    number of document boundaries (documents + 1)
+    lengths          int32[S]  tokens per sequence
+    pointers         int64[S]  byte offset of each sequence in .bin: p_i = itemsize * sum_{j<i} len_j
+    document index   int64[D]  0 = d_0 <= d_1 <= ... <= d_{D-1} = S; document k = sequences [d_k, d_{k+1})
+
+megaformer writes one sequence per document (so d = 0, 1, ..., S), which is what Megatron-LM's and
+GPT-NeoX's ``preprocess_data.py`` write without sentence splitting; files in this layout from either
+tool load here and the other way round. Reading memory-maps both files: nothing is loaded into RAM
+but the three index arrays (16 bytes per sequence), and those are views on the mapping.
+
+Writing streams tokens into ``PREFIX.bin.tmp-PID``, keeps only the int32 lengths in memory, writes
+the index as ``PREFIX.idx.tmp-PID`` at the end and renames ``.bin`` first and ``.idx`` last, so a
+prefix whose ``.idx`` exists is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megaformer.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+          7: np.float32, 8: np.uint16}
+CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+TOKENIZER_SUFFIX = ".tokenizer.json"  # megaformer's sidecar; ignored by Megatron-LM and GPT-NeoX
+
+
+def bin_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+def idx_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def tokenizer_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}{TOKENIZER_SUFFIX}")
+
+
+def is_prefix(path: str | Path) -> bool:
+    """True when ``path.idx`` and ``path.bin`` both exist."""
+    return idx_path(path).is_file() and bin_path(path).is_file()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when the vocabulary is under 65,500 (Megatron's rule), else int32."""
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def dtype_holds(dtype: np.dtype, vocab_size: int) -> bool:
+    """Whether every id in ``[0, vocab_size)`` fits ``dtype``."""
+    return np.issubdtype(dtype, np.integer) and vocab_size - 1 <= np.iinfo(dtype).max
+
+
+def index_bytes(lengths: np.ndarray, doc_indices: np.ndarray, dtype: np.dtype) -> bytes:
+    """The complete ``.idx`` file for these sequence lengths and document boundaries."""
+    dtype = np.dtype(dtype)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    doc_indices = np.asarray(doc_indices, dtype=np.int64)
+    head = HEADER.pack(MAGIC, VERSION, CODES[dtype], len(lengths), len(doc_indices))
+    return head + lengths.tobytes() + pointers.tobytes() + doc_indices.tobytes()
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+
+
+def check_output_prefix(prefix: str | Path, overwrite: bool) -> Path:
+    """Refuse an output prefix whose files exist (unless ``overwrite``) or whose folder is missing."""
+    prefix = Path(prefix)
+    if not prefix.name:
+        raise DataError(f"--output-prefix {prefix}: needs a file name, e.g. data/corpus")
+    if not prefix.parent.is_dir():
+        raise DataError(f"--output-prefix {prefix}: folder {prefix.parent} does not exist")
+    if not overwrite:
+        for p in (bin_path(prefix), idx_path(prefix)):
+            if p.exists():
+                raise DataError(f"{p}: already exists; pass --overwrite to replace it")
+    return prefix
+
+
+class IndexedWriter:
+    """Appends documents to ``PREFIX.bin`` under a temporary name; :meth:`finish` publishes both files.
+
+    Memory: a 4-byte length per document; tokens go straight to disk.
+    """
+
+    def __init__(self, prefix: str | Path, dtype: np.dtype) -> None:
+        self.prefix = Path(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODES:
+            raise DataError(f"{self.prefix}: dtype {self.dtype} has no MMIDIDX code")
+        tag = f".tmp-{os.getpid()}"
+        self.tmp_bin = Path(f"{bin_path(prefix)}{tag}")
+        self.tmp_idx = Path(f"{idx_path(prefix)}{tag}")
+        self._fh = open(self.tmp_bin, "wb", buffering=1 << 22)
+        self._lengths: list[np.ndarray] = []
+        self.n_tokens = 0
+        self.n_docs = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents given as one flat token array and their lengths (sum = len(tokens))."""
+        tokens = np.asarray(tokens)
+        if tokens.dtype != self.dtype:
+            tokens = tokens.astype(self.dtype)
+        self._fh.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+        self._lengths.append(np.asarray(lengths, dtype=np.int32))
+        self.n_tokens += len(tokens)
+        self.n_docs += len(lengths)
+
+    def finish(self) -> tuple[Path, Path]:
+        """Write the index, then rename ``.bin`` and, last, ``.idx`` into place."""
+        self._fh.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        with open(self.tmp_idx, "wb") as fh:
+            fh.write(index_bytes(lengths, np.arange(len(lengths) + 1), self.dtype))
+        _replace(self.tmp_bin, bin_path(self.prefix))
+        _replace(self.tmp_idx, idx_path(self.prefix))
+        return bin_path(self.prefix), idx_path(self.prefix)
+
+    def abort(self) -> None:
+        """Close and delete the temporary files (the published prefix, if any, is untouched)."""
+        if not self._fh.closed:
+            self._fh.close()
+        for p in (self.tmp_bin, self.tmp_idx):
+            p.unlink(missing_ok=True)
+
+
+class IndexedDataset:
+    """A read-only, memory-mapped ``PREFIX.bin`` / ``PREFIX.idx`` pair, validated on open.
+
+    ``lengths[i]``, ``pointers[i]`` and ``doc_indices`` are the index arrays; ``get(i, offset, n)``
+    returns tokens ``offset .. offset + n`` of sequence i as a view on the mapping.
+    """
+
+    def __init__(self, prefix: str | Path) -> None:
+        self.prefix = Path(prefix)
+        ip, bp = idx_path(prefix), bin_path(prefix)
+        for p in (ip, bp):
+            if not p.is_file():
+                raise DataError(f"{p}: no such file (expected PREFIX.bin and PREFIX.idx)")
+        size = ip.stat().st_size
+        if size < HEADER.size:
+            raise DataError(f"{ip}: truncated ({size} bytes, shorter than the {HEADER.size}-byte header)")
+        with open(ip, "rb") as fh:
+            magic, version, code, n_seq, n_doc = HEADER.unpack(fh.read(HEADER.size))
+        if magic != MAGIC:
+            raise DataError(f"{ip}: not a Megatron indexed dataset (magic {magic[:9]!r}, expected MMIDIDX)")
+        if version != VERSION:
+            raise DataError(f"{ip}: unsupported MMIDIDX version {version} (only 1)")
+        if code not in DTYPES:
+            raise DataError(f"{ip}: unknown dtype code {code}")
+        self.dtype = np.dtype(DTYPES[code])
+        expected = HEADER.size + 12 * n_seq + 8 * n_doc
+        if size not in (expected, expected + n_seq):  # + n_seq: Megatron's multimodal mode bytes
+            raise DataError(f"{ip}: truncated or corrupt ({size} bytes; the header's {n_seq} "
+                            f"sequences and {n_doc} document boundaries need {expected})")
+        self._idx = np.memmap(ip, mode="r", dtype=np.uint8)
+        off = HEADER.size
+        self.lengths = np.frombuffer(self._idx, np.int32, n_seq, off)
+        self.pointers = np.frombuffer(self._idx, np.int64, n_seq, off + 4 * n_seq)
+        self.doc_indices = np.frombuffer(self._idx, np.int64, n_doc, off + 12 * n_seq)
+        if (self.lengths < 0).any():
+            raise DataError(f"{ip}: corrupt (negative sequence length)")
+        nbytes = int(self.lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        expected_ptr = np.zeros(n_seq, dtype=np.int64)
+        if n_seq > 1:
+            np.cumsum(self.lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=expected_ptr[1:])
+        if not np.array_equal(self.pointers, expected_ptr):
+            raise DataError(f"{ip}: corrupt (sequence pointers do not follow the lengths)")
+        if n_doc == 0 or self.doc_indices[0] != 0 or self.doc_indices[-1] != n_seq or \
+                (np.diff(self.doc_indices) < 0).any():
+            raise DataError(f"{ip}: corrupt document index (must rise from 0 to {n_seq})")
+        bsize = bp.stat().st_size
+        if bsize != nbytes:
+            raise DataError(f"{bp}: {bsize} bytes but {ip} describes {nbytes} "
+                            f"({'truncated' if bsize < nbytes else 'mismatched'} .bin/.idx pair)")
+        self._bin = np.memmap(bp, mode="r", dtype=self.dtype) if nbytes else np.zeros(0, self.dtype)
+        self.starts = self.pointers // self.dtype.itemsize  # token offset of each sequence
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._bin)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All tokens, memory-mapped."""
+        return self._bin
+
+    def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        start = int(self.starts[i]) + offset
+        end = int(self.starts[i]) + int(self.lengths[i]) if length is None else start + length
+        return self._bin[start:end]
+
+
+def merge(prefixes: Sequence[str | Path], output: str | Path, overwrite: bool = False) -> IndexedDataset:
+    """Concatenate prepared datasets into ``output`` (same dtype required; .bin copied in chunks).
+
+    Document boundaries are kept: the document index of dataset j is shifted by the sequences
+    before it.
+    """
+    if not prefixes:
+        raise DataError("--merge: needs at least one prefix")
+    output = check_output_prefix(output, overwrite)
+    parts = [IndexedDataset(p) for p in prefixes]
+    dtype = parts[0].dtype
+    for p in parts[1:]:
+        if p.dtype != dtype:
+            raise DataError(f"{idx_path(p.prefix)}: dtype {p.dtype} differs from {dtype} of "
+                            f"{idx_path(parts[0].prefix)}; cannot merge")
+    sidecars = [tokenizer_path(p.prefix) for p in parts if tokenizer_path(p.prefix).is_file()]
+    for s in sidecars[1:]:
+        if s.read_bytes() != sidecars[0].read_bytes():
+            raise DataError(f"{s}: a different tokenizer from {sidecars[0]}; cannot merge")
+    tag = f".tmp-{os.getpid()}"
+    tmp_bin, tmp_idx = Path(f"{bin_path(output)}{tag}"), Path(f"{idx_path(output)}{tag}")
+    try:
+        with open(tmp_bin, "wb") as out:
+            for p in parts:
+                with open(bin_path(p.prefix), "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 24)
+        lengths = np.concatenate([p.lengths for p in parts])
+        docs, shift = [np.zeros(1, np.int64)], 0
+        for p in parts:
+            docs.append(p.doc_indices[1:] + shift)
+            shift += len(p)
+        with open(tmp_idx, "wb") as fh:
+            fh.write(index_bytes(lengths, np.concatenate(docs), dtype))
+        if sidecars:
+            shutil.copyfile(sidecars[0], tokenizer_path(output))
+        _replace(tmp_bin, bin_path(output))
+        _replace(tmp_idx, idx_path(output))
+    finally:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+    return IndexedDataset(output)
