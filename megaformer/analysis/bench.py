@@ -199,6 +199,9 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
            "model_flops_per_step": flops.model, "peak_tflops": peak_value, "results": results}
     if compare_hf:
         out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
+        # median of the per-pair ratios (step i of each, run back to back): robust to machine drift
+        out["ratio_paired"] = statistics.median(
+            h / m for m, h in zip(results[0]["step_times_s"], results[1]["step_times_s"]))
     return out
 
 
@@ -215,7 +218,8 @@ def format_bench(r: dict) -> str:
                      f"{x['tokens_per_s']:>10,.0f} {x['tflops_per_device']:>8.4f} {mfu:>6s} "
                      f"{x['peak_mem_gb']:>7.3f}GB")
     if "ratio" in r:
-        lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x")
+        lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (median of back-to-back "
+                     f"pairs: {r['ratio_paired']:.2f}x)")
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)
