@@ -110,20 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dry_run(cfg, run_dir: Path) -> int:
     from megaformer.analysis.params import count_parameters
-    from megaformer.data.tokenizer import ByteTokenizer, load_tokenizer
+    from megaformer.analysis.summary import resolve_vocab
 
-    model = cfg.model
-    if model.vocab_size is None:
-        spec = cfg.data.tokenizer
-        if spec == "byte":
-            vocab = ByteTokenizer.vocab_size
-        elif spec.startswith("bpe:") and spec[4:].isdigit():
-            vocab = int(spec[4:])
-        else:
-            vocab = load_tokenizer(spec).vocab_size
-        import dataclasses
-
-        model = dataclasses.replace(model, vocab_size=vocab)
+    model = resolve_vocab(cfg).model
     counts = count_parameters(model)
     print(cfg.to_yaml().rstrip())
     print(f"# run dir: {run_dir}")

@@ -451,6 +451,9 @@ def _check_pipeline(cfg: Config) -> None:
     _require(p.zero_stage <= 1,
              f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's "
              "pipeline engine does not support ZeRO-2/3; use parallel.zero_stage=1 (or 0)")
+    _require(not (cfg.train.precision == "bf16" and p.zero_stage == 0),
+             f"train.precision=bf16 with parallel.pipeline={p.pipeline} needs parallel.zero_stage=1: "
+             "DeepSpeed accumulates bf16 micro-batch gradients in fp32 only in its ZeRO-1 optimizer")
 
 
 def _check_tensor_parallel(cfg: Config) -> None:

@@ -67,6 +67,7 @@ BAD = [
     ({"parallel": {"tensor": 2, "zero_stage": 3}, "model": {"d_model": 64, "n_heads": 4}}, "ZeRO-3"),
     ({"parallel": {"pipeline": 2, "zero_stage": 2}}, "does not support ZeRO-2/3; use parallel.zero_stage=1"),
     ({"parallel": {"pipeline": 8}, "model": {"n_layers": 4}}, "more stages than model.n_layers=4"),
+    ({"parallel": {"pipeline": 2}, "train": {"precision": "bf16"}}, "needs parallel.zero_stage=1"),
     ({"parallel": {"pipeline": 2, "pipeline_partition": "3,2"}, "model": {"n_layers": 4}}, "parallel.pipeline_partition='3,2'"),
     ({"model": {"dropout": 1.0}}, "model.dropout=1.0: must be in [0, 1)"),
     ({"deepspeed": {"train_batch_size": 4}}, "deepspeed.train_batch_size: derived by megaformer"),

@@ -99,6 +99,8 @@ def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callabl
         def _partition_layers(self, method: str = "uniform") -> None:
             if "," in method or method.isdigit():
                 self.parts = _explicit_parts(method, n_blocks, self.num_stages)
+                stage = self._topo.get_coord(self.global_rank).pipe
+                self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
                 return
             if method == "layers":
                 method = "type:Block"
