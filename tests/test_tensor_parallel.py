@@ -23,8 +23,9 @@ pytestmark = pytest.mark.multiprocess
 
 VARIANTS = {
     "mha-swiglu-tied": dict(n_heads=4, n_kv_heads=None, activation="swiglu", tie_embeddings=True),
-    "gqa-gelu-untied-bias": dict(n_heads=4, n_kv_heads=4, activation="gelu", tie_embeddings=False,
-                                 bias=True, norm="layernorm", position="learned"),
+    "gqa-gelu-untied-bias": dict(n_heads=8, n_kv_heads=4, d_model=64, activation="gelu",
+                                 tie_embeddings=False, bias=True, norm="layernorm",
+                                 position="learned"),
     "gqa-parallel-residual": dict(n_heads=8, n_kv_heads=4, residual="parallel", d_model=64),
 }
 
@@ -60,7 +61,8 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
     full0 = full_state_dict(tp, topo)
     init_err = max(_rel(full0[n], p.detach()[:257] if "emb" in n or "lm_head" in n else p.detach())
                    for n, p in ref.named_parameters())
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (ref, tp)]
+    # a small lr: AdamW divides by sqrt(v), which amplifies fp32 round-off in near-zero gradients
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1) for m in (ref, tp)]
     gen = torch.Generator().manual_seed(1)
     losses, grad_errs, norms = [], [], []
     for step in range(3):
