@@ -8,7 +8,6 @@ reference's norm (1e-5, fp32).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 

@@ -29,8 +29,8 @@ import numpy as np
 from megaformer.data.indexed import (IndexedWriter, check_output_prefix, dtype_holds, token_dtype,
                                      tokenizer_path)
 from megaformer.data.sources import Source, open_source
-from megaformer.data.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer,
-                                       train_bpe)
+from megaformer.data.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer,
+                                       build_tokenizer)
 from megaformer.errors import DataError
 
 log = logging.getLogger("megaformer")
@@ -64,18 +64,10 @@ def default_workers() -> int:
 
 def resolve_tokenizer(spec: str, source: Source) -> Tokenizer:
     """``byte``, ``bpe:N`` (byte-level BPE trained on ``source``) or a tokenizer.json / folder."""
-    if spec == "byte":
-        return ByteTokenizer()
-    if spec.startswith("bpe:"):
-        try:
-            n = int(spec[4:])
-        except ValueError:
-            raise DataError(f"--tokenizer {spec}: expected bpe:VOCAB_SIZE, e.g. bpe:32000") from None
-        tok = train_bpe(source.batches(), n)  # type: ignore[arg-type]  # batches of str are accepted
-        if source.stats.documents == 0:
-            raise DataError(f"{source.spec}: no non-empty documents to train the tokenizer on")
-        return tok
-    return load_tokenizer(spec)
+    tok = build_tokenizer(spec, source.batches(), option="--tokenizer")  # type: ignore[arg-type]
+    if spec.startswith("bpe:") and source.stats.documents == 0:
+        raise DataError(f"{source.spec}: no non-empty documents to train the tokenizer on")
+    return tok
 
 
 # ----------------------------------------------------------------------------- encoding

@@ -112,14 +112,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise DataError(f"{p}: cannot load tokenizer ({str(e).splitlines()[0][:200]})") from None
 
 
-def build_tokenizer(spec: str, documents: Iterator[str]) -> Tokenizer:
-    """Resolve ``data.tokenizer``: 'byte', 'bpe:N' (trained on ``documents``) or a path."""
+def build_tokenizer(spec: str, documents: Iterator[str], option: str = "data.tokenizer") -> Tokenizer:
+    """Resolve a tokenizer spec: 'byte', 'bpe:N' (trained on ``documents``) or a path.
+
+    ``option`` names where the spec came from in error messages (a config key or a CLI flag)."""
     if spec == "byte":
         return ByteTokenizer()
     if spec.startswith("bpe:"):
         try:
             n = int(spec[4:])
         except ValueError:
-            raise DataError(f"data.tokenizer={spec!r}: expected bpe:VOCAB_SIZE, e.g. bpe:4096") from None
+            raise DataError(f"{option}={spec!r}: expected bpe:VOCAB_SIZE, e.g. bpe:4096") from None
         return train_bpe(documents, n)
     return load_tokenizer(spec)

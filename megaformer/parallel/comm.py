@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -111,69 +111,36 @@ def split_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tenso
     return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return all_reduce(grad.clone(), ctx.group), None
+def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        return all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
+def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return all_reduce(x.clone(), group)  # never reduce into a tensor autograd still holds
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return all_gather_seq(x, group)
+def _conjugate(forward: Callable, backward: Callable) -> type:
+    """An autograd function y = forward(x, group) whose gradient is backward(dy, group)."""
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return reduce_scatter_seq(grad, ctx.group), None
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):  # type: ignore[override]
+            ctx.group = group
+            return forward(x, group)
 
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            return backward(grad, ctx.group), None
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return all_gather_seq(grad, ctx.group), None
+    return Op
 
 
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return all_gather_seq(grad, ctx.group), None
-
-
-class _GatherSeqSplit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return split_seq(grad, ctx.group), None
+_CopyToTP = _conjugate(_identity, _all_reduce_copy)
+_ReduceFromTP = _conjugate(_all_reduce_copy, _identity)
+_GatherSeq = _conjugate(all_gather_seq, reduce_scatter_seq)
+_ReduceScatterSeq = _conjugate(reduce_scatter_seq, all_gather_seq)
+_ScatterSeq = _conjugate(split_seq, all_gather_seq)
+_GatherSeqSplit = _conjugate(all_gather_seq, split_seq)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

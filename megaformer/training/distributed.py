@@ -123,11 +123,3 @@ def all_reduce_mean(value: torch.Tensor, group: Optional[Any] = None) -> torch.T
             torch.distributed.all_reduce(value, group=group)
             value /= n
     return value
-
-
-def broadcast_object(obj: object, src: int = 0) -> object:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=src)
-        return box[0]
-    return obj

@@ -149,16 +149,18 @@ def global_grad_norm(params: Any, tp_group: Any, pp_group: Any = None) -> float:
     of a tied weight on the last stage skipped). Used when DeepSpeed does not report it."""
     from megaformer.parallel.comm import all_reduce, no_counting
 
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+    parts: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # sharded? -> squared norms
+    device = torch.device("cpu")
     for p in params:
         if p.grad is None or getattr(p, "ds_pipe_replicated", False):
             continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq
+        device = p.grad.device
+        parts[bool(getattr(p, "tensor_model_parallel", False))].append(
+            p.grad.detach().double().pow(2).sum())
+    # summed where the gradients live: no host sync per parameter on the training step
+    sharded, replicated = (torch.stack(v).sum() if v else torch.zeros((), dtype=torch.float64,
+                                                                        device=device)
+                           for v in (parts[True], parts[False]))
     with no_counting():
         total = all_reduce(sharded, tp_group) + replicated
         if pp_group is not None:
