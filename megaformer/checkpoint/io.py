@@ -211,6 +211,45 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     return final
 
 
+def save_weights_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor],
+                            config_yaml: str, tokenizer: Any, meta: dict) -> Path:
+    """A weights-only checkpoint (one process): what ``megaformer convert`` writes.
+
+    Same layout as a training checkpoint minus the engine state and RNG: ``model.safetensors``
+    (unsharded, unpadded), ``config.yaml``, ``tokenizer.json`` and ``meta.json`` with
+    ``"weights_only": true``. ``megaformer train`` on such a run directory starts from these
+    weights with a fresh optimizer, at any parallel layout. Refuses to replace a checkpoint."""
+    from safetensors.torch import save_file
+
+    root = run_dir / CHECKPOINTS
+    tag = tag_for(step)
+    final, tmp = root / tag, root / f"{TMP_PREFIX}{tag}"
+    if final.exists():
+        raise CheckpointError(f"{final}: already exists; not overwriting it")
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS),
+              metadata={"format": "pt", "megaformer_version": __version__})
+    (tmp / CONFIG).write_text(config_yaml)
+    tokenizer.save(tmp / "tokenizer.json")
+    full_meta = {"megaformer_version": __version__, "step": step, "weights_only": True,
+                 "consumed_samples": 0, "consumed_tokens": 0,
+                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta}
+    (tmp / META).write_text(json.dumps(full_meta, indent=2))
+    _fsync_tree(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    write_text_atomic(root / LATEST, tag + "\n")
+    return final
+
+
+def is_weights_only(ckpt: Path) -> bool:
+    """True for a checkpoint with weights but no engine state (from ``megaformer convert``)."""
+    return bool(read_meta(ckpt).get("weights_only", False))
+
+
 # ----------------------------------------------------------------------------- load
 
 def load_engine_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict, dict]:

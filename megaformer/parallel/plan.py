@@ -21,7 +21,7 @@ summed over the TP group. Dropout on sharded activations draws from the per-rank
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -173,3 +173,30 @@ def full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]
         out[name] = t.clone()
     return out
 
+
+
+@torch.no_grad()
+def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: Any) -> None:
+    """Copy unsharded, unpadded weights (the inverse of :func:`full_state_dict`) into a whole,
+    not yet parallelised model: vocabulary padding rows stay zero, a tied output layer follows
+    the embedding. Call before :func:`parallelize`, which then keeps this rank's shards.
+
+    A name missing or extra, or a shape that differs, raises CheckpointError naming ``source``."""
+    from megaformer.errors import CheckpointError
+
+    expected = dict(model.named_parameters())
+    if getattr(model.cfg, "tie_embeddings", False):
+        expected.pop("lm_head.weight", None)
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{source}: weights do not fit the configured model (missing "
+                              f"{missing[:3]}, unexpected {extra[:3]})")
+    for name, p in expected.items():
+        w = weights[name]
+        rows = model.vocab_size if name in ("tok_embeddings.weight", "lm_head.weight") else p.shape[0]
+        if tuple(w.shape) != (rows, *p.shape[1:]):
+            raise CheckpointError(f"{source}: {name} has shape {tuple(w.shape)}, the configured "
+                                  f"model needs {(rows, *p.shape[1:])}")
+        p[rows:].zero_()
+        p[:rows].copy_(w.to(p.dtype))

@@ -35,7 +35,8 @@ from megaformer.training.optimizer import build_optimizer
 from megaformer.training.schedule import lr_lambda
 from megaformer.analysis.params import count_parameters
 from megaformer.parallel.pipeline import build_pipeline, original_names, pipeline_state_dict
-from megaformer.parallel.plan import full_state_dict, padded_vocab_size, parallelize
+from megaformer.parallel.plan import (full_state_dict, load_full_weights, padded_vocab_size,
+                                      parallelize)
 from megaformer.training.recompute import apply_recompute
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.topology import build_topology, layout_groups
@@ -110,7 +111,8 @@ def _check_resume_compatible(cfg: Config, ckpt: Path, world_size: int) -> None:
         new, old = getattr(cfg.data, key), getattr(saved_cfg.data, key)
         if new != old:
             raise CheckpointError(f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r})")
-    _check_layout_unchanged(cfg, ckpt, world_size)
+    if not ckpt_io.is_weights_only(ckpt):  # unsharded weights fit any layout
+        _check_layout_unchanged(cfg, ckpt, world_size)
 
 
 def _check_layout_unchanged(cfg: Config, ckpt: Path, world_size: int) -> None:
@@ -185,6 +187,8 @@ class Trainer:
                                   "or choose another --run-dir")
         if self.resume_from is not None:
             _check_resume_compatible(cfg, self.resume_from, self.proc.world_size)
+        # A weights-only checkpoint (``megaformer convert``) seeds the model; nothing else resumes.
+        self.init_only = self.resume_from is not None and ckpt_io.is_weights_only(self.resume_from)
         from megaformer.kernels.attention import resolve_backend
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -218,7 +222,9 @@ class Trainer:
         self.model = self._build_model()
         self._build_engine()
         self.step, consumed = 0, 0
-        if self.resume_from is not None:
+        if self.resume_from is not None and self.init_only:
+            log.info("starting from the weights of %s (fresh optimizer, step 0)", self.resume_from)
+        elif self.resume_from is not None:
             client, rng = ckpt_io.load_engine_state(self.engine, self.resume_from, self.rank)
             if self.tp_rng is not None and "tensor_parallel" in rng:
                 self.tp_rng.load_state_dict(rng["tensor_parallel"])
@@ -244,6 +250,8 @@ class Trainer:
         padded = padded_vocab_size(self.cfg.model.vocab_size, p.tensor, p.vocab_multiple)
         torch.manual_seed(self.cfg.train.seed)
         model = Transformer(self.cfg.model, padded_vocab_size=padded)
+        if self.init_only:
+            load_full_weights(model, ckpt_io.load_weights(self.resume_from), self.resume_from)
         torch.manual_seed(self.cfg.train.seed + 1)  # dropout stream, independent of init
         self.tp_rng = (TensorParallelRNG(self.cfg.train.seed, self.topo.tp_rank)
                        if p.tensor > 1 else None)
