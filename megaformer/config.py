@@ -123,7 +123,9 @@ class DataConfig:
     text_field: str = option("text", "Field holding the text in .json/.jsonl records.")
     seq_len: Optional[int] = option(None, "Training sequence length; null = model.max_seq_len.")
     valid_fraction: float = option(0.05, "Fraction of documents held out for validation.")
-    max_bytes: Optional[int] = option(None, "Read at most this many bytes of text (null = all).")
+    max_bytes: Optional[int] = option(
+        None, "Read at most this many characters of text (null = all): of data.source, and of "
+              "each data.paths source prepared on the fly (not of already prepared .bin/.idx).")
     paths: Optional[list[str]] = option(
         None, "The Megatron-style pipeline: a list of prepared datasets (PREFIX of PREFIX.bin + "
               "PREFIX.idx, from `megaformer prepare-data`, Megatron-LM or GPT-NeoX) or sources that are "

@@ -43,6 +43,13 @@ def test_train_on_paths_blend_and_resume_exactly(tmp_path, text_corpus):
     assert "data: prepared" not in again.stdout and "resumed from" in again.stdout
     a, b = losses(run), losses(resumed)
     assert [b[s] for s in (3, 4)] == [a[s] for s in (3, 4)]
+    # another blend would make the saved position index another stream: refused, nothing written
+    before = sorted(p.name for p in (resumed / "checkpoints").iterdir())
+    other = [a.replace("[0.4,0.6]", "[0.5,0.5]") for a in args]
+    changed = run_cli("train", "configs/quickstart.yaml", *other, "train.steps=6",
+                      "--run-dir", str(resumed))
+    assert_one_line_error(changed, "data.weights=[0.5, 0.5] differs from the checkpoint")
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == before
 
 
 def test_paths_errors_are_one_line(tmp_path):

@@ -41,6 +41,15 @@ def test_byte_tokenizer_round_trips_every_document(tmp_path, jsonl):
     assert r.tokens == ds.n_tokens == sum(len(d.encode()) + 1 for d in DOCS)
 
 
+def test_max_chars_keeps_a_prefix_of_the_text(tmp_path, jsonl):
+    """data.max_bytes on the data.paths route: the first N characters, the last document cut."""
+    limit = len(DOCS[0]) + len(DOCS[1]) + 100
+    prepare(str(jsonl), "byte", tmp_path / "out", progress=False, max_chars=limit)
+    ds = IndexedDataset(tmp_path / "out")
+    tok = load_tokenizer(tokenizer_path(tmp_path / "out"))
+    assert [tok.decode(d.tolist()) for d in documents(ds, 256)] == [*DOCS[:2], DOCS[2][:100]]
+
+
 def test_bpe_is_trained_saved_and_workers_agree(tmp_path, jsonl):
     folder = tmp_path / "mixed"
     folder.mkdir()

@@ -146,6 +146,26 @@ def _chunks(batches: Iterator[list[str]], chunk_chars: int) -> Iterator[list[str
         yield buf
 
 
+def limit_chars(batches: Iterator[list[str]], max_chars: Optional[int]) -> Iterator[list[str]]:
+    """The documents of ``batches`` up to ``max_chars`` characters in all (the last one cut), as
+    ``data.max_bytes`` does for ``data.source``; everything when ``max_chars`` is None."""
+    if max_chars is None:
+        yield from batches
+        return
+    left = max_chars
+    for batch in batches:
+        out = []
+        for t in batch:
+            if len(t) >= left:
+                if left > 0:
+                    out.append(t[:left])
+                yield out
+                return
+            out.append(t)
+            left -= len(t)
+        yield out
+
+
 def encode_stream(chunks: Iterator[list[str]], tokenizer: Tokenizer, dtype: np.dtype,
                   workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """(tokens, lengths, characters) per chunk, in input order, tokenized by ``workers`` processes."""
@@ -188,10 +208,11 @@ def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
             text_field: str = "text", workers: Optional[int] = None, overwrite: bool = False,
             dtype: str = "auto", sample_by: str = "document", streaming: bool = True,
             chunk_chars: int = 1 << 20, progress: Optional[bool] = None,
-            tokenizer: Optional[Tokenizer] = None) -> PrepareResult:
+            tokenizer: Optional[Tokenizer] = None, max_chars: Optional[int] = None) -> PrepareResult:
     """Tokenize ``input_spec`` into ``output_prefix``.bin/.idx (+ ``.tokenizer.json``).
 
     ``progress=None`` shows a bar only on a terminal. ``tokenizer`` overrides ``tokenizer_spec``.
+    ``max_chars`` stops after that many characters of text (``data.max_bytes``).
     """
     t0 = time.perf_counter()
     prefix = check_output_prefix(output_prefix, overwrite)
@@ -219,7 +240,7 @@ def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
     side_tmp = Path(f"{tokenizer_path(prefix)}.tmp-{os.getpid()}")
     bar = _bar(source, progress)
     try:
-        for tokens, lengths, chars in encode_stream(_chunks(source.batches(), chunk_chars),
+        for tokens, lengths, chars in encode_stream(_chunks(limit_chars(source.batches(), max_chars), chunk_chars),
                                                      tokenizer, np_dtype, workers):
             writer.add(tokens, lengths)
             if bar is not None:

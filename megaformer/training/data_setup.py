@@ -114,6 +114,7 @@ def _tokenizer_digest(tokenizer: Tokenizer, scratch: Path) -> str:
 
 def _indexed_tokenizer(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
                        checkpoint: Optional[Path], sources: list[str]) -> Tokenizer:
+    from megaformer.data.prepare import limit_chars
     from megaformer.data.sources import open_source
 
     d = cfg.data
@@ -132,7 +133,9 @@ def _indexed_tokenizer(cfg: Config, run_dir: Path, rank: int, barrier: Callable[
         seen = [0]
 
         def documents() -> Iterator[str]:
-            for doc in itertools.chain.from_iterable(o.documents() for o in opened):
+            for doc in itertools.chain.from_iterable(
+                    itertools.chain.from_iterable(limit_chars(o.batches(), d.max_bytes))
+                    for o in opened):
                 seen[0] += 1
                 yield doc
 
@@ -165,7 +168,8 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
             cache.mkdir(parents=True, exist_ok=True)
             tok_digest = _tokenizer_digest(tokenizer, cache / f".tokenizer-{rank}.json")
         key = hashlib.sha256(json.dumps({"v": 1, "spec": spec, "content": src.fingerprint(),
-                                         "text_field": d.text_field, "tokenizer": tok_digest},
+                                         "text_field": d.text_field, "tokenizer": tok_digest,
+                                         **({"max_chars": d.max_bytes} if d.max_bytes else {})},
                                         sort_keys=True).encode()).hexdigest()[:20]
         out = cache / "prepared" / key / "data"
         prefixes.append(out)
@@ -176,7 +180,7 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
         for spec, out in todo:
             out.parent.mkdir(parents=True, exist_ok=True)
             r = prepare(spec, d.tokenizer, out, text_field=d.text_field, overwrite=True,
-                        tokenizer=tokenizer, progress=None)
+                        tokenizer=tokenizer, progress=None, max_chars=d.max_bytes)
             log.info("data: prepared %s -> %s: %s documents, %s tokens in %.1fs", spec, out,
                      f"{r.documents:,}", f"{r.tokens:,}", r.seconds)
 

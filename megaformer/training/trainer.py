@@ -89,6 +89,9 @@ def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
 
 # Model keys that do not change the weights, so a resumed run may set them differently.
 RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std"}
+# Data keys that define the sample stream the saved position (consumed samples) indexes.
+RESUME_DATA_KEYS = ("seq_len", "tokenizer", "source", "text_field", "max_bytes", "valid_fraction",
+                    "paths", "weights", "split")
 
 
 def _check_resume_compatible(cfg: Config, ckpt: Path, world_size: int) -> None:
@@ -107,12 +110,16 @@ def _check_resume_compatible(cfg: Config, ckpt: Path, world_size: int) -> None:
         if new != old:
             raise CheckpointError(f"model.{f.name}={new!r} differs from the checkpoint {ckpt} "
                                   f"({old!r}); use another --run-dir or the checkpoint's model")
-    for key in ("seq_len", "tokenizer"):
+    if ckpt_io.is_weights_only(ckpt):  # a fresh run from these weights: any data, any layout
+        return
+    for key in RESUME_DATA_KEYS:
         new, old = getattr(cfg.data, key), getattr(saved_cfg.data, key)
         if new != old:
-            raise CheckpointError(f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r})")
-    if not ckpt_io.is_weights_only(ckpt):  # unsharded weights fit any layout
-        _check_layout_unchanged(cfg, ckpt, world_size)
+            raise CheckpointError(
+                f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r}): the saved data "
+                "position would point into another sample stream; resume with the checkpoint's "
+                "data settings, or start a new run from its weights")
+    _check_layout_unchanged(cfg, ckpt, world_size)
 
 
 def _check_layout_unchanged(cfg: Config, ckpt: Path, world_size: int) -> None:
