@@ -69,9 +69,66 @@ def parse_size(text: str) -> int:
     return size
 
 
+class SafetensorsFile:
+    """One safetensors file read with plain ``pread`` calls (no memory map, so pages of tensors
+    already converted do not stay resident). The header is validated against the file size: a
+    truncated or tampered file is refused, naming it, before any tensor is used."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not path.is_file():
+            raise ConversionError(f"{path}: missing weights file")
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if n < 2 or 8 + n > size or n > 100_000_000:
+                self._corrupt(f"header length {n} does not fit a file of {size} bytes")
+            try:
+                header = json.loads(fh.read(n))
+            except (UnicodeDecodeError, ValueError):
+                self._corrupt("header is not JSON")
+        header.pop("__metadata__", None)
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        end = 0
+        for name, e in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]
+                              if isinstance(kv[1], dict) else 0):
+            try:
+                dtype, shape, (begin, stop) = _DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                self._corrupt(f"bad header entry for {name}")
+            if begin != end or stop - begin != _nbytes(shape, dtype):
+                self._corrupt(f"tensor {name} has offsets {begin}..{stop}, expected {end}..")
+            self.entries[name] = (dtype, shape, 8 + n + begin, stop - begin)
+            end = stop
+        if 8 + n + end != size:
+            self._corrupt(f"{size} bytes, the header describes {8 + n + end} (truncated?)")
+
+    def _corrupt(self, why: str) -> None:
+        raise CheckpointError(f"{self.path}: corrupt safetensors file ({why})")
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def meta(self, name: str) -> torch.Tensor:
+        dtype, shape, _, _ = self.entries[name]
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def get(self, name: str) -> torch.Tensor:
+        dtype, shape, offset, nbytes = self.entries[name]
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        buf = bytearray(nbytes)
+        with open(self.path, "rb") as fh:
+            fh.seek(offset)
+            if fh.readinto(buf) != nbytes:
+                self._corrupt(f"short read of tensor {name}")
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class TensorSource:
-    """Tensors of one ``model.safetensors`` or of a sharded folder (``model.safetensors.index.json``),
-    opened lazily (memory-mapped); :meth:`get` copies one tensor into memory."""
+    """Tensors of one ``model.safetensors`` or of a sharded folder (``model.safetensors.index.json``);
+    only headers are read up front, :meth:`get` reads one tensor into memory."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -79,62 +136,41 @@ class TensorSource:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError):
+                paths = sorted({folder / f for f in weight_map.values()})
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise ConversionError(f"{index}: not a safetensors index (no weight_map)") from None
-            self.files = {name: folder / fname for name, fname in weight_map.items()}
         elif (folder / SINGLE_FILE).is_file():
-            self.files = None
+            weight_map, paths = None, [folder / SINGLE_FILE]
         else:
             raise ConversionError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
                                   "weights are read; pickled .bin files are refused)")
-        self._handles: dict[Path, object] = {}
-        self._names: dict[str, Path] = {}
-        paths = sorted(set(self.files.values())) if self.files else [folder / SINGLE_FILE]
+        self._files: dict[str, SafetensorsFile] = {}
         for path in paths:
-            for name in self._open(path).keys():
-                self._names[name] = path
-        if self.files:
-            missing = sorted(set(self.files) - set(self._names))
-            if missing:
-                raise ConversionError(f"{index}: lists {missing[0]} in {self.files[missing[0]].name}, "
-                                      "which does not hold it")
-
-    def _open(self, path: Path):
-        if path not in self._handles:
-            from safetensors import safe_open
-
-            if not path.is_file():
-                raise ConversionError(f"{path}: missing weights file")
-            try:
-                self._handles[path] = safe_open(str(path), framework="pt")
-            except Exception as e:  # SafetensorError, OSError: truncated or tampered header/data
-                raise CheckpointError(f"{path}: corrupt safetensors file "
-                                      f"({str(e).splitlines()[0][:200]})") from None
-        return self._handles[path]
+            f = SafetensorsFile(path)
+            for name in f.keys():
+                self._files[name] = f
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in self._files or self._files[name].path.name != fname:
+                    raise ConversionError(f"{index}: lists {name} in {fname}, which does not hold it")
 
     def keys(self) -> list[str]:
-        return sorted(self._names)
+        return sorted(self._files)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._names
+        return name in self._files
 
-    def file_of(self, name: str) -> Path:
-        if name not in self._names:
+    def file_of(self, name: str) -> SafetensorsFile:
+        if name not in self._files:
             raise ConversionError(f"{self.folder}: missing tensor {name}")
-        return self._names[name]
+        return self._files[name]
 
     def meta(self, name: str) -> torch.Tensor:
-        """A ``meta`` tensor with the stored shape and dtype (reads only the header)."""
-        sl = self._open(self.file_of(name)).get_slice(name)
-        return torch.empty(sl.get_shape(), dtype=_DTYPES[sl.get_dtype()], device="meta")
+        """A ``meta`` tensor with the stored shape and dtype (no data read)."""
+        return self.file_of(name).meta(name)
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.file_of(name)
-        try:
-            return self._open(path).get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot read tensor {name} "
-                                  f"({str(e).splitlines()[0][:200]})") from None
+        return self.file_of(name).get(name)
 
 
 def check_inputs(plan: list[Entry], source: TensorSource, ignore: Callable[[str], bool]) -> None:
@@ -228,9 +264,9 @@ class SafetensorsShardWriter:
                                f"{tuple(tensor.shape)} {tensor.dtype}")
         if shard != self._shard:
             self._start_shard(shard)
-        t = tensor.detach().to("cpu").contiguous()
-        self._fh.write(t.view(torch.uint8).numpy().tobytes() if t.dim() else
-                       t.reshape(1).view(torch.uint8).numpy().tobytes())
+        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if t.numel():
+            self._fh.write(t.view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
         self._pos += 1
 
     def close(self) -> list[str]:
