@@ -113,19 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_convert_parser(sub) -> None:
     conv = sub.add_parser(
         "convert", help="convert checkpoints: megaformer <-> Hugging Face, or reshard",
-        description="Convert SRC into DST (a new or empty folder; written under a temporary name and "
-                    "renamed when complete). Tensors are streamed one at a time: peak memory is about "
-                    "the largest tensor (the embedding), not the model.\n\n"
-                    "--to hf: SRC is a megaformer run directory (its latest checkpoint) or checkpoint, "
-                    "trained with any TP/PP/DP/ZeRO layout; DST becomes a Hugging Face folder "
-                    "(safetensors, config.json, tokenizer.json, tokenizer_config.json) that "
-                    "transformers.AutoModelForCausalLM.from_pretrained(DST) loads as "
-                    "LlamaForCausalLM, GPT2LMHeadModel or GPTNeoXForCausalLM. Model features the "
-                    "class cannot express are refused by name.\n"
-                    "--to megaformer: SRC is a Hugging Face folder (llama, gpt2, gpt_neox; safetensors "
-                    "and tokenizer.json) -> DST is a run directory with a weights-only checkpoint and "
-                    "DST/config.yaml for TP=--tp, PP=--pp; or SRC is a megaformer checkpoint -> "
-                    "DST is the same checkpoint resharded for --tp/--pp.",
+        description="\n\n".join(textwrap.fill(p, 88) for p in (
+            "Convert SRC into DST (a new or empty folder; written under a temporary name and "
+            "renamed when complete). Tensors are streamed one at a time: peak memory is about the "
+            "largest tensor (the embedding), not the model.",
+            "--to hf: SRC is a megaformer run directory (its latest checkpoint) or checkpoint, "
+            "trained with any TP/PP/DP/ZeRO layout; DST becomes a Hugging Face folder (safetensors, "
+            "config.json, tokenizer.json, tokenizer_config.json) that "
+            "transformers.AutoModelForCausalLM.from_pretrained(DST) loads as LlamaForCausalLM, "
+            "GPT2LMHeadModel or GPTNeoXForCausalLM. Model features the class cannot express are "
+            "refused by name.",
+            "--to megaformer: SRC is a Hugging Face folder (llama, gpt2, gpt_neox; safetensors and "
+            "tokenizer.json) -> DST is a run directory with a weights-only checkpoint and "
+            "DST/config.yaml for TP=--tp, PP=--pp; or SRC is a megaformer checkpoint -> DST is the "
+            "same checkpoint resharded for --tp/--pp.")),
         epilog="examples:\n"
                "  megaformer convert runs/quickstart hf/quickstart --to hf --arch llama --dtype bf16\n"
                "  megaformer convert hf/model runs/continued --to megaformer --tp 2 --pp 2\n"
@@ -259,6 +260,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out = convert.import_from_hf(src, dst, tensor=args.tp, pipeline=args.pp, arch=args.arch,
                                      dtype=args.dtype)
     else:
+        if args.arch is not None:
+            raise UserError(f"--arch {args.arch}: SRC {src} is a megaformer checkpoint; resharding "
+                            "keeps its model (drop --arch)")
         from megaformer.checkpoint.io import resolve_checkpoint
         from megaformer.checkpoint.reshard import reshard_checkpoint
 

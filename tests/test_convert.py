@@ -308,3 +308,23 @@ def test_truncated_or_tampered_safetensors_name_the_file(hf_folders, megaformer_
     proc = _cli(capsys, "convert", str(run), str(tmp_path / "out2"), "--to", "hf")
     assert_one_line_error(proc, str(mf_weights), "corrupt safetensors file")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_megaformer_to_megaformer_calls_the_reshard(megaformer_run, tmp_path, capsys, monkeypatch):
+    """The CLI branch only: ``convert CKPT DST --to megaformer --tp/--pp`` hands the resolved
+    checkpoint to ``megaformer.checkpoint.reshard.reshard_checkpoint`` (tested with its module)."""
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("megaformer.checkpoint.reshard")
+    fake.reshard_checkpoint = lambda src, dst, tensor, pipeline: calls.append(
+        (src, dst, tensor, pipeline)) or dst
+    monkeypatch.setitem(sys.modules, "megaformer.checkpoint.reshard", fake)
+    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r"), "--to", "megaformer",
+                "--tp", "2", "--pp", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [(ckpt_io.resolve_checkpoint(megaformer_run), tmp_path / "r", 2, 2)]
+    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r"), "--to", "megaformer",
+                "--arch", "gpt2")
+    assert_one_line_error(proc, "--arch gpt2", "drop --arch")
