@@ -94,6 +94,14 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _cli(capsys, *args: str) -> subprocess.CompletedProcess:
+    from megaformer.cli import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt-neox"])
 def test_import_matches_transformers_and_export_gives_identical_tensors(hf_folders, tmp_path, kind):
     src = hf_folders[kind]
@@ -114,12 +122,44 @@ def test_import_matches_transformers_and_export_gives_identical_tensors(hf_folde
     assert (_hf_logits(back) - theirs).abs().max().item() == 0.0
 
 
-def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path):
+NATIVE = {  # megaformer-made models, exercising the other branches of each mapping
+    "llama": {"tie_embeddings": True, "bias": True, "rope_theta": 500.0},
+    "gpt2": {"position": "learned", "norm": "layernorm", "activation": "gelu", "bias": False,
+             "tie_embeddings": False, "n_kv_heads": None, "norm_eps": 1e-6},
+    "gpt-neox": {"norm": "layernorm", "activation": "gelu_tanh", "residual": "sequential",
+                 "rotary_fraction": 0.5, "bias": False, "tie_embeddings": True, "n_kv_heads": None},
+}
+
+
+@pytest.mark.parametrize("kind", list(NATIVE))
+def test_megaformer_models_export_with_equal_logits(tmp_path, kind):
+    from megaformer.config import config_from_dict
+    from megaformer.data.tokenizer import ByteTokenizer
+    from megaformer.model.transformer import Transformer
+
+    model_cfg = {"vocab_size": 257, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                 "max_seq_len": 32, **NATIVE[kind]}
+    cfg = config_from_dict({"model": model_cfg})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
+    weights = {k: v for k, v in model.state_dict().items()
+               if not (cfg.model.tie_embeddings and k == "lm_head.weight")}
+    run = tmp_path / "run"
+    ckpt_io.save_weights_checkpoint(run, 0, weights, cfg.to_yaml(), ByteTokenizer(), {})
+    dst = export_to_hf(run, tmp_path / "hf", arch=kind)
+    ours, theirs = _our_logits(run), _hf_logits(dst)
+    assert (ours - theirs).abs().max().item() <= 1e-5 and theirs.std().item() > 0.1
+
+
+def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path, capsys):
     run = import_from_hf(hf_folders["gpt-neox"], tmp_path / "run")
     dst = tmp_path / "hf"
-    proc = run_cli("convert", str(run), str(dst), "--to", "hf", "--dtype", "bf16",
-                   "--max-shard-size", "40KB")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _cli(capsys, "convert", str(run), str(dst), "--to", "hf", "--dtype", "bf16",
+                "--max-shard-size", "40KB")
+    assert proc.returncode == 0, proc.stderr
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and sorted(p.name for p in dst.glob("*.safetensors")) == shards
@@ -142,22 +182,42 @@ def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_model_trained_at_tp2_pp2_exports_with_equal_logits_and_generation(tmp_path):
+def test_imported_model_trains_at_tp2_pp2_and_exports_with_equal_logits_and_generation(
+        hf_folders, tmp_path, capsys):
+    """HF GPT-NeoX (biases, partial rotary, parallel residual) -> megaformer for TP=2 x PP=2 ->
+    3 steps of `megaformer train` on 4 ranks -> HF again.
+
+    The weights move from the imported ones by at most what 3 AdamW steps of lr allow (a
+    re-initialised model would be ~0.1 away); transformers' logits on the export equal
+    megaformer's, and transformers' greedy generate gives the tokens of `megaformer generate`."""
     run = tmp_path / "run"
-    proc = run_torchrun(4, "train", "configs/quickstart.yaml",
-                        *tiny_overrides("stdlib", **{"parallel.tensor": 2, "parallel.pipeline": 2,
-                                                     "model.tie_embeddings": "false",
-                                                     "train.steps": 3, "eval.interval": 0}),
+    proc = _cli(capsys, "convert", str(hf_folders["gpt-neox"]), str(run), "--to", "megaformer",
+                "--tp", "2", "--pp", "2")
+    assert proc.returncode == 0, proc.stderr
+    before = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run))
+    args = [a for a in tiny_overrides() if not a.startswith("model.")]
+    lr = 1e-3
+    proc = run_torchrun(4, "train", str(run / "config.yaml"), *args, "train.steps=3",
+                        f"train.lr={lr}", "train.warmup_steps=0", "eval.interval=0",
                         "--run-dir", str(run))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting from the weights of" in proc.stdout + proc.stderr
+    after_ckpt = ckpt_io.resolve_checkpoint(run)
+    assert after_ckpt.name == "step_0000003"
+    assert json.loads((after_ckpt / "meta.json").read_text())["parallel"]["pipeline"] == 2
+    after = ckpt_io.load_weights(after_ckpt)
+    assert sorted(after) == sorted(before)
+    moved = 0.0
+    for k in before:
+        delta = (after[k] - before[k]).abs().max().item()
+        assert delta <= 3.5 * lr, (k, delta)
+        moved = max(moved, delta)
+    assert moved > 0.5 * lr
+
     dst = tmp_path / "hf"
-    proc = run_cli("convert", str(run), str(dst), "--to", "hf", "--arch", "llama")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cfg = json.loads((dst / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2
-    ours = _our_logits(run)
-    theirs = _hf_logits(dst)
-    assert (ours - theirs).abs().max().item() <= 1e-5
+    proc = _cli(capsys, "convert", str(run), str(dst), "--to", "hf", "--arch", "gpt-neox")
+    assert proc.returncode == 0, proc.stderr
+    assert (_our_logits(run) - _hf_logits(dst)).abs().max().item() <= 1e-5
 
     prompt, n = "def main(", 12
     gen = run_cli("generate", str(run), "--prompt", prompt, "--max-new-tokens", str(n),
@@ -166,55 +226,16 @@ def test_model_trained_at_tp2_pp2_exports_with_equal_logits_and_generation(tmp_p
     model = transformers.AutoModelForCausalLM.from_pretrained(dst, local_files_only=True).eval()
     tok = transformers.AutoTokenizer.from_pretrained(dst, local_files_only=True)
     ids = tok(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == list(prompt.encode())
     out = model.generate(ids, max_new_tokens=n, do_sample=False)
     ours_model, _, _, _ = load_checkpoint_model(run)
     expected = ours_model.generate(ids, n, temperature=0, eos_id=256)
     assert out[0].tolist() == expected[0].tolist()
-    new = [t for t in out[0, ids.shape[1]:].tolist() if t != 256]
-    assert gen.stdout.rstrip("\n") == prompt + bytes(new).decode("utf-8", errors="replace")
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_imported_model_continues_pretraining_at_tp2(hf_folders, tmp_path):
-    """HF GPT-NeoX (biases, partial rotary, parallel residual) -> megaformer at TP=2 -> 2 steps of
-    `megaformer train`: the weights move from the imported ones by at most what 2 AdamW steps of
-    lr allow (a re-initialised model would be ~0.1 away), and the result exports back to HF."""
-    run = tmp_path / "run"
-    proc = run_cli("convert", str(hf_folders["gpt-neox"]), str(run), "--to", "megaformer",
-                   "--tp", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    before = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run))
-    args = [a for a in tiny_overrides() if not a.startswith("model.")]
-    lr = 1e-3
-    proc = run_torchrun(2, "train", str(run / "config.yaml"), *args, "train.steps=2",
-                        f"train.lr={lr}", "train.warmup_steps=0", "eval.interval=0",
-                        "--run-dir", str(run))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "starting from the weights of" in proc.stdout + proc.stderr
-    after_ckpt = ckpt_io.resolve_checkpoint(run)
-    assert after_ckpt.name == "step_0000002"
-    after = ckpt_io.load_weights(after_ckpt)
-    assert sorted(after) == sorted(before)
-    moved = 0.0
-    for k in before:
-        delta = (after[k] - before[k]).abs().max().item()
-        assert delta <= 2.1 * lr, (k, delta)
-        moved = max(moved, delta)
-    assert moved > 0.5 * lr
-    back = export_to_hf(run, tmp_path / "hf")
-    assert (_hf_logits(back) - _our_logits(run)).abs().max().item() <= 1e-5
+    new = out[0, ids.shape[1]:].tolist()
+    assert gen.stdout.rstrip("\n") == prompt + tok.decode(new, skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------- refusals and errors
-
-def _cli(capsys, *args: str) -> subprocess.CompletedProcess:
-    from megaformer.cli import main
-
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
-
 
 @pytest.fixture(scope="module")
 def megaformer_run(hf_folders, tmp_path_factory) -> Path:
@@ -328,3 +349,17 @@ def test_megaformer_to_megaformer_calls_the_reshard(megaformer_run, tmp_path, ca
     proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r"), "--to", "megaformer",
                 "--arch", "gpt2")
     assert_one_line_error(proc, "--arch gpt2", "drop --arch")
+
+
+def test_tokenizer_without_endoftext_uses_its_own_end_of_document_token():
+    """A Llama-style tokenizer ends documents with </s>: it is the EOD (no token added)."""
+    from tokenizers import Tokenizer, models
+
+    from megaformer.data.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}, unk_token="<unk>"))
+    wrapped = HFTokenizer(tok)
+    assert (wrapped.eod_id, wrapped.vocab_size) == (2, 4)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    wrapped = HFTokenizer(tok)
+    assert (wrapped.eod_id, wrapped.vocab_size) == (2, 3)  # <|endoftext|> added, as before

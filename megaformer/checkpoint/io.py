@@ -121,6 +121,21 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                           f"with a complete checkpoint, no {META})")
 
 
+def read_config(ckpt: Path) -> Any:
+    """The resolved :class:`~megaformer.config.Config` a checkpoint was saved with."""
+    import yaml
+
+    from megaformer.config import config_from_dict
+    from megaformer.errors import ConfigError
+
+    try:
+        return config_from_dict(yaml.safe_load((ckpt / CONFIG).read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{ckpt}: cannot read {CONFIG} ({e})") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt}: invalid {CONFIG}: {e}") from None
+
+
 def read_meta(ckpt: Path) -> dict:
     try:
         return json.loads((ckpt / META).read_text())

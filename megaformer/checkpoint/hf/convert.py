@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-import yaml
 
 from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
@@ -77,12 +76,7 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 def _read_megaformer(src: Path) -> tuple[Path, Config]:
     ckpt = ckpt_io.resolve_checkpoint(src)
-    try:
-        cfg = config_from_dict(yaml.safe_load((ckpt / ckpt_io.CONFIG).read_text()))
-    except (OSError, yaml.YAMLError) as e:
-        raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: cannot read it ({e})") from None
-    except ConfigError as e:
-        raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: invalid ({e})") from None
+    cfg = ckpt_io.read_config(ckpt)
     if cfg.model.vocab_size is None:
         raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: model.vocab_size is not resolved")
     return ckpt, cfg

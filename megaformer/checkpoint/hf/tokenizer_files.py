@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megaformer.data.tokenizer import EOD_TOKEN, ByteTokenizer, HFTokenizer, Tokenizer
+from megaformer.data.tokenizer import EOD_TOKEN, ByteTokenizer, Tokenizer
 
 
 def byte_level_alphabet() -> list[str]:
