@@ -173,6 +173,12 @@ def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path, capsys):
         t.numel() * 2 for t in got.values())
     for k in ref:
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref[k].to(torch.bfloat16)), k
+    back = import_from_hf(dst, tmp_path / "back", dtype="fp32")  # reads the sharded folder
+    w0, w1 = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run)), ckpt_io.load_weights(
+        ckpt_io.resolve_checkpoint(back))
+    assert sorted(w0) == sorted(w1)
+    for k in w0:
+        assert w1[k].dtype == torch.float32 and torch.equal(w1[k], w0[k].bfloat16().float()), k
     tok = transformers.AutoTokenizer.from_pretrained(dst, local_files_only=True)
     assert tok.encode("def é\n") == list("def é\n".encode()) and tok.eos_token_id == 256
     assert tok.decode(list("añb".encode())) == "añb"
