@@ -369,3 +369,18 @@ def test_tokenizer_without_endoftext_uses_its_own_end_of_document_token():
     tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
     wrapped = HFTokenizer(tok)
     assert (wrapped.eod_id, wrapped.vocab_size) == (2, 3)  # <|endoftext|> added, as before
+
+
+def test_a_tensor_without_counterpart_is_refused_not_dropped(hf_folders, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "llama"
+    shutil.copytree(hf_folders["llama"], src)
+    w = load_file(str(src / "model.safetensors"))
+    w["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)  # a Qwen3-style extra norm
+    save_file(w, str(src / "model.safetensors"))
+    proc = _cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
+    assert_one_line_error(proc, "model.layers.0.self_attn.q_norm.weight has no counterpart",
+                          "refusing to drop it")

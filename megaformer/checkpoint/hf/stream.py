@@ -1,5 +1,8 @@
 """Streaming tensor conversion: read safetensors tensor by tensor, write safetensors shards.
 
+Reading parses each file's header (validated against the file size) and reads one tensor at a time
+with plain file reads, not a memory map, so converted tensors do not stay resident.
+
 A conversion is a *plan*: a list of :class:`Entry` (output name, input names, function). Running it
 first evaluates every function on ``meta`` tensors (shapes only, no data) to lay out the output
 shards and write their headers, then computes the outputs one at a time and appends their bytes.
@@ -181,11 +184,9 @@ def check_inputs(plan: list[Entry], source: TensorSource, ignore: Callable[[str]
         source.file_of(name)
     extra = [k for k in source.keys() if k not in used and not ignore(k)]
     if extra:
-        raise ConversionError(f"{source.folder}: tensor {extra[0]} (and {len(extra) - 1} more) has no "
-                              "counterpart in the target format; refusing to drop it"
-                              if len(extra) > 1 else
-                              f"{source.folder}: tensor {extra[0]} has no counterpart in the target "
-                              "format; refusing to drop it")
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ConversionError(f"{source.folder}: tensor {extra[0]}{more} has no counterpart in the "
+                              "target format; refusing to drop it")
 
 
 def output_specs(plan: list[Entry], source: TensorSource,
