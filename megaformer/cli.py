@@ -103,10 +103,48 @@ def build_parser() -> argparse.ArgumentParser:
                       help="hub datasets: download and cache instead of streaming")
     prep.add_argument("--merge", nargs="+", metavar="PREFIX",
                       help="concatenate these prepared prefixes into --output-prefix")
+    _add_convert_parser(sub)
     from megaformer.analysis.commands import add_parsers
 
     add_parsers(sub)  # flops, plan, report, bench
     return parser
+
+
+def _add_convert_parser(sub) -> None:
+    conv = sub.add_parser(
+        "convert", help="convert checkpoints: megaformer <-> Hugging Face, or reshard",
+        description="\n\n".join(textwrap.fill(p, 88) for p in (
+            "Convert SRC into DST (a new or empty folder; written under a temporary name and "
+            "renamed when complete). Tensors are streamed one at a time: peak memory is about the "
+            "largest tensor (the embedding), not the model.",
+            "--to hf: SRC is a megaformer run directory (its latest checkpoint) or checkpoint, "
+            "trained with any TP/PP/DP/ZeRO layout; DST becomes a Hugging Face folder (safetensors, "
+            "config.json, tokenizer.json, tokenizer_config.json) that "
+            "transformers.AutoModelForCausalLM.from_pretrained(DST) loads as LlamaForCausalLM, "
+            "GPT2LMHeadModel or GPTNeoXForCausalLM. Model features the class cannot express are "
+            "refused by name.",
+            "--to megaformer: SRC is a Hugging Face folder (llama, gpt2, gpt_neox; safetensors and "
+            "tokenizer.json) -> DST is a run directory with a weights-only checkpoint and "
+            "DST/config.yaml for TP=--tp, PP=--pp; or SRC is a megaformer checkpoint -> DST is the "
+            "same checkpoint resharded for --tp/--pp.")),
+        epilog="examples:\n"
+               "  megaformer convert runs/quickstart hf/quickstart --to hf --arch llama --dtype bf16\n"
+               "  megaformer convert hf/model runs/continued --to megaformer --tp 2 --pp 2\n"
+               "  megaformer train runs/continued/config.yaml --run-dir runs/continued",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    conv.add_argument("src", metavar="SRC", help="megaformer run directory/checkpoint, or HF folder")
+    conv.add_argument("dst", metavar="DST", help="output folder (must not exist or be empty)")
+    conv.add_argument("--to", required=True, choices=("hf", "megaformer"), help="target format")
+    conv.add_argument("--arch", choices=("llama", "gpt2", "gpt-neox"),
+                      help="--to hf: the Hugging Face class (default: the first of llama, gpt2, "
+                           "gpt-neox that can express the model); --to megaformer: checked against "
+                           "SRC's config.json")
+    conv.add_argument("--tp", type=int, default=1, help="--to megaformer: tensor-parallel size (1)")
+    conv.add_argument("--pp", type=int, default=1, help="--to megaformer: pipeline-parallel size (1)")
+    conv.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                      help="dtype of the written weights (default: as stored in SRC)")
+    conv.add_argument("--max-shard-size", default="5GB",
+                      help="--to hf: largest safetensors shard, e.g. 5GB, 500MB, 2GiB (5GB)")
 
 
 def _dry_run(cfg, run_dir: Path) -> int:
@@ -202,6 +240,37 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from megaformer.checkpoint.hf import convert
+    from megaformer.checkpoint.hf.stream import parse_size
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not src.exists():
+        raise UserError(f"{src}: no such file or directory")
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    if args.to == "hf":
+        if (args.tp, args.pp) != (1, 1):
+            raise UserError("--tp/--pp choose the layout of a megaformer checkpoint; a Hugging Face "
+                            "folder has none (drop them with --to hf)")
+        out = convert.export_to_hf(src, dst, arch=args.arch, dtype=args.dtype,
+                                   max_shard_size=parse_size(args.max_shard_size))
+    elif convert.is_hf_folder(src):
+        out = convert.import_from_hf(src, dst, tensor=args.tp, pipeline=args.pp, arch=args.arch,
+                                     dtype=args.dtype)
+    else:
+        if args.arch is not None:
+            raise UserError(f"--arch {args.arch}: SRC {src} is a megaformer checkpoint; resharding "
+                            "keeps its model (drop --arch)")
+        from megaformer.checkpoint.io import resolve_checkpoint
+        from megaformer.checkpoint.reshard import reshard_checkpoint
+
+        out = reshard_checkpoint(resolve_checkpoint(src), dst, args.tp, args.pp)
+    print(f"converted {src} -> {out}")
+    return 0
+
+
 def _report(error: UserError) -> None:
     """One line on stderr. Under a launcher, config errors (the same on every rank) are printed by
     rank 0 only; other errors may be rank-specific and name their rank."""
@@ -218,7 +287,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    handlers = {"train": cmd_train, "generate": cmd_generate, "prepare-data": cmd_prepare_data}
+    handlers = {"train": cmd_train, "generate": cmd_generate, "prepare-data": cmd_prepare_data,
+                "convert": cmd_convert}
     from megaformer.analysis.commands import HANDLERS
 
     handlers.update(HANDLERS)

@@ -25,3 +25,8 @@ class CheckpointError(UserError):
 
 class LaunchError(UserError):
     """Inconsistent launcher environment (ranks, world size, rendezvous)."""
+
+
+class ConversionError(UserError):
+    """A checkpoint that cannot be converted: a feature the target format cannot express, a
+    missing or unexpected tensor, an unsupported architecture or option."""

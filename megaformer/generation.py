@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import yaml
 
 from megaformer.checkpoint import io as ckpt_io
-from megaformer.config import Config, config_from_dict
+from megaformer.config import Config
 from megaformer.data.tokenizer import Tokenizer, load_tokenizer
-from megaformer.errors import CheckpointError, ConfigError, UserError
+from megaformer.errors import CheckpointError, UserError
 
 
 def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
@@ -41,12 +40,7 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, T
     from megaformer.model.transformer import Transformer
 
     ckpt = ckpt_io.resolve_checkpoint(path)
-    try:
-        cfg = config_from_dict(yaml.safe_load((ckpt / ckpt_io.CONFIG).read_text()))
-    except (OSError, yaml.YAMLError) as e:
-        raise CheckpointError(f"{ckpt}: cannot read {ckpt_io.CONFIG} ({e})") from None
-    except ConfigError as e:
-        raise CheckpointError(f"{ckpt}: invalid {ckpt_io.CONFIG}: {e}") from None
+    cfg = ckpt_io.read_config(ckpt)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     weights = ckpt_io.load_weights(ckpt)
     model = Transformer(cfg.model)

@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -121,6 +121,21 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                           f"with a complete checkpoint, no {META})")
 
 
+def read_config(ckpt: Path) -> Any:
+    """The resolved :class:`~megaformer.config.Config` a checkpoint was saved with."""
+    import yaml
+
+    from megaformer.config import config_from_dict
+    from megaformer.errors import ConfigError
+
+    try:
+        return config_from_dict(yaml.safe_load((ckpt / CONFIG).read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{ckpt}: cannot read {CONFIG} ({e})") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt}: invalid {CONFIG}: {e}") from None
+
+
 def read_meta(ckpt: Path) -> dict:
     try:
         return json.loads((ckpt / META).read_text())
@@ -211,14 +226,17 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     return final
 
 
-def save_weights_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor],
+def save_weights_checkpoint(run_dir: Path, step: int,
+                            weights: dict[str, torch.Tensor] | Callable[[Path], None],
                             config_yaml: str, tokenizer: Any, meta: dict) -> Path:
     """A weights-only checkpoint (one process): what ``megaformer convert`` writes.
 
     Same layout as a training checkpoint minus the engine state and RNG: ``model.safetensors``
     (unsharded, unpadded), ``config.yaml``, ``tokenizer.json`` and ``meta.json`` with
     ``"weights_only": true``. ``megaformer train`` on such a run directory starts from these
-    weights with a fresh optimizer, at any parallel layout. Refuses to replace a checkpoint."""
+    weights with a fresh optimizer, at any parallel layout. Refuses to replace a checkpoint.
+    ``weights`` may also be a function that writes the weights file at the path it is given
+    (a converter streaming tensor by tensor)."""
     from safetensors.torch import save_file
 
     root = run_dir / CHECKPOINTS
@@ -230,8 +248,11 @@ def save_weights_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.T
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS),
-              metadata={"format": "pt", "megaformer_version": __version__})
+    if callable(weights):
+        weights(tmp / WEIGHTS)
+    else:
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS),
+                  metadata={"format": "pt", "megaformer_version": __version__})
     (tmp / CONFIG).write_text(config_yaml)
     tokenizer.save(tmp / "tokenizer.json")
     full_meta = {"megaformer_version": __version__, "step": step, "weights_only": True,

@@ -16,6 +16,9 @@ import numpy as np
 from megaformer.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
+# End-of-document tokens of released tokenizers, tried in order before EOD_TOKEN is added to a
+# tokenizer that has none (a Llama tokenizer ends documents with </s>, Llama 3 with <|end_of_text|>).
+EOD_FALLBACKS = ("</s>", "<|end_of_text|>", "<eos>")
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -51,12 +54,16 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizers.Tokenizer`` with an end-of-document token."""
+    """A Hugging Face ``tokenizers.Tokenizer`` with an end-of-document token: ``<|endoftext|>``, else
+    the first of :data:`EOD_FALLBACKS` it has, else ``<|endoftext|>`` added as a special token."""
 
     def __init__(self, tok, name: str = "hf") -> None:
         self.tok = tok
         self.name = name
         eod = tok.token_to_id(EOD_TOKEN)
+        for candidate in EOD_FALLBACKS:
+            if eod is None:
+                eod = tok.token_to_id(candidate)
         if eod is None:
             tok.add_special_tokens([EOD_TOKEN])
             eod = tok.token_to_id(EOD_TOKEN)

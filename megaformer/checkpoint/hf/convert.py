@@ -1,0 +1,196 @@
+"""``megaformer convert``: megaformer checkpoint <-> Hugging Face model folder, streamed.
+
+Export (``--to hf``) reads a checkpoint's ``model.safetensors`` (unsharded and unpadded whatever
+TP/PP/DP/ZeRO layout trained it), ``config.yaml`` and ``tokenizer.json`` and writes a folder that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads: safetensors shard(s) (+ index),
+``config.json``, ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``.
+
+Import (``--to megaformer``) reads a Hugging Face folder (safetensors only; ``config.json``,
+``tokenizer.json``) and writes a run directory holding a weights-only checkpoint
+(``checkpoints/step_0000000``) plus ``config.yaml`` and ``tokenizer.json``, so that
+``megaformer train DST/config.yaml --run-dir DST`` continues pretraining at the chosen TP/PP.
+
+Both directions write into a temporary sibling of DST and rename it when complete; an existing,
+non-empty DST is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from megaformer import __version__
+from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint.hf.arch import Architecture
+from megaformer.checkpoint.hf.gpt2 import GPT2
+from megaformer.checkpoint.hf.gpt_neox import OUT_NAMES, GPTNeoX
+from megaformer.checkpoint.hf.llama import Llama
+from megaformer.checkpoint.hf.stream import DTYPE_NAMES, TensorSource, run_plan
+from megaformer.checkpoint.hf.tokenizer_files import read_hf_tokenizer, write_hf_tokenizer
+from megaformer.config import Config, ConfigError, config_from_dict, validate
+from megaformer.data.tokenizer import load_tokenizer
+from megaformer.errors import CheckpointError, ConversionError
+
+log = logging.getLogger("megaformer")
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (Llama(), GPT2(), GPTNeoX())}
+BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
+_DTYPE_LABEL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@contextlib.contextmanager
+def staged_output(dst: Path) -> Iterator[Path]:
+    """A temporary folder beside ``dst`` that becomes ``dst`` when the block succeeds (removed if
+    it fails). ``dst`` may not exist yet or be an empty folder; anything else is refused."""
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ConversionError(f"{dst}: already exists and is not empty; not overwriting it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f"{ckpt_io.TMP_PREFIX}{dst.name}.{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        dst.rmdir()
+    os.rename(tmp, dst)
+
+
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    if name not in DTYPE_NAMES:
+        raise ConversionError(f"--dtype {name}: expected one of {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[name]
+
+
+def _read_megaformer(src: Path) -> tuple[Path, Config]:
+    ckpt = ckpt_io.resolve_checkpoint(src)
+    cfg = ckpt_io.read_config(ckpt)
+    if cfg.model.vocab_size is None:
+        raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: model.vocab_size is not resolved")
+    return ckpt, cfg
+
+
+def choose_architecture(cfg: Config, arch: Optional[str]) -> Architecture:
+    """The requested architecture if it can express the model (else every reason, by name), or the
+    first of llama, gpt2, gpt-neox that can."""
+    m = cfg.model
+    if arch is not None:
+        if arch not in ARCHITECTURES:
+            raise ConversionError(f"--arch {arch}: expected one of {', '.join(ARCHITECTURES)}")
+        reasons = ARCHITECTURES[arch].refusals(m)
+        if reasons:
+            raise ConversionError("; ".join(reasons))
+        return ARCHITECTURES[arch]
+    for a in ARCHITECTURES.values():
+        if not a.refusals(m):
+            return a
+    firsts = "; ".join(a.refusals(m)[0] for a in ARCHITECTURES.values())
+    raise ConversionError(f"no Hugging Face class can express this model: {firsts}")
+
+
+def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Optional[str] = None,
+                 max_shard_size: Optional[int] = None) -> Path:
+    """megaformer checkpoint (or run directory: its latest) -> Hugging Face folder ``dst``."""
+    ckpt, cfg = _read_megaformer(src)
+    adapter = choose_architecture(cfg, arch)
+    m = cfg.model
+    if m.dropout and adapter.name == "llama":
+        log.warning("model.dropout=%s is a training-time setting LlamaForCausalLM has no key for; "
+                    "it does not change the exported function", m.dropout)
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    source = TensorSource(ckpt)
+    plan = adapter.export_plan(m)
+    out_dtype = _dtype(dtype)
+    label = _DTYPE_LABEL.get(out_dtype or source.meta(plan[0].inputs[0]).dtype, "float32")
+    with staged_output(dst) as tmp:
+        run_plan(plan, source, tmp, out_dtype, max_shard_size,
+                 metadata={"megaformer_version": __version__},
+                 ignore=lambda name: m.tie_embeddings and name == "lm_head.weight")
+        special = write_hf_tokenizer(tokenizer, tmp, m.max_seq_len)
+        config = {"architectures": [adapter.hf_class], "model_type": adapter.model_type,
+                  "vocab_size": m.vocab_size, **adapter.hf_config(m), **special, "dtype": label,
+                  "use_cache": True}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps({**special}, indent=2) + "\n")
+    log.info("exported %s as %s to %s", ckpt, adapter.hf_class, dst)
+    return dst
+
+
+def _read_hf_config(src: Path, arch: Optional[str]) -> tuple[dict, Architecture]:
+    path = src / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{src}: no config.json (not a Hugging Face model folder)")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{path}: not a JSON file ({e})") from None
+    model_type = hf.get("model_type")
+    if model_type not in BY_MODEL_TYPE:
+        raise ConversionError(f"{path}: model_type={model_type!r} is not supported (supported: "
+                              f"{', '.join(BY_MODEL_TYPE)})")
+    adapter = BY_MODEL_TYPE[model_type]
+    if arch is not None and arch != adapter.name:
+        raise ConversionError(f"--arch {arch}: {path} describes a {adapter.hf_class} ({adapter.name})")
+    return hf, adapter
+
+
+def import_config(hf: dict, adapter: Architecture, tensor: int, pipeline: int, tokenizer_path: Path,
+                  name: str) -> Config:
+    """megaformer config of the HF model at TP=tensor, PP=pipeline (validated: one-line errors)."""
+    fields = {**adapter.model_fields(hf), "vocab_size": hf["vocab_size"]}
+    raw = {"model": fields, "parallel": {"tensor": tensor, "pipeline": pipeline},
+           "data": {"tokenizer": str(tokenizer_path)}}
+    try:
+        cfg = config_from_dict(raw, name=name)
+        validate(cfg)
+    except ConfigError as e:
+        raise ConversionError(f"--tp {tensor} --pp {pipeline}: {e}") from None
+    return cfg
+
+
+def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
+                   arch: Optional[str] = None, dtype: Optional[str] = None) -> Path:
+    """Hugging Face folder -> a megaformer run directory ``dst`` with a weights-only checkpoint."""
+    if not src.is_dir():
+        raise ConversionError(f"{src}: no such Hugging Face model folder")
+    hf, adapter = _read_hf_config(src, arch)
+    dst = dst.resolve()
+    cfg = import_config(hf, adapter, tensor, pipeline, dst / "tokenizer.json", dst.name)
+    tokenizer = read_hf_tokenizer(src)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConversionError(f"{src / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than "
+                              f"the model's vocab_size {cfg.model.vocab_size}")
+    source = TensorSource(src)
+    names = set(source.keys())
+    plan = adapter.import_plan(cfg.model, names)
+    out_dtype = _dtype(dtype)
+    tied_out = {"lm_head.weight", *OUT_NAMES} if cfg.model.tie_embeddings else set()
+
+    def write_weights(path: Path) -> None:
+        run_plan(plan, source, path.parent, out_dtype, metadata={"megaformer_version": __version__},
+                 ignore=lambda n: adapter.ignore_on_import(n) or n in tied_out)
+
+    with staged_output(dst) as tmp:
+        ckpt_io.save_weights_checkpoint(tmp, 0, write_weights, cfg.to_yaml(), tokenizer,
+                                        {"converted_from": adapter.hf_class, "source": str(src)})
+        (tmp / ckpt_io.CONFIG).write_text(cfg.to_yaml())
+        tokenizer.save(tmp / "tokenizer.json")
+    log.info("imported %s (%s) into %s at tensor=%d pipeline=%d", src, adapter.hf_class, dst,
+             tensor, pipeline)
+    return dst
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and not (path / ckpt_io.META).is_file()
