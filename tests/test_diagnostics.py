@@ -13,6 +13,7 @@ from megaformer.diagnostics.metrics import residual_diagnostics
 from megaformer.diagnostics.residual import (eval_mode, head_write_sq_norms, head_writes,
                                              logit_lens_logits, trace_layers)
 from megaformer.model.transformer import Transformer
+from tests.dist_harness import run_ranks
 
 VARIANTS = {
     "sequential-rope-gqa": dict(residual="sequential", n_heads=4, n_kv_heads=2),
@@ -96,3 +97,46 @@ def test_metrics_names_and_values():
         lens0 = torch.nn.functional.cross_entropy(
             model.lm_head(model.final_norm(traces[0].resid)).flatten(0, 1), labels.flatten())
     assert m["logit_lens/layer_00/loss"] == pytest.approx(float(lens0), rel=1e-6)
+
+
+def _tp_diagnostics(rank: int, world: int) -> dict:
+    from megaformer.parallel.plan import padded_vocab_size, parallelize
+    from megaformer.parallel.topology import build_topology
+
+    topo = build_topology(world, rank, world, 1)
+    single = build_topology(world, rank, 1, 1).group("tp")  # TP groups of one rank each
+    gen = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 61, (2, 16), generator=gen), torch.randint(0, 61, (2, 16), generator=gen)
+    out = {}
+    for variant, kw in VARIANTS.items():
+        ref = _model(**kw)
+        out[f"{variant}/ref"] = residual_diagnostics(ref, ids, labels, single)
+        for sp in (False, True):
+            tp = _model(**kw)
+            tp.padded_vocab_size = padded_vocab_size(61, world, 8)  # as the trainer pads
+            with torch.no_grad():
+                for name in ("tok_embeddings", "lm_head"):
+                    module = getattr(tp, name)
+                    grown = torch.zeros(tp.padded_vocab_size, 32)
+                    grown[:61] = module.weight
+                    module.weight = torch.nn.Parameter(grown)
+                tp.tie_weights()
+            parallelize(tp, topo, sp, None)
+            out[f"{variant}/{'sp' if sp else 'tp'}"] = residual_diagnostics(tp, ids, labels,
+                                                                             topo.group("tp"))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_diagnostics_identical_under_tensor_parallelism():
+    """TP = 2 (with and without sequence parallelism) gives every number of one process (1e-5)."""
+    results = run_ranks(2, _tp_diagnostics)
+    for variant in VARIANTS:
+        ref = results[0][f"{variant}/ref"]
+        for rank_result in results:
+            for mode in ("tp", "sp"):
+                got = rank_result[f"{variant}/{mode}"]
+                assert got.keys() == ref.keys()
+                bad = {k: (got[k], ref[k]) for k in ref
+                       if abs(got[k] - ref[k]) > 1e-5 * max(1.0, abs(ref[k]))}
+                assert not bad, (variant, mode, bad)
