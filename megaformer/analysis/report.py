@@ -58,7 +58,7 @@ def read_tensorboard(folder: Path) -> list[dict]:
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            key = tag.split("/", 1)[-1]
+            key = tag.split("/", 1)[-1] if tag.startswith(("train/", "val/")) else tag
             for ev in acc.Scalars(tag):
                 by_step.setdefault(ev.step, {"step": ev.step})[key] = ev.value
     return [by_step[s] for s in sorted(by_step)]
