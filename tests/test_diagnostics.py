@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from megaformer.diagnostics.metrics import residual_diagnostics
 from megaformer.diagnostics.residual import (eval_mode, head_write_sq_norms, head_writes,
                                              logit_lens_logits, trace_layers)
 from megaformer.model.transformer import Transformer
+from tests.conftest import assert_one_line_error, run_cli, run_torchrun, tiny_overrides
 from tests.dist_harness import run_ranks
 
 VARIANTS = {
@@ -87,7 +90,7 @@ def test_metrics_names_and_values():
     ent = float(-(p * p.clamp_min(1e-30).log()).sum(-1).mean())
     assert m["attn/layer_01/entropy/head_03"] == pytest.approx(ent, rel=1e-5)
     assert 0 < m["attn/layer_01/entropy/head_03"] < math.log(16)
-    w = head_writes(t)[:, 2]
+    w = head_writes(t)[:, 2].detach()
     assert m["attn_write/layer_01/head_02/norm"] == pytest.approx(
         float(w.pow(2).sum(-1).mean().sqrt()), rel=1e-5)
     q_scores = t.scores[torch.isfinite(t.scores)]
@@ -140,3 +143,120 @@ def test_diagnostics_identical_under_tensor_parallelism():
                 bad = {k: (got[k], ref[k]) for k in ref
                        if abs(got[k] - ref[k]) > 1e-5 * max(1.0, abs(ref[k]))}
                 assert not bad, (variant, mode, bad)
+
+
+# ---------------------------------------------------------------------------- through training
+
+DIAG_RUN = {"model.n_layers": 4, "train.steps": 4, "eval.interval": 0, "log.diagnostics": "true",
+            "log.diagnostics_interval": 2}
+
+
+def _diag(record: dict) -> dict:
+    return {k: v for k, v in record.items() if "/" in k}
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def diag_run(tmp_path_factory) -> Path:
+    """One process, 4 layers, diagnostics every 2 steps, TensorBoard on, checkpoint at the end."""
+    run = tmp_path_factory.mktemp("diag") / "run"
+    proc = run_cli("train", "configs/quickstart.yaml",
+                   *tiny_overrides(**DIAG_RUN, **{"log.tensorboard": "true"}), "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_training_logs_diagnostics_every_interval(diag_run):
+    recs = _records(diag_run)
+    assert [bool(_diag(r)) for r in recs] == [False, True, False, True]   # steps 1..4, interval 2
+    d = _diag(recs[1])
+    assert len(d) == 1 + 4 * (5 + 2 * 4)            # embed + per layer (5 + 2 per head), 4 heads
+    assert {"resid/layer_03/rms", "attn_write/layer_03/head_01/norm", "attn/layer_00/entropy/head_03",
+            "attn/layer_02/max_logit", "logit_lens/layer_03/loss", "mlp_write/layer_01/rms"} <= d.keys()
+    assert recs[1]["diag_time_s"] > 0
+    assert all(math.isfinite(v) for v in d.values())
+    assert all(0 < d[f"attn/layer_00/entropy/head_{h:02d}"] <= math.log(32) for h in range(4))
+    from megaformer.analysis.report import read_tensorboard
+
+    tb = {r["step"]: r for r in read_tensorboard(diag_run / "tensorboard")}
+    assert tb[4]["logit_lens/layer_03/loss"] == pytest.approx(recs[3]["logit_lens/layer_03/loss"])
+    assert "loss" in tb[4]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_diagnostics_under_tensor_and_pipeline_parallelism_equal_one_process(diag_run, tmp_path):
+    """TP=2 x PP=2 (4 ranks): the pass runs stage by stage, heads gathered over TP; every number
+    equals the one-process run's (1e-5)."""
+    run = tmp_path / "tp_pp"
+    proc = run_torchrun(4, "train", "configs/quickstart.yaml",
+                        *tiny_overrides(**DIAG_RUN, **{"parallel.tensor": 2, "parallel.pipeline": 2}),
+                        "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for ref, got in zip(_records(diag_run), _records(run)):
+        assert _diag(ref).keys() == _diag(got).keys()
+        bad = {k: (got[k], v) for k, v in _diag(ref).items() if abs(got[k] - v) > 1e-5 * max(1, abs(v))}
+        assert not bad, bad
+
+
+@pytest.mark.slow
+def test_inspect_prints_logit_lens_and_writes_heatmaps(diag_run, tmp_path):
+    out = tmp_path / "inspect"
+    prompt = "def f(x):"
+    proc = run_cli("inspect", str(diag_run), "--prompt", prompt, "--out", str(out), "--top-k", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if "layer_" in line or "embed" in line]
+    assert len(rows) == len(prompt) * 5                          # embed + 4 layers per position
+    assert sorted(p.name for p in out.iterdir()) == [f"attention_layer_{i:02d}.png" for i in range(4)] \
+        + ["logit_lens.txt"]
+    assert (out / "attention_layer_02.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the last layer's lens is the model's own next-token distribution
+    from megaformer.diagnostics.inspect import inspect
+    from megaformer.generation import load_checkpoint_model
+
+    model, tok, _, _ = load_checkpoint_model(diag_run)
+    r = inspect(diag_run, prompt, top_k=3)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([tok.encode(prompt)])), dim=-1)[0]
+    for pos in range(len(prompt)):
+        assert r.top[-1][pos][0][1] == pytest.approx(float(probs[pos].max()), rel=1e-5)
+    assert r.table in proc.stdout  # the table the CLI printed
+
+
+def test_inspect_bad_input_is_one_line_error(tmp_path):
+    from megaformer.diagnostics.inspect import inspect
+    from megaformer.errors import UserError
+
+    with pytest.raises(UserError, match="no such run directory"):
+        inspect(tmp_path / "nothing", "x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("mine")
+    assert_one_line_error(run_cli("inspect", str(tmp_path), "--prompt", "x", "--out",
+                                  str(tmp_path / "used")), "--out", "not an empty folder")
+    assert (tmp_path / "used" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_report_plots_the_per_layer_series(diag_run, tmp_path):
+    from megaformer.analysis.report import write_report
+    from megaformer.diagnostics.plots import _collect
+
+    r = write_report(diag_run, tmp_path / "rep")
+    names = {Path(p).name for p in r["plots"]}
+    assert {"diag_resid_rms.png", "diag_attn_write_rms.png", "diag_mlp_write_rms.png",
+            "diag_attn_max_logit.png", "diag_logit_lens_loss.png", "diag_attn_entropy.png",
+            "diag_head_write_norm.png", "loss.png"} <= names
+    series = _collect(_records(diag_run), r"resid/(layer_\d+|embed)/rms")
+    assert list(series) == [("embed",), ("layer_00",), ("layer_01",), ("layer_02",), ("layer_03",)]
+    assert series[("layer_02",)][0] == [2, 4]
+
+
+def test_config_refuses_diagnostics_with_zero3_and_bad_interval():
+    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.diagnostics=true",
+                                  "parallel.zero_stage=3", "--dry-run"), "log.diagnostics", "ZeRO-3")
+    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.diagnostics_interval=0",
+                                  "--dry-run"), "log.diagnostics_interval")
