@@ -194,9 +194,11 @@ def test_diagnostics_under_tensor_and_pipeline_parallelism_equal_one_process(dia
     equals the one-process run's (1e-5)."""
     run = tmp_path / "tp_pp"
     proc = run_torchrun(4, "train", "configs/quickstart.yaml",
-                        *tiny_overrides(**DIAG_RUN, **{"parallel.tensor": 2, "parallel.pipeline": 2}),
+                        *tiny_overrides(**{**DIAG_RUN, "train.steps": 2, "parallel.tensor": 2,
+                                           "parallel.pipeline": 2, "checkpoint.save_at_end": "false"}),
                         "--run-dir", str(run))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(_records(run)) == 2 and _diag(_records(run)[1])
     for ref, got in zip(_records(diag_run), _records(run)):
         assert _diag(ref).keys() == _diag(got).keys()
         bad = {k: (got[k], v) for k, v in _diag(ref).items() if abs(got[k] - v) > 1e-5 * max(1, abs(v))}
