@@ -100,6 +100,8 @@ def main() -> None:
     for r in range(args.rounds):
         for with_pass in ((False, True) if r % 2 == 0 else (True, False)):
             tps, t_pass = arm(with_pass)
+            print(f"  round {r + 1}, diagnostics {'on ' if with_pass else 'off'}: {tps:,.0f} tokens/s"
+                  + (f" (pass {1000 * t_pass:.1f} ms)" if with_pass else ""), flush=True)
             (on if with_pass else off).append(tps)
             if with_pass:
                 passes.append(t_pass)
@@ -108,9 +110,9 @@ def main() -> None:
     print(f"model: {model.num_parameters():,} parameters, {cfg.n_layers} layers x d_model "
           f"{cfg.d_model}, {cfg.n_heads} heads | batch {args.batch} x {args.seq} tokens | "
           f"{device.type} {precision} | interval {args.interval} steps, {args.rounds} rounds per arm")
-    print(f"{'diagnostics':<14}{'tokens/s (median)':>20}{'per round':>40}")
+    print(f"{'diagnostics':<14}{'tokens/s (median)':>20}   per round")
     for name, xs in (("off", off), ("on", on)):
-        print(f"{name:<14}{statistics.median(xs):>20,.0f}{'  '.join(f'{x:,.0f}' for x in xs):>40}")
+        print(f"{name:<14}{statistics.median(xs):>20,.0f}   {'  '.join(f'{x:,.0f}' for x in xs)}")
     ratio = statistics.median(on) / statistics.median(off)
     print(f"ratio on/off: {ratio:.4f} (throughput change {100 * (ratio - 1):+.2f}%)")
     print(f"step {1000 * t_step:.1f} ms | diagnostics pass {1000 * t_pass:.1f} ms | amortised "
