@@ -104,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--merge", nargs="+", metavar="PREFIX",
                       help="concatenate these prepared prefixes into --output-prefix")
     _add_convert_parser(sub)
+    ins = sub.add_parser(
+        "inspect", help="logit lens and attention heatmaps of a prompt",
+        description="Run a prompt through a trained model (its latest checkpoint when given a run "
+                    "directory) and print, for every position, the top-k next tokens that the "
+                    "output layer reads from the residual stream after the embedding and after each "
+                    "layer (the logit lens; the last row is the model's prediction). With --out, "
+                    "also write one PNG per layer with a heatmap of each head's attention pattern, "
+                    "and the table as logit_lens.txt.",
+        epilog="example: megaformer inspect runs/quickstart --prompt 'def main():' --out inspect/")
+    ins.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT")
+    ins.add_argument("--prompt", required=True, help="text to inspect (at most max_seq_len tokens)")
+    ins.add_argument("--out", metavar="DIR", help="new folder for the heatmaps (not overwritten)")
+    ins.add_argument("--top-k", type=int, default=5, help="tokens shown per layer and position (5)")
+    ins.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     from megaformer.analysis.commands import add_parsers
 
     add_parsers(sub)  # flops, plan, report, bench
@@ -216,6 +230,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from megaformer.diagnostics.inspect import inspect
+
+    r = inspect(args.checkpoint, args.prompt, args.out, top_k=args.top_k, device=args.device)
+    print(r.table)
+    if r.heatmaps:
+        print(f"attention heatmaps: {len(r.heatmaps)} PNGs in {r.heatmaps[0].parent}")
+    else:
+        print("(add --out DIR for the attention heatmaps)")
+    return 0
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     if args.merge:
         if args.input or args.tokenizer:
@@ -288,7 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return EXIT_USER_ERROR
     handlers = {"train": cmd_train, "generate": cmd_generate, "prepare-data": cmd_prepare_data,
-                "convert": cmd_convert}
+                "convert": cmd_convert, "inspect": cmd_inspect}
     from megaformer.analysis.commands import HANDLERS
 
     handlers.update(HANDLERS)

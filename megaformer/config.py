@@ -239,6 +239,15 @@ class LogConfig:
               "then not logged unless log.peak_tflops is set.")
     peak_tflops: Optional[float] = option(
         None, "Peak dense TFLOP/s per device for the training dtype; overrides log.gpu's table value.")
+    diagnostics: bool = option(
+        False, "Residual-stream diagnostics every log.diagnostics_interval steps on a fixed held-out "
+               "micro-batch: per layer the RMS of the residual stream and of the attention and MLP "
+               "writes, the largest attention logit and the logit-lens loss; per head the norm of "
+               "its write and its attention entropy (metrics.jsonl and TensorBoard: resid/*, "
+               "attn_write/*, mlp_write/*, attn/*, logit_lens/*). Off: no cost at all.")
+    diagnostics_interval: int = option(
+        100, "Steps between diagnostics passes when log.diagnostics is on (one extra no-grad "
+             "forward of one micro-batch each).")
 
 
 SECTIONS = {
@@ -535,6 +544,10 @@ def validate(cfg: Config) -> None:
     _positive("log.interval", cfg.log.interval)
     _positive("log.sample_tokens", cfg.log.sample_tokens, allow_zero=True)
     _positive("log.peak_tflops", cfg.log.peak_tflops)
+    _positive("log.diagnostics_interval", cfg.log.diagnostics_interval)
+    _require(not (cfg.log.diagnostics and cfg.parallel.zero_stage == 3),
+             "log.diagnostics=true with parallel.zero_stage=3: ZeRO-3 partitions the weights the "
+             "diagnostics pass runs with; use parallel.zero_stage<=2 or switch diagnostics off")
     if cfg.log.gpu is not None and cfg.log.peak_tflops is None:
         from megaformer.analysis.peaks import UnknownGPUError, find_accelerator
 

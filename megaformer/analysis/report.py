@@ -3,7 +3,8 @@
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per logged step; a partly written last line of a
 run in progress is skipped), or, without it, the scalars of ``RUN_DIR/tensorboard``. Writes
 ``loss.png``, ``lr.png``, ``tokens_per_s.png``, ``tflops_per_gpu.png``, ``mfu.png``,
-``memory.png`` (those with data) and ``summary.md``: the last step and loss, and the medians of
+``memory.png``, the per-layer diagnostics series (``diag_*.png``, see
+:mod:`megaformer.diagnostics.plots`) (those with data) and ``summary.md``: the last step and loss, and the medians of
 the throughput metrics over the logged intervals (the first interval, which holds the warm-up
 steps, is left out of the medians when there are at least three).
 """
@@ -58,7 +59,7 @@ def read_tensorboard(folder: Path) -> list[dict]:
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            key = tag.split("/", 1)[-1]
+            key = tag.split("/", 1)[-1] if tag.startswith(("train/", "val/")) else tag
             for ev in acc.Scalars(tag):
                 by_step.setdefault(ev.step, {"step": ev.step})[key] = ev.value
     return [by_step[s] for s in sorted(by_step)]
@@ -162,7 +163,9 @@ def write_report(run_dir: str | Path, out: Optional[str | Path] = None) -> dict:
     records, source = load_records(run_dir)
     out_dir = Path(out) if out else run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = plot(records, out_dir)
+    from megaformer.diagnostics.plots import plot_diagnostics
+
+    plots = plot(records, out_dir) + plot_diagnostics(records, out_dir)
     summary = out_dir / "summary.md"
     summary.write_text(summary_markdown(run_dir, records, source, plots))
     return {"summary": str(summary), "plots": [str(p) for p in plots], "records": len(records),

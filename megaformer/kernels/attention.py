@@ -117,17 +117,27 @@ def causal_mask(T: int, S: int, device: torch.device | str | None = None) -> tor
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
 
 
-def _reference(q, k, v, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
-    """softmax(Q K^T * scale + M) V written out, in fp32."""
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float(), k.float(), v.float()
-    if groups > 1:
-        kf = kf.repeat_interleave(groups, dim=1)
-        vf = vf.repeat_interleave(groups, dim=1)
-    scores = (qf @ kf.transpose(-2, -1)) * scale  # [B, H, T, S]
+def share_kv_heads(t: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """Key/value heads [B, Hkv, S, D] repeated to [B, H, S, D] (query head i reads i // (H / Hkv))."""
+    groups = query_heads // t.shape[1]
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Optional[float] = None
+                     ) -> torch.Tensor:
+    """The attention logits Q K^T * scale + M in fp32, [B, H, T, S]; masked entries are -inf."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q.float() @ share_kv_heads(k.float(), q.shape[1]).transpose(-2, -1)) * scale
     if causal:
         scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    return scores
+
+
+def _reference(q, k, v, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
+    """softmax(Q K^T * scale + M) V written out, in fp32."""
+    vf = share_kv_heads(v.float(), q.shape[1])
+    probs = torch.softmax(attention_scores(q, k, causal, scale), dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     return (probs @ vf).to(q.dtype)

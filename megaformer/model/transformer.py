@@ -120,8 +120,10 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int) -> torch.Tensor:
-        """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1."""
+    def embed(self, input_ids: torch.Tensor, start_pos: int = 0
+              ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """x_0 [B, T, d] (the residual stream before the first block) for tokens at positions
+        start_pos..start_pos+T-1, and the rotary (cos, sin) of those positions (None without RoPE)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         T = input_ids.shape[1]
@@ -136,6 +138,11 @@ class Transformer(nn.Module):
             x = x + self.pos_table[start_pos:start_pos + T].to(x.dtype)
         x = self.drop(x)
         rope = self.rotary(positions) if self.rotary is not None else None
+        return x, rope
+
+    def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int) -> torch.Tensor:
+        """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1."""
+        x, rope = self.embed(input_ids, start_pos)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope=rope, cache=cache.layers[i] if cache is not None else None,
                       start_pos=start_pos)

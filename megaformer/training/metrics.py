@@ -27,6 +27,14 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(k + "\n" for k in kept))
 
 
+def tensorboard_tag(key: str) -> str:
+    """val_* -> val/KEY, other plain keys -> train/KEY; keys that name their own group
+    (diagnostics such as resid/layer_03/rms) are used as they are."""
+    if "/" in key:
+        return key
+    return f"{'val' if key.startswith('val_') else 'train'}/{key}"
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step and mirrors scalars to TensorBoard."""
 
@@ -48,8 +56,7 @@ class MetricsWriter:
             step = record["step"]
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    group = "val" if key.startswith("val_") else "train"
-                    self.tb.add_scalar(f"{group}/{key}", value, step)
+                    self.tb.add_scalar(tensorboard_tag(key), value, step)
             self.tb.flush()
 
     def close(self) -> None:

@@ -246,7 +246,17 @@ class Trainer:
             ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard)
+        self.diagnostics = self._build_diagnostics() if cfg.log.diagnostics else None
         self._print_summary()
+
+    def _build_diagnostics(self) -> Any:
+        """Residual-stream diagnostics on the first validation micro-batch (same on every rank)."""
+        from megaformer.diagnostics.training import DiagnosticsHook
+
+        batch = next(iter(validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
+                                             1, 1, 0, 1)))
+        return DiagnosticsHook(self.plain_model, batch, self.cfg.log.diagnostics_interval,
+                               self.topo, self.engine.module if self.cfg.parallel.pipeline > 1 else None)
 
     def _build_model(self) -> torch.nn.Module:
         """The whole model from the seed on every rank (so TP=N starts from TP=1's weights), then
@@ -442,6 +452,8 @@ class Trainer:
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 record = self._interval_record(window, tokens_per_step)
                 window = []
+            if self.diagnostics is not None and self.diagnostics.due(self.step):
+                record = {**(record or {"step": self.step}), **self.diagnostics()}
             final = self.step == cfg.train.steps
             if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or (final and cfg.eval.at_end):
                 val_loss = self.evaluate()

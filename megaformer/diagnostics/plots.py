@@ -1,0 +1,100 @@
+"""Plots of the per-layer diagnostics series in a run's metrics (for ``megaformer report``).
+
+One PNG per family, one line per layer, coloured from shallow (dark) to deep (light):
+``diag_resid_rms.png``, ``diag_attn_write_rms.png``, ``diag_mlp_write_rms.png``,
+``diag_attn_max_logit.png``, ``diag_logit_lens_loss.png``; and per head, one panel per layer,
+one line per head: ``diag_attn_entropy.png``, ``diag_head_write_norm.png``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+# (file stem, title, y label, key pattern with groups (layer) or (layer, head))
+LAYER_FAMILIES = [
+    ("diag_resid_rms", "Residual stream RMS", "RMS", r"resid/(layer_\d+|embed)/rms"),
+    ("diag_attn_write_rms", "Attention write RMS", "RMS", r"attn_write/(layer_\d+)/rms"),
+    ("diag_mlp_write_rms", "MLP write RMS", "RMS", r"mlp_write/(layer_\d+)/rms"),
+    ("diag_attn_max_logit", "Largest attention logit", "q.k / sqrt(d_k)",
+     r"attn/(layer_\d+)/max_logit"),
+    ("diag_logit_lens_loss", "Logit-lens loss", "nats/token", r"logit_lens/(layer_\d+)/loss"),
+]
+HEAD_FAMILIES = [
+    ("diag_attn_entropy", "Attention entropy per head", "nats", r"attn/(layer_\d+)/entropy/(head_\d+)"),
+    ("diag_head_write_norm", "Head write norm", "norm", r"attn_write/(layer_\d+)/(head_\d+)/norm"),
+]
+
+
+def _collect(records: list[dict], pattern: str) -> dict[tuple, tuple[list[int], list[float]]]:
+    """{groups of the key: (steps, values)} for keys matching ``pattern``, sorted by key."""
+    rx = re.compile(pattern + "$")
+    series: dict[tuple, tuple[list[int], list[float]]] = {}
+    for r in records:
+        for key, value in r.items():
+            m = rx.match(key)
+            if m and isinstance(value, (int, float)):
+                steps, values = series.setdefault(m.groups(), ([], []))
+                steps.append(r["step"])
+                values.append(float(value))
+    return dict(sorted(series.items(), key=lambda kv: (kv[0][0] != "embed", kv[0])))
+
+
+def _lines(ax: Any, series: dict, label_index: int) -> None:
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("viridis")
+    n = len(series)
+    for i, (groups, (x, y)) in enumerate(series.items()):
+        ax.plot(x, y, color=cmap(i / max(1, n - 1) * 0.9), label=groups[label_index],
+                marker="o" if len(x) < 30 else None, markersize=2, linewidth=1)
+    ax.grid(alpha=0.3)
+
+
+def plot_diagnostics(records: list[dict], out: Path) -> list[Path]:
+    """The PNGs above for the families present in ``records``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for stem, title, ylabel, pattern in LAYER_FAMILIES:
+        series = _collect(records, pattern)
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(7.2, 4.0), dpi=100)
+        _lines(ax, series, 0)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=6, ncol=1 + len(series) // 12, loc="best")
+        fig.tight_layout()
+        written.append(out / f"{stem}.png")
+        fig.savefig(written[-1])
+        plt.close(fig)
+    for stem, title, ylabel, pattern in HEAD_FAMILIES:
+        series = _collect(records, pattern)
+        layers = sorted({g[0] for g in series})
+        if not layers:
+            continue
+        cols = min(4, len(layers))
+        rows = -(-len(layers) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), dpi=100,
+                                 squeeze=False, sharex=True)
+        for i, layer in enumerate(layers):
+            ax = axes[i // cols][i % cols]
+            _lines(ax, {g: s for g, s in series.items() if g[0] == layer}, 1)
+            ax.set_title(layer, fontsize=9)
+            ax.tick_params(labelsize=7)
+            if i == 0:
+                ax.legend(fontsize=5, ncol=2)
+        for j in range(len(layers), rows * cols):
+            axes[j // cols][j % cols].axis("off")
+        fig.suptitle(f"{title} ({ylabel}) vs step")
+        fig.tight_layout()
+        written.append(out / f"{stem}.png")
+        fig.savefig(written[-1])
+        plt.close(fig)
+    return written
