@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -166,8 +166,12 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
                     client_state: dict, weights: Optional[dict[str, torch.Tensor]],
                     config_yaml: str, tokenizer: Any, meta: dict, keep_last: Optional[int],
-                    barrier: Any, extra_rng: Optional[dict] = None) -> Optional[Path]:
-    """Collective: every rank calls it. Returns the checkpoint path (None if it already existed)."""
+                    barrier: Any, extra_rng: Optional[dict] = None,
+                    write_extra: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
+    """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
+
+    ``write_extra(tmp_dir)`` runs on every rank before the checkpoint is sealed (the layout-free
+    optimizer state, :mod:`megaformer.checkpoint.portable`)."""
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
     final = root / tag
@@ -187,6 +191,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save({**rng_state(), **(extra_rng or {})}, tmp / "rng" / f"rank_{rank}.pt")
+    if write_extra is not None:
+        write_extra(tmp)
     if rank == 0:
         from safetensors.torch import save_file
 
@@ -281,9 +287,12 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from megaformer.checkpoint.safetensors_check import read_header
+
     f = ckpt / WEIGHTS
     if not f.is_file():
         raise CheckpointError(f"{ckpt}: no {WEIGHTS}")
+    read_header(f)
     try:
         return load_file(str(f))
     except (SafetensorError, OSError, ValueError) as e:
