@@ -102,8 +102,20 @@ class OptimizerAccess:
                     if key not in state:
                         state[key] = torch.zeros_like(q, memory_format=torch.preserve_format)
                 state["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
+        self.link()
+
+    def link(self) -> None:
+        """ZeRO 1/2 and bf16: point every parameter at its Adam-state fragment (DeepSpeed does it
+        lazily, and not on every code path)."""
+        if self.plain:
+            return
+        if not self.inner.state:  # before the first step: zeros, step 0 (what Adam starts from)
+            self.prepare(0.0)
+            return
         link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:  # ZeRO 1/2 and bf16: point every parameter at its state fragment
+        if link is not None:
+            if hasattr(self.wrapper, "_hp_optimizer_states_linked"):
+                self.wrapper._hp_optimizer_states_linked = False  # re-link to the current tensors
             link()
 
     def set(self, p: torch.nn.Parameter, key: str, value: torch.Tensor) -> None:
@@ -143,6 +155,7 @@ def save_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]
     access = OptimizerAccess(engine)
     if access.inner is None or not all(access.supports(p) for _, p in params):
         return False
+    access.link()
     writer = topo.tp_rank == 0 and topo.dp_rank == 0
     out: dict[str, torch.Tensor] = {}
     for name, p in params:

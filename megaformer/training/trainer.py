@@ -133,17 +133,15 @@ def _layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
             if saved.get(k) is not None and saved[k] != now[k]]
 
 
-def _needs_relayout(cfg: Config, ckpt: Path, world_size: int) -> bool:
+def _relayout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
+    """The layout changes that need the layout-free resume (empty: DeepSpeed's own resume)."""
     changes = _layout_changes(cfg, ckpt, world_size)
     if changes and not portable.has_portable_state(ckpt):
         raise CheckpointError(
             f"{ckpt}: resuming with a different layout ({', '.join(changes)}) needs the "
             f"checkpoint's layout-free optimizer state ({portable.STATE_DIR}/{portable.STATE_JSON}), "
             "which it lacks; resume at the saved layout")
-    if changes:
-        log.info("layout changed since %s (%s): resuming from its layout-free state", ckpt.name,
-                 ", ".join(changes))
-    return bool(changes)
+    return changes
 
 
 def _precision_checks(cfg: Config, device: torch.device) -> None:
@@ -206,8 +204,8 @@ class Trainer:
         # A weights-only checkpoint (``megaformer convert``) seeds the model; nothing else resumes.
         self.init_only = self.resume_from is not None and ckpt_io.is_weights_only(self.resume_from)
         # Another layout: model and optimizer from the layout-free state, not DeepSpeed's files.
-        self.relayout = (self.resume_from is not None and not self.init_only
-                         and _needs_relayout(cfg, self.resume_from, self.proc.world_size))
+        self.relayout = (_relayout_changes(cfg, self.resume_from, self.proc.world_size)
+                         if self.resume_from is not None and not self.init_only else [])
         from megaformer.kernels.attention import resolve_backend
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -302,9 +300,10 @@ class Trainer:
         portable.restore_schedule(self.engine, self.scheduler, step,
                                   self.cfg.train.global_batch_size)
         del self.portable
-        log.warning("resumed from %s at a new layout (step %d, %s samples consumed); RNG streams "
-                    "are per rank and do not carry over, so dropout masks differ from the saved "
-                    "layout's continuation", ckpt, step, f"{consumed:,}")
+        log.warning("resumed from %s at a new layout (%s; step %d, %s samples consumed) from its "
+                    "layout-free state; RNG streams are per rank and do not carry over, so dropout "
+                    "masks differ from the saved layout's continuation", ckpt,
+                    ", ".join(self.relayout), step, f"{consumed:,}")
         return step, consumed
 
     def _build_engine(self) -> None:
