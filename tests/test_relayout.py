@@ -123,6 +123,30 @@ def test_reshard_refusals(layout_a, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_resume_at_data_parallel_1_with_async_save(layout_a, tmp_path):
+    """DP 2 -> 1 under ZeRO-1 (DeepSpeed's partitions reassembled); the step-6 checkpoint is
+    written in the background and equals, tensor by tensor, the one layout A wrote."""
+    run = tmp_path / "dp1"
+    shutil.copytree(layout_a, run)
+    rewind(run)
+    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
+                   "parallel.zero_stage=1", "checkpoint.interval=3", "checkpoint.async_save=true",
+                   "checkpoint.keep_last=1", "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "data 2 -> 1" in proc.stdout and "(in the background)" in proc.stdout
+    assert_same_continuation(run, layout_a)
+    ckpt = ckpt_io.latest_checkpoint(run / "checkpoints")
+    assert [p.name for p in ckpt_io.complete_checkpoints(run / "checkpoints")] == [ckpt.name]
+    assert ckpt.name == "step_0000006" and ckpt_io.read_meta(ckpt)["parallel"]["data"] == 1
+    mine, theirs = (portable.PortableState(r / "checkpoints" / "step_0000006")
+                    for r in (run, layout_a))
+    assert sorted(mine.names()) == sorted(theirs.names())
+    for name in theirs.names():
+        for key in portable.KEYS:
+            a, b = theirs.tensor(name, key), mine.tensor(name, key)
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (name, key)
+
+
 def test_relayout_resume_with_a_truncated_state_file_is_one_clear_error(layout_a, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(layout_a, run)

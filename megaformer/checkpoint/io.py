@@ -163,15 +163,62 @@ def set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- save
 
-def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
-                    client_state: dict, weights: Optional[dict[str, torch.Tensor]],
-                    config_yaml: str, tokenizer: Any, meta: dict, keep_last: Optional[int],
-                    barrier: Any, extra_rng: Optional[dict] = None,
-                    write_extra: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
+def write_payload(path: Path, payload: Any) -> None:
+    """One file of a checkpoint: tensors as safetensors, or text; written under a ``.partial``
+    name, flushed to disk, then renamed, so a file that exists is a whole file."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    if isinstance(payload, dict):
+        save_file(payload, str(partial), metadata={"format": "pt", "megaformer_version": __version__})
+    else:
+        partial.write_text(payload)
+    with open(partial, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(partial, path)
+
+
+def _wait_for(folder: Path, names: list[str], timeout_s: float) -> None:
+    """Until every file in ``names`` (written by other ranks' writer threads) exists."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [n for n in names if not (folder / n).is_file()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{folder}: other ranks did not write {missing[:3]} within "
+                                  f"{timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def _seal(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
+    """fsync everything, rename the folder into place, then point ``latest`` at it."""
+    root = final.parent
+    _fsync_tree(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    write_text_atomic(root / LATEST, final.name + "\n")
+    if keep_last is not None:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old)
+
+
+def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int,
+                    client_state: dict, snapshot: Callable[[Path], dict[str, Any]],
+                    expect: list[str], keep_last: Optional[int], barrier: Any,
+                    extra_rng: Optional[dict] = None, background: Any = None,
+                    wait_timeout_s: float = 1800.0) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
 
-    ``write_extra(tmp_dir)`` runs on every rank before the checkpoint is sealed (the layout-free
-    optimizer state, :mod:`megaformer.checkpoint.portable`)."""
+    Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint`` (it writes its files
+    itself), the RNG files, and ``snapshot(tmp_dir)`` -> {relative path: tensors (on the host) or
+    text}, this rank's share of the remaining files. Those are then written, flushed and renamed
+    into place; rank 0 seals the checkpoint (fsync, rename, ``latest``, keep-last) once every name
+    in ``expect`` exists. With ``background`` (a :class:`BackgroundWriter`) that part runs on its
+    thread and training continues; without it, in line, with barriers."""
+    if background is not None:
+        background.wait()  # the previous save is sealed (or its failure raised) first
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
     final = root / tag
@@ -191,30 +238,73 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save({**rng_state(), **(extra_rng or {})}, tmp / "rng" / f"rank_{rank}.pt")
-    if write_extra is not None:
-        write_extra(tmp)
-    if rank == 0:
-        from safetensors.torch import save_file
+    files = snapshot(tmp)
 
-        assert weights is not None
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS),
-                  metadata={"format": "pt", "megaformer_version": __version__})
-        (tmp / CONFIG).write_text(config_yaml)
-        tokenizer.save(tmp / "tokenizer.json")
-        full_meta = {"megaformer_version": __version__, "step": step, "world_size": world_size,
-                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta}
-        (tmp / META).write_text(json.dumps(full_meta, indent=2))
-    barrier()
-    if rank == 0:
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        write_text_atomic(root / LATEST, tag + "\n")
-        if keep_last is not None:
-            for old in complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old)
-    barrier()
+    def write() -> None:
+        for rel, payload in files.items():
+            write_payload(tmp / rel, payload)
+
+    if background is None:
+        write()
+        barrier()
+        if rank == 0:
+            _seal(tmp, final, keep_last)
+        barrier()
+        return final
+
+    def write_and_seal() -> None:
+        write()
+        if rank == 0:
+            _wait_for(tmp, expect, wait_timeout_s)
+            _seal(tmp, final, keep_last)
+            log.info("saved checkpoint %s (in the background)", final)
+
+    background.submit(write_and_seal, f"checkpoint {final}")
     return final
+
+
+class BackgroundWriter:
+    """One checkpoint write at a time on a background thread.
+
+    ``submit`` first waits for the previous write; ``check`` (at every step boundary) re-raises a
+    failed write as CheckpointError; ``wait`` blocks until the current write is done."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[Any] = None
+        self._error: Optional[BaseException] = None
+        self._what = ""
+
+    def submit(self, job: Callable[[], None], what: str) -> None:
+        import threading
+
+        self.wait()
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as e:  # reported on the training thread by check()/wait()
+                self._error = e
+
+        self._what = what
+        self._thread = threading.Thread(target=run, name="megaformer-checkpoint", daemon=True)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            if isinstance(e, CheckpointError):
+                raise e
+            raise CheckpointError(f"writing {self._what} failed: {type(e).__name__}: "
+                                  f"{str(e)[:300]}") from None
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
 
 
 def save_weights_checkpoint(run_dir: Path, step: int, weights: dict[str, torch.Tensor],

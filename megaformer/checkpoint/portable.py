@@ -144,17 +144,24 @@ def _gather_tp(t: torch.Tensor, p: torch.nn.Parameter, topo: Any) -> torch.Tenso
     return torch.cat(parts, dim=p.partition_dim)
 
 
-def save_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]], topo: Any,
-                        vocab_size: int, folder: Path, info: dict, is_main: bool) -> bool:
-    """Collective (every rank): write this stage's file into ``folder`` (``CKPT/optimizer``) and,
-    on rank 0, ``state.json`` with ``info`` (step, consumed samples, layout, LR state).
-
-    Returns False (and writes nothing) when the optimizer is one the accessors do not cover."""
-    from safetensors.torch import save_file
-
+def covered(engine: Any, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
+    """Whether the accessors reach this optimizer's state (not fp16's FP16_Optimizer)."""
     access = OptimizerAccess(engine)
-    if access.inner is None or not all(access.supports(p) for _, p in params):
-        return False
+    return access.inner is not None and all(access.supports(p) for _, p in params)
+
+
+def stage_file(pp_rank: int) -> str:
+    return f"{STATE_DIR}/stage_{pp_rank:02d}.safetensors"
+
+
+def snapshot_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
+                            topo: Any, vocab_size: int) -> Optional[dict[str, torch.Tensor]]:
+    """Collective (every rank): this pipeline stage's whole tensors, on the host, for the
+    stage's writer (TP rank 0, DP rank 0); an empty dict on the other ranks. None when the
+    optimizer is one the accessors do not cover (fp16's), so there is nothing layout-free."""
+    if not covered(engine, params):
+        return None
+    access = OptimizerAccess(engine)
     access.link()
     writer = topo.tp_rank == 0 and topo.dp_rank == 0
     out: dict[str, torch.Tensor] = {}
@@ -164,15 +171,13 @@ def save_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]
             if name in VOCAB_TABLES:
                 t = t[:vocab_size]
             if writer:
-                out[f"{name}/{key}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
-    folder.mkdir(parents=True, exist_ok=True)
-    if writer:
-        save_file(out, str(folder / f"stage_{topo.pp_rank:02d}.safetensors"),
-                  metadata={"format": "pt", "content": "megaformer layout-free optimizer state"})
-    if is_main:
-        (folder / STATE_JSON).write_text(json.dumps({**info, "adam_step": access.adam_step()},
-                                                    indent=2))
-    return True
+                out[f"{name}/{key}"] = t.detach().to("cpu", torch.float32, copy=True).contiguous()
+    return out
+
+
+def portable_info(engine: Any, info: dict) -> str:
+    """``state.json``: ``info`` (step, consumed samples, layout, LR) and Adam's step count."""
+    return json.dumps({**info, "adam_step": OptimizerAccess(engine).adam_step()}, indent=2)
 
 
 class PortableState:
@@ -234,8 +239,7 @@ def restore_portable_state(engine: Any, params: list[tuple[str, torch.nn.Paramet
     """Set every local parameter's master weight and Adam moments from ``state`` (collective-free
     except for what DeepSpeed's setters do)."""
     access = OptimizerAccess(engine)
-    unsupported = [n for n, p in params if not access.supports(p)] if access.inner else ["all"]
-    if unsupported:
+    if not covered(engine, params):
         raise CheckpointError(f"{source}: resuming at another layout is not supported with this "
                               f"optimizer ({type(engine.optimizer).__name__}); resume at the saved "
                               "layout")

@@ -12,6 +12,7 @@ loss is the mean over the step's micro-batches and the data-parallel ranks.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -23,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.checkpoint import portable
 from megaformer.config import Config, config_from_dict, validate_for_world
@@ -258,6 +260,7 @@ class Trainer:
             ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard)
+        self.writer = ckpt_io.BackgroundWriter() if cfg.checkpoint.async_save else None
         self._print_summary()
 
     def _build_model(self) -> torch.nn.Module:
@@ -419,7 +422,10 @@ class Trainer:
         return sum(losses) / len(losses)
 
     def save(self) -> Optional[Path]:
-        weights = self.full_weights()
+        """Collective. With ``checkpoint.async_save`` the files are written on a background
+        thread after a synchronous snapshot (see :func:`megaformer.checkpoint.io.save_checkpoint`)."""
+        if self.writer is not None:
+            self.writer.wait()  # one save in flight at a time; raises if the last one failed
         consumed = self.loader.consumed_samples
         meta = {"consumed_samples": consumed, "consumed_tokens": consumed * self.cfg.seq_len,
                 "parallel": {"tensor": self.cfg.parallel.tensor, "pipeline": self.cfg.parallel.pipeline,
@@ -428,23 +434,42 @@ class Trainer:
                 "zero_stage": self.cfg.parallel.zero_stage, "precision": self.cfg.train.precision}
         info = {"step": self.step, "consumed_samples": consumed, "layout": meta["parallel"],
                 "lr": self.scheduler.get_last_lr()}
-
-        def write_layout_free(tmp: Path) -> None:
-            meta["layout_free_state"] = portable.save_portable_state(
-                self.engine, self._local_params(), self.topo, self.cfg.model.vocab_size,
-                tmp / portable.STATE_DIR, info, self.is_main)
-
         path = ckpt_io.save_checkpoint(
-            self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
+            self.engine, self.run_dir, self.step, rank=self.rank,
             client_state={"step": self.step, "consumed_samples": consumed},
-            weights=weights if self.is_main else None, config_yaml=self.cfg.to_yaml(),
-            tokenizer=self.tokenizer, meta=meta, keep_last=self.cfg.checkpoint.keep_last,
-            barrier=dist.barrier,
+            snapshot=lambda tmp: self._snapshot(tmp, meta, info),
+            expect=([portable.stage_file(s) for s in range(self.cfg.parallel.pipeline)]
+                    if portable.covered(self.engine, self._local_params()) else []),
+            keep_last=self.cfg.checkpoint.keep_last, barrier=dist.barrier,
             extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
-            write_extra=write_layout_free)
-        if path is not None:
+            background=self.writer)
+        if path is not None and self.writer is None:
             log.info("saved checkpoint %s", path)
         return path
+
+    def _snapshot(self, tmp: Path, meta: dict, info: dict) -> dict[str, Any]:
+        """This rank's share of a checkpoint's files, copied to host memory (collective)."""
+        weights = self.full_weights()
+        state = portable.snapshot_portable_state(self.engine, self._local_params(), self.topo,
+                                                 self.cfg.model.vocab_size)
+        files: dict[str, Any] = {}
+        if state:  # this stage's writer
+            files[portable.stage_file(self.topo.pp_rank)] = state
+        if self.is_main:
+            assert weights is not None
+            files[ckpt_io.WEIGHTS] = {k: v.detach().to("cpu", copy=True).contiguous()
+                                      for k, v in weights.items()}
+            files[ckpt_io.CONFIG] = self.cfg.to_yaml()
+            self.tokenizer.save(tmp / "tokenizer.json")
+            full_meta = {"megaformer_version": __version__, "step": self.step,
+                         "world_size": self.proc.world_size,
+                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         "layout_free_state": state is not None, **meta}
+            if state is not None:
+                files[f"{portable.STATE_DIR}/{portable.STATE_JSON}"] = \
+                    portable.portable_info(self.engine, info)
+            files[ckpt_io.META] = json.dumps(full_meta, indent=2)  # last: marks it complete
+        return files
 
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
@@ -475,6 +500,8 @@ class Trainer:
         train_time, train_tokens = 0.0, 0
         while self.step < cfg.train.steps:
             last = self.train_step()
+            if self.writer is not None:
+                self.writer.check()  # a failed background save stops the run at a step boundary
             window.append(last)
             train_time += last["step_time_s"]
             train_tokens += tokens_per_step
@@ -502,6 +529,8 @@ class Trainer:
                 last_ckpt = self.save() or last_ckpt
         if bar is not None:
             bar.close()
+        if self.writer is not None:
+            self.writer.wait()
         self.metrics.close()
         sample = self.sample()
         return TrainResult(self.run_dir, self.step, last.get("loss", float("nan")), val_loss,
