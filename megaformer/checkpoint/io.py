@@ -170,8 +170,8 @@ def write_payload(path: Path, payload: Any) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    if isinstance(payload, dict):
-        save_file(payload, str(partial), metadata={"format": "pt", "megaformer_version": __version__})
+    if isinstance(payload, dict):  # one metadata key: the bytes do not depend on hash order
+        save_file(payload, str(partial), metadata={"format": "pt"})
     else:
         partial.write_text(payload)
     with open(partial, "rb") as fh:
