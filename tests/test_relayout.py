@@ -18,6 +18,7 @@ import torch
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.checkpoint import portable
 from megaformer.checkpoint.reshard import reshard_checkpoint
+from megaformer.checkpoint.safe_load import safe_torch_load
 from megaformer.errors import CheckpointError, ConfigError
 from tests.conftest import assert_one_line_error, run_cli, run_torchrun, tiny_overrides
 
@@ -138,6 +139,9 @@ def test_resume_at_data_parallel_1_with_async_save(layout_a, tmp_path):
     ckpt = ckpt_io.latest_checkpoint(run / "checkpoints")
     assert [p.name for p in ckpt_io.complete_checkpoints(run / "checkpoints")] == [ckpt.name]
     assert ckpt.name == "step_0000006" and ckpt_io.read_meta(ckpt)["parallel"]["data"] == 1
+    engine_state = safe_torch_load(str(ckpt / "mp_rank_00_model_states.pt"))["module"]
+    for name, w in ckpt_io.load_weights(ckpt).items():  # DeepSpeed's file, deferred, is whole
+        assert torch.equal(engine_state[name][:w.shape[0]], w), name
     mine, theirs = (portable.PortableState(r / "checkpoints" / "step_0000006")
                     for r in (run, layout_a))
     assert sorted(mine.names()) == sorted(theirs.names())

@@ -204,19 +204,23 @@ def _seal(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
             shutil.rmtree(old)
 
 
-def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int,
+def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
                     client_state: dict, snapshot: Callable[[Path], dict[str, Any]],
-                    expect: list[str], keep_last: Optional[int], barrier: Any,
+                    keep_last: Optional[int], barrier: Any,
                     extra_rng: Optional[dict] = None, background: Any = None,
                     wait_timeout_s: float = 1800.0) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
 
-    Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint`` (it writes its files
-    itself), the RNG files, and ``snapshot(tmp_dir)`` -> {relative path: tensors (on the host) or
-    text}, this rank's share of the remaining files. Those are then written, flushed and renamed
-    into place; rank 0 seals the checkpoint (fsync, rename, ``latest``, keep-last) once every name
-    in ``expect`` exists. With ``background`` (a :class:`BackgroundWriter`) that part runs on its
-    thread and training continues; without it, in line, with barriers."""
+    Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
+    ``snapshot(tmp_dir)`` -> {relative path: tensors (on the host) or text}, this rank's share of
+    the remaining files. Those are then written, flushed and renamed into place; rank 0 seals the
+    checkpoint (fsync, rename, ``latest``, keep-last) once every rank is done.
+
+    With ``background`` (a :class:`BackgroundWriter`) the writing runs on its thread and training
+    continues: DeepSpeed's files too, when its checkpoint engine is megaformer's (it then keeps a
+    host copy of each state instead of writing it); each rank's thread ends by writing
+    ``.rank_N.done``, and rank 0's thread seals once all of them exist. Without it, in line,
+    with barriers."""
     if background is not None:
         background.wait()  # the previous save is sealed (or its failure raised) first
     root = run_dir / CHECKPOINTS
@@ -235,12 +239,23 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int,
         if tmp.exists():  # left by an interrupted save of ours: never a complete checkpoint
             shutil.rmtree(tmp)
     barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+    ds_files = getattr(engine, "checkpoint_engine", None)
+    defer = background is not None and hasattr(ds_files, "take_pending")
+    if defer:
+        ds_files.deferring = True
+    try:
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+    finally:
+        if defer:
+            ds_files.deferring = False
+    pending = ds_files.take_pending() if defer else []
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save({**rng_state(), **(extra_rng or {})}, tmp / "rng" / f"rank_{rank}.pt")
     files = snapshot(tmp)
 
     def write() -> None:
+        for state, path in pending:
+            ds_files.write_now(state, path)
         for rel, payload in files.items():
             write_payload(tmp / rel, payload)
 
@@ -252,10 +267,15 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int,
         barrier()
         return final
 
+    markers = [f".rank_{r}.done" for r in range(world_size)]
+
     def write_and_seal() -> None:
         write()
+        write_payload(tmp / markers[rank], "")
         if rank == 0:
-            _wait_for(tmp, expect, wait_timeout_s)
+            _wait_for(tmp, markers, wait_timeout_s)
+            for m in markers:
+                (tmp / m).unlink()
             _seal(tmp, final, keep_last)
             log.info("saved checkpoint %s (in the background)", final)
 

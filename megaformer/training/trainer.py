@@ -435,11 +435,9 @@ class Trainer:
         info = {"step": self.step, "consumed_samples": consumed, "layout": meta["parallel"],
                 "lr": self.scheduler.get_last_lr()}
         path = ckpt_io.save_checkpoint(
-            self.engine, self.run_dir, self.step, rank=self.rank,
+            self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
             client_state={"step": self.step, "consumed_samples": consumed},
             snapshot=lambda tmp: self._snapshot(tmp, meta, info),
-            expect=([portable.stage_file(s) for s in range(self.cfg.parallel.pipeline)]
-                    if portable.covered(self.engine, self._local_params()) else []),
             keep_last=self.cfg.checkpoint.keep_last, barrier=dist.barrier,
             extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
             background=self.writer)
