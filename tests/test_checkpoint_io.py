@@ -34,7 +34,7 @@ class FakeEngine:
 
 
 def snapshot(step: int):
-    def files(tmp: Path) -> dict:
+    def files(tmp: Path, memo) -> dict:
         g = torch.Generator().manual_seed(step)
         return {"model.safetensors": {"w": torch.randn(64, 32, generator=g)},
                 "optimizer/stage_00.safetensors": {"w/master": torch.randn(64, 32, generator=g)},

@@ -205,15 +205,16 @@ def _seal(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
 
 
 def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
-                    client_state: dict, snapshot: Callable[[Path], dict[str, Any]],
+                    client_state: dict, snapshot: Callable[[Path, Optional[dict]], dict[str, Any]],
                     keep_last: Optional[int], barrier: Any,
                     extra_rng: Optional[dict] = None, background: Any = None,
                     wait_timeout_s: float = 1800.0) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
 
     Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
-    ``snapshot(tmp_dir)`` -> {relative path: tensors (on the host) or text}, this rank's share of
-    the remaining files. Those are then written, flushed and renamed into place; rank 0 seals the
+    ``snapshot(tmp_dir, memo)`` -> {relative path: tensors (on the host) or text}, this rank's
+    share of the remaining files (``memo``: None for a synchronous save, else the host copies
+    already taken, by tensor view, to share instead of copying twice). Those are then written, flushed and renamed into place; rank 0 seals the
     checkpoint (fsync, rename, ``latest``, keep-last) once every rank is done.
 
     With ``background`` (a :class:`BackgroundWriter`) the writing runs on its thread and training
@@ -241,8 +242,10 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     barrier()
     ds_files = getattr(engine, "checkpoint_engine", None)
     defer = background is not None and hasattr(ds_files, "take_pending")
+    memo: Optional[dict] = {} if background is not None else None
     if defer:
         ds_files.deferring = True
+        ds_files.memo = memo
     try:
         engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
     finally:
@@ -251,7 +254,7 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     pending = ds_files.take_pending() if defer else []
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save({**rng_state(), **(extra_rng or {})}, tmp / "rng" / f"rank_{rank}.pt")
-    files = snapshot(tmp)
+    files = snapshot(tmp, memo)
 
     def write() -> None:
         for state, path in pending:

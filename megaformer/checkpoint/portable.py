@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megaformer.checkpoint.safe_load import host_copy
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.errors import CheckpointError
 
@@ -155,10 +156,16 @@ def stage_file(pp_rank: int) -> str:
 
 
 def snapshot_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
-                            topo: Any, vocab_size: int) -> Optional[dict[str, torch.Tensor]]:
+                            topo: Any, vocab_size: int,
+                            memo: Optional[dict] = None) -> Optional[dict[str, torch.Tensor]]:
     """Collective (every rank): this pipeline stage's whole tensors, on the host, for the
     stage's writer (TP rank 0, DP rank 0); an empty dict on the other ranks. None when the
-    optimizer is one the accessors do not cover (fp16's), so there is nothing layout-free."""
+    optimizer is one the accessors do not cover (fp16's), so there is nothing layout-free.
+
+    With ``memo`` (an asynchronous save) the tensors are host copies, shared through ``memo``
+    with the copies already taken of the same tensors (DeepSpeed's state, see
+    :func:`megaformer.checkpoint.safe_load.host_copy`); without it (a synchronous save, written
+    before training goes on) they may be views of live host tensors."""
     if not covered(engine, params):
         return None
     access = OptimizerAccess(engine)
@@ -171,7 +178,9 @@ def snapshot_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parame
             if name in VOCAB_TABLES:
                 t = t[:vocab_size]
             if writer:
-                out[f"{name}/{key}"] = t.detach().to("cpu", torch.float32, copy=True).contiguous()
+                t = t.detach().float()
+                out[f"{name}/{key}"] = (host_copy(t, memo) if memo is not None
+                                        else t.to("cpu").contiguous())
     return out
 
 

@@ -73,18 +73,19 @@ def install_safe_checkpoint_engine(engine: Any) -> None:
         def __init__(self, config_params: Any = None) -> None:
             super().__init__(config_params)
             self.pending: list[tuple[Any, str]] = []
+            self.memo: dict = {}  # host copies by tensor view, shared with the rest of the save
 
         def load(self, path: str, map_location: Any = None) -> Any:
             return safe_torch_load(path, map_location=map_location)
 
         def save(self, state_dict: Any, path: str) -> None:
             if self.deferring:
-                self.pending.append((host_copy(state_dict), path))
+                self.pending.append((host_copy(state_dict, self.memo), path))
             else:
                 super().save(state_dict, path)
 
         def take_pending(self) -> list[tuple[Any, str]]:
-            pending, self.pending = self.pending, []
+            pending, self.pending, self.memo = self.pending, [], {}
             return pending
 
         def write_now(self, state_dict: Any, path: str) -> None:

@@ -437,7 +437,7 @@ class Trainer:
         path = ckpt_io.save_checkpoint(
             self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
             client_state={"step": self.step, "consumed_samples": consumed},
-            snapshot=lambda tmp: self._snapshot(tmp, meta, info),
+            snapshot=lambda tmp, memo: self._snapshot(tmp, memo, meta, info),
             keep_last=self.cfg.checkpoint.keep_last, barrier=dist.barrier,
             extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
             background=self.writer)
@@ -445,17 +445,19 @@ class Trainer:
             log.info("saved checkpoint %s", path)
         return path
 
-    def _snapshot(self, tmp: Path, meta: dict, info: dict) -> dict[str, Any]:
-        """This rank's share of a checkpoint's files, copied to host memory (collective)."""
+    def _snapshot(self, tmp: Path, memo: Optional[dict], meta: dict, info: dict) -> dict[str, Any]:
+        """This rank's share of a checkpoint's files, on the host (collective); copies when
+        ``memo`` is given (asynchronous save)."""
         weights = self.full_weights()
         state = portable.snapshot_portable_state(self.engine, self._local_params(), self.topo,
-                                                 self.cfg.model.vocab_size)
+                                                 self.cfg.model.vocab_size, memo)
         files: dict[str, Any] = {}
         if state:  # this stage's writer
             files[portable.stage_file(self.topo.pp_rank)] = state
         if self.is_main:
             assert weights is not None
-            files[ckpt_io.WEIGHTS] = {k: v.detach().to("cpu", copy=True).contiguous()
+            # full_weights() returns fresh tensors: moving them to the host is the snapshot
+            files[ckpt_io.WEIGHTS] = {k: v.detach().to("cpu").contiguous()
                                       for k, v in weights.items()}
             files[ckpt_io.CONFIG] = self.cfg.to_yaml()
             self.tokenizer.save(tmp / "tokenizer.json")
