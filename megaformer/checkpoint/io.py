@@ -321,7 +321,7 @@ class BackgroundWriter:
             if isinstance(e, CheckpointError):
                 raise e
             raise CheckpointError(f"writing {self._what} failed: {type(e).__name__}: "
-                                  f"{str(e)[:300]}") from None
+                                  f"{' '.join(str(e).split())[:300]}") from None
 
     def wait(self) -> None:
         if self._thread is not None:

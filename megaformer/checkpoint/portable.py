@@ -174,13 +174,15 @@ def snapshot_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parame
     out: dict[str, torch.Tensor] = {}
     for name, p in params:
         for key in KEYS:
-            t = _gather_tp(access.get(p, key), p, topo)
+            local = access.get(p, key)
+            t = _gather_tp(local, p, topo)
+            live = access.plain and t is local  # a view of the optimizer's own tensor
             if name in VOCAB_TABLES:
                 t = t[:vocab_size]
             if writer:
                 t = t.detach().float()
-                out[f"{name}/{key}"] = (host_copy(t, memo) if memo is not None
-                                        else t.to("cpu").contiguous())
+                out[f"{name}/{key}"] = (host_copy(t, memo) if memo is not None and live
+                                        else t.to("cpu").contiguous())  # fresh: already a copy
     return out
 
 

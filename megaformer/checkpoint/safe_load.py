@@ -38,14 +38,15 @@ def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
 
 def host_copy(obj: Any, memo: Optional[dict] = None) -> Any:
     """``obj`` with every tensor copied to host memory (containers rebuilt, other leaves kept).
-    Tensors that are the same view of the same storage (tied weights) stay one tensor."""
+    Tensors that are the same view of the same storage (tied weights) stay one tensor. ``memo``
+    keeps each source tensor alive beside its copy, so no address is reused while it is in use."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),
                obj.stride(), obj.dtype, obj.device)
         if key not in memo:
-            memo[key] = obj.detach().to("cpu", copy=True)
-        return memo[key]
+            memo[key] = (obj, obj.detach().to("cpu", copy=True))
+        return memo[key][1]
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for k, v in obj.items():
