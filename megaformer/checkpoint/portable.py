@@ -126,7 +126,9 @@ class OptimizerAccess:
             if key == "master":
                 p.data.copy_(value.to(p.dtype))
             else:
-                self.inner.state[p][key] = value.to(p.device, torch.float32).clone()
+                v = value.to(p.device, torch.float32)
+                # a TP slice is a view of the whole tensor: own its memory
+                self.inner.state[p][key] = v.clone() if v._base is not None else v
             return
         value = value.to(p.device, torch.float32)
         if key == "master":
