@@ -8,7 +8,8 @@ Layout::
         config.yaml                the resolved config,
         tokenizer.json             the tokenizer,
         rng/rank_N.pt              every rank's RNG state,
-        meta.json                  step, consumed samples/tokens, layout, version.
+        meta.json                  step, consumed samples/tokens, layout, version,
+        optimizer/                 the layout-free optimizer state (:mod:`.portable`).
       latest                       the name of the newest complete checkpoint
 
 A checkpoint is written into ``.tmp-step_...``, flushed to disk, then renamed; ``latest`` is replaced
