@@ -96,14 +96,16 @@ class OptimizerAccess:
     def prepare(self, adam_step: float) -> None:
         """Give every parameter of the wrapped optimizer its Adam state (zeros; torch creates it
         lazily at the first step) with step count ``adam_step``, so the setters have a target."""
-        for group in self.inner.param_groups:
-            for q in group["params"]:
-                state = self.inner.state[q]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key not in state:
-                        state[key] = torch.zeros_like(q, memory_format=torch.preserve_format)
-                state["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
-        self.link()
+        targets = [q for group in self.inner.param_groups for q in group["params"]]
+        # ZeRO-3 hands its flat fp32 partitions to the optimizer one sub-group at a time
+        targets += list(getattr(self.wrapper, "fp32_partitioned_groups_flat", []))
+        for q in dict.fromkeys(targets):
+            state = self.inner.state[q]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(q, memory_format=torch.preserve_format)
+            state["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
+        self._relink()
 
     def link(self) -> None:
         """ZeRO 1/2 and bf16: point every parameter at its Adam-state fragment (DeepSpeed does it
@@ -112,7 +114,10 @@ class OptimizerAccess:
             return
         if not self.inner.state:  # before the first step: zeros, step 0 (what Adam starts from)
             self.prepare(0.0)
-            return
+        else:
+            self._relink()
+
+    def _relink(self) -> None:
         link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:
             if hasattr(self.wrapper, "_hp_optimizer_states_linked"):
