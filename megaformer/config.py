@@ -221,6 +221,11 @@ class CheckpointConfig:
     save_at_end: bool = option(True, "Save after the last step.")
     keep_last: Optional[int] = option(None, "Keep only the newest N checkpoints (null = keep all).")
     resume: bool = option(True, "Resume from the latest checkpoint in the run directory if there is one.")
+    async_save: bool = option(
+        False, "Write checkpoint files on a background thread: DeepSpeed's engine files and a "
+               "host-memory snapshot of the rest are taken synchronously, then training goes on "
+               "while model.safetensors and the layout-free optimizer state are written, flushed "
+               "and sealed (the next save and the end of training wait for it).")
 
 
 @dataclass

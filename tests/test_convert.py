@@ -337,22 +337,27 @@ def test_truncated_or_tampered_safetensors_name_the_file(hf_folders, megaformer_
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
 
 
-def test_megaformer_to_megaformer_calls_the_reshard(megaformer_run, tmp_path, capsys, monkeypatch):
-    """The CLI branch only: ``convert CKPT DST --to megaformer --tp/--pp`` hands the resolved
-    checkpoint to ``megaformer.checkpoint.reshard.reshard_checkpoint`` (tested with its module)."""
-    import sys
-    import types
+def test_megaformer_to_megaformer_reshards(megaformer_run, tmp_path, capsys):
+    """``convert CKPT DST --to megaformer --tp/--pp``: a new run directory whose checkpoint has the
+    same tensors and a config for the new layout (the resumed training is tested in
+    tests/test_relayout.py)."""
+    import yaml
+    from safetensors.torch import load_file
 
-    calls = []
-    fake = types.ModuleType("megaformer.checkpoint.reshard")
-    fake.reshard_checkpoint = lambda src, dst, tensor, pipeline: calls.append(
-        (src, dst, tensor, pipeline)) or dst
-    monkeypatch.setitem(sys.modules, "megaformer.checkpoint.reshard", fake)
-    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r"), "--to", "megaformer",
+    dst = tmp_path / "r"
+    proc = _cli(capsys, "convert", str(megaformer_run), str(dst), "--to", "megaformer",
                 "--tp", "2", "--pp", "2")
     assert proc.returncode == 0, proc.stderr
-    assert calls == [(ckpt_io.resolve_checkpoint(megaformer_run), tmp_path / "r", 2, 2)]
-    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r"), "--to", "megaformer",
+    src_ckpt, out = ckpt_io.resolve_checkpoint(megaformer_run), ckpt_io.resolve_checkpoint(dst)
+    parallel = yaml.safe_load((out / "config.yaml").read_text())["parallel"]
+    assert (parallel["tensor"], parallel["pipeline"]) == (2, 2)
+    a, b = load_file(str(src_ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a)
+    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r3"), "--to", "megaformer",
+                "--tp", "3")
+    assert_one_line_error(proc, "--tp 3")
+    assert not (tmp_path / "r3").exists()
+    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r2"), "--to", "megaformer",
                 "--arch", "gpt2")
     assert_one_line_error(proc, "--arch gpt2", "drop --arch")
 

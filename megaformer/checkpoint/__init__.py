@@ -1,1 +1,2 @@
-"""Checkpoints: atomic save, safe load, resume, and the consolidated weights used by generate."""
+"""Checkpoints: atomic (optionally asynchronous) save, safe load, exact and re-layout resume,
+offline reshard, and the consolidated weights used by generate."""

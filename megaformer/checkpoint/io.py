@@ -8,7 +8,8 @@ Layout::
         config.yaml                the resolved config,
         tokenizer.json             the tokenizer,
         rng/rank_N.pt              every rank's RNG state,
-        meta.json                  step, consumed samples/tokens, layout, version.
+        meta.json                  step, consumed samples/tokens, layout, version,
+        optimizer/                 the layout-free optimizer state (:mod:`.portable`).
       latest                       the name of the newest complete checkpoint
 
 A checkpoint is written into ``.tmp-step_...``, flushed to disk, then renamed; ``latest`` is replaced
@@ -178,11 +179,67 @@ def set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- save
 
+def write_payload(path: Path, payload: Any) -> None:
+    """One file of a checkpoint: tensors as safetensors, or text; written under a ``.partial``
+    name, flushed to disk, then renamed, so a file that exists is a whole file."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    if isinstance(payload, dict):  # one metadata key: the bytes do not depend on hash order
+        save_file(payload, str(partial), metadata={"format": "pt"})
+    else:
+        partial.write_text(payload)
+    with open(partial, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(partial, path)
+
+
+def _wait_for(folder: Path, names: list[str], timeout_s: float) -> None:
+    """Until every file in ``names`` (written by other ranks' writer threads) exists."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [n for n in names if not (folder / n).is_file()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{folder}: other ranks did not write {missing[:3]} within "
+                                  f"{timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def _seal(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
+    """fsync everything, rename the folder into place, then point ``latest`` at it."""
+    root = final.parent
+    _fsync_tree(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    write_text_atomic(root / LATEST, final.name + "\n")
+    if keep_last is not None:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old)
+
+
 def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
-                    client_state: dict, weights: Optional[dict[str, torch.Tensor]],
-                    config_yaml: str, tokenizer: Any, meta: dict, keep_last: Optional[int],
-                    barrier: Any, extra_rng: Optional[dict] = None) -> Optional[Path]:
-    """Collective: every rank calls it. Returns the checkpoint path (None if it already existed)."""
+                    client_state: dict, snapshot: Callable[[Path, Optional[dict]], dict[str, Any]],
+                    keep_last: Optional[int], barrier: Any,
+                    extra_rng: Optional[dict] = None, background: Any = None,
+                    wait_timeout_s: float = 1800.0) -> Optional[Path]:
+    """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
+
+    Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
+    ``snapshot(tmp_dir, memo)`` -> {relative path: tensors (on the host) or text}, this rank's
+    share of the remaining files (``memo``: None for a synchronous save, else the host copies
+    already taken, by tensor view, to share instead of copying twice). Those are then written, flushed and renamed into place; rank 0 seals the
+    checkpoint (fsync, rename, ``latest``, keep-last) once every rank is done.
+
+    With ``background`` (a :class:`BackgroundWriter`) the writing runs on its thread and training
+    continues: DeepSpeed's files too, when its checkpoint engine is megaformer's (it then keeps a
+    host copy of each state instead of writing it); each rank's thread ends by writing
+    ``.rank_N.done``, and rank 0's thread seals once all of them exist. Without it, in line,
+    with barriers."""
+    if background is not None:
+        background.wait()  # the previous save is sealed (or its failure raised) first
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
     final = root / tag
@@ -199,31 +256,94 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
         if tmp.exists():  # left by an interrupted save of ours: never a complete checkpoint
             shutil.rmtree(tmp)
     barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+    ds_files = getattr(engine, "checkpoint_engine", None)
+    defer = background is not None and hasattr(ds_files, "take_pending")
+    memo: Optional[dict] = {} if background is not None else None
+    if defer:
+        ds_files.deferring = True
+        ds_files.memo = memo
+    try:
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+    finally:
+        if defer:
+            ds_files.deferring = False
+    pending = ds_files.take_pending() if defer else []
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save({**rng_state(), **(extra_rng or {})}, tmp / "rng" / f"rank_{rank}.pt")
-    if rank == 0:
-        from safetensors.torch import save_file
+    files = snapshot(tmp, memo)
 
-        assert weights is not None
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS),
-                  metadata={"format": "pt", "megaformer_version": __version__})
-        (tmp / CONFIG).write_text(config_yaml)
-        tokenizer.save(tmp / "tokenizer.json")
-        full_meta = {"megaformer_version": __version__, "step": step, "world_size": world_size,
-                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta}
-        (tmp / META).write_text(json.dumps(full_meta, indent=2))
-    barrier()
-    if rank == 0:
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        write_text_atomic(root / LATEST, tag + "\n")
-        if keep_last is not None:
-            for old in complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old)
-    barrier()
+    def write() -> None:
+        for state, path in pending:
+            ds_files.write_now(state, path)
+        for rel, payload in files.items():
+            write_payload(tmp / rel, payload)
+
+    if background is None:
+        write()
+        barrier()
+        if rank == 0:
+            _seal(tmp, final, keep_last)
+        barrier()
+        return final
+
+    markers = [f".rank_{r}.done" for r in range(world_size)]
+
+    def write_and_seal() -> None:
+        write()
+        write_payload(tmp / markers[rank], "")
+        if rank == 0:
+            _wait_for(tmp, markers, wait_timeout_s)
+            for m in markers:
+                (tmp / m).unlink()
+            _seal(tmp, final, keep_last)
+            log.info("saved checkpoint %s (in the background)", final)
+
+    background.submit(write_and_seal, f"checkpoint {final}")
     return final
+
+
+class BackgroundWriter:
+    """One checkpoint write at a time on a background thread.
+
+    ``submit`` first waits for the previous write; ``check`` (at every step boundary) re-raises a
+    failed write as CheckpointError; ``wait`` blocks until the current write is done."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[Any] = None
+        self._error: Optional[BaseException] = None
+        self._what = ""
+
+    def submit(self, job: Callable[[], None], what: str) -> None:
+        import threading
+
+        self.wait()
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as e:  # reported on the training thread by check()/wait()
+                self._error = e
+
+        self._what = what
+        self._thread = threading.Thread(target=run, name="megaformer-checkpoint", daemon=True)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            if isinstance(e, CheckpointError):
+                raise e
+            raise CheckpointError(f"writing {self._what} failed: {type(e).__name__}: "
+                                  f"{' '.join(str(e).split())[:300]}") from None
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
 
 
 def save_weights_checkpoint(run_dir: Path, step: int,
@@ -302,9 +422,12 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from megaformer.checkpoint.safetensors_check import read_header
+
     f = ckpt / WEIGHTS
     if not f.is_file():
         raise CheckpointError(f"{ckpt}: no {WEIGHTS}")
+    read_header(f)
     try:
         return load_file(str(f))
     except (SafetensorError, OSError, ValueError) as e:

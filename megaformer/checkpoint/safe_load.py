@@ -8,7 +8,8 @@ fragment addresses). A file that needs anything else is refused.
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Optional
 
 import torch
 
@@ -35,13 +36,61 @@ def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
         raise CheckpointError(f"cannot load checkpoint file {path}: {first[:300]}") from None
 
 
+def host_copy(obj: Any, memo: Optional[dict] = None) -> Any:
+    """``obj`` with every tensor copied to host memory (containers rebuilt, other leaves kept).
+    Tensors that are the same view of the same storage (tied weights) stay one tensor. ``memo``
+    keeps each source tensor alive beside its copy, so no address is reused while it is in use."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),
+               obj.stride(), obj.dtype, obj.device)
+        if key not in memo:
+            memo[key] = (obj, obj.detach().to("cpu", copy=True))
+        return memo[key][1]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = host_copy(v, memo)
+        return out
+    if isinstance(obj, list):
+        return [host_copy(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        items = [host_copy(v, memo) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
 def install_safe_checkpoint_engine(engine: Any) -> None:
-    """Replace ``engine.checkpoint_engine`` by one whose ``load`` is :func:`safe_torch_load`."""
+    """Replace ``engine.checkpoint_engine`` by one whose ``load`` is :func:`safe_torch_load`.
+
+    It can also defer DeepSpeed's writes (asynchronous save): while ``deferring`` is set, ``save``
+    keeps a host copy of the state and its path; :meth:`take_pending` hands them over to be written
+    later with :meth:`write_now`."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
     class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+        deferring = False
+
+        def __init__(self, config_params: Any = None) -> None:
+            super().__init__(config_params)
+            self.pending: list[tuple[Any, str]] = []
+            self.memo: dict = {}  # host copies by tensor view, shared with the rest of the save
+
         def load(self, path: str, map_location: Any = None) -> Any:
             return safe_torch_load(path, map_location=map_location)
+
+        def save(self, state_dict: Any, path: str) -> None:
+            if self.deferring:
+                self.pending.append((host_copy(state_dict, self.memo), path))
+            else:
+                super().save(state_dict, path)
+
+        def take_pending(self) -> list[tuple[Any, str]]:
+            pending, self.pending, self.memo = self.pending, [], {}
+            return pending
+
+        def write_now(self, state_dict: Any, path: str) -> None:
+            super().save(state_dict, path)
 
     current = getattr(engine, "checkpoint_engine", None)
     safe = SafeTorchCheckpointEngine(getattr(engine, "_config", None))

@@ -12,6 +12,7 @@ loss is the mean over the step's micro-batches and the data-parallel ranks.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -23,7 +24,9 @@ from typing import Any, Optional
 
 import torch
 
+from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import portable
 from megaformer.config import Config, config_from_dict, validate_for_world
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.errors import CheckpointError, ConfigError
@@ -94,7 +97,7 @@ RESUME_DATA_KEYS = ("seq_len", "tokenizer", "source", "text_field", "max_bytes",
                     "paths", "weights", "split")
 
 
-def _check_resume_compatible(cfg: Config, ckpt: Path, world_size: int) -> None:
+def _check_resume_compatible(cfg: Config, ckpt: Path) -> None:
     """The model a checkpoint holds must be the model the config describes."""
     import yaml
 
@@ -119,22 +122,36 @@ def _check_resume_compatible(cfg: Config, ckpt: Path, world_size: int) -> None:
                 f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r}): the saved data "
                 "position would point into another sample stream; resume with the checkpoint's "
                 "data settings, or start a new run from its weights")
-    _check_layout_unchanged(cfg, ckpt, world_size)
 
 
-def _check_layout_unchanged(cfg: Config, ckpt: Path, world_size: int) -> None:
-    """The engine state is stored per tensor/pipeline rank (and per DP rank under ZeRO): resuming
-    on another layout needs a reshard, which this release does not do."""
-    saved = ckpt_io.read_meta(ckpt).get("parallel", {})
+def _layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
+    """What about the layout differs from the checkpoint's in a way DeepSpeed's per-rank files
+    cannot load (empty: DeepSpeed's exact resume applies). A resharded checkpoint has no engine
+    files at all."""
+    meta = ckpt_io.read_meta(ckpt)
+    if not meta.get("engine_state", True):
+        return ["resharded offline (no engine state)"]
+    saved = dict(meta.get("parallel", {}), zero_stage=meta.get("zero_stage"),
+                 precision=meta.get("precision"))
     dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
-    now = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline, "data": dp}
-    keys = ("tensor", "pipeline") if cfg.parallel.zero_stage == 0 else ("tensor", "pipeline", "data")
-    for key in keys:
-        if key in saved and saved[key] != now[key]:
-            raise CheckpointError(
-                f"{ckpt} was saved with {key}-parallel size {saved[key]}, this run has {now[key]}; "
-                "resuming on a different layout is not supported yet (same layout, or start a new "
-                "run from its model.safetensors)")
+    now = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline, "data": dp,
+           "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision}
+    keys = ["tensor", "pipeline", "zero_stage", "precision"]
+    if cfg.parallel.zero_stage > 0 or saved.get("zero_stage", 0) > 0:  # ZeRO files are per DP rank
+        keys.append("data")
+    return [f"{k} {saved[k]} -> {now[k]}" for k in keys
+            if saved.get(k) is not None and saved[k] != now[k]]
+
+
+def _relayout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
+    """The layout changes that need the layout-free resume (empty: DeepSpeed's own resume)."""
+    changes = _layout_changes(cfg, ckpt, world_size)
+    if changes and not portable.has_portable_state(ckpt):
+        raise CheckpointError(
+            f"{ckpt}: resuming with a different layout ({', '.join(changes)}) needs the "
+            f"checkpoint's layout-free optimizer state ({portable.STATE_DIR}/{portable.STATE_JSON}), "
+            "which it lacks; resume at the saved layout")
+    return changes
 
 
 def _precision_checks(cfg: Config, device: torch.device) -> None:
@@ -193,9 +210,12 @@ class Trainer:
                                   f"{self.resume_from.name}); resume with checkpoint.resume=true "
                                   "or choose another --run-dir")
         if self.resume_from is not None:
-            _check_resume_compatible(cfg, self.resume_from, self.proc.world_size)
+            _check_resume_compatible(cfg, self.resume_from)
         # A weights-only checkpoint (``megaformer convert``) seeds the model; nothing else resumes.
         self.init_only = self.resume_from is not None and ckpt_io.is_weights_only(self.resume_from)
+        # Another layout: model and optimizer from the layout-free state, not DeepSpeed's files.
+        self.relayout = (_relayout_changes(cfg, self.resume_from, self.proc.world_size)
+                         if self.resume_from is not None and not self.init_only else [])
         from megaformer.kernels.attention import resolve_backend
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -231,6 +251,8 @@ class Trainer:
         self.step, consumed = 0, 0
         if self.resume_from is not None and self.init_only:
             log.info("starting from the weights of %s (fresh optimizer, step 0)", self.resume_from)
+        elif self.relayout:
+            self.step, consumed = self._resume_relayout()
         elif self.resume_from is not None:
             client, rng = ckpt_io.load_engine_state(self.engine, self.resume_from, self.rank)
             if self.tp_rng is not None and "tensor_parallel" in rng:
@@ -269,6 +291,9 @@ class Trainer:
         model = Transformer(self.cfg.model, padded_vocab_size=padded)
         if self.init_only:
             load_full_weights(model, ckpt_io.load_weights(self.resume_from), self.resume_from)
+        elif self.relayout:
+            self.portable = portable.PortableState(self.resume_from)
+            load_full_weights(model, self.portable.masters(), self.resume_from / portable.STATE_DIR)
         torch.manual_seed(self.cfg.train.seed + 1)  # dropout stream, independent of init
         self.tp_rng = (TensorParallelRNG(self.cfg.train.seed, self.topo.tp_rank)
                        if p.tensor > 1 else None)
@@ -280,6 +305,26 @@ class Trainer:
             return model
         self.param_names = original_names(model)
         return build_pipeline(model, self.topo, p.pipeline_partition, loss_fn=model.loss_fn)
+
+    def _local_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        names = self.param_names if self.cfg.parallel.pipeline > 1 else None
+        return portable.local_parameters(self.engine.module, names)
+
+    def _resume_relayout(self) -> tuple[int, int]:
+        """Master weights, Adam moments, LR schedule and data position from the layout-free state."""
+        ckpt = self.resume_from
+        meta = ckpt_io.read_meta(ckpt)
+        step, consumed = int(meta["step"]), int(meta["consumed_samples"])
+        portable.restore_portable_state(self.engine, self._local_params(), self.topo,
+                                        self.plain_model.padded_vocab_size, self.portable, ckpt)
+        portable.restore_schedule(self.engine, self.scheduler, step,
+                                  self.cfg.train.global_batch_size)
+        del self.portable
+        log.warning("resumed from %s at a new layout (%s; step %d, %s samples consumed) from its "
+                    "layout-free state; RNG streams are per rank and do not carry over, so dropout "
+                    "masks differ from the saved layout's continuation", ckpt,
+                    ", ".join(self.relayout), step, f"{consumed:,}")
+        return step, consumed
 
     def _build_engine(self) -> None:
         import deepspeed
@@ -394,23 +439,54 @@ class Trainer:
         return sum(losses) / len(losses)
 
     def save(self) -> Optional[Path]:
-        weights = self.full_weights()
+        """Collective. With ``checkpoint.async_save`` the files are written on a background
+        thread after a synchronous snapshot (see :func:`megaformer.checkpoint.io.save_checkpoint`)."""
+        if self.writer is not None:
+            self.writer.wait()  # one save in flight at a time; raises if the last one failed
         consumed = self.loader.consumed_samples
         meta = {"consumed_samples": consumed, "consumed_tokens": consumed * self.cfg.seq_len,
                 "parallel": {"tensor": self.cfg.parallel.tensor, "pipeline": self.cfg.parallel.pipeline,
                              "data": self.dp_size,
                              "sequence_parallel": self.cfg.parallel.sequence_parallel},
                 "zero_stage": self.cfg.parallel.zero_stage, "precision": self.cfg.train.precision}
+        info = {"step": self.step, "consumed_samples": consumed, "layout": meta["parallel"],
+                "lr": self.scheduler.get_last_lr()}
         path = ckpt_io.save_checkpoint(
             self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
             client_state={"step": self.step, "consumed_samples": consumed},
-            weights=weights if self.is_main else None, config_yaml=self.cfg.to_yaml(),
-            tokenizer=self.tokenizer, meta=meta, keep_last=self.cfg.checkpoint.keep_last,
-            barrier=dist.barrier,
-            extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None)
-        if path is not None:
+            snapshot=lambda tmp, memo: self._snapshot(tmp, memo, meta, info),
+            keep_last=self.cfg.checkpoint.keep_last, barrier=dist.barrier,
+            extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
+            background=self.writer)
+        if path is not None and self.writer is None:
             log.info("saved checkpoint %s", path)
         return path
+
+    def _snapshot(self, tmp: Path, memo: Optional[dict], meta: dict, info: dict) -> dict[str, Any]:
+        """This rank's share of a checkpoint's files, on the host (collective); copies when
+        ``memo`` is given (asynchronous save)."""
+        weights = self.full_weights()
+        state = portable.snapshot_portable_state(self.engine, self._local_params(), self.topo,
+                                                 self.cfg.model.vocab_size, memo)
+        files: dict[str, Any] = {}
+        if state:  # this stage's writer
+            files[portable.stage_file(self.topo.pp_rank)] = state
+        if self.is_main:
+            assert weights is not None
+            # full_weights() returns fresh tensors: moving them to the host is the snapshot
+            files[ckpt_io.WEIGHTS] = {k: v.detach().to("cpu").contiguous()
+                                      for k, v in weights.items()}
+            files[ckpt_io.CONFIG] = self.cfg.to_yaml()
+            self.tokenizer.save(tmp / "tokenizer.json")
+            full_meta = {"megaformer_version": __version__, "step": self.step,
+                         "world_size": self.proc.world_size,
+                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         "layout_free_state": state is not None, **meta}
+            if state is not None:
+                files[f"{portable.STATE_DIR}/{portable.STATE_JSON}"] = \
+                    portable.portable_info(self.engine, info)
+            files[ckpt_io.META] = json.dumps(full_meta, indent=2)  # last: marks it complete
+        return files
 
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
@@ -441,6 +517,8 @@ class Trainer:
         train_time, train_tokens = 0.0, 0
         while self.step < cfg.train.steps:
             last = self.train_step()
+            if self.writer is not None:
+                self.writer.check()  # a failed background save stops the run at a step boundary
             window.append(last)
             train_time += last["step_time_s"]
             train_tokens += tokens_per_step
@@ -470,6 +548,8 @@ class Trainer:
                 last_ckpt = self.save() or last_ckpt
         if bar is not None:
             bar.close()
+        if self.writer is not None:
+            self.writer.wait()
         self.metrics.close()
         sample = self.sample()
         return TrainResult(self.run_dir, self.step, last.get("loss", float("nan")), val_loss,

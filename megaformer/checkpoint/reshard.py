@@ -1,0 +1,126 @@
+"""Offline reshard: a megaformer checkpoint -> a new run directory set up for another TP x PP layout.
+
+Every checkpoint already holds its state in a layout-free form (``model.safetensors`` and
+``optimizer/``, see :mod:`megaformer.checkpoint.portable`): whole tensors under plain-model names.
+Resharding therefore moves no bytes between shards; it
+
+1. checks that the new layout fits the model (heads and KV heads divisible by TP, at least one
+   block per stage, ...) by validating the checkpoint's config with the new ``parallel`` keys;
+2. checks every safetensors file (header against size, each tensor's byte range, the optimizer
+   state naming exactly the parameters of ``model.safetensors`` with their shapes);
+3. streams the files into ``DST/checkpoints/step_N`` (chunked copies: memory stays bounded by the
+   copy buffer, whatever the model size), writes ``config.yaml`` with the new layout and
+   ``meta.json`` with ``"engine_state": false``, seals it (fsync, rename, ``latest`` last).
+
+``megaformer train --run-dir DST`` then sees no DeepSpeed engine files and resumes through the
+layout-free path at whatever layout its config and world size give (the one written here by
+default), with the optimizer state, LR schedule and data position of step N.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from megaformer import __version__
+from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import portable
+from megaformer.checkpoint.safetensors_check import read_header
+from megaformer.config import config_from_dict
+from megaformer.errors import CheckpointError, ConfigError
+
+
+def _new_config(ckpt: Path, tensor: int, pipeline: int) -> str:
+    try:
+        raw = yaml.safe_load((ckpt / ckpt_io.CONFIG).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: missing or invalid ({e})") from None
+    raw.setdefault("parallel", {})
+    raw["parallel"]["tensor"], raw["parallel"]["pipeline"] = tensor, pipeline
+    if "," in str(raw["parallel"].get("pipeline_partition", "")):
+        raw["parallel"]["pipeline_partition"] = "layers"  # an explicit split was for the old PP
+    if tensor == 1:
+        raw["parallel"]["sequence_parallel"] = False
+    try:
+        return config_from_dict(raw).to_yaml()
+    except ConfigError as e:
+        raise ConfigError(f"--tp {tensor} --pp {pipeline} does not fit {ckpt}: {e}") from None
+
+
+def _shapes(header: dict) -> dict[str, tuple]:
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _check_state(ckpt: Path) -> list[Path]:
+    """The checkpoint's safetensors files, each checked; the optimizer state must cover exactly
+    the weights (three fp32 tensors of the weight's shape per parameter)."""
+    weights = _shapes(read_header(ckpt / ckpt_io.WEIGHTS))
+    files = [ckpt / ckpt_io.WEIGHTS]
+    if not portable.has_portable_state(ckpt):
+        return files
+    state: dict[str, tuple] = {}
+    for f in sorted((ckpt / portable.STATE_DIR).glob("stage_*.safetensors")):
+        state.update(_shapes(read_header(f)))
+        files.append(f)
+    want = {f"{n}/{k}": s for n, s in weights.items() for k in portable.KEYS}
+    if state != want:
+        odd = sorted(set(state.items()) ^ set(want.items()))[:3]
+        raise CheckpointError(f"{ckpt / portable.STATE_DIR}: optimizer state does not match "
+                              f"{ckpt_io.WEIGHTS} (e.g. {odd})")
+    return files
+
+
+def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path:
+    """Write SRC's latest checkpoint (or SRC itself, if it is one) into the new run directory DST,
+    set up for ``tensor`` x ``pipeline``. Single process; returns the new checkpoint's path.
+
+    Refuses (CheckpointError/ConfigError, nothing written) when DST exists, when the layout does
+    not fit the model, or when a file is missing, truncated or tampered."""
+    ckpt = ckpt_io.resolve_checkpoint(src)
+    dst = Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"{dst}: already exists; reshard writes a new run directory")
+    for name, value in (("--tp", tensor), ("--pp", pipeline)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} {value}: must be a positive integer")
+    meta = ckpt_io.read_meta(ckpt)
+    weights_only = bool(meta.get("weights_only", False))
+    if not weights_only and not portable.has_portable_state(ckpt):
+        raise CheckpointError(f"{ckpt}: has no layout-free optimizer state "
+                              f"({portable.STATE_DIR}/); it predates resharding")
+    config_yaml = _new_config(ckpt, tensor, pipeline)
+    files = _check_state(ckpt)
+    root = dst / ckpt_io.CHECKPOINTS
+    final = root / ckpt.name
+    tmp = root / f"{ckpt_io.TMP_PREFIX}{ckpt.name}"
+    tmp.mkdir(parents=True)
+    try:
+        for f in files:
+            target = tmp / f.relative_to(ckpt)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+        if not weights_only:
+            shutil.copyfile(ckpt / portable.STATE_DIR / portable.STATE_JSON,
+                            tmp / portable.STATE_DIR / portable.STATE_JSON)
+        shutil.copyfile(ckpt / "tokenizer.json", tmp / "tokenizer.json")
+        (tmp / ckpt_io.CONFIG).write_text(config_yaml)
+        new_meta = {**meta, "engine_state": False,
+                    "resharded_from": str(ckpt.resolve()), "resharded_by": __version__,
+                    "resharded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "saved_parallel": meta.get("parallel"),
+                    "parallel": {"tensor": tensor, "pipeline": pipeline}}
+        new_meta.pop("world_size", None)
+        (tmp / ckpt_io.META).write_text(json.dumps(new_meta, indent=2))
+    except OSError as e:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise CheckpointError(f"{dst}: cannot write the resharded checkpoint ({e})") from None
+    ckpt_io._fsync_tree(tmp)
+    os.rename(tmp, final)
+    ckpt_io._fsync_dir(root)
+    ckpt_io.write_text_atomic(root / ckpt_io.LATEST, final.name + "\n")
+    return final

@@ -1,0 +1,120 @@
+"""Checkpoint writing without a model: background saves equal synchronous ones, failures surface,
+keep-last, and truncated/tampered safetensors files are refused by name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint.safe_load import install_safe_checkpoint_engine, safe_torch_load
+from megaformer.checkpoint.safetensors_check import read_header
+from megaformer.errors import CheckpointError
+
+
+class FakeEngine:
+    """Stands in for DeepSpeed's engine: a text file, and a state with tied (shared) tensors
+    through megaformer's checkpoint engine, as DeepSpeed writes its files."""
+
+    def __init__(self) -> None:
+        install_safe_checkpoint_engine(self)
+        self.weight = torch.arange(6.0)
+
+    def save_checkpoint(self, root: str, tag: str, client_state: dict, save_latest: bool) -> None:
+        (Path(root) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(root) / tag / "engine.txt").write_text(json.dumps(client_state))
+        state = {"module": {"a": self.weight, "tied": self.weight}, "step": client_state}
+        self.checkpoint_engine.save(state, str(Path(root) / tag / "states.pt"))
+        self.weight.add_(1)  # the next step changes the live tensor: the save must not see it
+
+
+def snapshot(step: int):
+    def files(tmp: Path, memo) -> dict:
+        g = torch.Generator().manual_seed(step)
+        return {"model.safetensors": {"w": torch.randn(64, 32, generator=g)},
+                "optimizer/stage_00.safetensors": {"w/master": torch.randn(64, 32, generator=g)},
+                "meta.json": json.dumps({"step": step})}
+    return files
+
+
+def save(run: Path, step: int, background=None, keep_last=None) -> Path:
+    return ckpt_io.save_checkpoint(
+        FakeEngine(), run, step, rank=0, world_size=1, client_state={"step": step},
+        snapshot=snapshot(step), keep_last=keep_last, barrier=lambda: None,
+        background=background)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file() and "rng" not in f.parts}
+
+
+def test_background_save_writes_what_a_synchronous_save_writes(tmp_path):
+    sync_ckpt = save(tmp_path / "sync", 3)
+    writer = ckpt_io.BackgroundWriter()
+    bg = [save(tmp_path / "bg", step, background=writer, keep_last=2) for step in (1, 2, 3)]
+    writer.wait()
+    assert not writer.busy()
+    # torch's legacy pickle format names storages by address: compare states.pt by content
+    assert digest(bg[-1]).keys() == digest(sync_ckpt).keys() and len(digest(sync_ckpt)) == 5
+    assert all(digest(bg[-1])[k] == v for k, v in digest(sync_ckpt).items() if k != "states.pt")
+    state, ref = (safe_torch_load(str(c / "states.pt")) for c in (bg[-1], sync_ckpt))
+    assert torch.equal(state["module"]["a"], ref["module"]["a"]) and state["step"] == {"step": 3}
+    assert state["module"]["a"].data_ptr() == state["module"]["tied"].data_ptr()  # still tied
+    root = tmp_path / "bg" / "checkpoints"
+    assert [p.name for p in ckpt_io.complete_checkpoints(root)] == ["step_0000002", "step_0000003"]
+    assert (root / "latest").read_text().strip() == "step_0000003"
+    assert not list(root.glob(".tmp-*")) and not list(root.rglob("*.partial"))
+
+
+def test_background_failure_surfaces_at_the_next_check(tmp_path):
+    writer = ckpt_io.BackgroundWriter()
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(fail, "checkpoint X")
+    writer._thread.join()
+    with pytest.raises(CheckpointError, match="writing checkpoint X failed: OSError.*No space left"):
+        writer.check()
+    writer.check()  # reported once
+
+
+def test_background_seal_waits_for_other_ranks_files(tmp_path):
+    """Rank 0 seals only when every rank's thread is done (rank 1 never is here)."""
+    writer = ckpt_io.BackgroundWriter()
+    ckpt = ckpt_io.save_checkpoint(
+        FakeEngine(), tmp_path, 5, rank=0, world_size=2, client_state={}, snapshot=snapshot(5),
+        keep_last=None, barrier=lambda: None, background=writer, wait_timeout_s=0.3)
+    with pytest.raises(CheckpointError, match=r"did not write.*\.rank_1\.done"):
+        writer.wait()
+    assert not ckpt.exists()  # never sealed: not a checkpoint
+
+
+def test_truncated_and_tampered_files_are_named(tmp_path):
+    f = tmp_path / "x.safetensors"
+    save_file({"a": torch.ones(4, 4), "b": torch.zeros(3)}, str(f))
+    assert set(read_header(f)) >= {"a", "b"}
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    cases = {
+        "truncated": data[:-4],
+        "grown": data + b"\0" * 8,
+        "shape edited": data[:8] + data[8:8 + n].replace(b"[4,4]", b"[4,5]") + data[8 + n:],
+        "header cut": data[:20],
+        "empty": b"",
+    }
+    for why, bad in cases.items():
+        f.write_bytes(bad)
+        with pytest.raises(CheckpointError, match=r"x.safetensors: truncated or tampered"):
+            read_header(f)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(data[:-4])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: truncated or tampered"):
+        ckpt_io.load_weights(ckpt)
