@@ -269,6 +269,7 @@ class Trainer:
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard)
         self.diagnostics = self._build_diagnostics() if cfg.log.diagnostics else None
+        self.writer = ckpt_io.BackgroundWriter() if cfg.checkpoint.async_save else None
         self._print_summary()
 
     def _build_diagnostics(self) -> Any:
