@@ -132,6 +132,11 @@ def _runners(cfg: Config, device: torch.device, compare_hf: bool) -> list[Runner
         from megaformer.training.recompute import apply_recompute
 
         apply_recompute(mf.layers, t.recompute, t.recompute_every)
+    if t.compile:
+        from megaformer.model.block import compile_blocks
+
+        compile_blocks(mf.layers)
+    mf.eod_id = 0  # model.document_mask: random tokens, so documents end wherever id 0 falls
     mf.train()
     out = [Runner("megaformer", mf, _adamw(mf, cfg), lambda x: mf(x, x), t.grad_clip, autocast)]
     if compare_hf:

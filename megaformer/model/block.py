@@ -33,9 +33,18 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[LayerKVCache] = None, start_pos: int = 0) -> torch.Tensor:
-        a = self.drop(self.attn(self.attn_norm(x), rope=rope, cache=cache, start_pos=start_pos))
+                cache: Optional[LayerKVCache] = None, start_pos: int = 0,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        a = self.drop(self.attn(self.attn_norm(x), rope=rope, cache=cache, start_pos=start_pos,
+                                doc_ids=doc_ids))
         if self.parallel:
             return x + a + self.drop(self.mlp(self.mlp_norm(x)))
         h = x + a
         return h + self.drop(self.mlp(self.mlp_norm(h)))
+
+
+def compile_blocks(blocks: nn.ModuleList) -> None:
+    """torch.compile each block in place (``train.compile``): one graph per block, reused by all
+    blocks of the same shape; the first call of each pays the compilation."""
+    for block in blocks:
+        block.compile()

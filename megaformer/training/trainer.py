@@ -36,6 +36,7 @@ from megaformer.training.schedule import lr_lambda
 from megaformer.analysis.params import count_parameters
 from megaformer.parallel.pipeline import build_pipeline, original_names, pipeline_state_dict
 from megaformer.parallel.plan import full_state_dict, padded_vocab_size, parallelize
+from megaformer.model.block import compile_blocks
 from megaformer.training.recompute import apply_recompute
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.topology import build_topology, layout_groups
@@ -87,7 +88,8 @@ def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
 
 
 # Model keys that do not change the weights, so a resumed run may set them differently.
-RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std"}
+RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std", "fused_kernels",
+                     "loss_chunk_tokens", "document_mask"}
 
 
 def _check_resume_compatible(cfg: Config, ckpt: Path, world_size: int) -> None:
@@ -244,12 +246,15 @@ class Trainer:
         padded = padded_vocab_size(self.cfg.model.vocab_size, p.tensor, p.vocab_multiple)
         torch.manual_seed(self.cfg.train.seed)
         model = Transformer(self.cfg.model, padded_vocab_size=padded)
+        model.eod_id = self.tokenizer.eod_id  # document boundaries for model.document_mask
         torch.manual_seed(self.cfg.train.seed + 1)  # dropout stream, independent of init
         self.tp_rng = (TensorParallelRNG(self.cfg.train.seed, self.topo.tp_rank)
                        if p.tensor > 1 else None)
         parallelize(model, self.topo, p.sequence_parallel, self.tp_rng)
         apply_recompute(model.layers, self.cfg.train.recompute, self.cfg.train.recompute_every,
                         self.tp_rng)
+        if self.cfg.train.compile:
+            compile_blocks(model.layers)
         self.plain_model = model.to(self.proc.device)
         if p.pipeline == 1:
             return model
