@@ -129,12 +129,28 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
     return "sdpa", f"{why_not}; {_sdpa_priority_text(device)}"
 
 
-@functools.lru_cache(maxsize=None)
-def _resolve_cached(requested: str, device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
-    return resolve_backend(requested, torch.device(device_type), dtype, head_dim)
+_RESOLVED: dict = {}
+
+
+def _resolve_cached(requested: str, device_type: str, dtype: torch.dtype,
+                    head_dim: int) -> tuple[str, str]:
+    """resolve_backend, once per key. :func:`mark_constant_for_compile` makes it a trace-time
+    constant under torch.compile (no graph break)."""
+    key = (requested, device_type, dtype, head_dim)
+    if key not in _RESOLVED:
+        _RESOLVED[key] = resolve_backend(requested, torch.device(device_type), dtype, head_dim)
+    return _RESOLVED[key]
+
+
+def mark_constant_for_compile() -> None:
+    """Tell torch.compile that the backend resolution is constant (marks the function in place;
+    done when compiling, not at import, because it imports torch._dynamo)."""
+    torch.compiler.assume_constant_result(_resolve_cached)
 
 
 def _announce(name: str, reason: str) -> None:
+    if torch.compiler.is_compiling():
+        return  # announced by the eager calls; logging would break the graph
     if (name, reason) not in _logged:
         _logged.add((name, reason))
         logger.info("attention backend: %s (%s)", name, reason)
@@ -242,7 +258,6 @@ def _sdpa(q, k, v, causal: bool, dropout_p: float, scale: float,
                                               is_causal=is_causal, scale=scale, **extra)
 
 
-@functools.lru_cache(maxsize=None)
 def _sdpa_has_gqa() -> bool:
     """torch >= 2.5 shares key/value heads inside SDPA (``enable_gqa``)."""
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])

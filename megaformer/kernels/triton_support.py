@@ -37,8 +37,11 @@ def interpreting() -> bool:
 
 
 def use_triton(x: torch.Tensor, kernels: str = "auto") -> bool:
-    """True when the Triton kernel should run for ``x`` (see the module docstring)."""
-    if kernels != "auto":
+    """True when the Triton kernel should run for ``x`` (see the module docstring).
+
+    Never inside torch.compile (``train.compile``): there inductor fuses the torch ops of the
+    reference into its own generated kernels, and the trace stays one graph per block."""
+    if kernels != "auto" or torch.compiler.is_compiling():
         return False
     if not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
         return False
@@ -47,6 +50,8 @@ def use_triton(x: torch.Tensor, kernels: str = "auto") -> bool:
 
 def announce(kernel: str, path: str) -> None:
     """Log once per process which implementation a fused kernel uses."""
+    if torch.compiler.is_compiling():
+        return
     if (kernel, path) not in _announced:
         _announced.add((kernel, path))
         logger.info("%s: %s", kernel, path)

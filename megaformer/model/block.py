@@ -43,8 +43,13 @@ class Block(nn.Module):
         return h + self.drop(self.mlp(self.mlp_norm(h)))
 
 
-def compile_blocks(blocks: nn.ModuleList) -> None:
-    """torch.compile each block in place (``train.compile``): one graph per block, reused by all
-    blocks of the same shape; the first call of each pays the compilation."""
+def compile_blocks(blocks: nn.ModuleList, backend: str = "inductor") -> None:
+    """torch.compile each block in place (``train.compile``): one graph per block (no graph
+    breaks: kernel dispatch is resolved at trace time), the same code reused by every block; the
+    first call pays the compilation. Inside the compiled graph inductor fuses the norms and
+    activations itself, so the Triton kernels of megaformer.kernels are not called there."""
+    from megaformer.kernels.attention import mark_constant_for_compile
+
+    mark_constant_for_compile()
     for block in blocks:
-        block.compile()
+        block.compile(backend=backend)
