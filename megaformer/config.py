@@ -76,8 +76,8 @@ class ModelConfig:
                 "the unfused torch ops).", ("auto", "torch"))
     loss_chunk_tokens: int = option(
         0, "0 = logits then cross-entropy (materialises [tokens, vocab] fp32 logits); N > 0 = the "
-           "output projection fused with the cross-entropy over N tokens at a time, recomputed in "
-           "backward, so only [N, vocab] logits exist at once (vocab-parallel under TP; not with "
+           "output projection fused with the cross-entropy over N tokens at a time (its gradients "
+           "computed chunk by chunk in forward), so only [N, vocab] logits exist at once (vocab-parallel under TP; not with "
            "parallel.pipeline > 1).")
     document_mask: bool = option(
         False, "Packed documents do not attend to each other: a token attends only to earlier tokens "

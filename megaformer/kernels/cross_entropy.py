@@ -12,9 +12,11 @@ For final hidden states H [N, d], output weight W [V, d] (this rank's vocabulary
 
 The plain path materialises z for all N tokens in fp32 ([N, V] floats, e.g. 8 x 4096 x 128k x 4 B =
 16 GiB) and keeps softmax(z) for backward. Here only one chunk of ``chunk_tokens`` rows of z exists
-at a time; forward keeps lse_t (N floats) and backward recomputes each chunk's logits. Cost: one
-extra [N, d] x [d, V] matmul in backward. Under tensor parallelism each chunk needs three
-all-reduces of [chunk] floats (max, sum of exponentials, target logit), as
+at a time. Because the loss is the last operation, dL/dz of each chunk is known in forward (up to the
+scalar dL/dloss): forward computes dH and dW chunk by chunk while the chunk's logits are at hand,
+and backward only scales them -- the same 6 N d V matmul FLOPs as the plain path, no recomputation.
+(Without autograd -- evaluation -- only the 2 N d V of the logits run.) Under tensor parallelism each
+chunk needs three all-reduces of [chunk] floats (max, sum of exponentials, target logit), as
 :func:`megaformer.parallel.layers.vocab_parallel_cross_entropy` does for the whole batch.
 Columns at global ids >= ``vocab_size`` (vocabulary padding) are excluded from the softmax.
 """
@@ -43,10 +45,11 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Per-token loss_t = lse_t - z_t,y_t with z = H W^T computed ``chunk`` rows at a time."""
+    """sum_t keep_t (lse_t - z_t,y_t) with z = H W^T computed ``chunk`` rows at a time; dH, dW of
+    that sum are computed in forward (see the module docstring) and scaled in backward."""
 
     @staticmethod
-    def forward(ctx, h, w, labels, vocab_start: int, vocab_size: Optional[int],  # type: ignore[override]
+    def forward(ctx, h, w, labels, keep, vocab_start: int, vocab_size: Optional[int],  # type: ignore[override]
                 group: Optional[ProcessGroup], chunk: int):
         cd = _compute_dtype(h)
         n_local = w.shape[0]
@@ -54,43 +57,41 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         local = labels - vocab_start
         inside = (local >= 0) & (local < n_local)
         local = local.masked_fill(~inside, 0)
-        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        loss = torch.empty_like(lse)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dh = torch.empty_like(h) if grads else None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if grads else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
         wc = w.to(cd)
         for s in range(0, h.shape[0], chunk):
-            z = _chunk_logits(h[s:s + chunk], wc, cd, real)
+            e = s + chunk
+            hc = h[s:e].to(cd)
+            z = _chunk_logits(hc, wc, real)
             m = _reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
             sum_exp = _reduce((z - m.unsqueeze(-1)).exp_().sum(dim=-1), group)
-            target = z.gather(-1, local[s:s + chunk].unsqueeze(-1)).squeeze(-1)
-            target = _reduce(target.masked_fill(~inside[s:s + chunk], 0.0), group)
-            lse[s:s + chunk] = m + sum_exp.log()
-            loss[s:s + chunk] = lse[s:s + chunk] - target
-        ctx.save_for_backward(h, w, local, inside, lse)
-        ctx.cd, ctx.real, ctx.chunk = cd, real, chunk
-        return loss
+            target = z.gather(-1, local[s:e].unsqueeze(-1)).squeeze(-1)
+            target = _reduce(target.masked_fill(~inside[s:e], 0.0), group)
+            lse = m + sum_exp.log()
+            total += ((lse - target) * keep[s:e]).sum()
+            if grads:  # dloss/dz = (softmax(z) - onehot(y)) for kept tokens, in place of z
+                p = z.sub_(lse.unsqueeze(-1)).exp_()
+                p.scatter_add_(-1, local[s:e].unsqueeze(-1), -inside[s:e].to(p.dtype).unsqueeze(-1))
+                pc = p.mul_(keep[s:e].to(p.dtype).unsqueeze(-1)).to(cd)
+                dh[s:e] = (pc @ wc).to(h.dtype)
+                dw += (pc.t() @ hc).float()
+        ctx.save_for_backward(dh, dw)
+        ctx.w_dtype = w.dtype
+        return total
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        h, w, local, inside, lse = ctx.saved_tensors
-        cd, chunk = ctx.cd, ctx.chunk
-        wc = w.to(cd)
-        dh = torch.empty_like(h)
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        for s in range(0, h.shape[0], chunk):
-            hc = h[s:s + chunk].to(cd)
-            p = _chunk_logits(hc, wc, cd, ctx.real).sub_(lse[s:s + chunk].unsqueeze(-1)).exp_()
-            hit = inside[s:s + chunk].to(p.dtype).unsqueeze(-1)
-            p.scatter_add_(-1, local[s:s + chunk].unsqueeze(-1), -hit)
-            p.mul_(grad[s:s + chunk].unsqueeze(-1))
-            pc = p.to(cd)
-            dh[s:s + chunk] = (pc @ wc).to(h.dtype)
-            dw += (pc.t() @ hc).float()
-        return dh, dw.to(w.dtype), None, None, None, None, None
+        dh, dw = ctx.saved_tensors
+        return (dh * grad.to(dh.dtype), (dw * grad).to(ctx.w_dtype),
+                None, None, None, None, None, None)
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, cd: torch.dtype, real: int) -> torch.Tensor:
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, real: int) -> torch.Tensor:
     """fp32 logits of one chunk, padding columns (index >= real) at -inf."""
-    z = (h.to(cd) @ w.t()).float()
+    z = (h @ w.t()).float()
     if real < z.shape[-1]:
         z[:, real:] = float("-inf")
     return z
@@ -111,6 +112,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     keep = y != ignore_index
-    per_token = _ChunkedLinearCrossEntropy.apply(h, weight, y.masked_fill(~keep, 0), vocab_start,
-                                                 vocab_size, group, chunk_tokens)
-    return (per_token * keep).sum() / keep.sum().clamp(min=1)
+    total = _ChunkedLinearCrossEntropy.apply(h, weight, y.masked_fill(~keep, 0), keep, vocab_start,
+                                             vocab_size, group, chunk_tokens)
+    return total / keep.sum().clamp(min=1)
