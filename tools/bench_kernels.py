@@ -4,7 +4,7 @@
                                   [--d-model 1024] [--d-ffn 2816] [--heads 16] [--seq 1024]
                                   [--vocab 32000] [--ce-chunk 1024] [--repeat 5]
 
-Rows (median of --repeat timed runs after 2 warm-up runs, the two versions alternating):
+Rows (best of --repeat timed runs after 2 warm-up runs, the two versions alternating):
 
 * RMSNorm, LayerNorm      unfused torch (fp32 statistics, as written in the model) vs megaformer's
                           dispatch (CUDA: apex, or the faster of Triton / torch native, measured;
@@ -29,7 +29,6 @@ Ceilings printed beside the achieved numbers on CUDA: dense TFLOP/s from the pea
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,7 +64,8 @@ def _fwd_bwd(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]:
 
 def time_pair(a: Callable[[], None], b: Callable[[], None], repeat: int,
               device: torch.device) -> tuple[float, float]:
-    """Median seconds of a and b, run alternately."""
+    """Best (minimum) seconds of a and b over ``repeat`` runs each, alternating: on a shared
+    machine the least-disturbed run is the cost of the code; a median measures the neighbours."""
     ta, tb = [], []
     for _ in range(2):
         a(), b()
@@ -76,7 +76,7 @@ def time_pair(a: Callable[[], None], b: Callable[[], None], repeat: int,
             f()
             _sync(device)
             acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+    return min(ta), min(tb)
 
 
 def peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
@@ -145,7 +145,7 @@ def main() -> None:
         return (torch.randn(*shape, generator=gen) * scale).to(dev, dtype)
 
     M, D, Fd = args.tokens, args.d_model, args.d_ffn
-    print(f"bench_kernels: {label}, {dtype_name}, forward + backward, median of {args.repeat}")
+    print(f"bench_kernels: {label}, {dtype_name}, forward + backward, best of {args.repeat}")
     print(f"{'kernel':34s} {'unfused ms':>10s} {'fused ms':>10s} {'speedup':>8s} "
           f"{'unfused':>10s} {'fused':>10s} {'unit':>7s} {'ceiling':>9s}")
     x, w, b = randn(M, D), randn(D), randn(D)

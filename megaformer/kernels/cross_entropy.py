@@ -76,8 +76,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 p = z.sub_(lse.unsqueeze(-1)).exp_()
                 p.scatter_add_(-1, local[s:e].unsqueeze(-1), -inside[s:e].to(p.dtype).unsqueeze(-1))
                 pc = p.mul_(keep[s:e].to(p.dtype).unsqueeze(-1)).to(cd)
-                dh[s:e] = (pc @ wc).to(h.dtype)
-                dw += (pc.t() @ hc).float()
+                if dh.dtype == cd:
+                    torch.matmul(pc, wc, out=dh[s:e])
+                else:
+                    dh[s:e] = (pc @ wc).to(h.dtype)
+                if cd == torch.float32:
+                    dw.addmm_(pc.t(), hc)
+                else:
+                    dw += (pc.t() @ hc).float()
         ctx.save_for_backward(dh, dw)
         ctx.w_dtype = w.dtype
         return total
