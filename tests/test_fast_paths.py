@@ -46,7 +46,7 @@ def test_chunked_cross_entropy_equals_plain(chunk):
     dh, dw = torch.autograd.grad(loss, (h, w))
     ref = F.cross_entropy((h @ w.t())[..., :37].flatten(0, 1), y.flatten(), ignore_index=-100)
     rh, rw = torch.autograd.grad(ref, (h, w))
-    assert abs(float(loss) - float(ref)) <= 1e-6 * float(ref)
+    assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
     assert _rel(dh, rh) < 1e-5 and _rel(dw, rw) < 1e-5
     assert float(dw[37:].abs().max()) == 0.0  # padding rows never receive gradient
 
@@ -64,7 +64,7 @@ def test_chunked_cross_entropy_under_bf16_autocast_follows_linear():
     dh, dw = torch.autograd.grad(loss, (h, w))
     rh, rw = torch.autograd.grad(ref, (h, w))
     assert dh.dtype == torch.float32 and dw.dtype == torch.float32
-    assert abs(float(loss) - float(ref)) < 2e-2 * float(ref)
+    assert abs(loss.item() - ref.item()) < 2e-2 * ref.item()
     assert _rel(dh, rh) < 3e-2 and _rel(dw, rw) < 3e-2
 
 
@@ -87,7 +87,7 @@ def test_model_chunked_loss_equals_plain_loss():
         m = Transformer(_tiny(loss_chunk_tokens=chunk), padded_vocab_size=64)
         loss = m(x, y)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         grads.append({n: p.grad for n, p in m.named_parameters()})
     assert abs(losses[0] - losses[1]) <= 1e-6 * losses[0]
     for n in grads[0]:
@@ -186,7 +186,7 @@ def test_compiled_blocks_equal_eager_in_one_graph():
             compile_blocks(m.layers, backend="aot_eager")
         loss = m(x, x)
         loss.backward()
-        results.append((float(loss), [p.grad.clone() for p in m.parameters()]))
+        results.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
     assert abs(results[0][0] - results[1][0]) <= 1e-6 * results[0][0]
     assert max(_rel(a, b) for a, b in zip(results[1][1], results[0][1])) < 1e-5
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
@@ -203,7 +203,7 @@ def test_inductor_compiled_block_equals_eager():
     x = torch.randint(0, 57, (2, 16), generator=torch.Generator().manual_seed(6))
     ref = m(x, x)
     compile_blocks(m.layers)
-    assert abs(float(m(x, x)) - float(ref)) <= 1e-5 * float(ref)
+    assert abs(m(x, x).item() - ref.item()) <= 1e-5 * ref.item()
 
 
 # ----------------------------------------------------------------------------- config
