@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
 from megaformer.kernels.activations import bias_gelu, swiglu
+from megaformer.kernels.triton_support import use_triton
 
 
 class MLP(nn.Module):
@@ -39,5 +40,9 @@ class MLP(nn.Module):
         if self.activation == "swiglu":
             return self.w2(swiglu(self.w1(x), self.w3(x), self.kernels))
         approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-        # x W1 without the bias, then GELU(. + b1) in one pass (w1 may be a column-parallel shard)
-        return self.w2(bias_gelu(F.linear(x, self.w1.weight), self.w1.bias, approximate, self.kernels))
+        if self.w1.bias is not None and use_triton(x, self.kernels):
+            # x W1 without the bias, then GELU(. + b1) in one pass (w1 may be a column-parallel shard)
+            h = bias_gelu(F.linear(x, self.w1.weight), self.w1.bias, approximate, self.kernels)
+        else:
+            h = F.gelu(self.w1(x), approximate=approximate)
+        return self.w2(h)
