@@ -4,7 +4,8 @@
                                   [--d-model 1024] [--d-ffn 2816] [--heads 16] [--seq 1024]
                                   [--vocab 32000] [--ce-chunk 1024] [--repeat 5]
 
-Rows (best of --repeat timed runs after 2 warm-up runs, the two versions alternating):
+Rows (best of --repeat timed runs after 2 warm-up runs, the two versions alternating, which one
+goes first alternating too):
 
 * RMSNorm, LayerNorm      unfused torch (fp32 statistics, as written in the model) vs megaformer's
                           dispatch (CUDA: apex, or the faster of Triton / torch native, measured;
@@ -69,8 +70,9 @@ def time_pair(a: Callable[[], None], b: Callable[[], None], repeat: int,
     ta, tb = [], []
     for _ in range(2):
         a(), b()
-    for _ in range(repeat):
-        for f, acc in ((a, ta), (b, tb)):
+    for i in range(repeat):
+        pair = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))  # no first-runner bias
+        for f, acc in pair:
             _sync(device)
             t0 = time.perf_counter()
             f()
