@@ -28,11 +28,13 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # transformers: Hugging Face parity tests and `bench --compare-hf`; matplotlib: reports.
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.44", "matplotlib>=3.7"],
+        # transformers: Hugging Face parity tests and `bench --compare-hf`; matplotlib: reports;
+        # triton: its interpreter runs the fused kernels on CPU in the tests (TRITON_INTERPRET=1).
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.44", "matplotlib>=3.7",
+                 "triton>=3.5; platform_system == 'Linux'"],
         # Optional accelerators: flash-attn (CUDA) and NVIDIA apex (built from source, never the
         # unrelated PyPI package called "apex") are used when importable.
-        "gpu": ["flash-attn>=2.5", "triton>=3.0"],
+        "gpu": ["flash-attn>=2.5", "triton>=3.5"],
     },
     entry_points={"console_scripts": ["megaformer=megaformer.cli:main"]},
 )

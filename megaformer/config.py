@@ -69,6 +69,21 @@ class ModelConfig:
     attention_backend: str = option(
         "auto", "Attention kernel: auto (flash-attn on CUDA fp16/bf16, else torch SDPA), or force one.",
         ("auto", "flash", "sdpa", "reference"))
+    fused_kernels: str = option(
+        "auto", "Fused FFN activation (SwiGLU, bias-GELU) and norm kernels: auto (Triton on CUDA when "
+                "triton is installed; norms use apex when installed, else the faster of Triton and "
+                "torch's native op, measured once and logged; torch ops elsewhere) or torch (always "
+                "the unfused torch ops).", ("auto", "torch"))
+    loss_chunk_tokens: int = option(
+        0, "0 = logits then cross-entropy (materialises [tokens, vocab] fp32 logits); N > 0 = the "
+           "output projection fused with the cross-entropy over N tokens at a time (its gradients "
+           "computed chunk by chunk in forward), so only [N, vocab] logits exist at once (vocab-parallel under TP; not with "
+           "parallel.pipeline > 1).")
+    document_mask: bool = option(
+        False, "Packed documents do not attend to each other: a token attends only to earlier tokens "
+               "of its own document (documents end at the tokenizer's EOD token). Varlen flash-attn "
+               "on CUDA when installed, else a block-diagonal causal mask (SDPA/reference). Not with "
+               "parallel.pipeline > 1.")
 
     @property
     def kv_heads(self) -> int:
@@ -201,6 +216,9 @@ class TrainConfig:
                                     "with dynamic loss scaling).", ("fp32", "bf16", "fp16"))
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu or cuda.",
                          ("auto", "cpu", "cuda"))
+    compile: bool = option(
+        False, "torch.compile each Transformer block (off by default: the first steps pay the "
+               "compilation; measure with tools/bench_gpu.py before turning it on).")
 
 
 @dataclass
@@ -513,6 +531,12 @@ def validate(cfg: Config) -> None:
         _require(0 <= v < 1, f"model.{key}={v}: must be in [0, 1)")
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
+    _positive("model.loss_chunk_tokens", m.loss_chunk_tokens, allow_zero=True)
+    for key, on in (("model.loss_chunk_tokens", m.loss_chunk_tokens > 0),
+                    ("model.document_mask", m.document_mask)):
+        _require(not (on and cfg.parallel.pipeline > 1),
+                 f"{key}: not supported with parallel.pipeline={cfg.parallel.pipeline} "
+                 "(the pipeline stages pass only the hidden states); use pipeline 1 or turn it off")
 
     p = cfg.parallel
     _positive("parallel.tensor", p.tensor)

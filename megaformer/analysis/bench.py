@@ -112,7 +112,8 @@ def _adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     return build_optimizer(model, cfg.train)
 
 
-def _runners(cfg: Config, device: torch.device, compare_hf: bool) -> list[Runner]:
+def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> list[Callable[[], Runner]]:
+    """Builders of the runners (megaformer, then optionally transformers), called when needed."""
     from megaformer.model.transformer import Transformer
     from megaformer.parallel.plan import padded_vocab_size
 
@@ -125,21 +126,30 @@ def _runners(cfg: Config, device: torch.device, compare_hf: bool) -> list[Runner
         return (torch.autocast(device.type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
 
-    torch.manual_seed(t.seed)
-    padded = padded_vocab_size(cfg.model.vocab_size, 1, cfg.parallel.vocab_multiple)
-    mf = Transformer(cfg.model, padded_vocab_size=padded).to(device)
-    if t.recompute != "none":
-        from megaformer.training.recompute import apply_recompute
+    def megaformer_runner() -> Runner:
+        torch.manual_seed(t.seed)
+        padded = padded_vocab_size(cfg.model.vocab_size, 1, cfg.parallel.vocab_multiple)
+        mf = Transformer(cfg.model, padded_vocab_size=padded).to(device)
+        if t.recompute != "none":
+            from megaformer.training.recompute import apply_recompute
 
-        apply_recompute(mf.layers, t.recompute, t.recompute_every)
-    mf.train()
-    out = [Runner("megaformer", mf, _adamw(mf, cfg), lambda x: mf(x, x), t.grad_clip, autocast)]
-    if compare_hf:
+            apply_recompute(mf.layers, t.recompute, t.recompute_every)
+        if t.compile:
+            from megaformer.model.block import compile_blocks
+
+            compile_blocks(mf.layers)
+        mf.eod_id = 0  # model.document_mask: random tokens, so documents end wherever id 0 falls
+        mf.train()
+        return Runner("megaformer", mf, _adamw(mf, cfg), lambda x: mf(x, x), t.grad_clip, autocast)
+
+    def hf_runner() -> Runner:
+        torch.manual_seed(t.seed)
         hf = hf_model(cfg.model).to(device)
         hf.train()
-        out.append(Runner(f"transformers {type(hf).__name__}", hf, _adamw(hf, cfg),
-                          lambda x: hf(input_ids=x, labels=x).loss, t.grad_clip, autocast))
-    return out
+        return Runner(f"transformers {type(hf).__name__}", hf, _adamw(hf, cfg),
+                      lambda x: hf(input_ids=x, labels=x).loss, t.grad_clip, autocast)
+
+    return [megaformer_runner] + ([hf_runner] if compare_hf else [])
 
 
 def _peak_memory(r: Runner, x: torch.Tensor, device: torch.device) -> float:
@@ -153,10 +163,46 @@ def _peak_memory(r: Runner, x: torch.Tensor, device: torch.device) -> float:
     return (base + measure(lambda: r.step(x)).peak) / 1e9
 
 
+def _row(r: Runner, x: torch.Tensor, dev: torch.device, tokens: int, flops: float,
+         peak_value: Optional[float]) -> dict:
+    t = statistics.median(r.times)
+    row = {"name": r.name, "step_time_s": t, "step_times_s": r.times,
+           "tokens_per_s": tokens / t, "tflops_per_device": flops / t / 1e12,
+           "parameters": (r.model.num_parameters() if hasattr(r.model, "num_parameters")
+                          else sum(p.numel() for p in r.model.parameters())),
+           "peak_mem_gb": _peak_memory(r, x, dev)}
+    if peak_value:
+        row["mfu"] = row["tflops_per_device"] / peak_value
+    return row
+
+
+def _run_one(make: Callable[[], Runner], x: torch.Tensor, dev: torch.device, warmup: int, steps: int,
+             tokens: int, flops: float, peak_value: Optional[float]) -> dict:
+    """Build, warm up, time and free one model; a CUDA out-of-memory is a result, not a crash."""
+    r = None
+    try:
+        r = make()
+        for _ in range(warmup):
+            r.step(x)
+        for _ in range(steps):
+            r.timed(x, dev)
+        return _row(r, x, dev, tokens, flops, peak_value)
+    except torch.cuda.OutOfMemoryError:
+        return {"name": r.name if r is not None else make.__name__, "error": "CUDA out of memory"}
+    finally:
+        del r
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = False,
               device: Optional[str] = None, gpu: Optional[str] = None,
-              peak: Optional[float] = None) -> dict:
-    """Time ``steps`` training steps per model (alternating) after ``warmup``; returns a dict."""
+              peak: Optional[float] = None, sequential: bool = False) -> dict:
+    """Time ``steps`` training steps per model after ``warmup``; returns a dict.
+
+    Steps of the two models alternate (same machine state for both); ``sequential`` instead builds,
+    times and frees one model after the other (only one model's states in memory at a time: large
+    models on one GPU)."""
     cfg = resolve_vocab(cfg)
     want = device or cfg.train.device
     if want == "auto":
@@ -174,34 +220,32 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
     B, s = cfg.train.micro_batch_size, cfg.seq_len
     gen = torch.Generator().manual_seed(cfg.train.seed)
     x = torch.randint(0, cfg.model.vocab_size, (B, s), generator=gen).to(dev)
-    runners = _runners(cfg, dev, compare_hf)
-    for _ in range(warmup):
-        for r in runners:
-            r.step(x)
-    for _ in range(steps):
-        for r in runners:
-            r.timed(x, dev)
     flops = step_flops(cfg.model, s, B, recompute=cfg.train.recompute,
-                       recompute_every=cfg.train.recompute_every)
+                       recompute_every=cfg.train.recompute_every).model
+    factories = _runner_factories(cfg, dev, compare_hf)
     results = []
-    for r in runners:
-        t = statistics.median(r.times)
-        row = {"name": r.name, "step_time_s": t, "step_times_s": r.times,
-               "tokens_per_s": B * s / t, "tflops_per_device": flops.model / t / 1e12,
-               "parameters": (r.model.num_parameters() if hasattr(r.model, "num_parameters")
-                              else sum(p.numel() for p in r.model.parameters())),
-               "peak_mem_gb": _peak_memory(r, x, dev)}
-        if peak_value:
-            row["mfu"] = row["tflops_per_device"] / peak_value
-        results.append(row)
+    if sequential:
+        for make in factories:
+            results.append(_run_one(make, x, dev, warmup, steps, B * s, flops, peak_value))
+    else:
+        runners = [make() for make in factories]
+        for _ in range(warmup):
+            for r in runners:
+                r.step(x)
+        for _ in range(steps):
+            for r in runners:
+                r.timed(x, dev)
+        results = [_row(r, x, dev, B * s, flops, peak_value) for r in runners]
     out = {"config": cfg.name, "device": str(dev), "threads": torch.get_num_threads(),
            "precision": cfg.train.precision, "batch": [B, s], "steps": steps, "warmup": warmup,
-           "model_flops_per_step": flops.model, "peak_tflops": peak_value, "results": results}
-    if compare_hf:
+           "model_flops_per_step": flops, "peak_tflops": peak_value, "results": results,
+           "sequential": sequential}
+    if compare_hf and all("tokens_per_s" in r for r in results):
         out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
-        # median of the per-pair ratios (step i of each, run back to back): robust to machine drift
-        out["ratio_paired"] = statistics.median(
-            h / m for m, h in zip(results[0]["step_times_s"], results[1]["step_times_s"]))
+        if not sequential:
+            # median of the per-pair ratios (step i of each, run back to back): robust to drift
+            out["ratio_paired"] = statistics.median(
+                h / m for m, h in zip(results[0]["step_times_s"], results[1]["step_times_s"]))
     return out
 
 
@@ -209,17 +253,23 @@ def format_bench(r: dict) -> str:
     B, s = r["batch"]
     lines = [f"bench {r['config']}: {r['device']} ({r['threads']} threads), {r['precision']}, batch "
              f"{B} x {s} tokens, {r['warmup']} warm-up + {r['steps']} timed steps per model "
-             f"(alternating), median step time",
+             f"({'one model after the other' if r.get('sequential') else 'alternating'}), "
+             f"median step time",
              f"{'model':34s} {'params':>12s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
              f"{'MFU':>6s} {'peak mem':>9s}"]
     for x in r["results"]:
+        if "error" in x:
+            lines.append(f"{x['name']:34s} {x['error']}")
+            continue
         mfu = f"{100 * x['mfu']:.1f}%" if "mfu" in x else "-"
         lines.append(f"{x['name']:34s} {x['parameters']:>12,} {1000 * x['step_time_s']:>9.1f} "
                      f"{x['tokens_per_s']:>10,.0f} {x['tflops_per_device']:>8.4f} {mfu:>6s} "
                      f"{x['peak_mem_gb']:>7.3f}GB")
-    if "ratio" in r:
+    if "ratio_paired" in r:
         lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (median of back-to-back "
                      f"pairs: {r['ratio_paired']:.2f}x)")
+    elif "ratio" in r:
+        lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (one model after the other)")
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)

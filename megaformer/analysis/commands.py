@@ -74,6 +74,9 @@ def add_parsers(sub: Any) -> None:
     bn.add_argument("--device", default=None, help="cpu or cuda (default: train.device)")
     bn.add_argument("--gpu", help="accelerator name for MFU (default: the CUDA device's name)")
     bn.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU")
+    bn.add_argument("--sequential", action="store_true",
+                    help="time one model after the other instead of alternating steps (only one "
+                         "model in memory: large models on one GPU)")
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -113,7 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise UserError(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1, warmup >= 0")
     r = run_bench(_load(args), steps=args.steps, warmup=args.warmup, compare_hf=args.compare_hf,
-                  device=args.device, gpu=args.gpu, peak=args.peak_tflops)
+                  device=args.device, gpu=args.gpu, peak=args.peak_tflops, sequential=args.sequential)
     print(json.dumps(r, indent=2) if args.json else format_bench(r))
     return 0
 

@@ -8,20 +8,30 @@ When T < S the queries are the *last* T positions of the S keys (decoding with a
 causal mask M is aligned bottom-right: query i (absolute position S - T + i) sees keys j <= S - T + i.
 
 Paths:
-  * ``flash``     -- ``flash_attn.flash_attn_func`` (CUDA, fp16/bf16; GQA and bottom-right causal native)
-  * ``sdpa``      -- ``torch.nn.functional.scaled_dot_product_attention``
+  * ``flash``     -- FlashAttention (CUDA, fp16/bf16; GQA and bottom-right causal native), the first
+                     installed of: FA3's ``flash_attn_interface`` (Hopper only), FA2's
+                     ``flash_attn.flash_attn_func``, the ``flash-attn-4`` CuTe kernels (``flash_attn.cute``)
+  * ``sdpa``      -- ``torch.nn.functional.scaled_dot_product_attention``; on CUDA with an explicit
+                     backend priority (cuDNN first on Hopper and newer, else flash; then
+                     memory-efficient, then math)
   * ``reference`` -- the formula above written out, in fp32
   * ``auto``      -- flash when usable, else sdpa
+
+Document masking (packed sequences): with ``doc_ids`` [B, T] (the document index of each position),
+M also hides keys of other documents, so query i sees keys j <= i with doc(j) = doc(i): flash-attn's
+varlen kernel over the documents (cu_seqlens) on the flash path, a block-diagonal causal mask else.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,23 +46,56 @@ _FLASH_MAX_HEAD_DIM = 256
 _logged: set = set()  # (backend, reason) pairs already announced in this process
 
 
-@functools.lru_cache(maxsize=None)
-def _flash_status() -> tuple[Optional[object], str]:
-    """(flash_attn_func or None, why not). Imported lazily, once."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return None, "flash-attn not installed"
+@dataclasses.dataclass(frozen=True)
+class FlashImpl:
+    """One FlashAttention package: its dense and varlen entry points (layout [B, T, H, D])."""
+    name: str
+    func: Callable
+    varlen: Optional[Callable]
+    dropout: bool  # whether it implements attention dropout
+
+
+def _try_import(module: str) -> tuple[Optional[object], str]:
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return None, f"{module} not installed"
     try:
-        module = importlib.import_module("flash_attn")
-        return module.flash_attn_func, "flash-attn available"
+        return importlib.import_module(module), ""
     except Exception as e:  # a broken build (ABI mismatch, missing CUDA libs) must not kill the run
         first = (str(e).splitlines() or [""])[0]
-        return None, f"flash-attn failed to import: {type(e).__name__}: {first}"
+        return None, f"{module} failed to import: {type(e).__name__}: {first}"
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_status() -> tuple[Optional[FlashImpl], str]:
+    """(the FlashAttention implementation to use or None, why). Imported lazily, once."""
+    reasons = []
+    if _hopper():
+        fa3, why = _try_import("flash_attn_interface")
+        if fa3 is not None:
+            return FlashImpl("FA3 flash_attn_interface", fa3.flash_attn_func,
+                             getattr(fa3, "flash_attn_varlen_func", None), False), "FA3 on Hopper"
+        reasons.append(why)
+    fa2, why = _try_import("flash_attn")
+    if fa2 is not None and hasattr(fa2, "flash_attn_func"):
+        return FlashImpl("FA2 flash_attn", fa2.flash_attn_func,
+                         getattr(fa2, "flash_attn_varlen_func", None), True), "flash-attn available"
+    reasons.append(why or "flash_attn has no flash_attn_func")
+    fa4, why = _try_import("flash_attn.cute")
+    if fa4 is not None and hasattr(fa4, "flash_attn_func"):
+        return FlashImpl("flash-attn-4 CuTe", fa4.flash_attn_func,
+                         getattr(fa4, "flash_attn_varlen_func", None), False), "flash-attn-4 available"
+    reasons.append(why or "flash_attn.cute has no flash_attn_func")
+    return None, "; ".join(r for r in reasons if r)
 
 
 def _flash_unusable(device: torch.device, dtype: torch.dtype, head_dim: Optional[int]) -> Optional[str]:
     """Why flash-attn cannot run these tensors, or None when it can."""
-    func, why = _flash_status()
-    if func is None:
+    impl, why = _flash_status()
+    if impl is None:
         return why
     if device.type != "cuda":
         return f"flash-attn needs CUDA tensors, got device {device.type}"
@@ -81,16 +124,33 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
             raise ConfigError(f"model.attention_backend=flash: {why_not}; use auto or sdpa")
         return "flash", "requested in config"
     if why_not is None:
-        return "flash", f"flash-attn on {device.type} {str(dtype).replace('torch.', '')}"
-    return "sdpa", why_not
+        impl = _flash_status()[0]
+        return "flash", f"{impl.name} on {device.type} {str(dtype).replace('torch.', '')}"
+    return "sdpa", f"{why_not}; {_sdpa_priority_text(device)}"
 
 
-@functools.lru_cache(maxsize=None)
-def _resolve_cached(requested: str, device_type: str, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
-    return resolve_backend(requested, torch.device(device_type), dtype, head_dim)
+_RESOLVED: dict = {}
+
+
+def _resolve_cached(requested: str, device_type: str, dtype: torch.dtype,
+                    head_dim: int) -> tuple[str, str]:
+    """resolve_backend, once per key. :func:`mark_constant_for_compile` makes it a trace-time
+    constant under torch.compile (no graph break)."""
+    key = (requested, device_type, dtype, head_dim)
+    if key not in _RESOLVED:
+        _RESOLVED[key] = resolve_backend(requested, torch.device(device_type), dtype, head_dim)
+    return _RESOLVED[key]
+
+
+def mark_constant_for_compile() -> None:
+    """Tell torch.compile that the backend resolution is constant (marks the function in place;
+    done when compiling, not at import, because it imports torch._dynamo)."""
+    torch.compiler.assume_constant_result(_resolve_cached)
 
 
 def _announce(name: str, reason: str) -> None:
+    if torch.compiler.is_compiling():
+        return  # announced by the eager calls; logging would break the graph
     if (name, reason) not in _logged:
         _logged.add((name, reason))
         logger.info("attention backend: %s (%s)", name, reason)
@@ -134,60 +194,142 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Opti
     return scores
 
 
-def _reference(q, k, v, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
-    """softmax(Q K^T * scale + M) V written out, in fp32."""
+def document_ids(input_ids: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """doc[b, t] = number of EOD tokens in input_ids[b, :t] (an EOD ends, and belongs to, its document)."""
+    eod = (input_ids == eod_id).to(torch.int32)
+    return eod.cumsum(dim=-1, dtype=torch.int32) - eod
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, 1, T, T]: True where query i may attend key j (j <= i, same document)."""
+    T = doc_ids.shape[-1]
+    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    return (same & causal_mask(T, T, doc_ids.device)).unsqueeze(1)
+
+
+def _mask_for(q, k, causal: bool, doc_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The explicit boolean mask (broadcastable to [B, H, T, S]) or None for 'no mask / is_causal'."""
+    if doc_ids is not None:
+        return document_causal_mask(doc_ids)
+    T, S = q.shape[2], k.shape[2]
+    if causal and T < S and T > 1:  # T == 1 (one new token) sees every key: no mask needed
+        return causal_mask(T, S, q.device)
+    return None
+
+
+def _reference(q, k, v, causal: bool, dropout_p: float, scale: float,
+               doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(Q K^T * scale + M) V written out, in fp32 (M: causal, or causal within documents)."""
     vf = share_kv_heads(v.float(), q.shape[1])
-    probs = torch.softmax(attention_scores(q, k, causal, scale), dim=-1)
+    if doc_ids is None:
+        scores = attention_scores(q, k, causal, scale)
+    else:
+        scores = attention_scores(q, k, False, scale).masked_fill(~document_causal_mask(doc_ids),
+                                                                   float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     return (probs @ vf).to(q.dtype)
 
 
-def _sdpa(q, k, v, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
+def _sdpa_priority(device: torch.device) -> list:
+    """SDPA backends in the order tried on CUDA: cuDNN first on Hopper and newer, else flash."""
+    from torch.nn.attention import SDPBackend
+
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    if _hopper():
+        fast.reverse()
+    return fast + [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa_priority_text(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "torch SDPA"
+    names = [b.name.replace("_ATTENTION", "").lower() for b in _sdpa_priority(device)]
+    return "torch SDPA, backend priority " + " > ".join(names)
+
+
+def _sdpa(q, k, v, causal: bool, dropout_p: float, scale: float,
+          doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """torch SDPA; its is_causal is top-left aligned, so T < S gets an explicit bottom-right mask."""
-    T, S = q.shape[2], k.shape[2]
-    mask, is_causal = None, False
-    if causal and T == S:
-        is_causal = True
-    elif causal and T > 1:  # T == 1 (one new token) sees every key: no mask needed
-        mask = causal_mask(T, S, q.device)
+    mask = _mask_for(q, k, causal, doc_ids)
+    is_causal = causal and mask is None and q.shape[2] == k.shape[2]
     groups = q.shape[1] // k.shape[1]
     extra = {}
     if groups > 1 and _sdpa_has_gqa():
         extra["enable_gqa"] = True
     elif groups > 1:  # torch < 2.5
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale, **extra)
+    context = contextlib.nullcontext()
+    if q.is_cuda:
+        from torch.nn.attention import sdpa_kernel
+
+        context = sdpa_kernel(_sdpa_priority(q.device), set_priority=True)
+    with context:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, **extra)
 
 
-@functools.lru_cache(maxsize=None)
 def _sdpa_has_gqa() -> bool:
     """torch >= 2.5 shares key/value heads inside SDPA (``enable_gqa``)."""
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 5)
 
 
-def _flash(q, k, v, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
-    """flash_attn_func works in [B, T, H, D]; GQA and bottom-right causal alignment are native."""
-    func, _ = _flash_status()
-    out = func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-               dropout_p=dropout_p, softmax_scale=scale, causal=causal)
-    return out.transpose(1, 2)
+def _first(out):
+    """FA3 / flash-attn-4 may return (out, softmax_lse); FA2 returns out."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Boundaries of the documents of every row, flattened: (int32 [n_docs + 1] offsets, longest).
+
+    A new segment starts at each row start and wherever doc_ids changes."""
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    idx = starts.flatten().nonzero().flatten().to(torch.int32)
+    bounds = torch.cat([idx, idx.new_tensor([B * T])])
+    return bounds, int((bounds[1:] - bounds[:-1]).max())
+
+
+def _flash(q, k, v, causal: bool, dropout_p: float, scale: float,
+           doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FlashAttention works in [B, T, H, D]; GQA and bottom-right causal alignment are native.
+    With doc_ids, the varlen kernel runs over the documents of all rows as one ragged batch."""
+    impl, _ = _flash_status()
+    if (dropout_p > 0 and not impl.dropout) or (doc_ids is not None and impl.varlen is None):
+        return _sdpa(q, k, v, causal, dropout_p, scale, doc_ids)
+    drop = {"dropout_p": dropout_p} if impl.dropout else {}
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if doc_ids is None:
+        return _first(impl.func(qt, kt, vt, softmax_scale=scale, causal=causal, **drop)).transpose(1, 2)
+    B, T = doc_ids.shape
+    cu, longest = cu_seqlens(doc_ids)
+    flat = [t.reshape(B * T, *t.shape[2:]) for t in (qt, kt, vt)]
+    out = _first(impl.varlen(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                             max_seqlen_k=longest, softmax_scale=scale, causal=True, **drop))
+    return out.reshape(B, T, *out.shape[1:]).transpose(1, 2)
 
 
 _IMPLS = {"reference": _reference, "sdpa": _sdpa, "flash": _flash}
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              dropout_p: float = 0.0, backend: str = "auto", scale: Optional[float] = None) -> torch.Tensor:
+              dropout_p: float = 0.0, backend: str = "auto", scale: Optional[float] = None,
+              doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(Q K^T * scale + M) V for q [B, H, T, D], k, v [B, Hkv, S, D] -> [B, H, T, D].
 
     ``dropout_p`` is applied as given (pass 0 in eval mode). ``scale`` defaults to 1/sqrt(D).
+    ``doc_ids`` [B, T] (causal, T == S only): keys of other documents are masked too.
     """
     _check_shapes(q, k, v)
+    if doc_ids is not None and (not causal or q.shape[2] != k.shape[2]
+                                or tuple(doc_ids.shape) != (q.shape[0], q.shape[2])):
+        raise ValueError(f"attention: doc_ids {tuple(doc_ids.shape)} need causal self-attention "
+                         f"with T == S and shape [B, T] = {(q.shape[0], q.shape[2])}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     name, reason = _resolve_cached(backend, q.device.type, q.dtype, q.shape[-1])
     _announce(name, reason)
-    return _IMPLS[name](q, k, v, causal, dropout_p, scale)
+    return _IMPLS[name](q, k, v, causal, dropout_p, scale, doc_ids)

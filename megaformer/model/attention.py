@@ -82,11 +82,13 @@ class Attention(nn.Module):
                        if cfg.position == "rope" else None)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[LayerKVCache] = None, start_pos: int = 0) -> torch.Tensor:
+                cache: Optional[LayerKVCache] = None, start_pos: int = 0,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, T, d_model] at absolute positions start_pos..start_pos+T-1 -> [B, T, d_model].
 
         rope: precomputed (cos, sin) for those positions (computed here when None and position=rope).
         cache: this layer's KV cache; keys/values of earlier positions are read from it.
+        doc_ids: [B, T] document index of each position (packed documents attend only within).
         """
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         B, T = q.shape[:2]  # a sequence-parallel projection returns the whole sequence
@@ -101,5 +103,6 @@ class Attention(nn.Module):
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0
         with self.dropout_rng():
-            y = self.core_attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend)
+            y = self.core_attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend,
+                                    doc_ids=doc_ids)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

@@ -33,9 +33,23 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[LayerKVCache] = None, start_pos: int = 0) -> torch.Tensor:
-        a = self.drop(self.attn(self.attn_norm(x), rope=rope, cache=cache, start_pos=start_pos))
+                cache: Optional[LayerKVCache] = None, start_pos: int = 0,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        a = self.drop(self.attn(self.attn_norm(x), rope=rope, cache=cache, start_pos=start_pos,
+                                doc_ids=doc_ids))
         if self.parallel:
             return x + a + self.drop(self.mlp(self.mlp_norm(x)))
         h = x + a
         return h + self.drop(self.mlp(self.mlp_norm(h)))
+
+
+def compile_blocks(blocks: nn.ModuleList, backend: str = "inductor") -> None:
+    """torch.compile each block in place (``train.compile``): one graph per block (no graph
+    breaks: kernel dispatch is resolved at trace time), the same code reused by every block; the
+    first call pays the compilation. Inside the compiled graph inductor fuses the norms and
+    activations itself, so the Triton kernels of megaformer.kernels are not called there."""
+    from megaformer.kernels.attention import mark_constant_for_compile
+
+    mark_constant_for_compile()
+    for block in blocks:
+        block.compile(backend=backend)

@@ -4,6 +4,8 @@
     SwiGLU: FFN(x) = (SiLU(x W1) * (x W3)) W2                 (Shazeer 2020; Llama)
 
 W1: d_model -> d_ffn (SwiGLU: the gate), W3: d_model -> d_ffn (the up projection), W2: d_ffn -> d_model.
+The activations (SiLU(g) * u; GELU(h + b1)) run as fused Triton kernels on CUDA
+(``megaformer.kernels.activations``; ``model.fused_kernels``), as torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
+from megaformer.kernels.activations import bias_gelu, swiglu
+from megaformer.kernels.triton_support import use_triton
 
 
 class MLP(nn.Module):
@@ -26,6 +30,7 @@ class MLP(nn.Module):
         if cfg.activation not in ("gelu", "gelu_tanh", "swiglu"):
             raise ValueError(f"model.activation={cfg.activation!r}: must be gelu or swiglu")
         self.activation = cfg.activation
+        self.kernels = cfg.fused_kernels
         self.w1 = nn.Linear(d, f, bias=cfg.bias)
         if cfg.activation == "swiglu":
             self.w3 = nn.Linear(d, f, bias=cfg.bias)
@@ -33,6 +38,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(swiglu(self.w1(x), self.w3(x), self.kernels))
         approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-        return self.w2(F.gelu(self.w1(x), approximate=approximate))
+        if self.w1.bias is not None and use_triton(x, self.kernels):
+            # x W1 without the bias, then GELU(. + b1) in one pass (w1 may be a column-parallel shard)
+            h = bias_gelu(F.linear(x, self.w1.weight), self.w1.bias, approximate, self.kernels)
+        else:
+            h = F.gelu(self.w1(x), approximate=approximate)
+        return self.w2(h)

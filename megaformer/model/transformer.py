@@ -10,6 +10,10 @@ that tensor parallelism splits them evenly); padding rows start at zero and are 
 logits before any softmax, so they never reach the loss, generation or exported weights.
 The output head is ``lm_head`` followed by ``output_logits`` / ``loss_fn``, which a parallel plan
 may replace (vocab-parallel cross-entropy) without this file knowing the tensor-parallel degree.
+With ``model.loss_chunk_tokens`` > 0 the loss is ``head_loss_fn(hidden, labels)`` instead: the
+output projection fused with the cross-entropy over chunks of tokens (the full logits never exist).
+With ``model.document_mask`` the training forward passes each position's document index
+(``eod_id`` set by the trainer from the tokenizer) so packed documents do not attend to each other.
 
 Initialisation: every Linear/Embedding weight ~ N(0, init_std), biases 0, norm gains 1; the
 residual-output projections (attn.wo, mlp.w2) ~ N(0, init_std / sqrt(2 L)) (GPT-2 / Megatron).
@@ -25,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
+from megaformer.kernels.attention import document_ids
+from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
 from megaformer.model.norms import RMSNorm, build_norm
@@ -44,6 +50,7 @@ class Transformer(nn.Module):
         if cfg.position not in ("sinusoidal", "learned", "rope", "none"):
             raise ValueError(f"model.position={cfg.position!r}: must be sinusoidal, learned, rope or none")
         self.cfg = cfg
+        self.eod_id: Optional[int] = None  # end-of-document token, for model.document_mask
         self.vocab_size = cfg.vocab_size
         self.padded_vocab_size = padded_vocab_size or cfg.vocab_size
         if self.padded_vocab_size < self.vocab_size:
@@ -143,14 +150,23 @@ class Transformer(nn.Module):
     def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int) -> torch.Tensor:
         """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1."""
         x, rope = self.embed(input_ids, start_pos)
+        docs = {}
+        if self.cfg.document_mask and cache is None:
+            if self.eod_id is None:
+                raise ValueError("model.document_mask needs the end-of-document id: set the "
+                                 "model's eod_id (the trainer sets it from the tokenizer)")
+            docs["doc_ids"] = document_ids(input_ids, self.eod_id)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope=rope, cache=cache.layers[i] if cache is not None else None,
-                      start_pos=start_pos)
+                      start_pos=start_pos, **docs)
         return self.final_norm(x)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100."""
-        logits = self.lm_head(self._hidden(input_ids, None, 0))
+        hidden = self._hidden(input_ids, None, 0)
+        if labels is not None and self.cfg.loss_chunk_tokens > 0:
+            return self.head_loss_fn(hidden, labels)
+        logits = self.lm_head(hidden)
         if labels is None:
             return self.output_logits(logits)
         return self.loss_fn(logits, labels)
@@ -163,6 +179,11 @@ class Transformer(nn.Module):
         """Mean cross-entropy (fp32) over labels != -100, over the real vocabulary."""
         logits = logits[..., :self.vocab_size]
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    def head_loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The same loss as loss_fn(lm_head(hidden), labels), loss_chunk_tokens tokens at a time."""
+        return chunked_cross_entropy(hidden, self.lm_head.weight, labels, self.cfg.loss_chunk_tokens,
+                                     vocab_size=self.vocab_size, ignore_index=IGNORE_INDEX)
 
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
         """An empty KV cache for up to ``max_len`` (default max_seq_len) positions; storage is

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.parallel.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
 from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, gather_vocab, sum_grad_over_tp,
@@ -73,6 +74,24 @@ class VocabParallelLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group,
                                             vocab_size=self.vocab_size)
+
+
+class VocabParallelHeadLoss:
+    """head_loss_fn of a model whose lm_head is vocab-sharded: chunked vocab-parallel CE.
+
+    The hidden states enter the column-parallel region (identity forward, all-reduce of dH
+    backward) as they would entering the lm_head."""
+
+    def __init__(self, head: ColumnParallelLinear, vocab_start: int, vocab_size: int,
+                 group: ProcessGroup, chunk_tokens: int) -> None:
+        self.head, self.vocab_start, self.vocab_size = head, vocab_start, vocab_size
+        self.group, self.chunk_tokens = group, chunk_tokens
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = tp_region_input(hidden, self.group, sequence_parallel=False)
+        return chunked_cross_entropy(hidden, self.head.weight, labels, self.chunk_tokens,
+                                     vocab_start=self.vocab_start, vocab_size=self.vocab_size,
+                                     group=self.group)
 
 
 class GatheredLogits:
@@ -148,6 +167,8 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
     model.lm_head = head
     vocab_start = topo.tp_rank * (model.padded_vocab_size // topo.tp)
     model.loss_fn = VocabParallelLoss(vocab_start, model.vocab_size, group)
+    model.head_loss_fn = VocabParallelHeadLoss(head, vocab_start, model.vocab_size, group,
+                                               model.cfg.loss_chunk_tokens)
     model.output_logits = GatheredLogits(model.vocab_size, group)
     return model
 

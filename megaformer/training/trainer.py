@@ -40,6 +40,7 @@ from megaformer.analysis.params import count_parameters
 from megaformer.parallel.pipeline import build_pipeline, original_names, pipeline_state_dict
 from megaformer.parallel.plan import (full_state_dict, load_full_weights, padded_vocab_size,
                                       parallelize)
+from megaformer.model.block import compile_blocks
 from megaformer.training.recompute import apply_recompute
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.topology import build_topology, layout_groups
@@ -91,7 +92,8 @@ def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
 
 
 # Model keys that do not change the weights, so a resumed run may set them differently.
-RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std"}
+RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std", "fused_kernels",
+                     "loss_chunk_tokens", "document_mask"}
 # Data keys that define the sample stream the saved position (consumed samples) indexes.
 RESUME_DATA_KEYS = ("seq_len", "tokenizer", "source", "text_field", "max_bytes", "valid_fraction",
                     "paths", "weights", "split")
@@ -290,6 +292,7 @@ class Trainer:
         padded = padded_vocab_size(self.cfg.model.vocab_size, p.tensor, p.vocab_multiple)
         torch.manual_seed(self.cfg.train.seed)
         model = Transformer(self.cfg.model, padded_vocab_size=padded)
+        model.eod_id = self.tokenizer.eod_id  # document boundaries for model.document_mask
         if self.init_only:
             load_full_weights(model, ckpt_io.load_weights(self.resume_from), self.resume_from)
         elif self.relayout:
@@ -301,6 +304,8 @@ class Trainer:
         parallelize(model, self.topo, p.sequence_parallel, self.tp_rng)
         apply_recompute(model.layers, self.cfg.train.recompute, self.cfg.train.recompute_every,
                         self.tp_rng)
+        if self.cfg.train.compile:
+            compile_blocks(model.layers)
         self.plain_model = model.to(self.proc.device)
         if p.pipeline == 1:
             return model
