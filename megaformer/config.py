@@ -577,6 +577,9 @@ def validate(cfg: Config) -> None:
     _require(not (cfg.log.diagnostics and cfg.parallel.zero_stage == 3),
              "log.diagnostics=true with parallel.zero_stage=3: ZeRO-3 partitions the weights the "
              "diagnostics pass runs with; use parallel.zero_stage<=2 or switch diagnostics off")
+    _require(not (cfg.log.diagnostics and cfg.model.document_mask),
+             "log.diagnostics=true with model.document_mask=true: the diagnostics pass measures "
+             "plain causal attention, not attention within documents; switch one of them off")
     if cfg.log.gpu is not None and cfg.log.peak_tflops is None:
         from megaformer.analysis.peaks import UnknownGPUError, find_accelerator
 

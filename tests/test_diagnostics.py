@@ -262,3 +262,5 @@ def test_config_refuses_diagnostics_with_zero3_and_bad_interval():
                                   "parallel.zero_stage=3", "--dry-run"), "log.diagnostics", "ZeRO-3")
     assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.diagnostics_interval=0",
                                   "--dry-run"), "log.diagnostics_interval")
+    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.diagnostics=true",
+                                  "model.document_mask=true", "--dry-run"), "model.document_mask")
