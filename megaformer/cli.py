@@ -152,6 +152,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_result(r) -> None:
     import math
 
+    if r.stopped is not None:
+        print(f"\nstopped at step {r.step} ({r.stopped}); checkpoint: {r.checkpoint}\n"
+              "run the same command to resume from it")
+        return
     print(f"\ndone: step {r.step} in {r.wall_s:.1f}s | {r.tokens_per_s:,.0f} tokens/s (training)")
     val = (f"val loss {r.val_loss:.4f} (ppl {math.exp(min(r.val_loss, 50)):.2f})"
            if r.val_loss is not None else "val loss not evaluated")

@@ -107,6 +107,9 @@ class ParallelConfig:
     vocab_multiple: int = option(
         128, "Pad the vocabulary to a multiple of vocab_multiple * tensor rows; the padding never "
              "reaches the loss, generation or exported weights.")
+    collective_timeout_minutes: float = option(
+        30.0, "Timeout of the process group's collectives (init_process_group(timeout=...)): a rank "
+              "waiting longer than this for the others fails instead of hanging.")
 
 
 @dataclass
@@ -199,6 +202,19 @@ class TrainConfig:
                                     "with dynamic loss scaling).", ("fp32", "bf16", "fp16"))
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu or cuda.",
                          ("auto", "cpu", "cuda"))
+    max_bad_steps: int = option(
+        5, "A step whose loss or gradient norm is inf/NaN on any rank is skipped (no update; its data "
+           "is consumed, the LR schedule does not advance) and counted as skipped_steps; this many "
+           "in a row stop the run with an error (1 = stop at the first).")
+    exit_after_minutes: Optional[float] = option(
+        None, "Save a checkpoint and exit 0 at the first step boundary after this many minutes, as on "
+              "SIGTERM/SIGUSR1 (null = no time limit).")
+    watchdog_factor: float = option(
+        20.0, "Hang watchdog: a step running longer than max(watchdog_min_seconds, watchdog_factor x "
+              "median step time) dumps every thread's stack to RUN_DIR/logs/rank_N.log and exits "
+              "with code 3 (0 = no watchdog).")
+    watchdog_min_seconds: float = option(
+        600.0, "Hang watchdog: the least time a step may take before the watchdog fires.")
 
 
 @dataclass
@@ -218,7 +234,10 @@ class CheckpointConfig:
     interval: int = option(0, "Save every N steps (0 = only at the end).")
     save_at_end: bool = option(True, "Save after the last step.")
     keep_last: Optional[int] = option(None, "Keep only the newest N checkpoints (null = keep all).")
-    resume: bool = option(True, "Resume from the latest checkpoint in the run directory if there is one.")
+    resume: bool = option(
+        True, "Resume from the latest complete checkpoint in the run directory if there is one "
+              "(half-written ones are ignored with a warning); false refuses a run directory that "
+              "already holds checkpoints rather than overwrite or silently ignore them.")
 
 
 @dataclass
@@ -517,6 +536,11 @@ def validate(cfg: Config) -> None:
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "adam_eps"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     _positive("train.recompute_every", t.recompute_every)
+    _positive("train.max_bad_steps", t.max_bad_steps)
+    _positive("train.exit_after_minutes", t.exit_after_minutes)
+    _positive("train.watchdog_factor", t.watchdog_factor, allow_zero=True)
+    _positive("train.watchdog_min_seconds", t.watchdog_min_seconds)
+    _positive("parallel.collective_timeout_minutes", p.collective_timeout_minutes)
     _require(t.global_batch_size % t.micro_batch_size == 0,
              f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
              f"train.micro_batch_size={t.micro_batch_size}")

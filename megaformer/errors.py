@@ -25,3 +25,7 @@ class CheckpointError(UserError):
 
 class LaunchError(UserError):
     """Inconsistent launcher environment (ranks, world size, rendezvous)."""
+
+
+class TrainingError(UserError):
+    """A run that cannot go on as configured (e.g. too many consecutive non-finite steps)."""

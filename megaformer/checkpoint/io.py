@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -87,6 +87,13 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     return sorted((p for p in root.iterdir() if p.name.startswith("step_") and is_complete(p)),
                   key=lambda p: p.name)
+
+
+def half_written(root: Path) -> list[Path]:
+    """``.tmp-`` folders under ``root``: saves that were interrupted (never loaded)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX + "step_"))
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:
@@ -166,8 +173,12 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
                     client_state: dict, weights: Optional[dict[str, torch.Tensor]],
                     config_yaml: str, tokenizer: Any, meta: dict, keep_last: Optional[int],
-                    barrier: Any, extra_rng: Optional[dict] = None) -> Optional[Path]:
-    """Collective: every rank calls it. Returns the checkpoint path (None if it already existed)."""
+                    barrier: Any, extra_rng: Optional[dict] = None,
+                    before_commit: Optional[Callable[[], None]] = None) -> Optional[Path]:
+    """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
+
+    ``before_commit`` runs on every rank once the files are written, before the rename that makes
+    the checkpoint visible (the fault-injection tests kill a rank there)."""
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
     final = root / tag
@@ -199,6 +210,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
                      "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta}
         (tmp / META).write_text(json.dumps(full_meta, indent=2))
     barrier()
+    if before_commit is not None:
+        before_commit()
     if rank == 0:
         _fsync_tree(tmp)
         os.rename(tmp, final)
