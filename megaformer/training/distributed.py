@@ -176,11 +176,30 @@ def init_distributed(proc: ProcessInfo, timeout_minutes: float = 30.0) -> None:
         _disable_cpu_shm_comm_op()
     import deepspeed
 
-    if torch.distributed.is_initialized():
-        return
-    deepspeed.init_distributed(dist_backend="nccl" if proc.device.type == "cuda" else "gloo",
-                               auto_mpi_discovery=False, verbose=False,
-                               timeout=datetime.timedelta(minutes=timeout_minutes))
+    backend = "nccl" if proc.device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = _elastic_attempt_store(timeout)
+    if store is not None and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend, store=store, rank=proc.rank,
+                                             world_size=proc.world_size, timeout=timeout)
+    # DeepSpeed's comm layer adopts an existing group, or creates it (env://)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               timeout=timeout)
+
+
+def _elastic_attempt_store(timeout: datetime.timedelta) -> Optional[Any]:
+    """A key space of its own for each torchrun restart.
+
+    Under torchrun the workers share the agent's TCPStore, which survives a restart (``--max-restarts``)
+    with the keys the failed attempt wrote: the restarted workers' ``new_group`` calls then read the
+    dead processes' addresses and fail to connect (seen with torch 2.13 and gloo). Prefixing the keys
+    with the attempt number (TORCHELASTIC_RESTART_COUNT) keeps attempts apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                             is_master=False, timeout=timeout)
+    return torch.distributed.PrefixStore(f"megaformer/attempt_{attempt}", agent_store)
 
 
 def barrier() -> None:
