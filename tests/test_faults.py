@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from megaformer.checkpoint.io import load_weights
+from megaformer.training import preemption
+from megaformer.training.watchdog import StepWatchdog
 from tests.conftest import (ROOT, assert_one_line_error, cluster_overrides, run_cli, step_records,
                             subprocess_env, tiny_overrides, torchrun_cmd)
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def launch(run_dir: Path, fault: str, *extra: str, restarts: int = 0,
@@ -42,6 +43,8 @@ def assert_matches(run_dir: Path, reference: Path) -> None:
             assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_then_killed_save_then_killed_rank_continue_exactly(tmp_path, ddp_reference):
     """1. SIGTERM reaches rank 1 in step 3: both ranks save step 3 and exit 0.
     2. Rerun (auto-resume from step 3) under torchrun --max-restarts=2: rank 0 is SIGKILLed inside the
@@ -69,6 +72,8 @@ def test_sigterm_then_killed_save_then_killed_rank_continue_exactly(tmp_path, dd
     assert same_weights(ckpts / "step_0000006", ddp_reference / "checkpoints" / "step_0000006")
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_nan_on_one_rank_is_skipped_then_a_stalled_rank_trips_the_watchdog(tmp_path):
     """ZeRO-2, 2 ranks: rank 1's loss is NaN in step 2 -> every rank skips the update (weights of
     steps 1 and 2 identical), training goes on; rank 1 then stalls in step 5 -> each rank's watchdog
@@ -96,6 +101,7 @@ def test_nan_on_one_rank_is_skipped_then_a_stalled_rank_trips_the_watchdog(tmp_p
     assert "in step_start" in (run / "logs" / "rank_1.log").read_text()  # the stalled frame
 
 
+@pytest.mark.slow
 def test_consecutive_nans_stop_with_one_line_and_the_last_good_checkpoint(tmp_path):
     """One process, fp32 without ZeRO (megaformer's own step guard): a NaN step is skipped, and
     train.max_bad_steps=2 NaN steps in a row stop the run with one error line, exit 2."""
@@ -117,3 +123,38 @@ def test_consecutive_nans_stop_with_one_line_and_the_last_good_checkpoint(tmp_pa
     r = step_records(run)
     assert r[6]["skipped_steps"] == 3 and r[4]["lr"] == r[3]["lr"] and math.isfinite(r[4]["loss"])
     assert all(torch.isfinite(v).all() for v in load_weights(ckpts / "step_0000005").values())
+
+
+def test_stop_request_from_a_signal_or_the_clock():
+    """A signal only sets the flag (the process keeps running); the time limit raises its own code;
+    the ranks combine codes with MAX (single process here: the values come back unchanged)."""
+    import os
+    import signal
+
+    request = preemption.StopRequest(exit_after_minutes=60)
+    request.install()
+    try:
+        assert request.local_code() == preemption.NONE
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert request.local_code() == preemption.SIGNAL and request.signal == signal.SIGUSR1
+    finally:
+        request.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    timed = preemption.StopRequest(exit_after_minutes=1e-6)
+    time.sleep(0.01)
+    assert timed.local_code() == preemption.TIME_LIMIT
+    assert preemption.agree_max([2, 0]) == [2, 0]
+
+
+def test_watchdog_limit_follows_the_running_median(tmp_path):
+    dog = StepWatchdog(factor=4, min_seconds=0.5, log_path=tmp_path / "rank_0.log", rank=0,
+                       poll_seconds=60)
+    try:
+        assert dog.limit() is None  # unarmed until one step has completed
+        dog.times.extend([0.1, 0.3, 0.2])
+        assert dog.limit() == pytest.approx(0.8)  # 4 x median 0.2 > the 0.5 s floor
+        dog.times.extend([0.01] * 10)
+        assert dog.limit() == 0.5
+    finally:
+        dog.close()
+    assert not (tmp_path / "rank_0.log").exists()

@@ -7,7 +7,6 @@ warning signal: checkpoint, requeue, resume) all reproduce the single-node 2-ran
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

@@ -30,7 +30,7 @@ from megaformer.errors import CheckpointError, ConfigError
 from megaformer.training import distributed as dist
 from megaformer.training.bad_steps import BadStepCounter, guard_optimizer_step
 from megaformer.training.faults import FaultPlan
-from megaformer.training.preemption import NONE, REASONS, StopRequest, agree_max
+from megaformer.training.preemption import REASONS, StopRequest, agree_max
 from megaformer.training.watchdog import StepWatchdog
 from megaformer.training.data_setup import setup_data
 from megaformer.training.deepspeed_config import build_deepspeed_config
