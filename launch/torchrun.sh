@@ -32,7 +32,7 @@ if [ "$NNODES" -gt 1 ]; then
 else
   ARGS+=(--standalone)
 fi
-# forward Slurm's warning signal too (torch >= 2.9 knows the flag)
+# forward Slurm's warning signal too (where this torchrun has --signals-to-handle)
 if "$PYTHON" -m torch.distributed.run --help 2>/dev/null | grep -q -- --signals-to-handle; then
   ARGS+=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1)
 fi

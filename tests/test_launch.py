@@ -167,6 +167,8 @@ def test_slurm_sbatch_two_tasks_preempted_requeued_and_resumed(tmp_path, slurm, 
             state = _job_state(job, env)
             if signalled and state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
                 break
+            if signalled and state == "PENDING":  # requeued: Slurm holds it 120 s; start it now
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
             time.sleep(0.5)
     finally:
         if _job_state(job, env) not in ("COMPLETED", "FAILED", "CANCELLED"):
@@ -180,3 +182,34 @@ def test_slurm_sbatch_two_tasks_preempted_requeued_and_resumed(tmp_path, slurm, 
     assert stopped, log[-4000:]
     assert_same_losses(run, ddp_reference)
     assert (run / "checkpoints" / "step_0000006").is_dir()
+
+
+def _sbatch_and_wait(args: list[str], env: dict, timeout: float = 600) -> str:
+    sub = subprocess.run(["sbatch", "--parsable", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    state = _job_state(job, env)
+    while state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env)
+            break
+        time.sleep(0.5)
+        state = _job_state(job, env)
+    return state
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slurm_sbatch_one_torchrun_per_node(tmp_path, slurm, ddp_reference):
+    """One task on the node runs torchrun (c10d rendezvous on the allocation's first node) with
+    NPROC_PER_NODE=2 processes: the same losses as the single-node run."""
+    env = subprocess_env(PYTHON=sys.executable, NPROC_PER_NODE="2", **slurm)
+    state = _sbatch_and_wait(["-N", "1", "-n", "1", "-c", "2", "-o", str(tmp_path / "job.out"),
+                              "launch/slurm.sbatch", "configs/quickstart.yaml", *cluster_overrides(),
+                              "--run-dir", str(tmp_path / "run")], env)
+    log = (tmp_path / "job.out").read_text()
+    assert state == "COMPLETED", (state, log[-4000:])
+    assert "torchrun mode, world 2" in log and "launch: torchrun, rank 0 of 2" in log, log[-4000:]
+    assert_same_losses(tmp_path / "run", ddp_reference)
