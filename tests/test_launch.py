@@ -156,7 +156,8 @@ def test_slurm_sbatch_two_tasks_preempted_requeued_and_resumed(tmp_path, slurm, 
                          timeout=60)
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
-    signalled = False
+    signalled = released = False
+    pending_since = 0.0
     deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline:
@@ -167,8 +168,13 @@ def test_slurm_sbatch_two_tasks_preempted_requeued_and_resumed(tmp_path, slurm, 
             state = _job_state(job, env)
             if signalled and state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
                 break
-            if signalled and state == "PENDING":  # requeued: Slurm holds it 120 s; start it now
-                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            if signalled and state == "PENDING":
+                # requeued: Slurm holds it 120 s; start it now (2 s on: a credential issued in the
+                # second the old one was revoked is refused)
+                pending_since = pending_since or time.monotonic()
+                if not released and time.monotonic() - pending_since > 2:
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+                    released = True
             time.sleep(0.5)
     finally:
         if _job_state(job, env) not in ("COMPLETED", "FAILED", "CANCELLED"):
