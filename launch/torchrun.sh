@@ -33,7 +33,9 @@ else
   ARGS+=(--standalone)
 fi
 # forward Slurm's warning signal too (where this torchrun has --signals-to-handle)
-if "$PYTHON" -m torch.distributed.run --help 2>/dev/null | grep -q -- --signals-to-handle; then
+# (read from torchrun's source: importing torch to ask would cost seconds)
+RUN_PY=$("$PYTHON" -c 'import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec("torch").origin), "distributed", "run.py"))' 2>/dev/null)
+if grep -qs -- --signals-to-handle "$RUN_PY"; then
   ARGS+=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1)
 fi
 # shellcheck disable=SC2086
