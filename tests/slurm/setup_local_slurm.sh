@@ -23,7 +23,7 @@ fi
 [ "$(id -u)" -eq 0 ] || skip "starting slurmd needs root"
 
 # munge: a key, and munged running as the munge user
-if ! pgrep -x munged >/dev/null; then
+if ! { [ -S /run/munge/munge.socket.2 ] && timeout 5 munge -n </dev/null >/dev/null 2>&1; }; then
   if [ ! -s /etc/munge/munge.key ]; then
     (command -v mungekey >/dev/null && mungekey --create --force) \
       || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 2>/dev/null
