@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Data-parallel training on one node with torchrun: one process per GPU (or N CPU processes).
+# torchrun launch, one node or several: NPROC processes per node (one per GPU, or CPU processes).
 #   launch/torchrun.sh NPROC CONFIG.yaml [KEY=VALUE ...] [--run-dir DIR]
-# Example: launch/torchrun.sh 2 configs/quickstart.yaml train.steps=50
+# Single node:  launch/torchrun.sh 8 configs/llama-1b.yaml
+# Multi-node:   run the same line on every node with
+#   NNODES=4 NODE_RANK=<0..3> RDZV_ENDPOINT=<node 0 host>:29400 launch/torchrun.sh 8 CONFIG.yaml
+# Environment:  NNODES (1), NODE_RANK (0), RDZV_ENDPOINT (host:port of the c10d rendezvous; needed when
+#   NNODES > 1), RDZV_ID (a job name shared by the nodes, default megaformer), MAX_RESTARTS (0: how
+#   often torchrun restarts all workers after a failure; each restart resumes from the latest
+#   checkpoint), PYTHON (python), OMP_NUM_THREADS (1), TORCHRUN_ARGS (more torchrun flags).
 # The config and the layout are checked once before any process starts (one line and exit 2 on a
-# mistake). torchrun's own flags (--nnodes, --node_rank, --rdzv_endpoint) go in TORCHRUN_ARGS;
-# Slurm and hostfile launchers arrive with the cluster work.
+# mistake). SIGTERM / SIGUSR1 to torchrun reach the workers, which save a checkpoint and exit 0.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 NPROC CONFIG.yaml [KEY=VALUE ...] [--run-dir DIR]" >&2
@@ -12,6 +17,26 @@ if [ $# -lt 2 ]; then
 fi
 NPROC=$1; shift
 PYTHON=${PYTHON:-python}
-"$PYTHON" -m megaformer train "$@" --dry-run --world-size "$NPROC" > /dev/null
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+"$PYTHON" -m megaformer train "$@" --dry-run --world-size "$((NPROC * NNODES))" > /dev/null
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NPROC" ${TORCHRUN_ARGS:-} -m megaformer train "$@"
+ARGS=(--nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}")
+if [ "$NNODES" -gt 1 ]; then
+  if [ -z "${RDZV_ENDPOINT:-}" ]; then
+    echo "$0: NNODES=$NNODES needs RDZV_ENDPOINT=host:port (node 0's address)" >&2
+    exit 2
+  fi
+  ARGS+=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend=c10d
+         --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-megaformer}")
+else
+  ARGS+=(--standalone)
+fi
+# forward Slurm's warning signal too (where this torchrun has --signals-to-handle)
+# (read from torchrun's source: importing torch to ask would cost seconds)
+RUN_PY=$("$PYTHON" -c 'import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec("torch").origin), "distributed", "run.py"))' 2>/dev/null)
+if grep -qs -- --signals-to-handle "$RUN_PY"; then
+  ARGS+=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1)
+fi
+# shellcheck disable=SC2086
+exec "$PYTHON" -m torch.distributed.run "${ARGS[@]}" ${TORCHRUN_ARGS:-} -m megaformer train "$@"

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser(
         "train", help="pretrain a model from a YAML config",
         description="Pretrain a model described by CONFIG. Resumes from the run directory's latest "
-                    "checkpoint when there is one. Launch several processes with torchrun; "
+                    "complete checkpoint when there is one; SIGTERM or SIGUSR1 saves a checkpoint "
+                    "and exits 0. Launch several processes with torchrun, srun, mpirun or the "
+                    "DeepSpeed launcher (scripts in launch/); "
                     "parallel.tensor / parallel.pipeline / parallel.zero_stage split them into "
                     "tensor, pipeline and data parallelism (DP = world / (TP*PP)).",
         epilog="example: megaformer train configs/quickstart.yaml train.steps=50 model.n_layers=2\n"
@@ -204,6 +206,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_result(r) -> None:
     import math
 
+    if r.stopped is not None:
+        print(f"\nstopped at step {r.step} ({r.stopped}); checkpoint: {r.checkpoint}\n"
+              "run the same command to resume from it")
+        return
     print(f"\ndone: step {r.step} in {r.wall_s:.1f}s | {r.tokens_per_s:,.0f} tokens/s (training)")
     val = (f"val loss {r.val_loss:.4f} (ppl {math.exp(min(r.val_loss, 50)):.2f})"
            if r.val_loss is not None else "val loss not evaluated")

@@ -122,6 +122,9 @@ class ParallelConfig:
     vocab_multiple: int = option(
         128, "Pad the vocabulary to a multiple of vocab_multiple * tensor rows; the padding never "
              "reaches the loss, generation or exported weights.")
+    collective_timeout_minutes: float = option(
+        30.0, "Timeout of the process group's collectives (init_process_group(timeout=...)): a rank "
+              "waiting longer than this for the others fails instead of hanging.")
 
 
 @dataclass
@@ -219,6 +222,19 @@ class TrainConfig:
     compile: bool = option(
         False, "torch.compile each Transformer block (off by default: the first steps pay the "
                "compilation; measure with tools/bench_gpu.py before turning it on).")
+    max_bad_steps: int = option(
+        5, "A step whose loss or gradient norm is inf/NaN on any rank is skipped (no update; its data "
+           "is consumed, the LR schedule does not advance) and counted as skipped_steps; this many "
+           "in a row stop the run with an error (1 = stop at the first).")
+    exit_after_minutes: Optional[float] = option(
+        None, "Save a checkpoint and exit 0 at the first step boundary after this many minutes, as on "
+              "SIGTERM/SIGUSR1 (null = no time limit).")
+    watchdog_factor: float = option(
+        20.0, "Hang watchdog: a step running longer than max(watchdog_min_seconds, watchdog_factor x "
+              "median step time) dumps every thread's stack to RUN_DIR/logs/rank_N.log and exits "
+              "with code 3 (0 = no watchdog).")
+    watchdog_min_seconds: float = option(
+        600.0, "Hang watchdog: the least time a step may take before the watchdog fires.")
 
 
 @dataclass
@@ -238,7 +254,10 @@ class CheckpointConfig:
     interval: int = option(0, "Save every N steps (0 = only at the end).")
     save_at_end: bool = option(True, "Save after the last step.")
     keep_last: Optional[int] = option(None, "Keep only the newest N checkpoints (null = keep all).")
-    resume: bool = option(True, "Resume from the latest checkpoint in the run directory if there is one.")
+    resume: bool = option(
+        True, "Resume from the latest complete checkpoint in the run directory if there is one "
+              "(half-written ones are ignored with a warning); false refuses a run directory that "
+              "already holds checkpoints rather than overwrite or silently ignore them.")
     async_save: bool = option(
         False, "Write checkpoint files on a background thread: DeepSpeed's engine files and a "
                "host-memory snapshot of the rest are taken synchronously, then training goes on "
@@ -557,6 +576,11 @@ def validate(cfg: Config) -> None:
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "adam_eps"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     _positive("train.recompute_every", t.recompute_every)
+    _positive("train.max_bad_steps", t.max_bad_steps)
+    _positive("train.exit_after_minutes", t.exit_after_minutes)
+    _positive("train.watchdog_factor", t.watchdog_factor, allow_zero=True)
+    _positive("train.watchdog_min_seconds", t.watchdog_min_seconds)
+    _positive("parallel.collective_timeout_minutes", p.collective_timeout_minutes)
     _require(t.global_batch_size % t.micro_batch_size == 0,
              f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
              f"train.micro_batch_size={t.micro_batch_size}")

@@ -30,3 +30,7 @@ class LaunchError(UserError):
 class ConversionError(UserError):
     """A checkpoint that cannot be converted: a feature the target format cannot express, a
     missing or unexpected tensor, an unsupported architecture or option."""
+
+
+class TrainingError(UserError):
+    """A run that cannot go on as configured (e.g. too many consecutive non-finite steps)."""

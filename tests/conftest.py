@@ -99,3 +99,35 @@ def text_corpus(tmp_path: Path) -> Path:
         doc = " ".join(rng.choice(words) for _ in range(rng.randint(50, 400)))
         (folder / f"doc{i:03d}.txt").write_text(doc + "\n")
     return folder
+
+
+# ----------------------------------------------------------------------------- cluster runs
+
+def cluster_overrides(**extra: Any) -> list[str]:
+    """The tiny 2-rank run shared by the launcher and fault tests: 6 steps, checkpoints every 2."""
+    return tiny_overrides("stdlib", **{"checkpoint.interval": 2, "checkpoint.keep_last": "null",
+                                       "eval.interval": 0, "eval.at_end": "false", **extra})
+
+
+def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", "-m", "megaformer", *args]
+
+
+def step_records(run_dir: Path) -> dict[int, dict]:
+    import json
+
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory: Any) -> Path:
+    """An uninterrupted 2-rank torchrun run of :func:`cluster_overrides` (the numbers to match)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = subprocess.run(torchrun_cmd(2, "train", "configs/quickstart.yaml", *cluster_overrides(),
+                                       "--run-dir", str(run_dir)),
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(step_records(run_dir)) == [1, 2, 3, 4, 5, 6]
+    return run_dir

@@ -90,6 +90,13 @@ def complete_checkpoints(root: Path) -> list[Path]:
                   key=lambda p: p.name)
 
 
+def half_written(root: Path) -> list[Path]:
+    """``.tmp-`` folders under ``root``: saves that were interrupted (never loaded)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX + "step_"))
+
+
 def latest_checkpoint(root: Path) -> Optional[Path]:
     """The checkpoint ``latest`` names; the newest complete one (with a warning) if that is broken."""
     pointer = root / LATEST
@@ -224,7 +231,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
                     client_state: dict, snapshot: Callable[[Path, Optional[dict]], dict[str, Any]],
                     keep_last: Optional[int], barrier: Any,
                     extra_rng: Optional[dict] = None, background: Any = None,
-                    wait_timeout_s: float = 1800.0) -> Optional[Path]:
+                    wait_timeout_s: float = 1800.0,
+                    before_commit: Optional[Callable[[], None]] = None) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
 
     Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
@@ -237,7 +245,10 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     continues: DeepSpeed's files too, when its checkpoint engine is megaformer's (it then keeps a
     host copy of each state instead of writing it); each rank's thread ends by writing
     ``.rank_N.done``, and rank 0's thread seals once all of them exist. Without it, in line,
-    with barriers."""
+    with barriers.
+
+    ``before_commit`` runs on every rank once its files are written, before the checkpoint is
+    sealed (the fault-injection tests kill a rank there)."""
     if background is not None:
         background.wait()  # the previous save is sealed (or its failure raised) first
     root = run_dir / CHECKPOINTS
@@ -281,6 +292,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     if background is None:
         write()
         barrier()
+        if before_commit is not None:
+            before_commit()
         if rank == 0:
             _seal(tmp, final, keep_last)
         barrier()
@@ -290,6 +303,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
 
     def write_and_seal() -> None:
         write()
+        if before_commit is not None:
+            before_commit()
         write_payload(tmp / markers[rank], "")
         if rank == 0:
             _wait_for(tmp, markers, wait_timeout_s)

@@ -31,6 +31,10 @@ from megaformer.config import Config, config_from_dict, validate_for_world
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.training import distributed as dist
+from megaformer.training.bad_steps import BadStepCounter, guard_optimizer_step
+from megaformer.training.faults import FaultPlan
+from megaformer.training.preemption import REASONS, StopRequest, agree_max
+from megaformer.training.watchdog import StepWatchdog
 from megaformer.training.data_setup import setup_data
 from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
@@ -59,6 +63,7 @@ class TrainResult:
     wall_s: float
     checkpoint: Optional[Path]
     sample: Optional[str]
+    stopped: Optional[str] = None  # why the run stopped before train.steps (preemption, time)
 
 
 def _quiet_known_warnings() -> None:
@@ -237,12 +242,16 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        dist.init_distributed(self.proc)
+        dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.topo = build_topology(self.proc.world_size, self.rank, cfg.parallel.tensor,
                                    cfg.parallel.pipeline)
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
+        if self.is_main:
+            for tmp in ckpt_io.half_written(self.run_dir / ckpt_io.CHECKPOINTS):
+                log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
+        self.faults = FaultPlan.from_env(self.rank)
         self.tokenizer, data = setup_data(cfg, self.run_dir, self.rank, dist.barrier,
                                           self.resume_from)
         self.cfg = cfg = _resolve_vocab(cfg, self.tokenizer.vocab_size)
@@ -250,7 +259,7 @@ class Trainer:
         self.unigram = data.unigram(cfg.model.vocab_size)
         self.model = self._build_model()
         self._build_engine()
-        self.step, consumed = 0, 0
+        self.step, consumed, skipped = 0, 0, 0
         if self.resume_from is not None and self.init_only:
             log.info("starting from the weights of %s (fresh optimizer, step 0)", self.resume_from)
         elif self.relayout:
@@ -260,6 +269,7 @@ class Trainer:
             if self.tp_rng is not None and "tensor_parallel" in rng:
                 self.tp_rng.load_state_dict(rng["tensor_parallel"])
             self.step, consumed = int(client["step"]), int(client["consumed_samples"])
+            skipped = int(client.get("skipped_steps", 0))
             log.info("resumed from %s (step %d, %s samples consumed)", self.resume_from,
                      self.step, f"{consumed:,}")
         self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
@@ -272,6 +282,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard)
         self.diagnostics = self._build_diagnostics() if cfg.log.diagnostics else None
         self.writer = ckpt_io.BackgroundWriter() if cfg.checkpoint.async_save else None
+        self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, skipped)
         self._print_summary()
 
     def _build_diagnostics(self) -> Any:
@@ -368,10 +379,16 @@ class Trainer:
                     if p.grad is not None:
                         p.grad.mul_(coef)
 
+        def norm_for_step() -> float:
+            if max_norm == 0:  # otherwise clip_fp32_gradients measured it just before the step
+                measure()
+            assert self._grad_norm is not None
+            return self._grad_norm
+
         if max_norm > 0:
             engine.clip_fp32_gradients = measure_and_clip
-        else:
-            engine.optimizer.register_step_pre_hook(lambda *args: measure())
+        # DeepSpeed steps this torch optimizer directly: megaformer skips a non-finite step itself
+        guard_optimizer_step(engine.optimizer, norm_for_step)
 
     def _print_summary(self) -> None:
         cfg, p = self.cfg, self.proc
@@ -385,6 +402,9 @@ class Trainer:
                  self.plain_model.padded_vocab_size, p.world_size, dp, tp, sp, pp,
                  cfg.parallel.zero_stage, p.device.type,
                  cfg.train.precision, name, reason)
+        log.info("launch: %s, rank %d of %d, local rank %d, collective timeout %g min",
+                 p.launcher, p.rank, p.world_size, p.local_rank,
+                 cfg.parallel.collective_timeout_minutes)
         if p.world_size > 1:
             log.info(self.topo.summary())
         log.info("batch: %d sequences x %d tokens per step (micro %d x accumulation %d x DP %d) | "
@@ -402,24 +422,30 @@ class Trainer:
         engine, dev = self.engine, self.proc.device
         lr = self.scheduler.get_last_lr()[0]
         t0 = time.perf_counter()
+        step = self.step + 1
+        self.faults.step_start(step)
         micro_batches = self.loader.next_step()
         if self.cfg.parallel.pipeline > 1:
             # 1F1B over the micro-batches; the loss comes back averaged over them and over DP
             loss = engine.train_batch(iter(micro_batches)).detach().float()
         else:
             losses = []
-            for x, y in micro_batches:
+            for i, (x, y) in enumerate(micro_batches):
                 loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                loss = self.faults.loss(step, i, loss)
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.detach().float())
             loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp"))
+        self.faults.mid_step(step)
         gn = self._grad_norm if self._grad_norm is not None else engine.get_global_grad_norm()
         grad_norm = float(gn) if gn is not None else float("nan")
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        self.step += 1
-        return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm,
+        self.step = step
+        # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
+        bad = not engine.was_step_applied() or not math.isfinite(float(loss))
+        return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, "bad": bad,
                 "step_time_s": time.perf_counter() - t0}
 
     @torch.no_grad()
@@ -459,11 +485,12 @@ class Trainer:
                 "lr": self.scheduler.get_last_lr()}
         path = ckpt_io.save_checkpoint(
             self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
-            client_state={"step": self.step, "consumed_samples": consumed},
+            client_state={"step": self.step, "consumed_samples": consumed,
+                          "skipped_steps": self.bad_steps.total},
             snapshot=lambda tmp, memo: self._snapshot(tmp, memo, meta, info),
             keep_last=self.cfg.checkpoint.keep_last, barrier=dist.barrier,
             extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
-            background=self.writer)
+            background=self.writer, before_commit=lambda: self.faults.in_save(self.step))
         if path is not None and self.writer is None:
             log.info("saved checkpoint %s", path)
         return path
@@ -512,6 +539,8 @@ class Trainer:
     # ------------------------------------------------------------------------- loop
 
     def run(self) -> TrainResult:
+        """Train to ``train.steps``; on a stop request (signal, time limit) agreed by all ranks at
+        a step boundary, save a checkpoint and return early with ``stopped`` set."""
         cfg = self.cfg
         t_start = time.perf_counter()
         tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
@@ -520,51 +549,99 @@ class Trainer:
         val_loss: Optional[float] = None
         last_ckpt: Optional[Path] = None
         last: dict = {}
+        stopped: Optional[str] = None
         train_time, train_tokens = 0.0, 0
-        while self.step < cfg.train.steps:
-            last = self.train_step()
+        stop_request = StopRequest(cfg.train.exit_after_minutes)
+        stop_request.install()
+        watchdog = self._start_watchdog()
+        try:
+            while self.step < cfg.train.steps:
+                if watchdog is not None:
+                    watchdog.step_started(self.step + 1)
+                last = self.train_step()
+                if self.writer is not None:
+                    self.writer.check()  # a failed background save stops the run at a step boundary
+                # one all-reduce per step: any rank asked to stop? any rank's step non-finite?
+                stop_code, bad = agree_max([stop_request.local_code(), int(last["bad"])])
+                if watchdog is not None:
+                    watchdog.step_finished()
+                last["bad"] = bool(bad)
+                window.append(last)
+                train_time += last["step_time_s"]
+                train_tokens += tokens_per_step
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}",
+                                    tok_s=f"{tokens_per_step / last['step_time_s']:,.0f}")
+                record: dict[str, Any] = {}
+                if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps or bad:
+                    record = self._interval_record(window, tokens_per_step)
+                    window = []
+                self._count_bad_step(last, record, bar)
+                if self.diagnostics is not None and self.diagnostics.due(self.step):
+                    record = {**(record or {"step": self.step}), **self.diagnostics()}
+                final = self.step == cfg.train.steps
+                if not stop_code and ((cfg.eval.interval and self.step % cfg.eval.interval == 0)
+                                      or (final and cfg.eval.at_end)):
+                    val_loss = self.evaluate()
+                    record = record or {"step": self.step}
+                    record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+                    self._console(f"step {self.step}: val loss {val_loss:.4f} | val ppl "
+                                  f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}", bar)
+                if record:
+                    self.metrics.write(record)
+                    if bar is None and "loss" in record:
+                        self._console(self._format(record), bar)
+                if stop_code or (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) \
+                        or (final and cfg.checkpoint.save_at_end):
+                    last_ckpt = self.save() or last_ckpt
+                if stop_code:
+                    stopped = REASONS[stop_code]
+                    self._console(f"step {self.step}: {stopped}: checkpoint saved, stopping "
+                                  "(run the same command to resume)", bar)
+                    break
             if self.writer is not None:
-                self.writer.check()  # a failed background save stops the run at a step boundary
-            window.append(last)
-            train_time += last["step_time_s"]
-            train_tokens += tokens_per_step
+                self.writer.wait()
+        finally:
+            stop_request.uninstall()
+            if watchdog is not None:
+                watchdog.close()
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.3f}",
-                                tok_s=f"{tokens_per_step / last['step_time_s']:,.0f}")
-            record: dict[str, Any] = {}
-            if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
-                record = self._interval_record(window, tokens_per_step)
-                window = []
-            if self.diagnostics is not None and self.diagnostics.due(self.step):
-                record = {**(record or {"step": self.step}), **self.diagnostics()}
-            final = self.step == cfg.train.steps
-            if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or (final and cfg.eval.at_end):
-                val_loss = self.evaluate()
-                record = record or {"step": self.step}
-                record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
-                self._console(f"step {self.step}: val loss {val_loss:.4f} | val ppl "
-                              f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}", bar)
-            if record:
-                self.metrics.write(record)
-                if bar is None and "loss" in record:
-                    self._console(self._format(record), bar)
-            if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or \
-                    (final and cfg.checkpoint.save_at_end):
-                last_ckpt = self.save() or last_ckpt
-        if bar is not None:
-            bar.close()
-        if self.writer is not None:
-            self.writer.wait()
-        self.metrics.close()
-        sample = self.sample()
+                bar.close()
+            self.metrics.close()
+        sample = self.sample() if stopped is None else None
         return TrainResult(self.run_dir, self.step, last.get("loss", float("nan")), val_loss,
                            self.unigram, train_tokens / train_time if train_time else 0.0,
-                           time.perf_counter() - t_start, last_ckpt, sample)
+                           time.perf_counter() - t_start, last_ckpt, sample, stopped)
+
+    def _start_watchdog(self) -> Optional[StepWatchdog]:
+        t = self.cfg.train
+        if t.watchdog_factor == 0:
+            return None
+        return StepWatchdog(t.watchdog_factor, t.watchdog_min_seconds,
+                            self.run_dir / "logs" / f"rank_{self.rank}.log", self.rank)
+
+    def _count_bad_step(self, last: dict, record: dict, bar: Any) -> None:
+        """Report a skipped step; too many in a row end the run (TrainingError, this step's metrics
+        written first)."""
+        if last["bad"]:
+            self._console(f"step {self.step}: non-finite loss or gradient norm on some rank (loss "
+                          f"{last['loss']:.4g}, grad norm {last['grad_norm']:.4g}): update skipped "
+                          f"({self.bad_steps.consecutive + 1} in a row, {self.bad_steps.total + 1} in "
+                          "total)", bar)
+        latest = ckpt_io.latest_checkpoint(self.run_dir / ckpt_io.CHECKPOINTS) if last["bad"] else None
+        try:
+            self.bad_steps.record(self.step, last["bad"], str(latest) if latest else None)
+        finally:
+            if record:
+                record["skipped_steps"] = self.bad_steps.total
+                if self.bad_steps.consecutive >= self.bad_steps.max_consecutive:
+                    self.metrics.write(record)  # the run ends with the error just raised
 
     def _interval_record(self, window: list[dict], tokens_per_step: int) -> dict:
         t = sum(w["step_time_s"] for w in window)
-        record = {"step": self.step, "loss": sum(w["loss"] for w in window) / len(window),
+        good = [w["loss"] for w in window if not w["bad"]]
+        record = {"step": self.step, "loss": sum(good) / len(good) if good else float("nan"),
                   "lr": window[-1]["lr"], "grad_norm": window[-1]["grad_norm"],
                   "tokens_per_s": tokens_per_step * len(window) / t, "step_time_s": t / len(window),
                   "consumed_tokens": self.loader.consumed_samples * self.cfg.seq_len}

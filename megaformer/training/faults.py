@@ -1,0 +1,99 @@
+"""Fault injection, for tests only: ``MEGAFORMER_FAULT`` makes a run fail on purpose.
+
+The variable holds faults separated by ``;``, each ``KIND@step=S[,rank=R][,attempt=A][,seconds=T]``:
+
+    nan           the loss of rank R's first micro-batch of step S is multiplied by NaN (so its
+                  gradients are NaN too) before the backward pass
+    stall         rank R sleeps T seconds (default 3600) at the start of step S
+    kill          rank R sends itself SIGKILL at the start of step S
+    sigterm       rank R sends itself SIGTERM in the middle of step S (after the backward pass)
+    sigusr1       the same with SIGUSR1 (Slurm's warning signal)
+    kill-in-save  rank R sends itself SIGKILL inside the checkpoint save of step S, after the engine
+                  state is written and before the checkpoint is committed
+
+``step`` may be a range ``S1-S2``; without ``rank`` the fault hits every rank. ``attempt`` is the
+torchrun restart it fires in (``TORCHELASTIC_RESTART_COUNT``, default 0), so a restarted run does not
+fail again. Example: ``MEGAFORMER_FAULT='nan@step=3,rank=1;kill@step=5,rank=0'``.
+
+Nothing here runs unless the variable is set; production code paths only call the no-op methods
+of an empty :class:`FaultPlan`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megaformer.errors import LaunchError
+
+ENV = "MEGAFORMER_FAULT"
+KINDS = ("nan", "stall", "kill", "sigterm", "sigusr1", "kill-in-save")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    first: int
+    last: int
+    rank: Optional[int] = None
+    attempt: int = 0
+    seconds: float = 3600.0
+
+    def hits(self, kind: str, step: int, rank: int, attempt: int) -> bool:
+        return (self.kind == kind and self.first <= step <= self.last and attempt == self.attempt
+                and (self.rank is None or self.rank == rank))
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        kind, _, args = item.partition("@")
+        fields = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
+        if kind not in KINDS or "step" not in fields:
+            raise LaunchError(f"{ENV}={spec!r}: expected KIND@step=S[,rank=R][,attempt=A] with KIND "
+                              f"one of {', '.join(KINDS)}")
+        first, _, last = fields["step"].partition("-")
+        faults.append(Fault(kind, int(first), int(last or first),
+                            int(fields["rank"]) if "rank" in fields else None,
+                            int(fields.get("attempt", 0)), float(fields.get("seconds", 3600))))
+    return faults
+
+
+class FaultPlan:
+    """The faults meant for this rank in this attempt; every method is a no-op when there are none."""
+
+    def __init__(self, faults: list[Fault], rank: int, attempt: int) -> None:
+        self.faults, self.rank, self.attempt = faults, rank, attempt
+
+    @classmethod
+    def from_env(cls, rank: int) -> "FaultPlan":
+        spec = os.environ.get(ENV, "")
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return cls(parse(spec) if spec else [], rank, attempt)
+
+    def _hit(self, kind: str, step: int) -> Optional[Fault]:
+        return next((f for f in self.faults if f.hits(kind, step, self.rank, self.attempt)), None)
+
+    def step_start(self, step: int) -> None:
+        if self._hit("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        stall = self._hit("stall", step)
+        if stall:
+            time.sleep(stall.seconds)
+
+    def loss(self, step: int, micro: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if micro == 0 and self._hit("nan", step) else loss
+
+    def mid_step(self, step: int) -> None:
+        for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
+            if self._hit(kind, step):
+                os.kill(os.getpid(), sig)
+
+    def in_save(self, step: int) -> None:
+        if self._hit("kill-in-save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
