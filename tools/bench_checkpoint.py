@@ -7,7 +7,7 @@ one training step (so Adam's moments exist), and times on the same disk, fsync i
 
 * raw ``torch.save`` and ``safetensors.save_file`` of the tensors a checkpoint holds (weights,
   fp32 master weights, both Adam moments), and loading them back (``torch.load(weights_only=True)``,
-  ``safetensors.load_file``);
+  ``safetensors.torch.load`` of the file's bytes: ``load_file`` maps lazily and reads nothing);
 * megaformer's full synchronous save (``Trainer.save``: DeepSpeed's engine files + RNG +
   ``model.safetensors`` + the layout-free ``optimizer/`` state + config/tokenizer/meta, sealed);
 * the layout-free part alone (snapshot + write of ``optimizer/stage_00.safetensors``);
@@ -89,7 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     base = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load as safetensors_load
+    from safetensors.torch import save_file
 
     from megaformer.checkpoint import io as ckpt_io
     from megaformer.checkpoint import portable
@@ -123,7 +124,8 @@ def main() -> None:
 
         t, _ = _timed(lambda: torch.load(raw_pt, weights_only=True))
         rows.append(("load: raw torch.load(weights_only)", t, _size(raw_pt)))
-        t, _ = _timed(lambda: load_file(str(raw_st)))
+        # safetensors.load_file maps the file lazily (nothing read until used): read every byte
+        t, _ = _timed(lambda: safetensors_load(raw_st.read_bytes()))
         rows.append(("load: raw safetensors", t, _size(raw_st)))
         raw_load = rows[-1]
         ds_bytes = sum(_size(f) for f in ckpt.glob("*.pt")) + _size(ckpt / "rng")

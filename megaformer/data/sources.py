@@ -33,6 +33,8 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": 
 COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 SAMPLE_BY = ("document", "paragraph", "line")
 
+JSON_CHUNK_BYTES = 1 << 20  # bytes of a .json/.jsonl file that datasets parses at once
+
 
 def _builder(path: Path) -> Optional[str]:
     name = path.name
@@ -108,6 +110,8 @@ class Source:
 
         datasets.disable_progress_bars()
         kwargs: dict[str, Any] = {}
+        if builder == "json":  # datasets' default reads 10 MB per batch (and grows its parse
+            kwargs["chunksize"] = JSON_CHUNK_BYTES  # block up to that): bound it lower
         if builder == "text":
             kwargs["sample_by"] = self.sample_by
             kwargs["encoding_errors"] = self.encoding_errors
