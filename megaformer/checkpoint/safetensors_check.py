@@ -28,7 +28,7 @@ def read_header(path: Path) -> dict:
     """The header of ``path`` (tensor name -> dtype/shape/data_offsets), after checking that the
     file's size and every tensor's byte range agree with it."""
     def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: truncated or tampered safetensors file ({why})")
+        return CheckpointError(f"{path}: truncated or tampered: corrupt safetensors file ({why})")
 
     try:
         size = os.path.getsize(path)

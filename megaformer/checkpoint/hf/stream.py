@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.errors import CheckpointError, ConversionError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,31 +82,21 @@ class SafetensorsFile:
         self.path = path
         if not path.is_file():
             raise ConversionError(f"{path}: missing weights file")
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if n < 2 or 8 + n > size or n > 100_000_000:
-                self._corrupt(f"header length {n} does not fit a file of {size} bytes")
-            try:
-                header = json.loads(fh.read(n))
-            except (UnicodeDecodeError, ValueError):
-                self._corrupt("header is not JSON")
+        header = read_header(path)  # size and every tensor's byte range checked against it
         header.pop("__metadata__", None)
+        # read_header checked size == 8 + header length + end of the last tensor
+        data_start = path.stat().st_size - max((e["data_offsets"][1] for e in header.values()),
+                                               default=0)
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         end = 0
-        for name, e in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]
-                              if isinstance(kv[1], dict) else 0):
-            try:
-                dtype, shape, (begin, stop) = _DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                self._corrupt(f"bad header entry for {name}")
-            if begin != end or stop - begin != _nbytes(shape, dtype):
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            (begin, stop), dtype = e["data_offsets"], _DTYPES.get(e["dtype"])
+            if dtype is None:
+                self._corrupt(f"tensor {name} has dtype {e['dtype']}, which torch cannot hold")
+            if begin != end:  # tensors packed back to back, as safetensors writes them
                 self._corrupt(f"tensor {name} has offsets {begin}..{stop}, expected {end}..")
-            self.entries[name] = (dtype, shape, 8 + n + begin, stop - begin)
+            self.entries[name] = (dtype, tuple(e["shape"]), data_start + begin, stop - begin)
             end = stop
-        if 8 + n + end != size:
-            self._corrupt(f"{size} bytes, the header describes {8 + n + end} (truncated?)")
 
     def _corrupt(self, why: str) -> None:
         raise CheckpointError(f"{self.path}: corrupt safetensors file ({why})")
