@@ -394,10 +394,7 @@ def save_weights_checkpoint(run_dir: Path, step: int,
                  "consumed_samples": 0, "consumed_tokens": 0,
                  "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta}
     (tmp / META).write_text(json.dumps(full_meta, indent=2))
-    _fsync_tree(tmp)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    write_text_atomic(root / LATEST, tag + "\n")
+    _seal(tmp, final, keep_last=None)
     return final
 
 
