@@ -72,8 +72,10 @@ class ModelConfig:
     fused_kernels: str = option(
         "auto", "Fused FFN activation (SwiGLU, bias-GELU) and norm kernels: auto (Triton on CUDA when "
                 "triton is installed; norms use apex when installed, else the faster of Triton and "
-                "torch's native op, measured once and logged; torch ops elsewhere) or torch (always "
-                "the unfused torch ops).", ("auto", "torch"))
+                "torch's native op, measured once and logged; torch ops elsewhere; on fp32 CPU "
+                "tensors the linear layers' GEMMs go to oneDNN by a shape rule, see "
+                "megaformer/kernels/gemm.py) or torch (always the unfused torch ops and F.linear). "
+                "q/k/v and the SwiGLU gate/up are one GEMM either way.", ("auto", "torch"))
     loss_chunk_tokens: int = option(
         0, "0 = logits then cross-entropy (materialises [tokens, vocab] fp32 logits); N > 0 = the "
            "output projection fused with the cross-entropy over N tokens at a time (its gradients "

@@ -255,3 +255,82 @@ def test_training_with_chunked_loss_and_document_mask(tmp_path):
     assert sorted(losses) == [1, 2, 3]
     assert losses[1] == pytest.approx(math.log(257), rel=0.02)
     assert all(math.isfinite(v) for v in losses.values())
+
+
+# ----------------------------------------------------------------------------- GEMM dispatch
+
+def _onednn_or_skip():
+    from megaformer.kernels import gemm
+
+    if not gemm.ONEDNN_AVAILABLE:
+        pytest.skip("this torch build has no oneDNN linear op (F.linear is used)")
+    return gemm
+
+
+@pytest.mark.parametrize("shape,bias", [((3, 5, 48), True), ((7, 40), False), ((2, 9, 16), False)])
+@pytest.mark.parametrize("out", [24, 1100])  # dX on oneDNN (small weight) and on torch.mm (large)
+def test_onednn_linear_equals_f_linear(shape, bias, out):
+    """x W^T + b, dx, dW, db of the oneDNN custom op equal F.linear's within fp32 round-off."""
+    gemm = _onednn_or_skip()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(out, shape[-1], generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    dy = torch.randn(*shape[:-1], out, generator=g)
+    results = []
+    for fn in (gemm.linear, lambda *a: F.linear(*a)):
+        leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+        y = fn(*leaves) if bias else fn(*leaves, None)
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    assert gemm.use_onednn(x, w)
+    for got, want in zip(*results):
+        assert got.shape == want.shape and _rel(got, want) < 1e-6
+
+
+def test_gemm_dispatch_rule():
+    """oneDNN only for fp32 CPU tensors outside autocast with fused_kernels=auto."""
+    gemm = _onednn_or_skip()
+    x, w = torch.zeros(4, 8), torch.zeros(3, 8)
+    assert gemm.use_onednn(x, w, "auto") and not gemm.use_onednn(x, w, "torch")
+    assert not gemm.use_onednn(x.bfloat16(), w.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not gemm.use_onednn(x, w)
+        assert gemm.linear(x, w).dtype == torch.bfloat16  # F.linear under autocast, as nn.Linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_equal_separate(bias):
+    """[p(x) for p] as one GEMM over the concatenated weights: same outputs and gradients."""
+    from megaformer.model.linear import Linear, fused_projections
+
+    torch.manual_seed(0)
+    ps = [Linear(16, n, bias=bias) for n in (16, 8, 8)]
+    x = torch.randn(2, 5, 16)
+    grads = []
+    for fused in (True, False):
+        xs = x.clone().requires_grad_()
+        outs = fused_projections(xs, ps) if fused else [p(xs) for p in ps]
+        sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+        grads.append([xs.grad] + [t.grad.clone() for p in ps for t in p.parameters()] + outs)
+        for p in ps:
+            p.zero_grad(set_to_none=True)
+    for a, b in zip(*grads):
+        assert _rel(a.detach(), b.detach()) < 1e-6
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_model_gemm_dispatch_equals_torch_ops(activation):
+    """A whole model with fused_kernels=auto (fused q/k/v and gate/up, oneDNN GEMMs) equals the
+    same weights with fused_kernels=torch: loss and every gradient."""
+    extra = {} if activation == "swiglu" else {"position": "learned", "norm": "layernorm", "bias": True}
+    x = torch.randint(0, 57, (2, 16), generator=torch.Generator().manual_seed(8))
+    out = []
+    for kernels in ("auto", "torch"):
+        torch.manual_seed(0)
+        m = Transformer(_tiny(activation=activation, fused_kernels=kernels, **extra))
+        loss = m(x, x)
+        loss.backward()
+        out.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    assert abs(out[0][0] - out[1][0]) <= 1e-6 * out[1][0]
+    assert max(_rel(a, b) for a, b in zip(out[0][1], out[1][1])) < 1e-5

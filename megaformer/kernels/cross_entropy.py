@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megaformer.kernels.gemm import mm_nt
 from megaformer.parallel.comm import ProcessGroup, all_reduce
 
 
@@ -97,7 +98,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, real: int) -> torch.Tensor:
     """fp32 logits of one chunk, padding columns (index >= real) at -inf."""
-    z = (h @ w.t()).float()
+    z = mm_nt(h, w).float()
     if real < z.shape[-1]:
         z[:, real:] = float("-inf")
     return z

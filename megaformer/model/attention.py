@@ -7,7 +7,8 @@
 h_kv = h is multi-head attention, 1 < h_kv < h grouped-query, h_kv = 1 multi-query. The causal mask M
 hides future positions. With rotary positions, q and k are rotated before the product. The number of
 local heads is read from the projection width (``view(B, T, -1, d_k)``), so a tensor-parallel plan can
-shard wq/wk/wv by columns and wo by rows without this file knowing the degree.
+shard wq/wk/wv by columns and wo by rows without this file knowing the degree. q, k and v come from one
+GEMM over the concatenated weights (:func:`megaformer.model.linear.fused_projections`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn as nn
 
 from megaformer.config import ModelConfig
 from megaformer.kernels.attention import attention
+from megaformer.model.linear import Linear, fused_projections
 from megaformer.model.positions import RotaryEmbedding, apply_rotary
 
 
@@ -73,11 +75,12 @@ class Attention(nn.Module):
         # softmax(QK^T/sqrt(d_k))V itself; selective recomputation wraps it in a checkpoint.
         self.core_attention: Callable[..., torch.Tensor] = attention
         self.backend = cfg.attention_backend
-        d, dk = cfg.d_model, cfg.head_dim
-        self.wq = nn.Linear(d, cfg.n_heads * dk, bias=cfg.bias)
-        self.wk = nn.Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
-        self.wv = nn.Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.n_heads * dk, d, bias=cfg.bias)
+        d, dk, kernels = cfg.d_model, cfg.head_dim, cfg.fused_kernels
+        self.kernels = kernels
+        self.wq = Linear(d, cfg.n_heads * dk, bias=cfg.bias, kernels=kernels)
+        self.wk = Linear(d, cfg.kv_heads * dk, bias=cfg.bias, kernels=kernels)
+        self.wv = Linear(d, cfg.kv_heads * dk, bias=cfg.bias, kernels=kernels)
+        self.wo = Linear(cfg.n_heads * dk, d, bias=cfg.bias, kernels=kernels)
         self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta)
                        if cfg.position == "rope" else None)
 
@@ -90,7 +93,7 @@ class Attention(nn.Module):
         cache: this layer's KV cache; keys/values of earlier positions are read from it.
         doc_ids: [B, T] document index of each position (packed documents attend only within).
         """
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = fused_projections(x, (self.wq, self.wk, self.wv), self.kernels)
         B, T = q.shape[:2]  # a sequence-parallel projection returns the whole sequence
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h, T, d_k]
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h_kv, T, d_k]

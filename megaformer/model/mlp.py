@@ -4,8 +4,9 @@
     SwiGLU: FFN(x) = (SiLU(x W1) * (x W3)) W2                 (Shazeer 2020; Llama)
 
 W1: d_model -> d_ffn (SwiGLU: the gate), W3: d_model -> d_ffn (the up projection), W2: d_ffn -> d_model.
-The activations (SiLU(g) * u; GELU(h + b1)) run as fused Triton kernels on CUDA
-(``megaformer.kernels.activations``; ``model.fused_kernels``), as torch ops elsewhere.
+The SwiGLU gate and up projections are one GEMM (``fused_projections``). The activations
+(SiLU(g) * u; GELU(h + b1)) run as fused Triton kernels on CUDA (``megaformer.kernels.activations``;
+``model.fused_kernels``), as torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
 from megaformer.kernels.activations import bias_gelu, swiglu
+from megaformer.kernels.gemm import linear
 from megaformer.kernels.triton_support import use_triton
+from megaformer.model.linear import Linear, fused_projections
 
 
 class MLP(nn.Module):
@@ -31,18 +34,20 @@ class MLP(nn.Module):
             raise ValueError(f"model.activation={cfg.activation!r}: must be gelu or swiglu")
         self.activation = cfg.activation
         self.kernels = cfg.fused_kernels
-        self.w1 = nn.Linear(d, f, bias=cfg.bias)
+        self.w1 = Linear(d, f, bias=cfg.bias, kernels=self.kernels)
         if cfg.activation == "swiglu":
-            self.w3 = nn.Linear(d, f, bias=cfg.bias)
-        self.w2 = nn.Linear(f, d, bias=cfg.bias)
+            self.w3 = Linear(d, f, bias=cfg.bias, kernels=self.kernels)
+        self.w2 = Linear(f, d, bias=cfg.bias, kernels=self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            return self.w2(swiglu(self.w1(x), self.w3(x), self.kernels))
+            gate, up = fused_projections(x, (self.w1, self.w3), self.kernels)
+            return self.w2(swiglu(gate, up, self.kernels))
         approximate = "tanh" if self.activation == "gelu_tanh" else "none"
         if self.w1.bias is not None and use_triton(x, self.kernels):
             # x W1 without the bias, then GELU(. + b1) in one pass (w1 may be a column-parallel shard)
-            h = bias_gelu(F.linear(x, self.w1.weight), self.w1.bias, approximate, self.kernels)
+            h = bias_gelu(linear(x, self.w1.weight, None, self.kernels), self.w1.bias, approximate,
+                          self.kernels)
         else:
             h = F.gelu(self.w1(x), approximate=approximate)
         return self.w2(h)

@@ -33,6 +33,7 @@ from megaformer.kernels.attention import document_ids
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
+from megaformer.model.linear import Linear
 from megaformer.model.norms import RMSNorm, build_norm
 from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
 
@@ -79,7 +80,7 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = build_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, self.padded_vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, self.padded_vocab_size, bias=False, kernels=cfg.fused_kernels)
         self.tie_weights()
 
     def tie_weights(self) -> None:

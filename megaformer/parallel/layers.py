@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaformer.kernels.gemm import linear
 from megaformer.parallel.comm import (ProcessGroup, all_reduce, copy_to_tp, gather_seq,
                                       reduce_from_tp, reduce_scatter_to_seq)
 
@@ -63,6 +64,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         rank, world = _rank(group)
         self.group, self.sequence_parallel, self.input_comm = group, sequence_parallel, input_comm
+        self.kernels = getattr(full, "kernels", "auto")
         self.weight = mark_sharded(nn.Parameter(shard(full.weight.data, 0, rank, world)), 0)
         self.bias = (mark_sharded(nn.Parameter(shard(full.bias.data, 0, rank, world)), 0)
                      if full.bias is not None else None)
@@ -70,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_comm:
             x = tp_region_input(x, self.group, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
 
 def tp_region_input(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -85,11 +87,12 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         rank, world = _rank(group)
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.kernels = getattr(full, "kernels", "auto")
         self.weight = mark_sharded(nn.Parameter(shard(full.weight.data, 1, rank, world)), 1)
         self.bias = nn.Parameter(full.bias.data.clone()) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.kernels)
         y = reduce_scatter_to_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 

@@ -1,0 +1,57 @@
+"""Linear layers of the model: ``nn.Linear`` (same parameters, same state-dict names) whose GEMM is
+dispatched by :mod:`megaformer.kernels.gemm`, and projections that share one input fused into one GEMM.
+
+Fused projections: q, k, v = X W_q^T, X W_k^T, X W_v^T (and the SwiGLU gate and up) are one product
+
+    [Q | K | V] = X [W_q; W_k; W_v]^T
+
+with the weights concatenated at each forward (a copy of the weights, not of the activations), so
+the parameters stay separate tensors (checkpoints, conversion and the tensor-parallel plan see
+``wq``, ``wk``, ``wv``) while the backward computes dX once, with K = N_q + N_k + N_v, instead of
+three products and two additions. Under DeepSpeed ZeRO-3 a module's parameters are gathered only
+when that module is called, so there each projection is called on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from megaformer.kernels.gemm import linear
+
+
+class Linear(nn.Linear):
+    """y = x W^T + b, W [out, in]; ``kernels`` is model.fused_kernels (the GEMM dispatch)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 kernels: str = "auto") -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.kernels)
+
+
+def _zero3_partitioned(module: nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
+
+
+def fused_projections(x: torch.Tensor, projections: Sequence[nn.Module],
+                      kernels: str = "auto") -> list[torch.Tensor]:
+    """[p(x) for p in projections] as one GEMM over the concatenated weights (see the docstring).
+
+    Each projection is a linear module applying no input communication of its own (nn.Linear, or a
+    column-parallel shard whose input region the caller entered); their biases are all present or
+    all absent."""
+    if (len(projections) == 1 or any(_zero3_partitioned(p) for p in projections)
+            or any(getattr(p, "input_comm", False) for p in projections)):
+        return [p(x) for p in projections]
+    biases: list[Optional[torch.Tensor]] = [p.bias for p in projections]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return [p(x) for p in projections]
+    w = torch.cat([p.weight for p in projections])
+    b = torch.cat(biases) if biases[0] is not None else None  # type: ignore[arg-type]
+    y = linear(x, w, b, kernels)
+    return list(y.split([p.weight.shape[0] for p in projections], dim=-1))
