@@ -334,3 +334,78 @@ def test_model_gemm_dispatch_equals_torch_ops(activation):
         out.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
     assert abs(out[0][0] - out[1][0]) <= 1e-6 * out[1][0]
     assert max(_rel(a, b) for a, b in zip(out[0][1], out[1][1])) < 1e-5
+
+
+# ----------------------------------------------------------------------------- CPU dropout
+
+def test_int16_dropout_statistics_and_gradient():
+    """Drop rate p within sampling error, E[y] = x (scale 1/q), dx = dy * m / q, seeded."""
+    from megaformer.kernels.dropout import dropout, keep_mask
+
+    x = torch.ones(400_000, requires_grad=True)
+    torch.manual_seed(11)
+    y = dropout(x, 0.1)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.003
+    assert abs(y.mean().item() - 1.0) < 0.004  # E[y] = x
+    torch.manual_seed(11)
+    m, scale = keep_mask(x.shape, 0.1, x.device)
+    assert torch.equal(m, kept) and torch.equal(y.detach(), m.float() * scale)
+    dy = torch.randn_like(x)
+    y.backward(dy)
+    assert torch.equal(x.grad, torch.where(m, dy, 0.0) * scale)
+    assert dropout(x, 0.1, training=False) is x and dropout(x, 0.0) is x
+
+
+def test_cpu_attention_dropout_is_softmax_masked_scaled():
+    """attention() on CPU with dropout = softmax(QK^T/sqrt(d) + causal) * m / q @ V with the mask
+    the same seed draws (GQA heads shared)."""
+    from megaformer.kernels.dropout import keep_mask
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, h, 8, 16, generator=g) for h in (4, 2, 2))
+    torch.manual_seed(5)
+    out = attention(q, k, v, causal=True, dropout_p=0.25)
+    kf, vf = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ kf.transpose(-2, -1)) / 4.0
+    scores = scores.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+    torch.manual_seed(5)
+    m, scale = keep_mask(torch.Size([2, 4, 8, 8]), 0.25, q.device)
+    want = (torch.softmax(scores, dim=-1) * m * scale) @ vf
+    assert _rel(out, want) < 1e-6
+
+
+# ----------------------------------------------------------------------------- CPU eager RMSNorm, RoPE
+
+def _grads_of(fn, *inputs, dy):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def test_cpu_rmsnorm_function_equals_reference():
+    from megaformer.kernels.cpu_eager import RMSNormFunction
+    from megaformer.kernels.norm import rms_norm_reference
+
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(3, 5, 48, generator=g), torch.rand(48, generator=g) + 0.5
+    dy = torch.randn(3, 5, 48, generator=g)
+    got = _grads_of(lambda a, b: RMSNormFunction.apply(a, b, 1e-5), x, w, dy=dy)
+    want = _grads_of(lambda a, b: rms_norm_reference(a, b, 1e-5), x, w, dy=dy)
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 1e-6
+
+
+def test_cpu_rotary_function_equals_reference_on_strided_heads():
+    """q as the attention makes it (a [B, T, H, D] projection viewed as [B, H, T, D])."""
+    from megaformer.model.positions import RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 6, 4, 16, generator=g).transpose(1, 2)
+    cos, sin = RotaryEmbedding(16)(torch.arange(3, 9))
+    dy = torch.randn(2, 4, 6, 16, generator=g)
+    got = _grads_of(lambda a: apply_rotary(a, cos, sin, "auto"), x, dy=dy)
+    want = _grads_of(lambda a: apply_rotary(a, cos, sin, "torch"), x, dy=dy)
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 1e-6

@@ -202,7 +202,9 @@ def test_sequential_and_parallel_residual_match_formulas():
                 expected = h + _hand_mlp(blk, _rms(h, gm, eps))
             else:
                 expected = x + _hand_attention(blk, _rms(x, ga, eps)) + _hand_mlp(blk, _rms(x, gm, eps))
-        assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5), residual
+        # fp32 round-off of sums over d terms scales with the outputs (|out| up to ~25 here)
+        scale = float(expected.abs().max())
+        assert torch.allclose(out, expected, atol=1e-6 * scale, rtol=1e-5), residual
         outs[residual] = out
     assert (outs["sequential"] - outs["parallel"]).abs().max() > 1e-3
 

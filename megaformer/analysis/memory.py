@@ -14,11 +14,13 @@ output layer on the last (both when tied).
 Activations of one micro-batch of b sequences of s tokens, n = b*s, in elements per layer of this
 implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.py; t = TP):
 
-    norm (each of 2)      RMSNorm: input, normalised, output = 3d;  LayerNorm: input, output = 2d
+    norm (each of 2)      input, output = 2d (+ the normalised x = 3d for torch's unfused RMSNorm:
+                          model.fused_kernels=torch, or bf16 autocast on CPU)
     attention (fused)     q, k, v, out (= the output projection's input) = 2 h_q + 2 h_kv,
                           + log-sum-exp: a heads in fp32 (FlashAttention / SDPA's fused kernels)
     mlp                   GELU: 2f (pre-activation, activation);  SwiGLU: 4f (gate, silu, up, product)
-    dropout (p > 0)       a 1-byte mask per residual write (2d bytes per layer)
+    dropout (p > 0)       a 1-byte mask per residual write (2d bytes per layer; dtype-sized with
+                          torch's CPU dropout, model.fused_kernels=torch)
     output                final norm + log-probabilities n*V in fp32
 
     TP divides attention and MLP by t; sequence parallelism also divides the norm terms by t.
@@ -60,7 +62,7 @@ class Layout:
     recompute_every: int = 1
     sequence_parallel: bool = False
     precision: str = "fp32"
-    device: str = "cuda"        # dropout masks: 1-byte bool on CUDA, dtype-sized (x * mask) on CPU
+    device: str = "cuda"        # cuda or cpu (which norm and dropout implementations run)
 
 
 # ----------------------------------------------------------------------------- model states
@@ -98,8 +100,17 @@ def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = 
 
 # ----------------------------------------------------------------------------- activations
 
-def _mask_bytes(layout: Layout) -> int:
-    return 1 if layout.device == "cuda" else DTYPE_BYTES[layout.precision]
+def _mask_bytes(layout: Layout, cfg: ModelConfig) -> int:
+    """Dropout mask bytes per element: a bool on CUDA and with megaformer's CPU dropout
+    (fused_kernels=auto), torch's dtype-sized Bernoulli sample otherwise."""
+    return 1 if layout.device == "cuda" or cfg.fused_kernels == "auto" else DTYPE_BYTES[layout.precision]
+
+
+def _norm_elems(cfg: ModelConfig, layout: Layout) -> int:
+    """Elements per token one norm keeps: its input and its output (read by the next matmul), plus
+    the normalised x of the unfused torch RMSNorm (fused_kernels=torch, or bf16 autocast on CPU)."""
+    fused = cfg.fused_kernels == "auto" and (layout.device == "cuda" or layout.precision == "fp32")
+    return 3 * cfg.d_model if cfg.norm == "rmsnorm" and not fused else 2 * cfg.d_model
 
 
 def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> dict:
@@ -110,14 +121,14 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> di
     sp = t if layout.sequence_parallel and t > 1 else 1
     d, f = cfg.d_model, cfg.ffn_dim
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    per_norm = 3 * d if cfg.norm == "rmsnorm" else 2 * d
+    per_norm = _norm_elems(cfg, layout)
     norms = 2 * per_norm - (d if cfg.residual == "parallel" else 0)  # parallel: one shared input
     lse = n * cfg.n_heads * 4 / t                                       # fp32 log-sum-exp
     parts = {
         "norms": n * norms * e / sp,
         "attention": n * (2 * hq + 2 * hkv) * e / t + (0 if layout.recompute == "selective" else lse),
         "mlp": n * (4 if cfg.activation == "swiglu" else 2) * f * e / t,
-        "dropout_masks": (2 * n * d * _mask_bytes(layout) / sp) if cfg.dropout > 0 else 0,
+        "dropout_masks": (2 * n * d * _mask_bytes(layout, cfg) / sp) if cfg.dropout > 0 else 0,
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -141,11 +152,11 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     else:
         kept, recompute_live = layers * layer, 0.0
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
-    per_norm = 3 * d if cfg.norm == "rmsnorm" else 2 * d
+    per_norm = _norm_elems(cfg, layout)
     rot = int(cfg.head_dim * cfg.rotary_fraction) if cfg.position == "rope" else 0
     output = n * per_norm * e / sp + n * V * 4 / t          # final norm + fp32 log-probs
     tables = 2 * rot * seq_len * 4                           # RoPE cos/sin, once per forward
-    dropout_emb = n * d * _mask_bytes(layout) / sp if cfg.dropout > 0 else 0
+    dropout_emb = n * d * _mask_bytes(layout, cfg) / sp if cfg.dropout > 0 else 0
     total = kept * in_flight + output + tables + dropout_emb
     Vp = padded_vocab or V
     # backward transient at the output layer: logits grad (padded, dtype e) + fp32 log-prob grad

@@ -71,12 +71,15 @@ def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.has_bias = b is not None
 
 
+def _onednn_dgrad(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dX = dY W for 2-D dY on the oneDNN path (oneDNN for small weights, else torch.mm)."""
+    return _onednn_linear(dy, w.t(), None) if w.numel() <= DX_ONEDNN_MAX_WEIGHT else dy.mm(w)
+
+
 def _backward(ctx, dy: torch.Tensor):  # type: ignore[no-untyped-def]
     x, w = ctx.saved_tensors
     dy = dy.contiguous()
-    dx = None
-    if ctx.needs_input_grad[0]:                                                  # dY W
-        dx = _onednn_linear(dy, w.t(), None) if w.numel() <= DX_ONEDNN_MAX_WEIGHT else dy.mm(w)
+    dx = _onednn_dgrad(dy, w) if ctx.needs_input_grad[0] else None               # dY W
     dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None                       # dY^T X
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return dx, dw, db
@@ -96,8 +99,44 @@ def mm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b[N, K]^T without autograd (inside other autograd Functions): oneDNN when
     :func:`use_onednn` applies, else ``torch.mm``."""
     if use_onednn(a, b):
-        return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b, None, "none", [], "")
+        return _onednn_linear(a.contiguous(), b, None)
     return a @ b.t()
+
+
+class FusedLinear(torch.autograd.Function):
+    """Y = X [W_1; ...; W_n]^T + [b_1 | ... | b_n] as one GEMM, saving X and the separate weights:
+    the concatenated weight exists only inside forward and inside backward, never in between
+    (holding it would cost the projections' parameter memory once more per layer).
+
+    Not under autocast (where the caller concatenates and calls :func:`linear`, whose weight cast
+    autocast keeps anyway)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kernels: str, n: int, *params: torch.Tensor  # type: ignore[override]
+                ) -> torch.Tensor:
+        ws, bs = params[:n], params[n:]
+        w = torch.cat(ws)
+        b = torch.cat(bs) if bs else None
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        onednn = use_onednn(x, w, kernels)
+        y = _onednn_linear(x2, w, b) if onednn else F.linear(x2, w, b)
+        ctx.save_for_backward(x2, *ws)
+        ctx.onednn, ctx.n, ctx.has_bias, ctx.lead = onednn, n, bool(bs), x.shape
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        x2, *ws = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            w = torch.cat(ws)
+            dx = (_onednn_dgrad(dy2, w) if ctx.onednn else dy2.mm(w)).view(ctx.lead)
+        sizes = [w_.shape[0] for w_ in ws]
+        dws = list(dy2.t().mm(x2).split(sizes)) if any(ctx.needs_input_grad[3:3 + ctx.n]) \
+            else [None] * ctx.n
+        dbs = list(dy2.sum(0).split(sizes)) if ctx.has_bias else []
+        return (dx, None, None, *dws, *dbs)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,

@@ -9,8 +9,9 @@
 Statistics are computed in fp32. Dispatch (``rms_norm`` / ``layer_norm``) on a CUDA tensor: apex's
 fused kernels when apex is installed; else whichever of the Triton kernel and torch's native op
 (``F.rms_norm`` / ``F.layer_norm``) runs forward + backward faster, timed once per (width, dtype)
-and logged. Off CUDA (and with ``model.fused_kernels=torch``) the torch reference runs; under
-Triton's interpreter the Triton kernel runs on CPU (tests).
+and logged. On fp32 CPU tensors in eager mode RMSNorm runs the fewer-pass autograd function of
+``megaformer.kernels.cpu_eager``. Elsewhere (and with ``model.fused_kernels=torch``) the torch
+reference runs; under Triton's interpreter the Triton kernel runs on CPU (tests).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megaformer.kernels.cpu_eager import RMSNormFunction, cpu_eager
 from megaformer.kernels.triton_support import announce, interpreting, use_triton
 
 
@@ -235,6 +237,8 @@ def _candidates(kind: str, same_dtype: bool) -> dict[str, Callable]:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kernels: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dimension (see the module docstring for the dispatch)."""
     if not use_triton(x, kernels):
+        if cpu_eager(x, kernels) and w.dtype == torch.float32:
+            return RMSNormFunction.apply(x, w, eps)
         return rms_norm_reference(x, w, eps)
     if interpreting() and not x.is_cuda:
         return rms_norm_triton(x, w, eps)

@@ -94,6 +94,10 @@ class Attention(nn.Module):
         doc_ids: [B, T] document index of each position (packed documents attend only within).
         """
         q, k, v = fused_projections(x, (self.wq, self.wk, self.wv), self.kernels)
+        if self.rotary is not None:
+            # q and k are replaced by their rotations below; a view of v kept for backward would
+            # keep the whole [q | k | v] product alive, so v gets its own storage
+            v = v.contiguous()
         B, T = q.shape[:2]  # a sequence-parallel projection returns the whole sequence
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h, T, d_k]
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h_kv, T, d_k]
@@ -101,7 +105,7 @@ class Attention(nn.Module):
         if self.rotary is not None:
             if rope is None:
                 rope = self.rotary(torch.arange(start_pos, start_pos + T, device=x.device))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = apply_rotary(q, *rope, self.kernels), apply_rotary(k, *rope, self.kernels)
         if cache is not None:
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0

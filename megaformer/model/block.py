@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from megaformer.config import ModelConfig
+from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import Attention, LayerKVCache
 from megaformer.model.mlp import MLP
 from megaformer.model.norms import build_norm
@@ -30,7 +31,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, causal=causal)
         self.mlp_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout, kernels=cfg.fused_kernels)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[LayerKVCache] = None, start_pos: int = 0,

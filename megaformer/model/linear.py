@@ -5,10 +5,11 @@ Fused projections: q, k, v = X W_q^T, X W_k^T, X W_v^T (and the SwiGLU gate and 
 
     [Q | K | V] = X [W_q; W_k; W_v]^T
 
-with the weights concatenated at each forward (a copy of the weights, not of the activations), so
-the parameters stay separate tensors (checkpoints, conversion and the tensor-parallel plan see
-``wq``, ``wk``, ``wv``) while the backward computes dX once, with K = N_q + N_k + N_v, instead of
-three products and two additions. Under DeepSpeed ZeRO-3 a module's parameters are gathered only
+with the weights concatenated inside forward and again inside backward (:class:`FusedLinear` saves
+X and the separate weights, so no concatenated copy is held in between), so the parameters stay
+separate tensors (checkpoints, conversion and the tensor-parallel plan see ``wq``, ``wk``, ``wv``)
+while the backward computes dX once, with K = N_q + N_k + N_v, instead of three products and two
+additions. Under DeepSpeed ZeRO-3 a module's parameters are gathered only
 when that module is called, so there each projection is called on its own.
 """
 
@@ -19,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from megaformer.kernels.gemm import linear
+from megaformer.kernels.gemm import FusedLinear, linear
 
 
 class Linear(nn.Linear):
@@ -51,7 +52,12 @@ def fused_projections(x: torch.Tensor, projections: Sequence[nn.Module],
     biases: list[Optional[torch.Tensor]] = [p.bias for p in projections]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return [p(x) for p in projections]
-    w = torch.cat([p.weight for p in projections])
-    b = torch.cat(biases) if biases[0] is not None else None  # type: ignore[arg-type]
-    y = linear(x, w, b, kernels)
-    return list(y.split([p.weight.shape[0] for p in projections], dim=-1))
+    sizes = [p.weight.shape[0] for p in projections]
+    params = [p.weight for p in projections] + ([b for b in biases] if biases[0] is not None else [])
+    if torch.is_autocast_enabled(x.device.type):
+        w = torch.cat(params[:len(sizes)])
+        b = torch.cat(params[len(sizes):]) if biases[0] is not None else None
+        y = linear(x, w, b, kernels)  # autocast's bf16/fp16 cast of w is saved, as for nn.Linear
+    else:
+        y = FusedLinear.apply(x, kernels, len(sizes), *params)
+    return list(y.split(sizes, dim=-1))

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from megaformer.kernels.cpu_eager import RotaryFunction, cpu_eager
+
 
 def sinusoidal_table(n_pos: int, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[n_pos, d] table with PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
@@ -77,14 +79,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch"
+                 ) -> torch.Tensor:
     """RoPE on x [B, H, T, D]: x_rot * cos + rotate_half(x_rot) * sin on the first rot dims.
 
     cos, sin: [T, rot] as returned by :class:`RotaryEmbedding` (cast to x's dtype, like HF).
+    ``kernels="auto"``: fp32 CPU tensors in eager mode take ``megaformer.kernels.cpu_eager``'s
+    fewer-pass function (full rotary only).
     """
     rot = cos.shape[-1]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if rot == x.shape[-1]:
+        if cpu_eager(x, kernels):
+            h = rot // 2
+            return RotaryFunction.apply(x, cos[..., :h], sin[..., :h])
         return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from megaformer.config import ModelConfig
 from megaformer.kernels.attention import document_ids
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
+from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
 from megaformer.model.linear import Linear
@@ -77,7 +78,7 @@ class Transformer(nn.Module):
             self.pos_table = None
         self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta)
                        if cfg.position == "rope" else None)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout, kernels=cfg.fused_kernels)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = build_norm(cfg)
         self.lm_head = Linear(cfg.d_model, self.padded_vocab_size, bias=False, kernels=cfg.fused_kernels)

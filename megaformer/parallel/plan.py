@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
+from megaformer.kernels.dropout import Dropout
 from megaformer.parallel.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
 from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, gather_vocab, sum_grad_over_tp,
@@ -53,11 +54,11 @@ def padded_vocab_size(vocab: int, tensor: int, multiple: int) -> int:
     return -(-vocab // unit) * unit
 
 
-class ForkedDropout(nn.Dropout):
+class ForkedDropout(Dropout):
     """Dropout whose mask comes from the tensor-parallel RNG stream (sharded activations)."""
 
-    def __init__(self, p: float, rng: TensorParallelRNG) -> None:
-        super().__init__(p)
+    def __init__(self, p: float, rng: TensorParallelRNG, kernels: str = "auto") -> None:
+        super().__init__(p, kernels)
         self.rng = rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +149,7 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
         if rng is not None:
             block.attn.dropout_rng = rng.fork  # local heads: independent masks per rank
             if sp and block.drop.p > 0:
-                block.drop = ForkedDropout(block.drop.p, rng)  # local positions
+                block.drop = ForkedDropout(block.drop.p, rng, block.drop.kernels)  # local positions
         if sp:
             for norm in (block.attn_norm, block.mlp_norm):
                 for p in norm.parameters():
