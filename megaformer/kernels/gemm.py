@@ -65,6 +65,19 @@ def _(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tens
 DX_ONEDNN_MAX_WEIGHT = 1 << 20
 
 
+def _onednn_linear_flops(x_shape, w_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # type: ignore[no-untyped-def]
+    """2 M K N: torch.utils.flop_counter.FlopCounterMode counts the custom op like aten.mm."""
+    return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+
+
+try:
+    from torch.utils.flop_counter import register_flop_formula
+
+    register_flop_formula(torch.ops.megaformer.onednn_linear)(_onednn_linear_flops)
+except (ImportError, AttributeError, RuntimeError, ValueError):  # another torch version: no flop count
+    pass
+
+
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, w, b = inputs
     ctx.save_for_backward(x, w)

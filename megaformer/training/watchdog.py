@@ -9,7 +9,10 @@ Past the limit it writes a line naming the step, then every thread's Python stac
 (``faulthandler.dump_traceback(all_threads=True)``) to ``RUN_DIR/logs/rank_N.log`` and stderr, and
 ends the process with :data:`EXIT_CODE` -- a hung collective never returns, so nothing short of
 ``os._exit`` gets a process out of it. Each rank runs its own watchdog: a stalled rank and the ranks
-waiting for it in a collective all dump their stacks.
+waiting for it in a collective all dump their stacks. Their steps started together (the previous
+step ended in a collective), so their limits expire within a poll of each other; each waits
+:data:`EXIT_GRACE_SECONDS` after its dump before exiting, so that its exit (which breaks the peers'
+connections and makes the launcher stop them) does not pre-empt the other ranks' dumps.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 EXIT_CODE = 3
+EXIT_GRACE_SECONDS = 5.0
 WINDOW = 100  # step times the running median is taken over
 
 
@@ -86,4 +90,5 @@ class StepWatchdog:
                 faulthandler.dump_traceback(file=out, all_threads=True)
                 out.flush()
             os.fsync(fh.fileno())
+        time.sleep(EXIT_GRACE_SECONDS)
         os._exit(EXIT_CODE)
