@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megaformer.errors import ConfigError
+from megaformer.kernels.dropout import dropout
 
 logger = logging.getLogger("megaformer")
 
@@ -254,11 +255,7 @@ def _cpu_dropout_attention(q, k, v, causal: bool, dropout_p: float, scale: float
     """softmax((Q scale) K^T + M) with dropout, times V, on CPU: what torch's SDPA runs there when
     dropout_p > 0 (its math path), with megaformer's int16 dropout (one-byte mask, 3x faster than
     the float Bernoulli draw; :mod:`megaformer.kernels.dropout`)."""
-    from megaformer.kernels.dropout import dropout
-
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    k, v = share_kv_heads(k, q.shape[1]), share_kv_heads(v, q.shape[1])
     scores = torch.matmul(q * scale, k.transpose(-2, -1))
     if mask is None and causal:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)

@@ -22,9 +22,7 @@ import torch.nn.functional as F
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> tuple[torch.Tensor, float]:
     """(m, 1 / q): a bool keep-mask of ``shape`` with P(keep) = q (see the module docstring)."""
-    n = 1
-    for s in shape:
-        n *= s
+    n = shape.numel()
     bits = torch.empty((n + 1) // 2, dtype=torch.int32, device=device).random_(-2**31, 2**31)
     r = bits.view(torch.int16)[:n].view(shape)
     drop = round(p * 65536)

@@ -49,15 +49,15 @@ def fused_projections(x: torch.Tensor, projections: Sequence[nn.Module],
     if (len(projections) == 1 or any(_zero3_partitioned(p) for p in projections)
             or any(getattr(p, "input_comm", False) for p in projections)):
         return [p(x) for p in projections]
+    weights = [p.weight for p in projections]
     biases: list[Optional[torch.Tensor]] = [p.bias for p in projections]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        return [p(x) for p in projections]
-    sizes = [p.weight.shape[0] for p in projections]
-    params = [p.weight for p in projections] + ([b for b in biases] if biases[0] is not None else [])
+    if any(b is None for b in biases):
+        if not all(b is None for b in biases):
+            return [p(x) for p in projections]
+        biases = []
     if torch.is_autocast_enabled(x.device.type):
-        w = torch.cat(params[:len(sizes)])
-        b = torch.cat(params[len(sizes):]) if biases[0] is not None else None
-        y = linear(x, w, b, kernels)  # autocast's bf16/fp16 cast of w is saved, as for nn.Linear
+        b = torch.cat(biases) if biases else None  # type: ignore[arg-type]
+        y = linear(x, torch.cat(weights), b, kernels)  # autocast's cast of the cat is saved (as nn.Linear's)
     else:
-        y = FusedLinear.apply(x, kernels, len(sizes), *params)
-    return list(y.split(sizes, dim=-1))
+        y = FusedLinear.apply(x, kernels, len(weights), *weights, *biases)
+    return list(y.split([w.shape[0] for w in weights], dim=-1))
