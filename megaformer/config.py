@@ -221,6 +221,11 @@ class TrainConfig:
                                     "with dynamic loss scaling).", ("fp32", "bf16", "fp16"))
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu or cuda.",
                          ("auto", "cpu", "cuda"))
+    cpu_malloc: str = option(
+        "tuned", "CPU runs on glibc: tuned keeps freed memory in the process heap (mallopt: no mmap-ed "
+                 "chunks, no trimming) so each step reuses the last step's pages instead of faulting "
+                 "in fresh zero-filled ones (~100k page faults per quickstart step otherwise); "
+                 "default leaves glibc's settings. No effect on CUDA runs.", ("tuned", "default"))
     compile: bool = option(
         False, "torch.compile each Transformer block (off by default: the first steps pay the "
                "compilation; measure with tools/bench_gpu.py before turning it on).")

@@ -397,15 +397,45 @@ def test_cpu_rmsnorm_function_equals_reference():
         assert _rel(a, b) < 1e-6
 
 
-def test_cpu_rotary_function_equals_reference_on_strided_heads():
-    """q as the attention makes it (a [B, T, H, D] projection viewed as [B, H, T, D])."""
+@pytest.mark.parametrize("layout", ["projection", "heads_adjacent", "contiguous", "one_head"])
+def test_cpu_rotary_function_equals_reference_on_strided_heads(layout):
+    """q as the attention makes it (a slice of the [B, T, (H + 2 H_kv) D] projection viewed as
+    [B, H, T, D]: heads adjacent in memory) and the other layouts the function may be given."""
     from megaformer.model.positions import RotaryEmbedding, apply_rotary
 
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(2, 6, 4, 16, generator=g).transpose(1, 2)
-    cos, sin = RotaryEmbedding(16)(torch.arange(3, 9))
-    dy = torch.randn(2, 4, 6, 16, generator=g)
-    got = _grads_of(lambda a: apply_rotary(a, cos, sin, "auto"), x, dy=dy)
-    want = _grads_of(lambda a: apply_rotary(a, cos, sin, "torch"), x, dy=dy)
+    B, T, H, D = 2, 6, 4, 16
+    heads = 1 if layout == "one_head" else H
+    if layout == "projection":  # rows of 3 H D, q the first H D: row stride > H D
+        x = torch.randn(B, T, 3 * H * D, generator=g)[..., :H * D].view(B, T, H, D).transpose(1, 2)
+    elif layout == "contiguous":
+        x = torch.randn(B, H, T, D, generator=g)
+    else:
+        x = torch.randn(B, T, heads, D, generator=g).transpose(1, 2)
+    cos, sin = RotaryEmbedding(D)(torch.arange(3, 3 + T))
+    dy = torch.randn(B, T, heads, D, generator=g).transpose(1, 2)  # SDPA's dq layout for such q
+    if layout == "contiguous":
+        dy = dy.contiguous()
+
+    def grads(kernels):
+        leaf = x.detach().requires_grad_()  # the same strides as x (a clone would make it dense)
+        y = apply_rotary(leaf, cos, sin, kernels)
+        y.backward(dy)
+        return y.detach(), leaf.grad
+
+    for a, b in zip(grads("auto"), grads("torch")):
+        assert _rel(a, b) < 1e-6
+
+
+def test_cpu_packed_swiglu_equals_reference():
+    """SiLU(g) u of y = [g | u] and dy = [dg | du] as one tensor, against torch's silu * mul."""
+    from megaformer.kernels.cpu_eager import PackedSwiGLUFunction
+
+    g = torch.Generator().manual_seed(11)
+    y = torch.randn(3, 5, 2 * 24, generator=g) * 3
+    dh = torch.randn(3, 5, 24, generator=g)
+    got = _grads_of(PackedSwiGLUFunction.apply, y, dy=dh)
+    want = _grads_of(lambda t: F.silu(t[..., :24]) * t[..., 24:], y, dy=dh)
     for a, b in zip(got, want):
         assert _rel(a, b) < 1e-6
+    assert torch.autograd.gradcheck(PackedSwiGLUFunction.apply, (y[:1, :2].double().requires_grad_(),))

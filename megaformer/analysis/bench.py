@@ -9,8 +9,15 @@ trainer's AdamW parameter groups); with ``--compare-hf`` the same architecture i
 Hugging Face ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU, GQA) or ``GPT2LMHeadModel`` (learned
 positions, LayerNorm, GELU, biases) from a config (no download), with the same weight-decay groups,
 AdamW hyper-parameters, batch and SDPA attention. After ``warmup`` steps of each, timed steps
-alternate between the two so that both see the same machine state; the reported figure is the
-median step time. FLOPs are megaformer's model FLOPs of the batch (identical architectures, so the
+alternate between the two (each going first every other step) so that both see the same machine
+state; the reported figure is the median step time.
+
+On CPU both models share one process and so one malloc heap: with glibc's defaults the step time
+of either depends on what the other left in the heap (measured: the second model faulting in
+25,000-38,000 fresh pages per step while the first faulted none, ~10 % of its step). The bench
+applies ``train.cpu_malloc`` (tuned by default, :mod:`megaformer.training.host_allocator`) to the
+whole process, so both run without page faults in steady state, and prints each model's median
+minor page faults per step. FLOPs are megaformer's model FLOPs of the batch (identical architectures, so the
 same for both), so TFLOP/s per device and MFU are comparable.
 
 Peak memory: CUDA ``max_memory_allocated`` over one extra step; on CPU the allocator-measured peak
@@ -33,7 +40,7 @@ from megaformer.analysis.peaks import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config, ModelConfig
 from megaformer.errors import UserError
-
+from megaformer.training.host_allocator import tune_host_allocator
 
 # ----------------------------------------------------------------------------- Hugging Face twin
 
@@ -82,6 +89,7 @@ class Runner:
     grad_clip: float
     autocast: Callable[[], Any]
     times: list = dataclasses.field(default_factory=list)
+    page_faults: list = dataclasses.field(default_factory=list)
 
     def step(self, x: torch.Tensor) -> float:
         with self.autocast():
@@ -95,10 +103,22 @@ class Runner:
 
     def timed(self, x: torch.Tensor, device: torch.device) -> None:
         _sync(device)
+        faults = _minor_faults()
         t0 = time.perf_counter()
         self.step(x)
         _sync(device)
         self.times.append(time.perf_counter() - t0)
+        self.page_faults.append(_minor_faults() - faults)
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where the platform has no getrusage)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except ImportError:
+        return 0
 
 
 def _sync(device: torch.device) -> None:
@@ -157,7 +177,11 @@ def _peak_memory(r: Runner, x: torch.Tensor, device: torch.device) -> float:
         torch.cuda.reset_peak_memory_stats(device)
         r.step(x)
         return torch.cuda.max_memory_allocated(device) / 1e9
-    from megaformer.analysis.measure import measure, optimizer_state_tensors, tensor_bytes
+    from megaformer.analysis.measure import (
+        measure,
+        optimizer_state_tensors,
+        tensor_bytes,
+    )
 
     base = tensor_bytes(list(r.model.parameters()) + optimizer_state_tensors(r.optimizer))
     return (base + measure(lambda: r.step(x)).peak) / 1e9
@@ -168,6 +192,7 @@ def _row(r: Runner, x: torch.Tensor, dev: torch.device, tokens: int, flops: floa
     t = statistics.median(r.times)
     row = {"name": r.name, "step_time_s": t, "step_times_s": r.times,
            "tokens_per_s": tokens / t, "tflops_per_device": flops / t / 1e12,
+           "page_faults_per_step": statistics.median(r.page_faults),
            "parameters": (r.model.num_parameters() if hasattr(r.model, "num_parameters")
                           else sum(p.numel() for p in r.model.parameters())),
            "peak_mem_gb": _peak_memory(r, x, dev)}
@@ -222,6 +247,9 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
     x = torch.randint(0, cfg.model.vocab_size, (B, s), generator=gen).to(dev)
     flops = step_flops(cfg.model, s, B, recompute=cfg.train.recompute,
                        recompute_every=cfg.train.recompute_every).model
+    host_malloc = "default"
+    if dev.type == "cpu" and cfg.train.cpu_malloc == "tuned" and tune_host_allocator():
+        host_malloc = "tuned"  # process-wide: the same allocator for both models
     factories = _runner_factories(cfg, dev, compare_hf)
     results = []
     if sequential:
@@ -232,14 +260,14 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
         for _ in range(warmup):
             for r in runners:
                 r.step(x)
-        for _ in range(steps):
-            for r in runners:
+        for i in range(steps):
+            for r in (runners if i % 2 == 0 else runners[::-1]):  # each goes first every other step
                 r.timed(x, dev)
         results = [_row(r, x, dev, B * s, flops, peak_value) for r in runners]
     out = {"config": cfg.name, "device": str(dev), "threads": torch.get_num_threads(),
            "precision": cfg.train.precision, "batch": [B, s], "steps": steps, "warmup": warmup,
            "model_flops_per_step": flops, "peak_tflops": peak_value, "results": results,
-           "sequential": sequential}
+           "sequential": sequential, "host_malloc": host_malloc}
     if compare_hf and all("tokens_per_s" in r for r in results):
         out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
         if not sequential:
@@ -256,7 +284,7 @@ def format_bench(r: dict) -> str:
              f"({'one model after the other' if r.get('sequential') else 'alternating'}), "
              f"median step time",
              f"{'model':34s} {'params':>12s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
-             f"{'MFU':>6s} {'peak mem':>9s}"]
+             f"{'MFU':>6s} {'peak mem':>9s} {'faults':>8s}"]
     for x in r["results"]:
         if "error" in x:
             lines.append(f"{x['name']:34s} {x['error']}")
@@ -264,12 +292,15 @@ def format_bench(r: dict) -> str:
         mfu = f"{100 * x['mfu']:.1f}%" if "mfu" in x else "-"
         lines.append(f"{x['name']:34s} {x['parameters']:>12,} {1000 * x['step_time_s']:>9.1f} "
                      f"{x['tokens_per_s']:>10,.0f} {x['tflops_per_device']:>8.4f} {mfu:>6s} "
-                     f"{x['peak_mem_gb']:>7.3f}GB")
+                     f"{x['peak_mem_gb']:>7.3f}GB {x['page_faults_per_step']:>8,.0f}")
     if "ratio_paired" in r:
         lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (median of back-to-back "
                      f"pairs: {r['ratio_paired']:.2f}x)")
     elif "ratio" in r:
         lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (one model after the other)")
+    if r["device"] == "cpu":
+        lines.append(f"host allocator: {r.get('host_malloc', 'default')} (train.cpu_malloc; process-wide, "
+                     f"the same for both models); faults = minor page faults per step (median)")
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)

@@ -66,7 +66,9 @@ def add_parsers(sub: Any) -> None:
         description="Warm-up, then timed training steps of CONFIG's model on random tokens in one "
                     "process: tokens/s, TFLOP/s per device, MFU (with --gpu/--peak-tflops), peak "
                     "memory. --compare-hf builds the same architecture as a transformers model "
-                    "(LlamaForCausalLM or GPT2LMHeadModel), same batch and AdamW, and alternates steps.")
+                    "(LlamaForCausalLM or GPT2LMHeadModel), same batch and AdamW, and alternates steps. "
+                    "On CPU train.cpu_malloc applies to the whole process (both models) and each "
+                    "model's minor page faults per step are printed.")
     _config_args(bn)
     bn.add_argument("--steps", type=int, default=10, help="timed steps per model (10)")
     bn.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (2)")

@@ -18,10 +18,13 @@ implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.p
                           model.fused_kernels=torch, or bf16 autocast on CPU)
     attention (fused)     q, k, v, out (= the output projection's input) = 2 h_q + 2 h_kv,
                           + log-sum-exp: a heads in fp32 (FlashAttention / SDPA's fused kernels)
-    mlp                   GELU: 2f (pre-activation, activation);  SwiGLU: 4f (gate, silu, up, product)
+    mlp                   GELU: 2f (pre-activation, activation);  SwiGLU: 4f (gate, silu, up, product),
+                          3f on fp32 CPU with fused_kernels=auto (gate, up, product: SiLU recomputed)
     dropout (p > 0)       a 1-byte mask per residual write (2d bytes per layer; dtype-sized with
                           torch's CPU dropout, model.fused_kernels=torch)
     output                final norm + log-probabilities n*V in fp32
+    backward transient    the larger of the output layer's (logits grad + fp32 log-prob grad) and
+                          one MLP's (SwiGLU: d[g | u] + an f-wide temporary = 3f; GELU: f)
 
     TP divides attention and MLP by t; sequence parallelism also divides the norm terms by t.
     full recompute keeps only each checkpointed block's input (d per token), and in backward one
@@ -113,13 +116,22 @@ def _norm_elems(cfg: ModelConfig, layout: Layout) -> int:
     return 3 * cfg.d_model if cfg.norm == "rmsnorm" and not fused else 2 * cfg.d_model
 
 
+def _mlp_elems(cfg: ModelConfig, layout: Layout) -> int:
+    """Elements per token the MLP keeps (per TP rank before /t): see the module docstring."""
+    f = cfg.ffn_dim
+    if cfg.activation != "swiglu":
+        return 2 * f
+    packed = cfg.fused_kernels == "auto" and layout.device == "cpu" and layout.precision == "fp32"
+    return 3 * f if packed else 4 * f
+
+
 def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> dict:
     """Bytes one block keeps for backward for one micro-batch, by part (fused attention)."""
     e = DTYPE_BYTES[layout.precision]
     n = layout.micro_batch * seq_len
     t = layout.tp
     sp = t if layout.sequence_parallel and t > 1 else 1
-    d, f = cfg.d_model, cfg.ffn_dim
+    d = cfg.d_model
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     per_norm = _norm_elems(cfg, layout)
     norms = 2 * per_norm - (d if cfg.residual == "parallel" else 0)  # parallel: one shared input
@@ -127,7 +139,7 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> di
     parts = {
         "norms": n * norms * e / sp,
         "attention": n * (2 * hq + 2 * hkv) * e / t + (0 if layout.recompute == "selective" else lse),
-        "mlp": n * (4 if cfg.activation == "swiglu" else 2) * f * e / t,
+        "mlp": n * _mlp_elems(cfg, layout) * e / t,
         "dropout_masks": (2 * n * d * _mask_bytes(layout, cfg) / sp) if cfg.dropout > 0 else 0,
     }
     parts["total"] = sum(parts.values())
@@ -159,8 +171,11 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     dropout_emb = n * d * _mask_bytes(layout, cfg) / sp if cfg.dropout > 0 else 0
     total = kept * in_flight + output + tables + dropout_emb
     Vp = padded_vocab or V
-    # backward transient at the output layer: logits grad (padded, dtype e) + fp32 log-prob grad
-    transient = n * (Vp * e + V * 4) / t
+    # backward transient: at the output layer the logits grad (padded, dtype e) + fp32 log-prob
+    # grad; in each MLP the gradient of the up-projection's output (SwiGLU: d[g | u], 2f, and an
+    # f-wide temporary; GELU: f) while the MLP's saved tensors are still held
+    mlp_grad = 3 * cfg.ffn_dim if cfg.activation == "swiglu" else cfg.ffn_dim
+    transient = max(n * (Vp * e + V * 4) / t, n * mlp_grad * e / t)
     return {"per_layer": layer, "layers": kept * in_flight, "output": output + tables + dropout_emb,
             "total": total, "backward_transient": transient, "recompute_live": recompute_live}
 
@@ -180,9 +195,10 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 class MemoryEstimate:
     """Peak = weights + optimizer + max(start of backward, end of backward):
 
-    start: activations + output-layer gradient transient (+ all gradients when accumulating, as
-           they live from the first micro-batch on); end (full recompute only): gradients + one
-           recomputed block + the (small) kept checkpoint inputs.
+    start: activations + the larger backward transient, output layer or one MLP (+ all
+           gradients when accumulating, as they live from the first micro-batch on);
+    end (full recompute only): gradients + one recomputed block + the (small) kept checkpoint
+           inputs.
     Gradients are freed by the optimizer step (set_to_none), so with one micro-batch they do not
     coexist with a whole forward's activations.
     """

@@ -13,15 +13,31 @@ RoPE on the full head width D (h = D/2; cos/sin halves c, s of the [T, D] tables
     y1 = x1 c - x2 s,  y2 = x2 c + x1 s            (a rotation of each pair (x1_i, x2_i))
     dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s       (the rotation by -angle)
 
-computed with ``mul(out=)`` + ``addcmul_`` into one output buffer: four half-width passes each way
-instead of mul, neg, cat, mul, add (and their backward). Used on fp32 CPU tensors in eager mode with
-``model.fused_kernels=auto``; inside ``torch.compile`` the torch references run and inductor fuses
-them itself. Tested equal to the references (tests/test_fast_paths.py).
+computed as y = x C + swap(x) S with C = [c, c], S = [-s, s]: one full-width product, then two
+half-width ``addcmul_`` into the same buffer (three passes each way instead of mul, neg, cat, mul,
+add and their backward). q and k arrive as [B, H, T, D] views of the projection's [B, T, H D] output
+(heads adjacent in memory); there the product runs in that memory order against [T, H, D] tables,
+so each inner loop covers a whole row of H D elements instead of D/2 (q of the quickstart model:
+2.8-4.1 ms -> ~1.0 ms, against iterating [B, H, T, D/2] against [T, D/2]).
+
+SwiGLU of the fused gate/up product y = [g | u] (one GEMM, :func:`megaformer.model.linear.fused_projections`):
+
+    h  = SiLU(g) u
+    du = dh SiLU(g),  dg = dh u SiLU'(g)             written into one [.., 2F] gradient dy = [dg | du]
+
+It saves y alone (torch's silu and mul keep g, u and SiLU(g): 3F per token instead of 2F) and
+recomputes SiLU(g) in backward; dy is the input gradient of the fused GEMM as is, where splitting y
+into g and u would concatenate dg and du (a copy of 2F per token).
+
+Used on fp32 CPU tensors in eager mode with ``model.fused_kernels=auto``; inside ``torch.compile``
+the torch references run and inductor fuses them itself. Tested equal to the references
+(tests/test_fast_paths.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def cpu_eager(x: torch.Tensor, kernels: str) -> bool:
@@ -55,14 +71,18 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """[x1 c - x2 s, x2 c + x1 s] on the last dimension, into one new buffer."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    out = torch.empty_like(x)
-    o1, o2 = out[..., :h], out[..., h:]
-    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1.0)
-    torch.mul(x2, c, out=o2).addcmul_(x1, s)
-    return out
+    """[x1 c - x2 s, x2 c + x1 s] on the last dimension of x [B, H, T, D], into one new buffer."""
+    heads, half = x.shape[1], x.shape[-1] // 2
+    cos, sin = torch.cat((c, c), -1), torch.cat((-s, s), -1)             # [T, D]
+    heads_adjacent = x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and heads > 1
+    if heads_adjacent:  # iterate in memory order [B, T, H, D] against [T, H, D] tables
+        x = x.transpose(1, 2)
+        cos = cos.unsqueeze(1).expand(-1, heads, -1).contiguous()
+        sin = sin.unsqueeze(1).expand(-1, heads, -1).contiguous()
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half])
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out.transpose(1, 2) if heads_adjacent else out
 
 
 class RotaryFunction(torch.autograd.Function):
@@ -77,3 +97,25 @@ class RotaryFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         c, s = ctx.saved_tensors
         return _rotate(dy, c, -s), None, None
+
+
+class PackedSwiGLUFunction(torch.autograd.Function):
+    """h = SiLU(g) u for y = [g | u] on the last dimension; saves y (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        f = y.shape[-1] // 2
+        ctx.save_for_backward(y)
+        return F.silu(y[..., :f]).mul_(y[..., f:])
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        f = y.shape[-1] // 2
+        g, u = y[..., :f], y[..., f:]
+        dy = torch.empty_like(y, memory_format=torch.contiguous_format)
+        silu = F.silu(g)
+        torch.mul(dh, silu, out=dy[..., f:])                                  # du = dh SiLU(g)
+        dh_u = torch.mul(dh, u, out=silu)                                     # (buffer reused)
+        torch.ops.aten.silu_backward.grad_input(dh_u, g, grad_input=dy[..., :f])  # dg = dh u SiLU'(g)
+        return dy

@@ -39,25 +39,35 @@ def _zero3_partitioned(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
 
 
+def fused_product(x: torch.Tensor, projections: Sequence[nn.Module],
+                  kernels: str = "auto") -> Optional[torch.Tensor]:
+    """[p_1(x) | ... | p_n(x)] (concatenated on the last dimension) as one GEMM, or None where the
+    projections must run one by one: ZeRO-3 partitioned parameters, a projection applying its own
+    input communication, or a mix of present and absent biases."""
+    if (len(projections) == 1 or any(_zero3_partitioned(p) for p in projections)
+            or any(getattr(p, "input_comm", False) for p in projections)):
+        return None
+    weights = [p.weight for p in projections]
+    biases: list[Optional[torch.Tensor]] = [p.bias for p in projections]
+    if any(b is None for b in biases):
+        if not all(b is None for b in biases):
+            return None
+        biases = []
+    if torch.is_autocast_enabled(x.device.type):
+        b = torch.cat(biases) if biases else None  # type: ignore[arg-type]
+        # autocast's cast of the concatenated weight is saved (as nn.Linear's own)
+        return linear(x, torch.cat(weights), b, kernels)
+    return FusedLinear.apply(x, kernels, len(weights), *weights, *biases)
+
+
 def fused_projections(x: torch.Tensor, projections: Sequence[nn.Module],
                       kernels: str = "auto") -> list[torch.Tensor]:
     """[p(x) for p in projections] as one GEMM over the concatenated weights (see the docstring).
 
     Each projection is a linear module applying no input communication of its own (nn.Linear, or a
     column-parallel shard whose input region the caller entered); their biases are all present or
-    all absent."""
-    if (len(projections) == 1 or any(_zero3_partitioned(p) for p in projections)
-            or any(getattr(p, "input_comm", False) for p in projections)):
+    all absent (else they run one by one)."""
+    y = fused_product(x, projections, kernels)
+    if y is None:
         return [p(x) for p in projections]
-    weights = [p.weight for p in projections]
-    biases: list[Optional[torch.Tensor]] = [p.bias for p in projections]
-    if any(b is None for b in biases):
-        if not all(b is None for b in biases):
-            return [p(x) for p in projections]
-        biases = []
-    if torch.is_autocast_enabled(x.device.type):
-        b = torch.cat(biases) if biases else None  # type: ignore[arg-type]
-        y = linear(x, torch.cat(weights), b, kernels)  # autocast's cast of the cat is saved (as nn.Linear's)
-    else:
-        y = FusedLinear.apply(x, kernels, len(weights), *weights, *biases)
-    return list(y.split([w.shape[0] for w in weights], dim=-1))
+    return list(y.split([p.weight.shape[0] for p in projections], dim=-1))

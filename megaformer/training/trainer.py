@@ -33,6 +33,7 @@ from megaformer.errors import CheckpointError, ConfigError
 from megaformer.training import distributed as dist
 from megaformer.training.bad_steps import BadStepCounter, guard_optimizer_step
 from megaformer.training.faults import FaultPlan
+from megaformer.training.host_allocator import tune_host_allocator
 from megaformer.training.preemption import REASONS, StopRequest, agree_max
 from megaformer.training.watchdog import StepWatchdog
 from megaformer.training.data_setup import setup_data
@@ -242,6 +243,8 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.proc.device.type == "cpu" and cfg.train.cpu_malloc == "tuned":
+            tune_host_allocator()
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.topo = build_topology(self.proc.world_size, self.rank, cfg.parallel.tensor,
                                    cfg.parallel.pipeline)
