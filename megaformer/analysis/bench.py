@@ -272,8 +272,11 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
         out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
         if not sequential:
             # median of the per-pair ratios (step i of each, run back to back): robust to drift
-            out["ratio_paired"] = statistics.median(
-                h / m for m, h in zip(results[0]["step_times_s"], results[1]["step_times_s"]))
+            pairs = [h / m for m, h in zip(results[0]["step_times_s"], results[1]["step_times_s"])]
+            out["ratio_paired"] = statistics.median(pairs)
+            if len(pairs) >= 4:  # the spread of the pair ratios: how far one run's figure can be trusted
+                q1, _, q3 = statistics.quantiles(pairs, n=4)
+                out["ratio_paired_quartiles"] = [q1, q3]
     return out
 
 
@@ -295,7 +298,9 @@ def format_bench(r: dict) -> str:
                      f"{x['peak_mem_gb']:>7.3f}GB {x['page_faults_per_step']:>8,.0f}")
     if "ratio_paired" in r:
         lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (median of back-to-back "
-                     f"pairs: {r['ratio_paired']:.2f}x)")
+                     f"pairs: {r['ratio_paired']:.2f}x"
+                     + (", quartiles {:.2f}-{:.2f}x".format(*r["ratio_paired_quartiles"])
+                        if "ratio_paired_quartiles" in r else "") + ")")
     elif "ratio" in r:
         lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (one model after the other)")
     if r["device"] == "cpu":

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 
-log = logging.getLogger(__name__)
+from megaformer.kernels.triton_support import announce
 
 M_TRIM_THRESHOLD = -1   # glibc malloc.h
 M_MMAP_MAX = -4
@@ -46,5 +45,6 @@ def tune_host_allocator() -> bool:
     ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
     if ok:
         _tuned = True
-        log.debug("host allocator: glibc malloc keeps freed memory (no mmap, no trim)")
+        announce("host allocator", "glibc malloc keeps freed memory: no mmap-ed chunks, no trimming "
+                                   "(train.cpu_malloc=tuned)")
     return ok
