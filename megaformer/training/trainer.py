@@ -243,14 +243,14 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.proc.device.type == "cpu" and cfg.train.cpu_malloc == "tuned":
-            tune_host_allocator()
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.topo = build_topology(self.proc.world_size, self.rank, cfg.parallel.tensor,
                                    cfg.parallel.pipeline)
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
+        if self.proc.device.type == "cpu" and cfg.train.cpu_malloc == "tuned":
+            tune_host_allocator()  # before the model, data and optimizer allocate
         if self.is_main:
             for tmp in ckpt_io.half_written(self.run_dir / ckpt_io.CHECKPOINTS):
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
