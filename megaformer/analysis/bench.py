@@ -14,11 +14,13 @@ state; the reported figure is the median step time.
 
 On CPU both models share one process and so one malloc heap: with glibc's defaults the step time
 of either depends on what the other left in the heap (measured: the second model faulting in
-25,000-38,000 fresh pages per step while the first faulted none, ~10 % of its step). The bench
+18,000-38,000 fresh pages per step while the first faulted none, ~10 % of its step). The bench
 applies ``train.cpu_malloc`` (tuned by default, :mod:`megaformer.training.host_allocator`) to the
 whole process, so both run without page faults in steady state, and prints each model's median
-minor page faults per step. FLOPs are megaformer's model FLOPs of the batch (identical architectures, so the
-same for both), so TFLOP/s per device and MFU are comparable.
+minor page faults per step.
+
+FLOPs are megaformer's model FLOPs of the batch (identical architectures, so the same for both),
+so TFLOP/s per device and MFU are comparable.
 
 Peak memory: CUDA ``max_memory_allocated`` over one extra step; on CPU the allocator-measured peak
 of one extra step (:func:`megaformer.analysis.measure.measure`) plus the parameters and optimizer
@@ -40,7 +42,13 @@ from megaformer.analysis.peaks import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config, ModelConfig
 from megaformer.errors import UserError
-from megaformer.training.host_allocator import tune_host_allocator
+from megaformer.training.host_allocator import configure_host_allocator
+
+try:
+    import resource
+except ImportError:  # not a Unix: no page-fault counts
+    resource = None  # type: ignore[assignment]
+
 
 # ----------------------------------------------------------------------------- Hugging Face twin
 
@@ -113,12 +121,7 @@ class Runner:
 
 def _minor_faults() -> int:
     """Minor page faults of this process so far (0 where the platform has no getrusage)."""
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    except ImportError:
-        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
 
 
 def _sync(device: torch.device) -> None:
@@ -177,11 +180,7 @@ def _peak_memory(r: Runner, x: torch.Tensor, device: torch.device) -> float:
         torch.cuda.reset_peak_memory_stats(device)
         r.step(x)
         return torch.cuda.max_memory_allocated(device) / 1e9
-    from megaformer.analysis.measure import (
-        measure,
-        optimizer_state_tensors,
-        tensor_bytes,
-    )
+    from megaformer.analysis.measure import measure, optimizer_state_tensors, tensor_bytes
 
     base = tensor_bytes(list(r.model.parameters()) + optimizer_state_tensors(r.optimizer))
     return (base + measure(lambda: r.step(x)).peak) / 1e9
@@ -247,9 +246,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
     x = torch.randint(0, cfg.model.vocab_size, (B, s), generator=gen).to(dev)
     flops = step_flops(cfg.model, s, B, recompute=cfg.train.recompute,
                        recompute_every=cfg.train.recompute_every).model
-    host_malloc = "default"
-    if dev.type == "cpu" and cfg.train.cpu_malloc == "tuned" and tune_host_allocator():
-        host_malloc = "tuned"  # process-wide: the same allocator for both models
+    host_malloc = configure_host_allocator(cfg.train.cpu_malloc, dev)  # process-wide: both models
     factories = _runner_factories(cfg, dev, compare_hf)
     results = []
     if sequential:

@@ -22,12 +22,22 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
+import torch
+
 from megaformer.kernels.triton_support import announce
 
 M_TRIM_THRESHOLD = -1   # glibc malloc.h
 M_MMAP_MAX = -4
 
 _tuned = False
+
+
+def configure_host_allocator(setting: str, device: torch.device) -> str:
+    """Apply ``train.cpu_malloc`` (``setting``) for a run on ``device``; returns the allocator in
+    effect: "tuned" on CPU with glibc when asked for, else "default"."""
+    if device.type == "cpu" and setting == "tuned" and tune_host_allocator():
+        return "tuned"
+    return "default"
 
 
 def tune_host_allocator() -> bool:

@@ -33,7 +33,7 @@ from megaformer.errors import CheckpointError, ConfigError
 from megaformer.training import distributed as dist
 from megaformer.training.bad_steps import BadStepCounter, guard_optimizer_step
 from megaformer.training.faults import FaultPlan
-from megaformer.training.host_allocator import tune_host_allocator
+from megaformer.training.host_allocator import configure_host_allocator
 from megaformer.training.preemption import REASONS, StopRequest, agree_max
 from megaformer.training.watchdog import StepWatchdog
 from megaformer.training.data_setup import setup_data
@@ -249,8 +249,7 @@ class Trainer:
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
-        if self.proc.device.type == "cpu" and cfg.train.cpu_malloc == "tuned":
-            tune_host_allocator()  # before the model, data and optimizer allocate
+        configure_host_allocator(cfg.train.cpu_malloc, self.proc.device)  # before anything allocates
         if self.is_main:
             for tmp in ckpt_io.half_written(self.run_dir / ckpt_io.CHECKPOINTS):
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
