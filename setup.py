@@ -15,6 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megaformer", "megaformer.*"]),
+    package_data={"megaformer.kernels": ["cpu_native.c"]},  # built on first use (kernels/native.py)
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.19,<0.20",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megaformer.config import ModelConfig, config_from_dict
 from megaformer.errors import ConfigError
+from megaformer.kernels import native
 from megaformer.kernels.attention import attention, cu_seqlens, document_ids
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.model.transformer import Transformer
@@ -333,13 +334,23 @@ def test_model_gemm_dispatch_equals_torch_ops(activation):
         loss.backward()
         out.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
     assert abs(out[0][0] - out[1][0]) <= 1e-6 * out[1][0]
-    assert max(_rel(a, b) for a, b in zip(out[0][1], out[1][1])) < 1e-5
+    # all gradients as one vector, and each to an absolute bound: the key bias's gradient is 0 up
+    # to rounding (softmax ignores a per-row constant), so its relative error compares noise
+    flat = [torch.cat([g.flatten() for g in grads]) for _, grads in out]
+    assert _rel(flat[0], flat[1]) < 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(out[0][1], out[1][1])) < 1e-6
 
 
 # ----------------------------------------------------------------------------- CPU dropout
 
 def test_int16_dropout_statistics_and_gradient():
-    """Drop rate p within sampling error, E[y] = x (scale 1/q), dx = dy * m / q, seeded."""
+    """Drop rate p within sampling error, E[y] = x (scale 1/q), dx = dy * m / q, seeded (the torch
+    path, without the native kernels: tests/test_native_kernels.py tests those)."""
+    with native.disabled():
+        _check_int16_dropout()
+
+
+def _check_int16_dropout() -> None:
     from megaformer.kernels.dropout import dropout, keep_mask
 
     x = torch.ones(400_000, requires_grad=True)
@@ -359,13 +370,14 @@ def test_int16_dropout_statistics_and_gradient():
 
 def test_cpu_attention_dropout_is_softmax_masked_scaled():
     """attention() on CPU with dropout = softmax(QK^T/sqrt(d) + causal) * m / q @ V with the mask
-    the same seed draws (GQA heads shared)."""
+    the same seed draws (GQA heads shared); the torch path (native kernels off)."""
     from megaformer.kernels.dropout import keep_mask
 
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, h, 8, 16, generator=g) for h in (4, 2, 2))
     torch.manual_seed(5)
-    out = attention(q, k, v, causal=True, dropout_p=0.25)
+    with native.disabled():
+        out = attention(q, k, v, causal=True, dropout_p=0.25)
     kf, vf = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     scores = (q @ kf.transpose(-2, -1)) / 4.0
     scores = scores.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))

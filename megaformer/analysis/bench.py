@@ -8,7 +8,10 @@ megaformer's model is built as the trainer builds it (padded vocabulary, recompu
 trainer's AdamW parameter groups); with ``--compare-hf`` the same architecture is built as a
 Hugging Face ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU, GQA) or ``GPT2LMHeadModel`` (learned
 positions, LayerNorm, GELU, biases) from a config (no download), with the same weight-decay groups,
-AdamW hyper-parameters, batch and SDPA attention. After ``warmup`` steps of each, timed steps
+AdamW hyper-parameters and implementation (``train.adam_impl``), batch and SDPA attention. What
+differs is each framework's own code: megaformer's layers, GEMM dispatch and (on fp32 CPU) its
+native kernels (:mod:`megaformer.kernels.native`, whose status the output names) against
+transformers' modules on torch's ops. After ``warmup`` steps of each, timed steps
 alternate between the two (each going first every other step) so that both see the same machine
 state; the reported figure is the median step time.
 
@@ -42,6 +45,7 @@ from megaformer.analysis.peaks import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config, ModelConfig
 from megaformer.errors import UserError
+from megaformer.kernels import native
 from megaformer.training.host_allocator import configure_host_allocator
 
 try:
@@ -265,6 +269,8 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
            "precision": cfg.train.precision, "batch": [B, s], "steps": steps, "warmup": warmup,
            "model_flops_per_step": flops, "peak_tflops": peak_value, "results": results,
            "sequential": sequential, "host_malloc": host_malloc}
+    if dev.type == "cpu":
+        out["native_kernels"] = native.status() if cfg.model.fused_kernels == "auto" else "off"
     if compare_hf and all("tokens_per_s" in r for r in results):
         out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
         if not sequential:
@@ -303,6 +309,9 @@ def format_bench(r: dict) -> str:
     if r["device"] == "cpu":
         lines.append(f"host allocator: {r.get('host_malloc', 'default')} (train.cpu_malloc; process-wide, "
                      f"the same for both models); faults = minor page faults per step (median)")
+        if "native_kernels" in r:
+            lines.append(f"megaformer's {r['native_kernels']} (model.fused_kernels=auto, fp32)"
+                         if r["native_kernels"] != "off" else "native CPU kernels: off (model.fused_kernels)")
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)

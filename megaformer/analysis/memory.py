@@ -22,9 +22,11 @@ implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.p
                           3f on fp32 CPU with fused_kernels=auto (gate, up, product: SiLU recomputed)
     dropout (p > 0)       a 1-byte mask per residual write (2d bytes per layer; dtype-sized with
                           torch's CPU dropout, model.fused_kernels=torch)
-    output                final norm + log-probabilities n*V in fp32
-    backward transient    the larger of the output layer's (logits grad + fp32 log-prob grad) and
-                          one MLP's (SwiGLU: d[g | u] + an f-wide temporary = 3f; GELU: f)
+    output                final norm + log-probabilities n*V in fp32 (the native CPU loss,
+                          megaformer/kernels/native.py: the padded logits n*Vp + one lse per token)
+    backward transient    the larger of the output layer's (logits grad + fp32 log-prob grad; the
+                          native loss: the logits grad alone) and one MLP's (SwiGLU: d[g | u] + an
+                          f-wide temporary = 3f, 2f with the native kernel; GELU: f)
 
     TP divides attention and MLP by t; sequence parallelism also divides the norm terms by t.
     full recompute keeps only each checkpointed block's input (d per token), and in backward one
@@ -125,6 +127,16 @@ def _mlp_elems(cfg: ModelConfig, layout: Layout) -> int:
     return 3 * f if packed else 4 * f
 
 
+def _native_cpu(cfg: ModelConfig, layout: Layout) -> bool:
+    """The native CPU kernels run (fp32 CPU, fused_kernels=auto, the library builds): the loss keeps
+    the padded logits and one lse per token, and its backward writes only d(logits)."""
+    if layout.device != "cpu" or layout.precision != "fp32" or cfg.fused_kernels != "auto":
+        return False
+    from megaformer.kernels import native
+
+    return native.library() is not None
+
+
 def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> dict:
     """Bytes one block keeps for backward for one micro-batch, by part (fused attention)."""
     e = DTYPE_BYTES[layout.precision]
@@ -166,16 +178,21 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     per_norm = _norm_elems(cfg, layout)
     rot = int(cfg.head_dim * cfg.rotary_fraction) if cfg.position == "rope" else 0
-    output = n * per_norm * e / sp + n * V * 4 / t          # final norm + fp32 log-probs
+    Vp = padded_vocab or V
+    native_loss = _native_cpu(cfg, layout) and t == 1 and cfg.loss_chunk_tokens == 0
+    # final norm + what the loss keeps: fp32 log-probs, or (native kernel) the padded logits + lse
+    output = n * per_norm * e / sp + (n * (Vp + 1) * 4 if native_loss else n * V * 4 / t)
     tables = 2 * rot * seq_len * 4                           # RoPE cos/sin, once per forward
     dropout_emb = n * d * _mask_bytes(layout, cfg) / sp if cfg.dropout > 0 else 0
     total = kept * in_flight + output + tables + dropout_emb
-    Vp = padded_vocab or V
     # backward transient: at the output layer the logits grad (padded, dtype e) + fp32 log-prob
-    # grad; in each MLP the gradient of the up-projection's output (SwiGLU: d[g | u], 2f, and an
-    # f-wide temporary; GELU: f) while the MLP's saved tensors are still held
-    mlp_grad = 3 * cfg.ffn_dim if cfg.activation == "swiglu" else cfg.ffn_dim
-    transient = max(n * (Vp * e + V * 4) / t, n * mlp_grad * e / t)
+    # grad (native loss: the logits grad alone); in each MLP the gradient of the up-projection's
+    # output (SwiGLU: d[g | u], 2f, and an f-wide temporary of the torch ops; GELU: f) while the
+    # MLP's saved tensors are still held
+    swiglu_grad = 2 * cfg.ffn_dim if _native_cpu(cfg, layout) else 3 * cfg.ffn_dim
+    mlp_grad = swiglu_grad if cfg.activation == "swiglu" else cfg.ffn_dim
+    head_grad = n * Vp * e if native_loss else n * (Vp * e + V * 4) / t
+    transient = max(head_grad, n * mlp_grad * e / t)
     return {"per_layer": layer, "layers": kept * in_flight, "output": output + tables + dropout_emb,
             "total": total, "backward_transient": transient, "recompute_live": recompute_live}
 

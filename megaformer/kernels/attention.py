@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megaformer.errors import ConfigError
+from megaformer.kernels import native
 from megaformer.kernels.dropout import dropout
 
 logger = logging.getLogger("megaformer")
@@ -250,13 +251,32 @@ def _sdpa_priority_text(device: torch.device) -> str:
     return "torch SDPA, backend priority " + " > ".join(names)
 
 
+class SoftmaxDropoutFunction(torch.autograd.Function):
+    """Pd = dropout(softmax(S + M_causal)) in one native pass; saves P and the byte mask (what
+    softmax and dropout save between them), backward in one pass (:mod:`megaformer.kernels.native`)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, causal: bool, p: float) -> torch.Tensor:  # type: ignore[override]
+        probs, dropped, m, ctx.scale = native.softmax_dropout_forward(scores, causal, p)
+        ctx.save_for_backward(probs, m)
+        return dropped
+
+    @staticmethod
+    def backward(ctx, d_dropped: torch.Tensor):  # type: ignore[override]
+        probs, m = ctx.saved_tensors
+        return native.softmax_dropout_backward(probs, m, d_dropped, ctx.scale), None, None
+
+
 def _cpu_dropout_attention(q, k, v, causal: bool, dropout_p: float, scale: float,
                            mask: Optional[torch.Tensor]) -> torch.Tensor:
     """softmax((Q scale) K^T + M) with dropout, times V, on CPU: what torch's SDPA runs there when
     dropout_p > 0 (its math path), with megaformer's int16 dropout (one-byte mask, 3x faster than
-    the float Bernoulli draw; :mod:`megaformer.kernels.dropout`)."""
+    the float Bernoulli draw; :mod:`megaformer.kernels.dropout`), or where the native CPU kernels load
+    and no explicit mask is needed, softmax, causal mask and dropout in one pass each way."""
     k, v = share_kv_heads(k, q.shape[1]), share_kv_heads(v, q.shape[1])
     scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    if mask is None and native.applies(scores, "auto"):
+        return torch.matmul(SoftmaxDropoutFunction.apply(scores, causal, dropout_p), v)
     if mask is None and causal:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
     if mask is not None:

@@ -29,7 +29,9 @@ It saves y alone (torch's silu and mul keep g, u and SiLU(g): 3F per token inste
 recomputes SiLU(g) in backward; dy is the input gradient of the fused GEMM as is, where splitting y
 into g and u would concatenate dg and du (a copy of 2F per token).
 
-Used on fp32 CPU tensors in eager mode with ``model.fused_kernels=auto``; inside ``torch.compile``
+Used on fp32 CPU tensors in eager mode with ``model.fused_kernels=auto``: as one native kernel each
+way where :mod:`megaformer.kernels.native` loads (RMSNorm, RoPE, SwiGLU), else as the torch ops
+above; inside ``torch.compile``
 the torch references run and inductor fuses them itself. Tested equal to the references
 (tests/test_fast_paths.py).
 """
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from megaformer.kernels import native
 
 
 def cpu_eager(x: torch.Tensor, kernels: str) -> bool:
@@ -53,6 +57,11 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
         n = x.shape[-1]
         x2 = x.reshape(-1, n)
+        ctx.native = native.usable(x) and w.dtype == torch.float32
+        if ctx.native:
+            y, r = native.rmsnorm_forward(x2, w, eps)
+            ctx.save_for_backward(x2, r, w)
+            return y.view(x.shape)
         r = torch.linalg.vector_norm(x2, dim=-1).square_().div_(n).add_(eps).rsqrt_()
         y = torch.mul(x2, r.unsqueeze(1)).mul_(w)
         ctx.save_for_backward(x2, r, w)
@@ -62,6 +71,9 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         x2, r, w = ctx.saved_tensors
         n = x2.shape[-1]
+        if ctx.native:
+            dx, dw = native.rmsnorm_backward(x2, w, r, dy.reshape(-1, n))
+            return dx.view(dy.shape), dw if ctx.needs_input_grad[1] else None, None
         dy2 = dy.reshape(-1, n)
         g = dy2 * w
         coef = torch.linalg.vecdot(g, x2).mul_(r.pow(3)).div_(-n)
@@ -91,26 +103,39 @@ class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(c, s)
-        return _rotate(x, c, s)
+        return _rotate_any(x, c, s)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         c, s = ctx.saved_tensors
-        return _rotate(dy, c, -s), None, None
+        return _rotate_any(dy, c, -s), None, None
+
+
+def _rotate_any(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The native kernel (one pass, any strides with a contiguous last dimension) or :func:`_rotate`."""
+    if x.stride(-1) == 1 and c.dtype == torch.float32 and native.usable(x):
+        return native.rope(x, c, s)
+    return _rotate(x, c, s)
 
 
 class PackedSwiGLUFunction(torch.autograd.Function):
-    """h = SiLU(g) u for y = [g | u] on the last dimension; saves y (see the module docstring)."""
+    """h = SiLU(g) u for y = [g | u] on the last dimension; saves y (see the module docstring).
+    One native kernel each way where :mod:`megaformer.kernels.native` loads, else torch ops."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         f = y.shape[-1] // 2
         ctx.save_for_backward(y)
+        ctx.native = native.usable(y)
+        if ctx.native:
+            return native.swiglu_forward(y)
         return F.silu(y[..., :f]).mul_(y[..., f:])
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):  # type: ignore[override]
         (y,) = ctx.saved_tensors
+        if ctx.native:
+            return native.swiglu_backward(y, dh)
         f = y.shape[-1] // 2
         g, u = y[..., :f], y[..., f:]
         dy = torch.empty_like(y, memory_format=torch.contiguous_format)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megaformer.kernels import native
 from megaformer.kernels.gemm import mm_nt
 from megaformer.parallel.comm import ProcessGroup, all_reduce
 
@@ -122,3 +123,42 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     total = _ChunkedLinearCrossEntropy.apply(h, weight, y.masked_fill(~keep, 0), keep, vocab_start,
                                              vocab_size, group, chunk_tokens)
     return total / keep.sum().clamp(min=1)
+
+
+class _NativeCrossEntropy(torch.autograd.Function):
+    """Mean over labels != ignore_index of lse_t - z_t,y_t on fp32 CPU logits [..., Vp] whose first
+    ``vocab`` columns are the vocabulary: one native pass over z forward (max, sum of exponentials)
+    and one backward writing dz = (softmax(z) - onehot(y)) / n with zeros in the padding columns
+    (:mod:`megaformer.kernels.native`). The plain path slices the padding off, runs log_softmax
+    (a [N, V] copy kept for backward), then in backward fills and scatters the nll gradient, runs
+    log_softmax's backward and copies the result into a zeroed [N, Vp] buffer: about eight passes
+    over the logits instead of three. Saves the logits and one lse per row."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab: int,  # type: ignore[override]
+                ignore_index: int) -> torch.Tensor:
+        flat = labels.reshape(-1)
+        counted = flat != ignore_index
+        bad = counted & ((flat < 0) | (flat >= vocab))
+        if bool(bad.any()):
+            raise IndexError(f"cross-entropy target {int(flat[bad][0])} is out of bounds "
+                             f"(vocabulary of {vocab})")
+        loss, lse = native.cross_entropy_forward(logits, flat, vocab, ignore_index)
+        ctx.n = int(counted.sum())
+        ctx.vocab, ctx.ignore_index = vocab, ignore_index
+        ctx.save_for_backward(logits, flat, lse)
+        return loss.sum() / ctx.n if ctx.n else loss.sum() * float("nan")
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        logits, flat, lse = ctx.saved_tensors
+        scale = float(g) / ctx.n if ctx.n else 0.0
+        dz = native.cross_entropy_backward(logits, flat, lse, ctx.vocab, ctx.ignore_index, scale)
+        return dz.view(logits.shape), None, None, None
+
+
+def native_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
+                         ignore_index: int) -> torch.Tensor:
+    """F.cross_entropy(logits[..., :vocab].flatten(0, -2), labels.flatten(), ignore_index) in native
+    passes (fp32 CPU logits; callers check :func:`megaformer.kernels.native.applies`)."""
+    return _NativeCrossEntropy.apply(logits, labels, vocab, ignore_index)

@@ -29,8 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
+from megaformer.kernels import native
 from megaformer.kernels.attention import document_ids
-from megaformer.kernels.cross_entropy import chunked_cross_entropy
+from megaformer.kernels.cross_entropy import chunked_cross_entropy, native_cross_entropy
 from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
@@ -178,7 +179,10 @@ class Transformer(nn.Module):
         return logits[..., :self.vocab_size]
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (fp32) over labels != -100, over the real vocabulary."""
+        """Mean cross-entropy (fp32) over labels != -100, over the real vocabulary (the native CPU
+        kernel on fp32 CPU logits, which skips the padding columns without slicing them off)."""
+        if native.applies(logits, self.cfg.fused_kernels):
+            return native_cross_entropy(logits, labels, self.vocab_size, IGNORE_INDEX)
         logits = logits[..., :self.vocab_size]
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 

@@ -2,6 +2,13 @@
 
 Parameters with fewer than two dimensions (norm gains, biases) and embedding tables get no weight
 decay, as in GPT-2/Megatron practice; every other weight gets ``train.weight_decay``.
+
+The update is the same whichever implementation runs (``train.adam_impl``); they differ in memory
+traffic. foreach runs one multi-tensor operation per term of
+
+    m <- b1 m + (1-b1) g,   v <- b2 v + (1-b2) g^2,   p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
+
+so p, g, m, v cross memory about six times per step; fused reads each once and writes p, m, v once.
 """
 
 from __future__ import annotations
@@ -9,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from megaformer.config import TrainConfig
+
+FUSED_DEVICES = ("cpu", "cuda")
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -25,6 +34,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def use_fused_adam(params: list[torch.Tensor], impl: str) -> bool:
+    """``train.adam_impl`` resolved: auto means fused when torch has the kernel for every parameter."""
+    if impl != "auto":
+        return impl == "fused"
+    return all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+
+
 def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr,
-                             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    groups = param_groups(model, t.weight_decay)
+    params = [p for g in groups for p in g["params"]]
+    fused = use_fused_adam(params, t.adam_impl)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                             fused=fused or None, foreach=None if fused else True)

@@ -30,6 +30,7 @@ from megaformer.checkpoint import portable
 from megaformer.config import Config, config_from_dict, validate_for_world
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.errors import CheckpointError, ConfigError
+from megaformer.kernels import native
 from megaformer.training import distributed as dist
 from megaformer.training.bad_steps import BadStepCounter, guard_optimizer_step
 from megaformer.training.faults import FaultPlan
@@ -250,6 +251,8 @@ class Trainer:
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
         configure_host_allocator(cfg.train.cpu_malloc, self.proc.device)  # before anything allocates
+        if self.proc.device.type == "cpu" and cfg.model.fused_kernels == "auto":
+            log.info("%s", native.status())  # builds them on first use (cached), before step 1
         if self.is_main:
             for tmp in ckpt_io.half_written(self.run_dir / ckpt_io.CHECKPOINTS):
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)

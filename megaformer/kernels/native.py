@@ -1,0 +1,299 @@
+"""Native CPU kernels (``cpu_native.c``): built on first use with the system C compiler, as DeepSpeed
+builds its ops, and called through ctypes on fp32 CPU tensors in eager mode.
+
+Each kernel is one pass over memory where torch composes several elementwise ops:
+
+    SwiGLU of y = [g | u]:   h = g s(g) u,  s = sigmoid;
+                             du = dh g s(g),  dg = dh u s(g) (1 + g (1 - s(g)))
+    dropout:                 y = x m / q,  m_e = [R(seed, e) >= t],  t = round(p 2^32),  q = 1 - t / 2^32
+                             dx = dy m / q
+    attention probabilities: P = softmax(S + M_causal),  Pd = P m / q   (one kernel, m saved as bytes)
+                             dS = P (dP - sum_j P_j dP_j),  dP = dPd m / q
+    RMSNorm:                 r = 1 / sqrt(|x|^2 / n + eps),  y = x r w;
+                             dx = r dy w - x r^3 (dy w . x) / n,  dw = sum_rows dy x r
+    RoPE (halves x1, x2):    y1 = x1 c - x2 s,  y2 = x2 c + x1 s   (backward: the same with -s)
+    cross-entropy:           lse = log sum_{j<V} exp(z_j),  loss = lse - z_y,
+                             dz_j = g (exp(z_j - lse) - [j = y])
+                             over logits whose rows may hold padding columns j >= V (gradient 0 there)
+
+R is a counter-based hash of the element index e keyed by a 63-bit seed drawn from torch's
+generator (so ``torch.manual_seed``, checkpointed RNG state and the tensor-parallel RNG forks govern
+it, and the mask does not depend on the thread count); the drop probability is p rounded to a
+multiple of 2^-32 and E[y] = x exactly. exp is a range-reduced polynomial (~2 ulp), so results
+match torch to fp32 rounding, not bit for bit (tests/test_native_kernels.py).
+
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp`` into
+``$MEGAFORMER_CACHE_DIR`` (default ``~/.cache/megaformer``)``/native/<hash>/``, the hash covering
+the source, the flags, the compiler's version and this CPU's feature flags; written to a temporary
+file and renamed, so concurrent ranks never load a half-written library. No compiler, a failed
+build or ``MEGAFORMER_NATIVE=0``: the torch ops run instead, and :func:`status` says why (logged
+once by the trainer and the bench). ``model.fused_kernels=torch`` never uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11",
+         "-shared", "-fPIC")
+_P, _I64, _U32, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int
+SIGNATURES = {
+    "mf_swiglu_fwd": (_P, _P, _I64, _I64, _I64, _INT),
+    "mf_swiglu_bwd": (_P, _P, _P, _I64, _I64, _I64, _INT),
+    "mf_dropout_fwd": (_P, _P, _P, _I64, _U32, _U32, _U32, _F, _INT),
+    "mf_masked_scale": (_P, _P, _P, _I64, _F, _INT),
+    "mf_softmax_dropout_fwd": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _U32, _U32, _U32, _F, _INT),
+    "mf_softmax_dropout_bwd": (_P, _P, _P, _P, _I64, _I64, _F, _INT),
+    "mf_rmsnorm_fwd": (_P, _P, _P, _P, _I64, _I64, _F, _INT),
+    "mf_rmsnorm_bwd": (_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT),
+    "mf_rope": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT),
+    "mf_xent_fwd": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT),
+    "mf_xent_bwd": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT),
+}
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": CDLL or None, "status": str
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MEGAFORMER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "megaformer")
+    return Path(root) / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()])
+                         .encode()).hexdigest()[:16]
+    target = _cache_dir() / key / "libmegaformer_native.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{compiler} failed: {last}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> tuple[Optional[ctypes.CDLL], str]:
+    if os.environ.get("MEGAFORMER_NATIVE", "1") == "0":
+        return None, "native CPU kernels off (MEGAFORMER_NATIVE=0)"
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return None, f"native CPU kernels unavailable: no C compiler '{compiler}' on PATH (torch ops run)"
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+        for name, args in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        return None, f"native CPU kernels unavailable ({e}); torch ops run"
+    return lib, f"native CPU kernels: {path}"
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernel library, building it on the first call; None where it cannot be had."""
+    if "status" not in _state:
+        with _lock:
+            if "status" not in _state:
+                _state["lib"], _state["status"] = _load()
+    return _state["lib"]
+
+
+def status() -> str:
+    """One line: where the library was loaded from, or why the torch ops run instead."""
+    library()
+    return _state["status"]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block the torch ops run, as if the library did not load (tests, A/B timing)."""
+    library()
+    saved = dict(_state)
+    _state["lib"], _state["status"] = None, "native CPU kernels off (native.disabled())"
+    try:
+        yield
+    finally:
+        _state.update(saved)
+
+
+def usable(t: torch.Tensor) -> bool:
+    """t is an fp32 CPU tensor outside torch.compile and the library loads."""
+    return (t.device.type == "cpu" and t.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and library() is not None)
+
+
+def applies(x: torch.Tensor, kernels: str) -> bool:
+    """Use the native kernels for x: fp32 CPU eager with fused_kernels=auto, and the library loads."""
+    from megaformer.kernels.cpu_eager import cpu_eager
+
+    return cpu_eager(x, kernels) and library() is not None
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def swiglu_forward(y: torch.Tensor) -> torch.Tensor:
+    """h = SiLU(g) u of y = [g | u] on the last dimension."""
+    y = y.contiguous()
+    f = y.shape[-1] // 2
+    h = torch.empty(*y.shape[:-1], f, dtype=y.dtype)
+    library().mf_swiglu_fwd(_ptr(y), _ptr(h), y.numel() // (2 * f), f, 2 * f, _threads())
+    return h
+
+
+def swiglu_backward(y: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """[dg | du] for y = [g | u] and the output gradient dh."""
+    y, dh = y.contiguous(), dh.contiguous()
+    f = y.shape[-1] // 2
+    dy = torch.empty_like(y)
+    library().mf_swiglu_bwd(_ptr(y), _ptr(dh), _ptr(dy), y.numel() // (2 * f), f, 2 * f, _threads())
+    return dy
+
+
+def draw_keys() -> tuple[int, int]:
+    """Two 32-bit keys from a 63-bit seed drawn from torch's default CPU generator."""
+    seed = int(torch.empty((), dtype=torch.int64).random_())
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def drop_threshold(p: float) -> tuple[int, float]:
+    """(t, 1 / q): keep iff R >= t with t = round(p 2^32), q = 1 - t / 2^32."""
+    t = min(round(p * 2**32), 2**32 - 1)
+    return t, 2**32 / (2**32 - t)
+
+
+def dropout_forward(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(y, keep mask as bool, scale) for contiguous x."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    m = torch.empty(x.shape, dtype=torch.bool)
+    t, scale = drop_threshold(p)
+    k0, k1 = draw_keys()
+    library().mf_dropout_fwd(_ptr(x), _ptr(y), _ptr(m), x.numel(), k0, k1, t, scale, _threads())
+    return y, m, scale
+
+
+def masked_scale(x: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor:
+    """x m scale (m a bool tensor of x's shape)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    library().mf_masked_scale(_ptr(x), _ptr(m), _ptr(y), x.numel(), scale, _threads())
+    return y
+
+
+def softmax_dropout_forward(s: torch.Tensor, causal: bool, p: float
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(P, Pd, m, scale) for scores s [..., T, S] (see the module docstring)."""
+    s = s.contiguous()
+    t_len, cols = s.shape[-2], s.shape[-1]
+    rows = s.numel() // cols
+    probs, dropped = torch.empty_like(s), torch.empty_like(s)
+    m = torch.empty(s.shape, dtype=torch.bool)
+    t, scale = drop_threshold(p)
+    k0, k1 = draw_keys()
+    library().mf_softmax_dropout_fwd(_ptr(s), _ptr(probs), _ptr(dropped), _ptr(m), rows, t_len, cols,
+                                     cols - t_len, int(causal), k0, k1, t, scale, _threads())
+    return probs, dropped, m, scale
+
+
+def softmax_dropout_backward(probs: torch.Tensor, m: torch.Tensor, d_dropped: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """dS from P, m and the gradient of Pd."""
+    d_dropped = d_dropped.contiguous()
+    ds = torch.empty_like(probs)
+    cols = probs.shape[-1]
+    library().mf_softmax_dropout_bwd(_ptr(probs), _ptr(m), _ptr(d_dropped), _ptr(ds),
+                                     probs.numel() // cols, cols, scale, _threads())
+    return ds
+
+
+def cross_entropy_forward(logits: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row loss, per-row lse) for logits [..., Vp] (the first ``vocab`` columns count) and
+    int64 labels of the leading shape; rows labelled ``ignore_index`` get loss 0."""
+    logits, labels = logits.contiguous(), labels.contiguous()
+    rows, stride = labels.numel(), logits.shape[-1]
+    loss, lse = torch.empty(rows), torch.empty(rows)
+    library().mf_xent_fwd(_ptr(logits), _ptr(labels), _ptr(loss), _ptr(lse), rows, vocab, stride,
+                          ignore_index, _threads())
+    return loss, lse
+
+
+def cross_entropy_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab: int,
+                           ignore_index: int, g: float) -> torch.Tensor:
+    """d(g * sum of the rows' losses)/d logits, 0 in padding columns and ignored rows."""
+    logits, labels = logits.contiguous(), labels.contiguous()
+    dx = torch.empty_like(logits)
+    library().mf_xent_bwd(_ptr(logits), _ptr(labels), _ptr(lse), _ptr(dx), labels.numel(), vocab,
+                          logits.shape[-1], ignore_index, g, _threads())
+    return dx
+
+
+def rmsnorm_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, r) for rows of x's last dimension; r = 1 / rms per row."""
+    x, w = x.contiguous(), w.contiguous()
+    n = x.shape[-1]
+    y, rstd = torch.empty_like(x), torch.empty(x.numel() // n)
+    library().mf_rmsnorm_fwd(_ptr(x), _ptr(w), _ptr(y), _ptr(rstd), x.numel() // n, n, eps, _threads())
+    return y, rstd
+
+
+def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of y = x r w."""
+    dy = dy.contiguous()
+    n, nt = x.shape[-1], _threads()
+    dx, dw, work = torch.empty_like(x), torch.empty_like(w), torch.empty(nt, n)
+    library().mf_rmsnorm_bwd(_ptr(x), _ptr(w), _ptr(rstd), _ptr(dy), _ptr(dx), _ptr(dw), _ptr(work),
+                             x.numel() // n, n, nt)
+    return dx, dw
+
+
+def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [B, H, T, D] (any strides with the last dimension contiguous) by the half tables
+    c, s [T, D/2]; the result is [B, H, T, D] with heads adjacent in memory ([B, T, H, D] storage)."""
+    b, h, t, d = x.shape
+    c, s = c.contiguous(), s.contiguous()
+    y = torch.empty(b, t, h, d, dtype=x.dtype)
+    library().mf_rope(_ptr(x), _ptr(c), _ptr(s), _ptr(y), b, t, h, d, x.stride(0), x.stride(2),
+                      x.stride(1), _threads())
+    return y.transpose(1, 2)
