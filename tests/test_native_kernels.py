@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megaformer.kernels import native
+from megaformer.kernels.attention import attention
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler: the native kernels cannot be built here")
@@ -94,8 +95,6 @@ def test_dropout_mask_is_independent_of_thread_count_and_uncorrelated():
 def test_attention_softmax_dropout_equals_reference(t_len, s_len, causal):
     """attention() on CPU with dropout: softmax(QK^T/sqrt(d) + causal) * m / q @ V for the mask
     the same seed draws, and gradients through it, against float64 autograd."""
-    from megaformer.kernels.attention import attention
-
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, h, n, 16, generator=g).requires_grad_()
                for h, n in ((4, t_len), (2, s_len), (2, s_len)))
@@ -242,3 +241,54 @@ def test_adam_impl_choices_make_the_same_update(impl):
     assert bool(opt.defaults["fused"]) == (impl != "foreach")
     _, ref = run("foreach")
     assert _rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("B,H,HK,T,S,D,causal", [
+    (2, 8, 4, 96, 96, 32, True),     # GQA, the projection's strided layout
+    (2, 4, 4, 50, 50, 64, True),     # MHA, T not a multiple of the 32-query block
+    (1, 4, 2, 7, 70, 32, True),      # T < S: bottom-right causal alignment (a chunk after a cache)
+    (1, 4, 1, 1, 20, 16, True),      # one new token, MQA
+    (2, 4, 2, 33, 40, 48, False),    # no mask, S not a multiple of the 64-key block
+])
+def test_native_flash_attention_equals_float64_reference(B, H, HK, T, S, D, causal):
+    """attention(backend=auto) on fp32 CPU without dropout runs the native kernel: output and the
+    gradients of q, k, v against softmax(QK^T/sqrt(D) + M)V in float64 autograd."""
+    from megaformer.kernels import attention as attn
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    if T == S:
+        proj = torch.randn(B, T, (H + 2 * HK) * D, generator=g)
+        q, k, v = (proj[..., a * D:b * D].view(B, T, b - a, D).transpose(1, 2)
+                   for a, b in ((0, H), (H, H + HK), (H + HK, H + 2 * HK)))
+    else:
+        q, k, v = (torch.randn(B, n, L, D, generator=g) for n, L in ((H, T), (HK, S), (HK, S)))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    assert attn._native_attention_applies(leaves[0], leaves[1], 0.0, None)
+    out = attention(*leaves, causal=causal)
+    dout = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    kk, vv = (t.repeat_interleave(H // HK, 1) for t in (k64, v64))
+    scores = q64 @ kk.transpose(-2, -1) / D ** 0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
+    want = torch.softmax(scores, -1) @ vv
+    want.backward(dout.double())
+    assert _rel(out, want) < 1e-6
+    for got, ref in zip((t.grad for t in leaves), (q64.grad, k64.grad, v64.grad)):
+        assert _rel(got, ref) < 1e-6
+
+
+def test_attention_falls_back_to_sdpa_where_the_native_kernel_does_not_apply():
+    """head_dim not a multiple of 16, dropout, an explicit backend: torch SDPA (or the dropout path)."""
+    from megaformer.kernels import attention as attn
+
+    q, k = torch.randn(1, 2, 5, 24), torch.randn(1, 2, 5, 24)
+    assert not attn._native_attention_applies(q, k, 0.0, None)
+    q, k = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
+    assert not attn._native_attention_applies(q, k, 0.1, None)
+    assert not attn._native_attention_applies(q.double(), k.double(), 0.0, None)
+    with native.disabled():
+        assert not attn._native_attention_applies(q, k, 0.0, None)
+    ref = attention(q, k, k, causal=True, backend="sdpa")
+    assert _rel(attention(q, k, k, causal=True), ref) < 1e-6

@@ -267,6 +267,33 @@ class SoftmaxDropoutFunction(torch.autograd.Function):
         return native.softmax_dropout_backward(probs, m, d_dropped, ctx.scale), None, None
 
 
+class NativeFlashAttention(torch.autograd.Function):
+    """softmax(scale Q K^T + M_causal) V on fp32 CPU by megaformer's native FlashAttention-2 kernel
+    (:mod:`megaformer.kernels.native`); saves q, k, v, O and lse as SDPA's flash kernel does. O is
+    [B, T, H, D] in memory, so the output projection reads it without a transpose copy."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,  # type: ignore[override]
+                scale: float) -> torch.Tensor:
+        o, lse = native.flash_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):  # type: ignore[override]
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = native.flash_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _native_attention_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float,
+                              doc_ids: Optional[torch.Tensor]) -> bool:
+    """backend=auto on fp32 CPU without dropout or document mask, where the kernel takes the shape."""
+    return (dropout_p == 0 and doc_ids is None and native.usable(q) and k.dtype == torch.float32
+            and native.flash_supported(q, k))
+
+
 def _cpu_dropout_attention(q, k, v, causal: bool, dropout_p: float, scale: float,
                            mask: Optional[torch.Tensor]) -> torch.Tensor:
     """softmax((Q scale) K^T + M) with dropout, times V, on CPU: what torch's SDPA runs there when
@@ -370,5 +397,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     name, reason = _resolve_cached(backend, q.device.type, q.dtype, q.shape[-1])
+    if backend == "auto" and name == "sdpa" and _native_attention_applies(q, k, dropout_p, doc_ids):
+        _announce("native", "megaformer's native CPU FlashAttention-2 kernel (fp32, no dropout; "
+                            "torch SDPA otherwise)")
+        return NativeFlashAttention.apply(q, k, v, causal, scale)
     _announce(name, reason)
     return _IMPLS[name](q, k, v, causal, dropout_p, scale, doc_ids)

@@ -12,6 +12,10 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef int64_t i64;
 typedef uint32_t u32;
@@ -294,5 +298,207 @@ void mf_rope(const float *x, const float *c, const float *s, float *y, i64 b, i6
                 y2[i] = x2[i] * cr[i] + x1[i] * sr[i];
             }
         }
+    }
+}
+
+/* ---- Small GEMMs for the attention kernels ----
+ * C[4][16] (+)= A[4][K] B[K][16] with A[r][k] at A + r ars + k aks (so A^T is a stride swap), B rows
+ * ldb apart, C rows ldc apart: AVX2+FMA intrinsics with 8 accumulators in registers; plain C
+ * elsewhere. */
+static inline void mk_4x16(i64 K, const float *A, i64 ars, i64 aks, const float *Bm, i64 ldb, float *C,
+                           i64 ldc, int zero) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 c[4][2];
+    for (int r = 0; r < 4; r++) {
+        c[r][0] = zero ? _mm256_setzero_ps() : _mm256_loadu_ps(C + r * ldc);
+        c[r][1] = zero ? _mm256_setzero_ps() : _mm256_loadu_ps(C + r * ldc + 8);
+    }
+    for (i64 k = 0; k < K; k++) {
+        __m256 b0 = _mm256_loadu_ps(Bm + k * ldb), b1 = _mm256_loadu_ps(Bm + k * ldb + 8);
+        for (int r = 0; r < 4; r++) {
+            __m256 a = _mm256_broadcast_ss(A + r * ars + k * aks);
+            c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        _mm256_storeu_ps(C + r * ldc, c[r][0]);
+        _mm256_storeu_ps(C + r * ldc + 8, c[r][1]);
+    }
+#else
+    float c[4][16];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 16; j++) c[r][j] = zero ? 0.0f : C[r * ldc + j];
+    for (i64 k = 0; k < K; k++)
+        for (int r = 0; r < 4; r++) {
+            float a = A[r * ars + k * aks];
+            for (int j = 0; j < 16; j++) c[r][j] += a * Bm[k * ldb + j];
+        }
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 16; j++) C[r * ldc + j] = c[r][j];
+#endif
+}
+
+/* C[M][N] (+)= A[M][K] B[K][N] (A strided as above), M % 4 == 0, N % 16 == 0 */
+static void mm_small(i64 M, i64 N, i64 K, const float *A, i64 ars, i64 aks, const float *Bm, i64 ldb,
+                     float *C, i64 ldc, int zero) {
+    for (i64 i = 0; i < M; i += 4)
+        for (i64 j = 0; j < N; j += 16) mk_4x16(K, A + i * ars, ars, aks, Bm + j, ldb, C + i * ldc + j, ldc, zero);
+}
+
+/* ---- Causal / full attention for small head dimensions (FlashAttention-2's algorithm) ----
+ * q [b, h, t, d] (strides qs_), k, v [b, hk, s, d] (strides), d contiguous, d % 16 == 0; query head
+ * hi reads key/value head hi / (h / hk). o is written [b, t, h, d] (contiguous), lse [b, h, t].
+ * One work unit = one (batch, key/value head): it packs K^T, V (and for backward K, V^T) once and
+ * runs all the query heads sharing them, so dK, dV and dQ are private to the unit. */
+
+#define BQ 32
+#define BK 64
+
+static float *mf_alloc(i64 n) { return (float *)aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64)); }
+
+/* packed copies of one (batch, kv head): kt [d][sp] = K^T, kr [sp][d] = K (same for V), zero padded */
+static void mf_pack(const float *x, i64 xs, i64 s, i64 sp, i64 d, float *rows, float *cols) {
+    for (i64 j = 0; j < sp; j++)
+        for (i64 c = 0; c < d; c++) {
+            float val = j < s ? x[j * xs + c] : 0.0f;
+            if (rows) rows[j * d + c] = val;
+            if (cols) cols[c * sp + j] = val;
+        }
+}
+
+/* p[i][j] = exp(sc[i][j] - base[i]) for allowed keys (j < lim_i), else 0 */
+static inline i64 mf_limit(int causal, i64 i, i64 off, i64 j0, i64 nk) {
+    i64 lim = causal ? i + off - j0 + 1 : nk;
+    return lim > nk ? nk : (lim < 0 ? 0 : lim);
+}
+
+void mf_flash_fwd(const float *q, const float *k, const float *v, float *o, float *lse, i64 B, i64 H,
+                  i64 HK, i64 T, i64 S, i64 D, i64 qb, i64 qh, i64 qt, i64 kb, i64 kh, i64 kt, i64 vb,
+                  i64 vh, i64 vt, float scale, int causal, int nt) {
+    i64 G = H / HK, off = S - T, sp = (S + BK - 1) / BK * BK;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (i64 u = 0; u < B * HK; u++) {
+        i64 bi = u / HK, hk = u % HK;
+        float *ktr = mf_alloc(D * sp), *vr = mf_alloc(sp * D), *qs = mf_alloc(BQ * D),
+              *acc = mf_alloc(BQ * D), *sc = mf_alloc(BQ * BK);
+        float m[BQ], l[BQ];
+        mf_pack(k + bi * kb + hk * kh, kt, S, sp, D, 0, ktr);
+        mf_pack(v + bi * vb + hk * vh, vt, S, sp, D, vr, 0);
+        for (i64 hi = hk * G; hi < hk * G + G; hi++) {
+            const float *qp = q + bi * qb + hi * qh;
+            for (i64 i0 = 0; i0 < T; i0 += BQ) {
+                i64 nq = T - i0 < BQ ? T - i0 : BQ;
+                for (i64 i = 0; i < BQ; i++) {
+                    m[i] = -3.0e38f;
+                    l[i] = 0.0f;
+                    for (i64 c = 0; c < D; c++) {
+                        qs[i * D + c] = i < nq ? qp[(i0 + i) * qt + c] * scale : 0.0f;
+                        acc[i * D + c] = 0.0f;
+                    }
+                }
+                i64 jend = causal ? i0 + nq + off : S;
+                jend = jend > S ? S : jend;
+                for (i64 j0 = 0; j0 < jend; j0 += BK) {
+                    i64 nk = jend - j0 < BK ? jend - j0 : BK;
+                    mm_small(BQ, BK, D, qs, D, 1, ktr + j0, sp, sc, BK, 1);
+                    for (i64 i = 0; i < BQ; i++) {
+                        float *srow = sc + i * BK;
+                        i64 lim = i < nq ? mf_limit(causal, i0 + i, off, j0, nk) : 0;
+                        float mx = m[i];
+#pragma omp simd reduction(max : mx)
+                        for (i64 j = 0; j < lim; j++) mx = srow[j] > mx ? srow[j] : mx;
+                        float corr = mf_exp(m[i] - mx), sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                        for (i64 j = 0; j < lim; j++) {
+                            float e = mf_exp(srow[j] - mx);
+                            srow[j] = e;
+                            sum += e;
+                        }
+                        for (i64 j = lim; j < BK; j++) srow[j] = 0.0f;
+                        l[i] = l[i] * corr + sum;
+                        m[i] = mx;
+                        for (i64 c = 0; c < D; c++) acc[i * D + c] *= corr;
+                    }
+                    mm_small(BQ, D, BK, sc, BK, 1, vr + j0 * D, D, acc, D, 0);
+                }
+                for (i64 i = 0; i < nq; i++) {
+                    float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+                    float *oi = o + ((bi * T + i0 + i) * H + hi) * D;
+                    for (i64 c = 0; c < D; c++) oi[c] = acc[i * D + c] * inv;
+                    lse[(bi * H + hi) * T + i0 + i] = l[i] > 0.0f ? m[i] + __builtin_logf(l[i]) : 3.0e38f;
+                }
+            }
+        }
+        free(ktr); free(vr); free(qs); free(acc); free(sc);
+    }
+}
+
+/* dq [b, t, h, d], dk, dv [b, s, hk, d] (contiguous); do_ with strides like q; o, lse from forward */
+void mf_flash_bwd(const float *q, const float *k, const float *v, const float *o, const float *lse,
+                  const float *dout, float *dq, float *dk, float *dv, i64 B, i64 H, i64 HK, i64 T, i64 S,
+                  i64 D, i64 qb, i64 qh, i64 qt, i64 kb, i64 kh, i64 kt, i64 vb, i64 vh, i64 vt, i64 gb,
+                  i64 gh, i64 gt, float scale, int causal, int nt) {
+    i64 G = H / HK, off = S - T, sp = (S + BK - 1) / BK * BK;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (i64 u = 0; u < B * HK; u++) {
+        i64 bi = u / HK, hk = u % HK;
+        float *ktr = mf_alloc(D * sp), *kr = mf_alloc(sp * D), *vtr = mf_alloc(D * sp),
+              *dka = mf_alloc(sp * D), *dva = mf_alloc(sp * D), *qs = mf_alloc(BQ * D),
+              *gs = mf_alloc(BQ * D), *dqa = mf_alloc(BQ * D), *p = mf_alloc(BQ * BK),
+              *dp = mf_alloc(BQ * BK);
+        float di[BQ], li[BQ];
+        mf_pack(k + bi * kb + hk * kh, kt, S, sp, D, kr, ktr);
+        mf_pack(v + bi * vb + hk * vh, vt, S, sp, D, 0, vtr);
+        for (i64 j = 0; j < sp * D; j++) { dka[j] = 0.0f; dva[j] = 0.0f; }
+        for (i64 hi = hk * G; hi < hk * G + G; hi++) {
+            const float *qp = q + bi * qb + hi * qh, *gp = dout + bi * gb + hi * gh;
+            for (i64 i0 = 0; i0 < T; i0 += BQ) {
+                i64 nq = T - i0 < BQ ? T - i0 : BQ;
+                for (i64 i = 0; i < BQ; i++) {
+                    float dot = 0.0f;
+                    const float *oi = o + ((bi * T + i0 + i) * H + hi) * D;
+                    for (i64 c = 0; c < D; c++) {
+                        float g = i < nq ? gp[(i0 + i) * gt + c] : 0.0f;
+                        qs[i * D + c] = i < nq ? qp[(i0 + i) * qt + c] * scale : 0.0f;
+                        gs[i * D + c] = g;
+                        dqa[i * D + c] = 0.0f;
+                        dot += i < nq ? g * oi[c] : 0.0f;
+                    }
+                    di[i] = dot;
+                    li[i] = i < nq ? lse[(bi * H + hi) * T + i0 + i] : 0.0f;
+                }
+                i64 jend = causal ? i0 + nq + off : S;
+                jend = jend > S ? S : jend;
+                for (i64 j0 = 0; j0 < jend; j0 += BK) {
+                    i64 nk = jend - j0 < BK ? jend - j0 : BK;
+                    mm_small(BQ, BK, D, qs, D, 1, ktr + j0, sp, p, BK, 1);        /* S = (scale Q) K^T */
+                    mm_small(BQ, BK, D, gs, D, 1, vtr + j0, sp, dp, BK, 1);       /* dP = dO V^T */
+                    for (i64 i = 0; i < BQ; i++) {
+                        i64 lim = i < nq ? mf_limit(causal, i0 + i, off, j0, nk) : 0;
+                        float *pr = p + i * BK, *dr = dp + i * BK;
+                        for (i64 j = 0; j < lim; j++) {
+                            float e = mf_exp(pr[j] - li[i]);                     /* P */
+                            dr[j] = e * (dr[j] - di[i]);                         /* dS = P (dP - D_i) */
+                            pr[j] = e;
+                        }
+                        for (i64 j = lim; j < BK; j++) pr[j] = dr[j] = 0.0f;
+                    }
+                    mm_small(BK, D, BQ, p, 1, BK, gs, D, dva + j0 * D, D, 0);     /* dV += P^T dO */
+                    mm_small(BQ, D, BK, dp, BK, 1, kr + j0 * D, D, dqa, D, 0);    /* dQ += dS K */
+                    mm_small(BK, D, BQ, dp, 1, BK, qs, D, dka + j0 * D, D, 0);    /* dK += dS^T (scale Q) */
+                }
+                for (i64 i = 0; i < nq; i++) {
+                    float *row = dq + ((bi * T + i0 + i) * H + hi) * D;
+                    for (i64 c = 0; c < D; c++) row[c] = dqa[i * D + c] * scale;
+                }
+            }
+        }
+        for (i64 j = 0; j < S; j++) {
+            float *kj = dk + ((bi * S + j) * HK + hk) * D, *vj = dv + ((bi * S + j) * HK + hk) * D;
+            for (i64 c = 0; c < D; c++) { kj[c] = dka[j * D + c]; vj[c] = dva[j * D + c]; }
+        }
+        free(ktr); free(kr); free(vtr); free(dka); free(dva); free(qs); free(gs); free(dqa);
+        free(p); free(dp);
     }
 }

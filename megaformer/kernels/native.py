@@ -9,6 +9,11 @@ Each kernel is one pass over memory where torch composes several elementwise ops
                              dx = dy m / q
     attention probabilities: P = softmax(S + M_causal),  Pd = P m / q   (one kernel, m saved as bytes)
                              dS = P (dP - sum_j P_j dP_j),  dP = dPd m / q
+    attention (no dropout):  O = softmax(scale Q K^T + M_causal) V by FlashAttention-2's blocks (32
+                             queries x 64 keys, online softmax, lse saved); backward recomputes P
+                             from lse: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
+                             dQ = scale dS K, dK = scale dS^T Q; the block products on an AVX2 4x16
+                             register-tiled kernel; one work unit per (batch, key/value head)
     RMSNorm:                 r = 1 / sqrt(|x|^2 / n + eps),  y = x r w;
                              dx = r dy w - x r^3 (dy w . x) / n,  dw = sum_rows dy x r
     RoPE (halves x1, x2):    y1 = x1 c - x2 s,  y2 = x2 c + x1 s   (backward: the same with -s)
@@ -60,6 +65,8 @@ SIGNATURES = {
     "mf_rmsnorm_fwd": (_P, _P, _P, _P, _I64, _I64, _F, _INT),
     "mf_rmsnorm_bwd": (_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT),
     "mf_rope": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT),
+    "mf_flash_fwd": (_P,) * 5 + (_I64,) * 15 + (_F, _INT, _INT),
+    "mf_flash_bwd": (_P,) * 9 + (_I64,) * 18 + (_F, _INT, _INT),
     "mf_xent_fwd": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT),
     "mf_xent_bwd": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _INT),
 }
@@ -297,3 +304,39 @@ def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     library().mf_rope(_ptr(x), _ptr(c), _ptr(s), _ptr(y), b, t, h, d, x.stride(0), x.stride(2),
                       x.stride(1), _threads())
     return y.transpose(1, 2)
+
+
+def flash_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The native attention kernel takes these: head_dim a multiple of 16, whole GQA groups."""
+    return q.shape[-1] % 16 == 0 and q.shape[1] % k.shape[1] == 0
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [B, T, H, D] contiguous, lse [B, H, T]) for q [B, H, T, D], k, v [B, Hkv, S, D]."""
+    q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
+    b, h, t, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    o, lse = torch.empty(b, t, h, d), torch.empty(b, h, t)
+    library().mf_flash_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), b, h, hk, t, s, d,
+                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], scale, int(causal),
+                           _threads())
+    return o, lse
+
+
+def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, do: torch.Tensor, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) as [B, H, T, D] / [B, Hkv, S, D] views of [B, T, H, D] / [B, S, Hkv, D] storage."""
+    q, k, v, do = (_last_dim_dense(x) for x in (q, k, v, do))
+    b, h, t, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty(b, t, h, d), torch.empty(b, s, hk, d), torch.empty(b, s, hk, d)
+    library().mf_flash_bwd(_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), _ptr(do), _ptr(dq), _ptr(dk),
+                           _ptr(dv), b, h, hk, t, s, d, *q.stride()[:3], *k.stride()[:3],
+                           *v.stride()[:3], *do.stride()[:3], scale, int(causal), _threads())
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
