@@ -310,8 +310,8 @@ def format_bench(r: dict) -> str:
         lines.append(f"host allocator: {r.get('host_malloc', 'default')} (train.cpu_malloc; process-wide, "
                      f"the same for both models); faults = minor page faults per step (median)")
         if "native_kernels" in r:
-            lines.append(f"megaformer's {r['native_kernels']} (model.fused_kernels=auto, fp32)"
-                         if r["native_kernels"] != "off" else "native CPU kernels: off (model.fused_kernels)")
+            lines.append(f"megaformer side: {r['native_kernels']}" if r["native_kernels"] != "off"
+                         else "megaformer side: native CPU kernels off (model.fused_kernels=torch)")
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)
