@@ -67,7 +67,9 @@ class ModelConfig:
     init_std: float = option(0.02, "Std of the normal initialisation; residual-output projections "
                                    "use init_std / sqrt(2 * n_layers).")
     attention_backend: str = option(
-        "auto", "Attention kernel: auto (flash-attn on CUDA fp16/bf16, else torch SDPA), or force one.",
+        "auto", "Attention kernel: auto (flash-attn on CUDA fp16/bf16; megaformer's native CPU "
+                "FlashAttention-2 kernel on fp32 CPU in eager mode without attention dropout or "
+                "document mask, head_dim a multiple of 16; else torch SDPA), or force one.",
         ("auto", "flash", "sdpa", "reference"))
     fused_kernels: str = option(
         "auto", "Fused FFN activation (SwiGLU, bias-GELU) and norm kernels: auto (Triton on CUDA when "

@@ -139,6 +139,21 @@ def _adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     return build_optimizer(model, cfg.train)
 
 
+def _native_parts(cfg: Config, dev: torch.device) -> list[str]:
+    """Which of megaformer's native CPU kernels its training steps use under this config."""
+    from megaformer.kernels.attention import trains_on_native_kernel
+
+    m, fp32 = cfg.model, cfg.train.precision == "fp32"
+    if native.library() is None or dev.type != "cpu" or not fp32:
+        return []
+    parts = ["attention"] if trains_on_native_kernel(m.attention_backend, dev, torch.float32, m.head_dim,
+                                                       m.attention_dropout, m.document_mask,
+                                                       cfg.train.compile) else []
+    if m.fused_kernels == "auto":
+        parts.append("elementwise (SwiGLU, RMSNorm, RoPE, dropout, cross-entropy)")
+    return parts
+
+
 def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> list[Callable[[], Runner]]:
     """Builders of the runners (megaformer, then optionally transformers), called when needed."""
     from megaformer.model.transformer import Transformer
@@ -270,7 +285,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
            "model_flops_per_step": flops, "peak_tflops": peak_value, "results": results,
            "sequential": sequential, "host_malloc": host_malloc}
     if dev.type == "cpu":
-        out["native_kernels"] = native.status() if cfg.model.fused_kernels == "auto" else "off"
+        out["native_kernels"], out["native_used"] = native.status(), _native_parts(cfg, dev)
     if compare_hf and all("tokens_per_s" in r for r in results):
         out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
         if not sequential:
@@ -310,8 +325,8 @@ def format_bench(r: dict) -> str:
         lines.append(f"host allocator: {r.get('host_malloc', 'default')} (train.cpu_malloc; process-wide, "
                      f"the same for both models); faults = minor page faults per step (median)")
         if "native_kernels" in r:
-            lines.append(f"megaformer side: {r['native_kernels']}" if r["native_kernels"] != "off"
-                         else "megaformer side: native CPU kernels off (model.fused_kernels=torch)")
+            used = ", ".join(r["native_used"]) or "nothing (model.fused_kernels / attention_backend)"
+            lines.append(f"megaformer side: native CPU kernels used for {used}; {r['native_kernels']}")
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)

@@ -294,6 +294,15 @@ def _native_attention_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float
             and native.flash_supported(q, k))
 
 
+def trains_on_native_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                            attention_dropout: float, document_mask: bool, compiled: bool) -> bool:
+    """Whether a model's training steps take the native CPU attention kernel (for the trainer's
+    start-up summary; :func:`attention` decides per call by the same rule)."""
+    return (requested == "auto" and device.type == "cpu" and dtype == torch.float32 and not compiled
+            and head_dim % 16 == 0 and attention_dropout == 0 and not document_mask
+            and native.library() is not None)
+
+
 def _cpu_dropout_attention(q, k, v, causal: bool, dropout_p: float, scale: float,
                            mask: Optional[torch.Tensor]) -> torch.Tensor:
     """softmax((Q scale) K^T + M) with dropout, times V, on CPU: what torch's SDPA runs there when

@@ -225,11 +225,17 @@ class Trainer:
         # Another layout: model and optimizer from the layout-free state, not DeepSpeed's files.
         self.relayout = (_relayout_changes(cfg, self.resume_from, self.proc.world_size)
                          if self.resume_from is not None and not self.init_only else [])
-        from megaformer.kernels.attention import resolve_backend
+        from megaformer.kernels.attention import resolve_backend, trains_on_native_kernel
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        self.attention_backend = resolve_backend(cfg.model.attention_backend, self.proc.device,
+        m = cfg.model
+        self.attention_backend = resolve_backend(m.attention_backend, self.proc.device,
                                                  dtype[cfg.train.precision])
+        if trains_on_native_kernel(m.attention_backend, self.proc.device, dtype[cfg.train.precision],
+                                   m.head_dim, m.attention_dropout, m.document_mask,
+                                   cfg.train.compile):
+            self.attention_backend = ("native", "megaformer's native CPU FlashAttention-2 kernel; "
+                                                "attention_backend=sdpa for torch's")
         self.cfg = cfg
         self.rank = self.proc.rank
         self.is_main = self.proc.is_main
