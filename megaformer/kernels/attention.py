@@ -291,7 +291,7 @@ def _native_attention_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float
                               doc_ids: Optional[torch.Tensor]) -> bool:
     """backend=auto on fp32 CPU without dropout or document mask, where the kernel takes the shape."""
     return (dropout_p == 0 and doc_ids is None and native.usable(q) and k.dtype == torch.float32
-            and native.flash_supported(q, k))
+            and native.flash_supported(q.shape[-1]))
 
 
 def trains_on_native_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -299,7 +299,7 @@ def trains_on_native_kernel(requested: str, device: torch.device, dtype: torch.d
     """Whether a model's training steps take the native CPU attention kernel (for the trainer's
     start-up summary; :func:`attention` decides per call by the same rule)."""
     return (requested == "auto" and device.type == "cpu" and dtype == torch.float32 and not compiled
-            and head_dim % 16 == 0 and attention_dropout == 0 and not document_mask
+            and native.flash_supported(head_dim) and attention_dropout == 0 and not document_mask
             and native.library() is not None)
 
 
