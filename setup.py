@@ -15,9 +15,12 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megaformer", "megaformer.*"]),
-    package_data={"megaformer.kernels": ["cpu_native.c"]},  # built on first use (kernels/native.py)
+    # C sources built on first use (kernels/native.py)
+    package_data={"megaformer.kernels": ["cpu_native.c"], "megaformer.data": ["blend.c"]},
     install_requires=[
-        "torch>=2.4",
+        # torch 2.10 closes the known ways to run code through torch.load(weights_only=True)
+        # (CVE-2025-32434 fixed in 2.6, CVE-2026-24747 in 2.10); megaformer loads every .pt file so.
+        "torch>=2.10",
         "deepspeed>=0.19,<0.20",
         "numpy>=1.24",
         "pyyaml>=6.0",
@@ -25,14 +28,16 @@ setup(
         "tensorboard>=2.14",
         "tokenizers>=0.19",
         "safetensors>=0.4",
-        "datasets>=2.19",
+        # datasets 4 never runs a hub dataset's Python loading script (data only).
+        "datasets>=4.0",
         "matplotlib>=3.7",
     ],
     extras_require={
         # transformers: Hugging Face parity tests and `bench --compare-hf`; matplotlib: reports;
-        # triton: its interpreter runs the fused kernels on CPU in the tests (TRITON_INTERPRET=1).
+        # triton: its interpreter runs the fused kernels on CPU in the tests (TRITON_INTERPRET=1);
+        # mkdocs + mkdocs-material: the documentation site, built with --strict by the tests.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.44", "matplotlib>=3.7",
-                 "triton>=3.5; platform_system == 'Linux'"],
+                 "triton>=3.5; platform_system == 'Linux'", "mkdocs>=1.6", "mkdocs-material>=9.5"],
         # Optional accelerators: flash-attn (CUDA) and NVIDIA apex (built from source, never the
         # unrelated PyPI package called "apex") are used when importable.
         "gpu": ["flash-attn>=2.5", "triton>=3.5"],

@@ -1,3 +1,25 @@
-"""megaformer: distributed pretraining of decoder-only Transformers on PyTorch + DeepSpeed."""
+"""megaformer: distributed pretraining of decoder-only Transformers on PyTorch + DeepSpeed.
+
+Layering: each layer imports only from the layers below it (tests/test_layering.py checks every
+import, including those inside functions)::
+
+    cli, __main__        the command line
+    training             the DeepSpeed engine, the loop, resume, schedules, signals
+    analysis             FLOPs, memory, planner, throughput, bench (never an engine)
+    diagnostics          residual-stream and weight diagnostics, plots
+    generation           text generation from a model or a checkpoint
+    checkpoint           save / resume / reshard, Hugging Face adapters, resume compatibility
+    data                 tokenizers, indexed datasets, packing and blending, data setup
+    parallel, runtime    the TP x PP x DP topology, tensor-parallel plan, pipeline stages,
+                         recomputation, build_model, gradient norm | optimizer, host allocator,
+                         run-directory lock
+    model                plain PyTorch layers of the Transformer
+    kernels              one function per op that owns its backend choice
+    errors, config, accelerators, comm, deepspeed_attrs, safe_files
+                         user errors, the typed config, the peak table, communication
+                         primitives, DeepSpeed's parameter attributes, safe file writes
+
+``parallel`` and ``runtime`` do not import each other.
+"""
 
 __version__ = "0.1.0"

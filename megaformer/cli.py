@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     prep.add_argument("--input", metavar="SRC",
                       help="local .json/.jsonl/.parquet/.txt/.arrow file, folder or glob, 'stdlib', "
-                           "or a Hugging Face hub dataset NAME[:CONFIG][@SPLIT] ('hf:' forces the hub)")
+                           "or a Hugging Face hub dataset hf:NAME[:CONFIG][@SPLIT] (only hf: reaches the network)")
     prep.add_argument("--tokenizer", metavar="SPEC",
                       help="byte, bpe:VOCAB_SIZE (byte-level BPE trained on SRC), or a tokenizer.json "
                            "file or folder")
@@ -123,7 +123,50 @@ def build_parser() -> argparse.ArgumentParser:
     from megaformer.analysis.commands import add_parsers
 
     add_parsers(sub)  # flops, plan, report, bench
+    _add_check_parser(sub)
+    _add_env_parser(sub)
     return parser
+
+
+def _add_env_parser(sub) -> None:
+    env = sub.add_parser(
+        "env", help="versions, GPUs and kernels of this machine, for an issue report",
+        description="Print what an issue report needs: megaformer, Python, torch (with its CUDA, "
+                    "cuDNN and NCCL), deepspeed, flash-attn, triton, apex, transformers, the GPUs "
+                    "with their peak-table entry, which implementation runs for each op, and the C "
+                    "compiler of the native CPU kernels.")
+    env.add_argument("--config", metavar="CONFIG",
+                     help="YAML config whose model and train.precision the kernel rows describe "
+                          "(default: the default model section, bf16 on CUDA, fp32 on CPU)")
+
+
+def _add_check_parser(sub) -> None:
+    chk = sub.add_parser(
+        "check", help="preflight check of this node: kernels, matmul/attention TFLOP/s, all-reduce",
+        description="\n\n".join(textwrap.fill(p, 88) for p in (
+            "Check the node(s) before a long job. Each rank checks its own device: every kernel "
+            "(attention, SwiGLU, bias-GELU, RMSNorm, LayerNorm, RoPE, cross-entropy, linear, "
+            "dropout) against a float64 torch formula, forward and backward, in bf16/fp16/fp32 on "
+            "a GPU (fp32 on CPU); bf16 matmul and attention TFLOP/s against the peak table; under "
+            "torchrun/srun with several ranks, the all-reduce bus bandwidth (nccl-tests' busbw) "
+            "per rank. A GPU, or a rank's all-reduce bandwidth, more than 10% below its peers "
+            "fails. Rank 0 prints one table; the exit code is 1 when a check failed.",
+            "On CPU the kernels are checked in fp32, the matmul throughput is measured (no peak) "
+            "and the all-reduce runs over gloo; the rows that need a GPU say so.")),
+        epilog="examples:\n"
+               "  megaformer check\n"
+               "  torchrun --nproc_per_node 8 -m megaformer check\n"
+               "  srun -N 4 --ntasks-per-node 8 python -m megaformer check --sizes 64MiB,1GiB",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    chk.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                     help="cuda (this rank's GPU: cuda:LOCAL_RANK) or cpu (default: cuda when "
+                          "available)")
+    chk.add_argument("--sizes", metavar="SIZES",
+                     help="all-reduce message sizes, comma-separated, e.g. 1MiB,64MiB,1GiB "
+                          "(default 1MiB,16MiB,256MiB on GPUs, 256KiB,4MiB on CPU)")
+    chk.add_argument("--peak-tflops", type=float,
+                     help="peak TFLOP/s per GPU instead of the table's (a GPU not in the table)")
+    chk.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def _add_convert_parser(sub) -> None:
@@ -182,9 +225,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise UserError("train: missing CONFIG (a YAML file, e.g. configs/quickstart.yaml)")
-    from megaformer.config import load_config
+    from megaformer.config import load_config, validate_for_training
 
     cfg = load_config(args.config, args.overrides)
+    validate_for_training(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.name
     if args.world_size is not None:
         from megaformer.config import validate_for_world
@@ -303,6 +347,51 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from megaformer.analysis.env import collect, format_report
+
+    model_cfg = dtype = None
+    if args.config:
+        import torch
+
+        from megaformer.config import load_config
+
+        cfg = load_config(args.config)
+        model_cfg = cfg.model
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+    print(format_report(*collect(model_cfg, dtype=dtype)))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from megaformer.analysis.check import failed, format_table, parse_sizes, run_check, to_json
+    from megaformer.training.distributed import detect_process, init_distributed
+
+    sizes = parse_sizes(args.sizes) if args.sizes else None
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise UserError(f"--peak-tflops {args.peak_tflops}: must be > 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("check --device cuda: no CUDA device is visible to this process")
+    proc = detect_process(args.device)
+    if proc.device.type == "cuda":
+        torch.cuda.set_device(proc.device)
+    created = proc.world_size > 1 and not torch.distributed.is_initialized()
+    if created:
+        init_distributed(proc)
+    try:
+        rows = run_check(proc.device, sizes=sizes, peak=args.peak_tflops)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+    if proc.is_main:
+        print(json.dumps(to_json(rows), indent=2) if args.json else format_table(rows))
+    return 1 if failed(rows) else 0
+
+
 def _report(error: UserError) -> None:
     """One line on stderr. Under a launcher, config errors (the same on every rank) are printed by
     rank 0 only; other errors may be rank-specific and name their rank."""
@@ -313,14 +402,28 @@ def _report(error: UserError) -> None:
         print(f"megaformer: error (rank {rank}): {error}", file=sys.stderr)
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """Parse ``argv`` with overrides and flags in any order: KEY=VALUE words after a flag (which
+    argparse leaves over once the positionals are filled) join the subcommand's overrides."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+        if hasattr(args, "overrides") and len(overrides) == len(extra):
+            args.overrides = list(args.overrides or []) + overrides
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(e for e in extra if e not in overrides)}")
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
     handlers = {"train": cmd_train, "generate": cmd_generate, "prepare-data": cmd_prepare_data,
-                "convert": cmd_convert, "inspect": cmd_inspect}
+                "convert": cmd_convert, "inspect": cmd_inspect, "check": cmd_check,
+                "env": cmd_env}
     from megaformer.analysis.commands import HANDLERS
 
     handlers.update(HANDLERS)

@@ -2,12 +2,14 @@
 
 A config has the sections ``model``, ``parallel``, ``data``, ``train``, ``eval``, ``checkpoint``,
 ``log`` and a pass-through ``deepspeed`` dict. Every key is declared below with its type, default and
-documentation (``doc`` in the field metadata); ``megaformer train --help-config`` and the README table
+documentation (``doc`` in the field metadata); ``megaformer train --help-config`` and docs/configuration.md
 are generated from these declarations, so they cannot drift.
 
-Loading goes YAML (safe loader) -> dotted overrides (``train.steps=50``) -> type checks per key ->
-cross-key checks. Any problem raises :class:`~megaformer.errors.ConfigError` with one line naming the
-key, the value and what is allowed, before any process group starts.
+Loading goes YAML (safe loader, no anchors/aliases, bounded size) -> dotted overrides
+(``train.steps=50``) -> type checks per key -> cross-key checks. Any problem raises
+:class:`~megaformer.errors.ConfigError` with one line naming the key, the value and what is
+allowed, before any process group starts. The ``deepspeed`` section is an allowlist of reviewed
+keys (:data:`DEEPSPEED_ALLOWED`).
 """
 
 from __future__ import annotations
@@ -69,19 +71,13 @@ class ModelConfig:
     attention_backend: str = option(
         "auto", "Attention kernel: auto (flash-attn on CUDA fp16/bf16; megaformer's native CPU "
                 "FlashAttention-2 kernel on fp32 CPU in eager mode without attention dropout or "
-                "document mask, head_dim a multiple of 16; else torch SDPA), or force one.",
+                "document mask, head_dim a multiple of 16; else torch SDPA, whose own backend "
+                "choice MEGAFORMER_SDPA_BACKENDS can override), or force one.",
         ("auto", "flash", "sdpa", "reference"))
     fused_kernels: str = option(
-        "auto", "Fused FFN activation (SwiGLU, bias-GELU) and norm kernels: auto (Triton on CUDA when "
-                "triton is installed; norms use apex when installed, else the faster of Triton and "
-                "torch's native op, measured once and logged; torch ops elsewhere; on fp32 CPU "
-                "tensors the linear layers' GEMMs go to oneDNN by a shape rule, see "
-                "megaformer/kernels/gemm.py, and in eager mode SwiGLU, RMSNorm, RoPE, dropout, the "
-                "attention softmax with dropout and the cross-entropy run as megaformer's native "
-                "CPU kernels, built on first use with the system C compiler (torch ops where none "
-                "works; MEGAFORMER_NATIVE=0 turns them off), see megaformer/kernels/native.py) or "
-                "torch (always the unfused torch ops and F.linear). "
-                "q/k/v and the SwiGLU gate/up are one GEMM either way.", ("auto", "torch"))
+        "auto", "auto: the fastest implementation of each op that runs here (Triton, apex, oneDNN, "
+                "megaformer's native CPU kernels); torch: plain torch ops everywhere. The trainer "
+                "logs which one runs per op; docs/kernels.md lists them.", ("auto", "torch"))
     loss_chunk_tokens: int = option(
         0, "0 = logits then cross-entropy (materialises [tokens, vocab] fp32 logits); N > 0 = the "
            "output projection fused with the cross-entropy over N tokens at a time (its gradients "
@@ -157,9 +153,10 @@ class DataConfig:
               "PREFIX.idx, from `megaformer prepare-data`, Megatron-LM or GPT-NeoX) or sources that are "
               "prepared on the fly with data.tokenizer and cached under data.cache_dir (local "
               ".json/.jsonl/.parquet/.txt/.arrow files, globs or folders, 'stdlib', or a Hugging Face "
-              "hub dataset NAME[:CONFIG][@SPLIT], streamed; prefix 'hf:' forces the hub). Samples of "
+              "hub dataset hf:NAME[:CONFIG][@SPLIT], streamed: only the hf: prefix reaches the "
+              "network, an entry naming nothing local is an error). Samples of "
               "seq_len + 1 tokens are packed across documents and shuffled per epoch. "
-              "null or [] = the M1 in-memory path over data.source.")
+              "null or [] = the in-memory path over data.source.")
     weights: Optional[list[float]] = option(
         None, "Blend weights, one per data.paths entry (normalised to sum 1; each dataset's count in "
               "any prefix of the sample stream stays within one sample of weight * length); null = "
@@ -218,7 +215,7 @@ class TrainConfig:
     adam_eps: float = option(1e-8, "AdamW epsilon.")
     adam_impl: str = option(
         "auto", "AdamW implementation: fused (torch's one-pass kernel per parameter: reads p, g, m, v "
-                "once, ~5x faster than foreach for GPT-2 124M on CPU), foreach (torch's multi-tensor "
+                "once), foreach (torch's multi-tensor "
                 "ops, one pass per operation) or auto (fused when every parameter is a floating "
                 "tensor on CPU or CUDA, else foreach). Same update either way up to rounding.",
         ("auto", "fused", "foreach"))
@@ -334,6 +331,68 @@ DERIVED_DEEPSPEED_KEYS = {
 }
 
 
+# The DeepSpeed keys megaformer has reviewed and passes through: a key maps to None (any scalar
+# value), to a set of allowed scalar values, or to a nested allowlist. Everything else is refused by
+# name: DeepSpeed keys can load pickles (checkpoint.load_universal), write files anywhere
+# (flops_profiler.output_file, monitors, NVMe offload paths), import modules
+# (torch_autocast.lower_precision_safe_modules) or reach the network (wandb, comet).
+_OFFLOAD = {"device": {"cpu", "none"}, "pin_memory": None}
+DEEPSPEED_ALLOWED: dict = {
+    "zero_optimization": {
+        "reduce_bucket_size": None, "allgather_bucket_size": None, "overlap_comm": None,
+        "contiguous_gradients": None, "reduce_scatter": None, "allgather_partitions": None,
+        "round_robin_gradients": None, "sub_group_size": None, "stage3_prefetch_bucket_size": None,
+        "stage3_param_persistence_threshold": None, "stage3_max_live_parameters": None,
+        "stage3_max_reuse_distance": None, "stage3_gather_16bit_weights_on_model_save": None,
+        "offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD,
+    },
+    "communication_data_type": None, "prescale_gradients": None, "gradient_predivide_factor": None,
+    "zero_allow_untested_optimizer": None, "zero_force_ds_cpu_optimizer": None,
+    "steps_per_print": None, "wall_clock_breakdown": None, "memory_breakdown": None,
+    "pipeline": {"pipe_partitioned": None, "grad_partitioned": None},
+    "data_types": {"grad_accum_dtype": None},
+    "comms_logger": {"enabled": None, "verbose": None, "prof_all": None, "debug": None},
+    "flops_profiler": {"enabled": None, "profile_step": None, "module_depth": None,
+                       "top_modules": None, "detailed": None},
+}
+
+
+def deepspeed_keys_doc(allowed: Optional[dict] = None, prefix: str = "") -> str:
+    """The accepted ``deepspeed:`` keys, dotted, for the config reference."""
+    allowed = DEEPSPEED_ALLOWED if allowed is None else allowed
+    out = []
+    for key, rule in allowed.items():
+        if isinstance(rule, dict):
+            out.append(deepspeed_keys_doc(rule, f"{prefix}{key}."))
+        elif isinstance(rule, set):
+            out.append(f"{prefix}{key} ({'/'.join(sorted(rule))})")
+        else:
+            out.append(f"{prefix}{key}")
+    return ", ".join(out)
+
+
+def check_deepspeed_section(ds: Any, allowed: Optional[dict] = None,
+                            prefix: str = "deepspeed") -> None:
+    """Raise ConfigError naming the first ``deepspeed:`` key (or value) that is not reviewed."""
+    allowed = DEEPSPEED_ALLOWED if allowed is None else allowed
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{prefix}: expected a mapping, got {type(ds).__name__}")
+    for key, value in ds.items():
+        name = f"{prefix}.{key}"
+        if key not in allowed:
+            raise ConfigError(f"{name}: not a DeepSpeed key megaformer accepts (accepted here: "
+                              f"{', '.join(allowed)})")
+        rule = allowed[key]
+        if isinstance(rule, dict):
+            check_deepspeed_section(value, rule, name)
+            continue
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise ConfigError(f"{name}={value!r}: expected a single value, got "
+                              f"{type(value).__name__}")
+        if isinstance(rule, set) and value not in rule:
+            raise ConfigError(f"{name}={value!r}: must be one of {', '.join(sorted(rule))}")
+
+
 @dataclass
 class Config:
     """The whole run: see each section's class for its keys."""
@@ -410,6 +469,14 @@ def _coerce(key: str, value: Any, tp: Any, choices: Optional[tuple]) -> Any:
     return value
 
 
+def _did_you_mean(word: str, candidates: Any, prefix: str = "") -> str:
+    """", did you mean 'x'?" for the closest candidate of a likely typo, else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.6)
+    return f", did you mean '{prefix}{close[0]}'?" if close else ""
+
+
 def _build_section(name: str, cls: type, values: Any) -> Any:
     if values is None:
         values = {}
@@ -420,10 +487,39 @@ def _build_section(name: str, cls: type, values: Any) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"unknown config key '{name}.{key}' (known keys in '{name}': "
-                              f"{', '.join(fields)})")
+            raise ConfigError(f"unknown config key '{name}.{key}'{_did_you_mean(key, fields, name + '.')} "
+                              f"(known keys in '{name}': {', '.join(fields)})")
         kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], fields[key].metadata.get("choices"))
     return cls(**kwargs)
+
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing anchors and aliases (``&a`` / ``*a``): a config never needs
+    them, and nested aliases expand exponentially (an "alias bomb")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.composer.ComposerError(
+                None, None, "YAML anchors and aliases (&name / *name) are not accepted in configs",
+                event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def safe_yaml_load(text: str, where: str) -> Any:
+    """``yaml.safe_load`` without anchors/aliases; errors as ConfigError naming ``where``."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None)
+        if problem and "anchors and aliases" in problem:
+            raise ConfigError(f"{where}: {problem}{at}") from None
+        raise ConfigError(f"{where}: not valid YAML{at}") from None
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -434,7 +530,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if len(parts) < 2 or not all(parts):
         raise ConfigError(f"override '{item}': key must be dotted, SECTION.KEY (e.g. train.steps)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        value = yaml.load(raw, Loader=_NoAliasLoader) if raw.strip() != "" else ""
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -463,7 +559,8 @@ def config_from_dict(raw: dict, name: str = "megaformer") -> Config:
     known = list(SECTIONS) + ["deepspeed"]
     for key in raw:
         if key not in known:
-            raise ConfigError(f"unknown config section '{key}' (known sections: {', '.join(known)})")
+            raise ConfigError(f"unknown config section '{key}'{_did_you_mean(key, known)} "
+                              f"(known sections: {', '.join(known)})")
     sections = {n: _build_section(n, cls, raw.get(n)) for n, cls in SECTIONS.items()}
     ds = raw.get("deepspeed") or {}
     if not isinstance(ds, dict):
@@ -475,17 +572,16 @@ def config_from_dict(raw: dict, name: str = "megaformer") -> Config:
 
 def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Config:
     """Read a YAML config (safe loader), apply dotted overrides, validate."""
+    from megaformer.safe_files import read_bounded
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"config file not found: {p}")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"{p}: not valid YAML{where}") from None
+        text = read_bounded(p, MAX_CONFIG_BYTES, ConfigError).decode()
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a text file") from None
+    raw = safe_yaml_load(text, str(p)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping of sections at the top level")
     raw = apply_overrides(raw, list(overrides or []))
@@ -624,7 +720,7 @@ def validate(cfg: Config) -> None:
              "log.diagnostics=true with model.document_mask=true: the diagnostics pass measures "
              "plain causal attention, not attention within documents; switch one of them off")
     if cfg.log.gpu is not None and cfg.log.peak_tflops is None:
-        from megaformer.analysis.peaks import UnknownGPUError, find_accelerator
+        from megaformer.accelerators import UnknownGPUError, find_accelerator
 
         try:
             find_accelerator(cfg.log.gpu).peak(t.precision)
@@ -638,6 +734,16 @@ def validate(cfg: Config) -> None:
     zo = cfg.deepspeed.get("zero_optimization")
     if isinstance(zo, dict) and "stage" in zo:
         raise ConfigError("deepspeed.zero_optimization.stage: set parallel.zero_stage instead")
+    check_deepspeed_section(cfg.deepspeed)
+
+
+def validate_for_training(cfg: Config) -> None:
+    """Checks of what ``megaformer train`` runs through DeepSpeed (not needed by bench, flops or
+    plan, which read the same config without DeepSpeed)."""
+    _require(not (cfg.train.precision == "bf16" and cfg.parallel.zero_stage == 0),
+             "train.precision=bf16 with parallel.zero_stage=0: DeepSpeed accumulates bf16 gradients "
+             "in bf16 (with loss scaling) without ZeRO; use parallel.zero_stage=1 (fp32 "
+             "accumulation; at one data-parallel rank it partitions nothing)")
 
 
 def validate_for_world(cfg: Config, world_size: int) -> int:
@@ -670,5 +776,8 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
                          "null" if default is None else repr(default).strip("'"), doc))
     rows.append(("deepspeed", "dict", "{}", "Passed through into the derived DeepSpeed config "
                  "(deep-merged); batch, precision, clipping and ZeRO-stage keys are derived from the "
-                 "sections above and refused here."))
+                 "sections above and refused here. Only these reviewed keys are accepted (any other, "
+                 "e.g. checkpoint, monitors, NVMe offload or torch_autocast, is refused by name; "
+                 "DeepSpeed's universal-checkpoint loading is always off): "
+                 + deepspeed_keys_doc() + "."))
     return rows

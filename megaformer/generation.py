@@ -11,6 +11,9 @@ from megaformer.checkpoint import io as ckpt_io
 from megaformer.config import Config
 from megaformer.data.tokenizer import Tokenizer, load_tokenizer
 from megaformer.errors import CheckpointError, UserError
+from megaformer.safe_files import check_file
+
+MAX_TOKENIZER_BYTES = 1 << 30
 
 
 def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
@@ -37,13 +40,16 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens:
 
 def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Config, Path]:
     """Model (eval mode, fp32), tokenizer and config from a run directory or checkpoint."""
-    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.build import build_model
 
     ckpt = ckpt_io.resolve_checkpoint(path)
     cfg = ckpt_io.read_config(ckpt)
+    # weights checked against the config (headers only) before anything is allocated or built
+    ckpt_io.check_weights(ckpt, cfg.model)
+    check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     weights = ckpt_io.load_weights(ckpt)
-    model = Transformer(cfg.model)
+    model = build_model(cfg, device=device, training=False).model
     if cfg.model.tie_embeddings:
         weights.pop("lm_head.weight", None)
         weights["lm_head.weight"] = weights.get("tok_embeddings.weight")

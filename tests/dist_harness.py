@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: Any) -> None:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 import math
+import sys
+import types
 
 import pytest
 import torch
 
 from megaformer.errors import ConfigError
 from megaformer.kernels import attention as kernels
-from megaformer.kernels.attention import attention, resolve_backend
+from megaformer.kernels import capabilities
+from megaformer.kernels.attention import attention
+from megaformer.kernels.selection import choose, track
+
+
+def resolve(backend, device, dtype, head_dim=16, dropout=False, doc_mask=False):
+    return choose("attention", device, dtype, backend=backend, head_dim=head_dim, dropout=dropout,
+                  doc_mask=doc_mask)
 
 HEADS = [(4, 4), (4, 2), (4, 1)]            # MHA, GQA, MQA
 LENGTHS = [(6, 6), (3, 8), (1, 8)]          # T == S, and the KV-cache cases T < S
@@ -68,14 +75,13 @@ def test_cached_queries_equal_last_rows_of_full_attention(backend):
 
 
 def _flash_skip_reason():
-    if importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn not installed"
     if not torch.cuda.is_available():
         return "no CUDA device"
-    func, why = kernels._flash_status()
-    return None if func is not None else why
+    impl, why = capabilities.flash_status()  # FA3, FA2 or flash-attn-4, whichever is installed
+    return None if impl is not None else why
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("T,S", LENGTHS)
 @pytest.mark.parametrize("H,Hkv", HEADS)
 @pytest.mark.parametrize("causal", [True, False])
@@ -89,19 +95,34 @@ def test_flash_matches_reference(causal, H, Hkv, T, S):
     out = attention(q, k, v, causal=causal, backend="flash")
     # bf16 inputs/outputs: 1e-5 is below bf16 resolution; compare at bf16 precision.
     assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)
-    assert resolve_backend("auto", "cuda", torch.bfloat16)[0] == "flash"
+    assert resolve("auto", "cuda", torch.bfloat16).impl == "flash"
 
 
 def test_resolve_backend_on_cpu():
-    name, reason = resolve_backend("auto", torch.device("cpu"), torch.float32)
+    name, reason = resolve("auto", torch.device("cpu"), torch.bfloat16)
     assert name == "sdpa" and reason
-    assert resolve_backend("reference", "cpu", torch.float32)[0] == "reference"
-    assert resolve_backend("sdpa", "cpu", torch.bfloat16)[0] == "sdpa"
+    assert resolve("reference", "cpu", torch.float32).impl == "reference"
+    assert resolve("sdpa", "cpu", torch.bfloat16).impl == "sdpa"
+    # fp32 CPU eager: the native kernel where it takes the shape and there is no dropout or mask
+    native_ok = kernels.native.library() is not None
+    assert (resolve("auto", "cpu", torch.float32).impl == "native") == native_ok
+    assert resolve("auto", "cpu", torch.float32, head_dim=24).impl == "sdpa"
+    assert resolve("auto", "cpu", torch.float32, dropout=True).impl == "sdpa"
+    assert resolve("auto", "cpu", torch.float32, doc_mask=True).impl == "sdpa"
+
+
+def test_what_runs_is_what_was_chosen():
+    """The op records the implementation it ran; it is the one the rule names."""
+    q, k, v = qkv(1, 4, 2, 6, 6, D=16)
+    for backend in ("auto", "sdpa", "reference"):
+        with track() as ran:
+            attention(q, k, v, causal=True, backend=backend)
+        assert ran["attention"] == {resolve(backend, "cpu", torch.float32).impl}
 
 
 def test_forcing_flash_on_cpu_raises():
     with pytest.raises(ConfigError, match="flash") as e:
-        resolve_backend("flash", torch.device("cpu"), torch.float32)
+        resolve("flash", torch.device("cpu"), torch.float32)
     assert "\n" not in str(e.value)
     q, k, v = qkv(1, 2, 2, 3, 3)
     with pytest.raises(ConfigError):
@@ -110,7 +131,7 @@ def test_forcing_flash_on_cpu_raises():
 
 def test_unknown_backend_and_bad_shapes():
     with pytest.raises(ConfigError, match="attention_backend"):
-        resolve_backend("xformers", "cpu", torch.float32)
+        resolve("xformers", "cpu", torch.float32)
     q, k, v = qkv(1, 3, 2, 3, 3)
     with pytest.raises(ValueError):
         attention(q, k, v, causal=True)
@@ -119,14 +140,43 @@ def test_unknown_backend_and_bad_shapes():
         attention(q, k, v, causal=True)
 
 
-def test_backend_logged_once(caplog, monkeypatch):
-    monkeypatch.setattr(kernels, "_logged", set())
-    q, k, v = qkv(1, 2, 2, 3, 3)
-    with caplog.at_level(logging.INFO, logger="megaformer"):
-        attention(q, k, v, causal=True, backend="reference")
-        attention(q, k, v, causal=True, backend="reference")
-    msgs = [r.getMessage() for r in caplog.records if r.name == "megaformer"]
-    assert msgs == ["attention backend: reference (requested in config)"]
+def test_sdpa_backend_priority_from_the_environment(monkeypatch):
+    """torch chooses SDPA's backend unless MEGAFORMER_SDPA_BACKENDS names a priority; a typo is
+    one line naming the bad entry."""
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.delenv("MEGAFORMER_SDPA_BACKENDS", raising=False)
+    assert kernels.sdpa_priority() is None
+    monkeypatch.setenv("MEGAFORMER_SDPA_BACKENDS", "flash, cudnn,math")
+    assert kernels.sdpa_priority() == [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                       SDPBackend.MATH]
+    monkeypatch.setenv("MEGAFORMER_SDPA_BACKENDS", "flash,cudnnn")
+    with pytest.raises(ConfigError, match="cudnnn") as e:
+        kernels.sdpa_priority()
+    assert "\n" not in str(e.value)
+
+
+def _fake_flash_attn(version: str) -> types.ModuleType:
+    module = types.ModuleType("flash_attn")
+    module.__version__ = version
+    module.__spec__ = types.SimpleNamespace(name="flash_attn")  # find_spec consults sys.modules
+    module.flash_attn_func = lambda *a, **k: None
+    return module
+
+
+@pytest.mark.parametrize("version,usable", [("2.0.9", False), ("2.1.0", True), ("2.7.4.post1", True)])
+def test_flash_attn_before_2_1_is_not_used(monkeypatch, version, usable):
+    """FA2 < 2.1 aligns causal masks of T < S queries top-left, which breaks KV-cache decoding."""
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(version))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # no flash-attn-4
+    capabilities.flash_status.cache_clear()
+    try:
+        impl, why = capabilities.flash_status()
+        assert (impl is not None) == usable, why
+        if not usable:
+            assert "older than 2.1" in why
+    finally:
+        capabilities.flash_status.cache_clear()
 
 
 def test_sdpa_without_enable_gqa_falls_back_to_repeat(monkeypatch):

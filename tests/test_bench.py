@@ -9,8 +9,7 @@ import torch
 
 from megaformer.analysis.bench import hf_model
 from megaformer.analysis.params import count_parameters
-from megaformer.config import ModelConfig
-from tests.conftest import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, cli_main, run_cli, tiny_model
 
 pytest.importorskip("transformers")
 
@@ -21,15 +20,15 @@ pytest.importorskip("transformers")
     dict(position="learned", norm="layernorm", activation="gelu_tanh", bias=True, tie_embeddings=True),
 ])
 def test_hf_twin_has_same_parameter_count(kw):
-    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, **kw)
+    cfg = tiny_model(vocab_size=97, **kw)
     with torch.device("meta"):
         hf = hf_model(cfg)
     assert sum(p.numel() for p in hf.parameters()) == count_parameters(cfg)["total"]
 
 
 def test_no_twin_is_a_user_error():
-    assert_one_line_error(run_cli("bench", "configs/quickstart.yaml", "model.residual=parallel",
-                                  "--compare-hf", "--steps", "1"), "no transformers twin")
+    assert_one_line_error(cli_main("bench", "configs/quickstart.yaml", "model.residual=parallel",
+                                   "--compare-hf", "--steps", "1"), "no transformers twin")
 
 
 @pytest.mark.slow

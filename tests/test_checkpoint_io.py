@@ -61,7 +61,8 @@ def test_background_save_writes_what_a_synchronous_save_writes(tmp_path):
     writer.wait()
     assert not writer.busy()
     # torch's legacy pickle format names storages by address: compare states.pt by content
-    assert digest(bg[-1]).keys() == digest(sync_ckpt).keys() and len(digest(sync_ckpt)) == 5
+    # 6 files: engine.txt, states.pt, model.safetensors, optimizer/, meta.json and the README
+    assert digest(bg[-1]).keys() == digest(sync_ckpt).keys() and len(digest(sync_ckpt)) == 6
     assert all(digest(bg[-1])[k] == v for k, v in digest(sync_ckpt).items() if k != "states.pt")
     state, ref = (safe_torch_load(str(c / "states.pt")) for c in (bg[-1], sync_ckpt))
     assert torch.equal(state["module"]["a"], ref["module"]["a"]) and state["step"] == {"step": 3}

@@ -10,7 +10,7 @@ from megaformer.analysis.params import count_parameters
 from megaformer.config import (SECTIONS, Config, apply_overrides, config_from_dict, describe_keys,
                                load_config, validate_for_world)
 from megaformer.errors import ConfigError
-from tests.conftest import ROOT, assert_one_line_error, run_cli
+from tests.helpers import ROOT, assert_one_line_error, cli_main, run_cli
 
 PUBLISHED = {"gpt2-124m": 124_439_808, "llama-1b": 1_235_814_400, "llama-7b": 6_738_415_616,
              "llama-70b": 68_976_648_192}
@@ -103,9 +103,9 @@ def test_every_key_is_documented():
     n_fields = sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
     assert len(rows) == n_fields + 1
     assert all(doc.strip() for _, _, _, doc in rows)
-    readme = (ROOT / "README.md").read_text()
-    missing = [key for key, *_ in rows if f"`{key}`" not in readme]
-    assert not missing, f"README lacks config keys: {missing}"
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [key for key, *_ in rows if f"`{key}`" not in reference]
+    assert not missing, f"docs/configuration.md lacks config keys: {missing}"
 
 
 def test_resolved_config_round_trips():
@@ -117,24 +117,30 @@ def test_resolved_config_round_trips():
 
 
 def test_cli_config_errors_are_one_line(tmp_path):
-    assert_one_line_error(run_cli("train", str(tmp_path / "nope.yaml")), "config file not found")
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.d_model=100"),
+    assert_one_line_error(cli_main("train", str(tmp_path / "nope.yaml")), "config file not found")
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "model.d_model=100"),
                           "model.d_model=100", "divisible")
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.layers=3"),
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "model.layers=3"),
                           "unknown config key 'model.layers'")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
-    assert_one_line_error(run_cli("train", str(bad)), "not valid YAML")
+    assert_one_line_error(cli_main("train", str(bad)), "not valid YAML")
+
+
+def test_cli_config_error_exit_code_in_a_fresh_process(tmp_path):
+    """The contract as a shell sees it: exit status 2, one line on stderr, no traceback."""
+    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.layers=3"),
+                          "unknown config key 'model.layers'")
 
 
 def test_cli_dry_run_reports_parameter_count():
-    out = run_cli("train", "configs/llama-7b.yaml", "--dry-run")
+    out = cli_main("train", "configs/llama-7b.yaml", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert "6,738,415,616 total" in out.stdout
 
 
 def test_help_lists_config_keys():
-    out = run_cli("train", "--help-config")
+    out = cli_main("train", "--help-config")
     assert out.returncode == 0
     for key, *_ in describe_keys():
         assert key in out.stdout

@@ -11,7 +11,6 @@ model continues pretraining at TP=2.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from megaformer.checkpoint import io as ckpt_io
 from megaformer.checkpoint.hf.convert import export_to_hf, import_from_hf
 from megaformer.checkpoint.hf.tokenizer_files import byte_tokenizer_as_hf
 from megaformer.generation import load_checkpoint_model
-from tests.conftest import assert_one_line_error, run_cli, run_torchrun, tiny_overrides
+from tests.helpers import assert_one_line_error, cli_main, run_torchrun, tiny_overrides
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,14 +93,6 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _cli(capsys, *args: str) -> subprocess.CompletedProcess:
-    from megaformer.cli import main
-
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
-
-
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt-neox"])
 def test_import_matches_transformers_and_export_gives_identical_tensors(hf_folders, tmp_path, kind):
     src = hf_folders[kind]
@@ -154,11 +145,11 @@ def test_megaformer_models_export_with_equal_logits(tmp_path, kind):
     assert (ours - theirs).abs().max().item() <= 1e-5 and theirs.std().item() > 0.1
 
 
-def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path, capsys):
+def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path):
     run = import_from_hf(hf_folders["gpt-neox"], tmp_path / "run")
     dst = tmp_path / "hf"
-    proc = _cli(capsys, "convert", str(run), str(dst), "--to", "hf", "--dtype", "bf16",
-                "--max-shard-size", "40KB")
+    proc = cli_main("convert", str(run), str(dst), "--to", "hf", "--dtype", "bf16",
+                    "--max-shard-size", "40KB")
     assert proc.returncode == 0, proc.stderr
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -189,7 +180,7 @@ def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_imported_model_trains_at_tp2_pp2_and_exports_with_equal_logits_and_generation(
-        hf_folders, tmp_path, capsys):
+        hf_folders, tmp_path):
     """HF GPT-NeoX (biases, partial rotary, parallel residual) -> megaformer for TP=2 x PP=2 ->
     3 steps of `megaformer train` on 4 ranks -> HF again.
 
@@ -197,8 +188,8 @@ def test_imported_model_trains_at_tp2_pp2_and_exports_with_equal_logits_and_gene
     re-initialised model would be ~0.1 away); transformers' logits on the export equal
     megaformer's, and transformers' greedy generate gives the tokens of `megaformer generate`."""
     run = tmp_path / "run"
-    proc = _cli(capsys, "convert", str(hf_folders["gpt-neox"]), str(run), "--to", "megaformer",
-                "--tp", "2", "--pp", "2")
+    proc = cli_main("convert", str(hf_folders["gpt-neox"]), str(run), "--to", "megaformer",
+                    "--tp", "2", "--pp", "2")
     assert proc.returncode == 0, proc.stderr
     before = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run))
     args = [a for a in tiny_overrides() if not a.startswith("model.")]
@@ -221,13 +212,13 @@ def test_imported_model_trains_at_tp2_pp2_and_exports_with_equal_logits_and_gene
     assert moved > 0.5 * lr
 
     dst = tmp_path / "hf"
-    proc = _cli(capsys, "convert", str(run), str(dst), "--to", "hf", "--arch", "gpt-neox")
+    proc = cli_main("convert", str(run), str(dst), "--to", "hf", "--arch", "gpt-neox")
     assert proc.returncode == 0, proc.stderr
     assert (_our_logits(run) - _hf_logits(dst)).abs().max().item() <= 1e-5
 
     prompt, n = "def main(", 12
-    gen = run_cli("generate", str(run), "--prompt", prompt, "--max-new-tokens", str(n),
-                  "--temperature", "0")
+    gen = cli_main("generate", str(run), "--prompt", prompt, "--max-new-tokens", str(n),
+                   "--temperature", "0")
     assert gen.returncode == 0, gen.stderr[-2000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(dst, local_files_only=True).eval()
     tok = transformers.AutoTokenizer.from_pretrained(dst, local_files_only=True)
@@ -248,13 +239,13 @@ def megaformer_run(hf_folders, tmp_path_factory) -> Path:
     return import_from_hf(hf_folders["llama"], tmp_path_factory.mktemp("mf") / "run")
 
 
-def test_features_a_class_cannot_express_are_refused_by_name(megaformer_run, tmp_path, capsys):
-    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "a"), "--to", "hf",
-                "--arch", "gpt2")
+def test_features_a_class_cannot_express_are_refused_by_name(megaformer_run, tmp_path):
+    proc = cli_main("convert", str(megaformer_run), str(tmp_path / "a"), "--to", "hf",
+                    "--arch", "gpt2")
     assert_one_line_error(proc, "model.position=rope cannot be expressed by GPT2LMHeadModel",
                           "model.norm=rmsnorm", "model.activation=swiglu", "model.n_kv_heads=2")
-    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "b"), "--to", "hf",
-                "--arch", "gpt-neox")
+    proc = cli_main("convert", str(megaformer_run), str(tmp_path / "b"), "--to", "hf",
+                    "--arch", "gpt-neox")
     assert_one_line_error(proc, "GPTNeoXForCausalLM", "model.n_kv_heads=2")
     # a sinusoidal model fits no class
     ckpt = ckpt_io.resolve_checkpoint(megaformer_run)
@@ -264,7 +255,7 @@ def test_features_a_class_cannot_express_are_refused_by_name(megaformer_run, tmp
     cfg["model"]["position"] = "sinusoidal"
     (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
     try:
-        proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "c"), "--to", "hf")
+        proc = cli_main("convert", str(megaformer_run), str(tmp_path / "c"), "--to", "hf")
         assert_one_line_error(proc, "no Hugging Face class can express this model",
                               "model.position=sinusoidal cannot be expressed by LlamaForCausalLM",
                               "model.position=sinusoidal cannot be expressed by GPT2LMHeadModel")
@@ -275,7 +266,7 @@ def test_features_a_class_cannot_express_are_refused_by_name(megaformer_run, tmp
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_hf_options_megaformer_cannot_express_are_refused(hf_folders, tmp_path, capsys):
+def test_hf_options_megaformer_cannot_express_are_refused(hf_folders, tmp_path):
     import shutil
 
     src = tmp_path / "llama"
@@ -283,34 +274,34 @@ def test_hf_options_megaformer_cannot_express_are_refused(hf_folders, tmp_path, 
     cfg = json.loads((src / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
     (src / "config.json").write_text(json.dumps(cfg))
-    proc = _cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
+    proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, "LlamaForCausalLM option rope_type=linear cannot be expressed")
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
     cfg["model_type"] = "mistral"
     (src / "config.json").write_text(json.dumps(cfg))
-    proc = _cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
+    proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, "model_type='mistral' is not supported")
 
 
-def test_conversion_errors_are_one_line(hf_folders, megaformer_run, tmp_path, capsys):
-    proc = _cli(capsys, "convert", str(tmp_path / "missing"), str(tmp_path / "x"), "--to", "hf")
+def test_conversion_errors_are_one_line(hf_folders, megaformer_run, tmp_path):
+    proc = cli_main("convert", str(tmp_path / "missing"), str(tmp_path / "x"), "--to", "hf")
     assert_one_line_error(proc, "missing: no such file or directory")
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "file").write_text("keep me")
-    proc = _cli(capsys, "convert", str(megaformer_run), str(taken), "--to", "hf")
+    proc = cli_main("convert", str(megaformer_run), str(taken), "--to", "hf")
     assert_one_line_error(proc, "already exists and is not empty")
     assert (taken / "file").read_text() == "keep me"
-    proc = _cli(capsys, "convert", str(hf_folders["llama"]), str(tmp_path / "y"), "--to",
-                "megaformer", "--tp", "3")
+    proc = cli_main("convert", str(hf_folders["llama"]), str(tmp_path / "y"), "--to",
+                    "megaformer", "--tp", "3")
     assert_one_line_error(proc, "--tp 3", "must divide model.n_heads=4")
-    proc = _cli(capsys, "convert", str(hf_folders["llama"]), str(tmp_path / "y"), "--to",
-                "megaformer", "--pp", "3")
+    proc = cli_main("convert", str(hf_folders["llama"]), str(tmp_path / "y"), "--to",
+                    "megaformer", "--pp", "3")
     assert_one_line_error(proc, "--pp 3", "more stages than model.n_layers=2")
     assert not (tmp_path / "y").exists()
 
 
-def test_truncated_or_tampered_safetensors_name_the_file(hf_folders, megaformer_run, tmp_path, capsys):
+def test_truncated_or_tampered_safetensors_name_the_file(hf_folders, megaformer_run, tmp_path):
     import shutil
 
     src = tmp_path / "gpt2"
@@ -318,26 +309,26 @@ def test_truncated_or_tampered_safetensors_name_the_file(hf_folders, megaformer_
     weights = src / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[:len(data) - 1000])  # truncated
-    proc = _cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
+    proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, str(weights), "corrupt safetensors file")
     weights.write_bytes(b"\xff" * 8 + data[8:])  # tampered header length
-    proc = _cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
+    proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, str(weights), "corrupt safetensors file")
     (src / "model.safetensors").unlink()
     (src / "pytorch_model.bin").write_bytes(b"pickle")
-    proc = _cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
+    proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, "pickled .bin files are refused")
 
     run = tmp_path / "run"
     shutil.copytree(megaformer_run, run)
     mf_weights = ckpt_io.resolve_checkpoint(run) / "model.safetensors"
     mf_weights.write_bytes(mf_weights.read_bytes()[:-10])
-    proc = _cli(capsys, "convert", str(run), str(tmp_path / "out2"), "--to", "hf")
+    proc = cli_main("convert", str(run), str(tmp_path / "out2"), "--to", "hf")
     assert_one_line_error(proc, str(mf_weights), "corrupt safetensors file")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
 
 
-def test_megaformer_to_megaformer_reshards(megaformer_run, tmp_path, capsys):
+def test_megaformer_to_megaformer_reshards(megaformer_run, tmp_path):
     """``convert CKPT DST --to megaformer --tp/--pp``: a new run directory whose checkpoint has the
     same tensors and a config for the new layout (the resumed training is tested in
     tests/test_relayout.py)."""
@@ -345,20 +336,20 @@ def test_megaformer_to_megaformer_reshards(megaformer_run, tmp_path, capsys):
     from safetensors.torch import load_file
 
     dst = tmp_path / "r"
-    proc = _cli(capsys, "convert", str(megaformer_run), str(dst), "--to", "megaformer",
-                "--tp", "2", "--pp", "2")
+    proc = cli_main("convert", str(megaformer_run), str(dst), "--to", "megaformer",
+                    "--tp", "2", "--pp", "2")
     assert proc.returncode == 0, proc.stderr
     src_ckpt, out = ckpt_io.resolve_checkpoint(megaformer_run), ckpt_io.resolve_checkpoint(dst)
     parallel = yaml.safe_load((out / "config.yaml").read_text())["parallel"]
     assert (parallel["tensor"], parallel["pipeline"]) == (2, 2)
     a, b = load_file(str(src_ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a)
-    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r3"), "--to", "megaformer",
-                "--tp", "3")
+    proc = cli_main("convert", str(megaformer_run), str(tmp_path / "r3"), "--to", "megaformer",
+                    "--tp", "3")
     assert_one_line_error(proc, "--tp 3")
     assert not (tmp_path / "r3").exists()
-    proc = _cli(capsys, "convert", str(megaformer_run), str(tmp_path / "r2"), "--to", "megaformer",
-                "--arch", "gpt2")
+    proc = cli_main("convert", str(megaformer_run), str(tmp_path / "r2"), "--to", "megaformer",
+                    "--arch", "gpt2")
     assert_one_line_error(proc, "--arch gpt2", "drop --arch")
 
 
@@ -376,7 +367,7 @@ def test_tokenizer_without_endoftext_uses_its_own_end_of_document_token():
     assert (wrapped.eod_id, wrapped.vocab_size) == (2, 3)  # <|endoftext|> added, as before
 
 
-def test_a_tensor_without_counterpart_is_refused_not_dropped(hf_folders, tmp_path, capsys):
+def test_a_tensor_without_counterpart_is_refused_not_dropped(hf_folders, tmp_path):
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -386,6 +377,6 @@ def test_a_tensor_without_counterpart_is_refused_not_dropped(hf_folders, tmp_pat
     w = load_file(str(src / "model.safetensors"))
     w["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)  # a Qwen3-style extra norm
     save_file(w, str(src / "model.safetensors"))
-    proc = _cli(capsys, "convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
+    proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, "model.layers.0.self_attn.q_norm.weight has no counterpart",
                           "refusing to drop it")

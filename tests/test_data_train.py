@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import assert_one_line_error, run_cli, tiny_overrides
+from tests.helpers import assert_one_line_error, cli_main, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +18,8 @@ def losses(run_dir):
 
 
 def test_train_on_paths_blend_and_resume_exactly(tmp_path, text_corpus):
-    prep = run_cli("prepare-data", "--input", str(text_corpus), "--tokenizer", "bpe:300",
-                   "--output-prefix", str(tmp_path / "a"))
+    prep = cli_main("prepare-data", "--input", str(text_corpus), "--tokenizer", "bpe:300",
+                    "--output-prefix", str(tmp_path / "a"))
     assert prep.returncode == 0, prep.stderr[-2000:]
     tok = tmp_path / "a.tokenizer.json"
     args = tiny_overrides(**{"data.paths": f"[{tmp_path / 'a'},{text_corpus}]",
@@ -46,18 +46,18 @@ def test_train_on_paths_blend_and_resume_exactly(tmp_path, text_corpus):
     # another blend would make the saved position index another stream: refused, nothing written
     before = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     other = [a.replace("[0.4,0.6]", "[0.5,0.5]") for a in args]
-    changed = run_cli("train", "configs/quickstart.yaml", *other, "train.steps=6",
-                      "--run-dir", str(resumed))
+    changed = cli_main("train", "configs/quickstart.yaml", *other, "train.steps=6",
+                       "--run-dir", str(resumed))
     assert_one_line_error(changed, "data.weights=[0.5, 0.5] differs from the checkpoint")
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == before
 
 
 def test_paths_errors_are_one_line(tmp_path):
-    bad = run_cli("train", "configs/quickstart.yaml",
-                  *tiny_overrides(**{"data.paths": f"[{tmp_path / 'missing.jsonl'}]"}),
-                  "--run-dir", str(tmp_path / "run"))
+    bad = cli_main("train", "configs/quickstart.yaml",
+                   *tiny_overrides(**{"data.paths": f"[{tmp_path / 'missing.jsonl'}]"}),
+                   "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(bad, "missing.jsonl: no such file")
-    bad = run_cli("train", "configs/quickstart.yaml",
-                  *tiny_overrides(**{"data.paths": "[a,b]", "data.weights": "[1]"}),
-                  "--run-dir", str(tmp_path / "run"))
+    bad = cli_main("train", "configs/quickstart.yaml",
+                   *tiny_overrides(**{"data.paths": "[a,b]", "data.weights": "[1]"}),
+                   "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(bad, "data.weights=[1.0]: needs one weight per data.paths entry (2)")

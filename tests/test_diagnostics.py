@@ -15,7 +15,7 @@ from megaformer.diagnostics.metrics import residual_diagnostics
 from megaformer.diagnostics.residual import (eval_mode, head_write_sq_norms, head_writes,
                                              logit_lens_logits, trace_layers)
 from megaformer.model.transformer import Transformer
-from tests.conftest import assert_one_line_error, run_cli, run_torchrun, tiny_overrides
+from tests.helpers import assert_one_line_error, cli_main, run_cli, run_torchrun, tiny_overrides
 from tests.dist_harness import run_ranks
 
 VARIANTS = {
@@ -209,7 +209,7 @@ def test_diagnostics_under_tensor_and_pipeline_parallelism_equal_one_process(dia
 def test_inspect_prints_logit_lens_and_writes_heatmaps(diag_run, tmp_path):
     out = tmp_path / "inspect"
     prompt = "def f(x):"
-    proc = run_cli("inspect", str(diag_run), "--prompt", prompt, "--out", str(out), "--top-k", "3")
+    proc = cli_main("inspect", str(diag_run), "--prompt", prompt, "--out", str(out), "--top-k", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if "layer_" in line or "embed" in line]
     assert len(rows) == len(prompt) * 5                          # embed + 4 layers per position
@@ -237,8 +237,8 @@ def test_inspect_bad_input_is_one_line_error(tmp_path):
         inspect(tmp_path / "nothing", "x")
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "keep.txt").write_text("mine")
-    assert_one_line_error(run_cli("inspect", str(tmp_path), "--prompt", "x", "--out",
-                                  str(tmp_path / "used")), "--out", "not an empty folder")
+    assert_one_line_error(cli_main("inspect", str(tmp_path), "--prompt", "x", "--out",
+                                   str(tmp_path / "used")), "--out", "not an empty folder")
     assert (tmp_path / "used" / "keep.txt").read_text() == "mine"
 
 
@@ -258,9 +258,9 @@ def test_report_plots_the_per_layer_series(diag_run, tmp_path):
 
 
 def test_config_refuses_diagnostics_with_zero3_and_bad_interval():
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.diagnostics=true",
-                                  "parallel.zero_stage=3", "--dry-run"), "log.diagnostics", "ZeRO-3")
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.diagnostics_interval=0",
-                                  "--dry-run"), "log.diagnostics_interval")
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.diagnostics=true",
-                                  "model.document_mask=true", "--dry-run"), "model.document_mask")
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "log.diagnostics=true",
+                                   "parallel.zero_stage=3", "--dry-run"), "log.diagnostics", "ZeRO-3")
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "log.diagnostics_interval=0",
+                                   "--dry-run"), "log.diagnostics_interval")
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "log.diagnostics=true",
+                                   "model.document_mask=true", "--dry-run"), "model.document_mask")

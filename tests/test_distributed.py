@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_torchrun, tiny_overrides
+from tests.helpers import run_cli, run_torchrun, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -51,14 +51,13 @@ def test_layout_errors_stop_every_rank(tmp_path):
 
 def test_launch_script_checks_the_layout_first(tmp_path):
     """launch/torchrun.sh refuses an impossible layout with one line before starting any rank."""
-    import subprocess
     import sys
 
-    from tests.conftest import ROOT, assert_one_line_error, subprocess_env
+    from tests.helpers import assert_one_line_error, run_process, subprocess_env
 
     bad = tiny_overrides("stdlib", **{"train.micro_batch_size": 3, "train.global_batch_size": 3})
-    proc = subprocess.run(["bash", "launch/torchrun.sh", "2", "configs/quickstart.yaml", *bad,
-                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
-                          text=True, env=subprocess_env(PYTHON=sys.executable), timeout=120)
+    proc = run_process(["bash", "launch/torchrun.sh", "2", "configs/quickstart.yaml", *bad,
+                        "--run-dir", str(tmp_path / "run")],
+                       env=subprocess_env(PYTHON=sys.executable), timeout=120)
     assert_one_line_error(proc, "data-parallel size = 3 * 2 = 6")
     assert not (tmp_path / "run").exists()

@@ -7,7 +7,8 @@
 * document masking: a token's output does not depend on earlier documents of the same packed row,
   and equals running its document alone;
 * train.compile: compiled blocks equal eager ones, in one graph each (no graph breaks);
-* config validation of the new keys.
+* config validation of the new keys;
+* the oneDNN GEMM dispatch, fused projections and the CPU eager functions against torch ops.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megaformer.errors import ConfigError
 from megaformer.kernels import native
 from megaformer.kernels.attention import attention, cu_seqlens, document_ids
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
+from megaformer.kernels.selection import kernel_mode, track
 from megaformer.model.transformer import Transformer
 
 
@@ -86,8 +88,10 @@ def test_model_chunked_loss_equals_plain_loss():
     for chunk in (0, 5):
         torch.manual_seed(0)
         m = Transformer(_tiny(loss_chunk_tokens=chunk), padded_vocab_size=64)
-        loss = m(x, y)
-        loss.backward()
+        with track() as ran:
+            loss = m(x, y)
+            loss.backward()
+        assert ran["cross_entropy"] == ({"chunked"} if chunk else {"native", "torch"} & ran["cross_entropy"])
         losses.append(loss.item())
         grads.append({n: p.grad for n, p in m.named_parameters()})
     assert abs(losses[0] - losses[1]) <= 1e-6 * losses[0]
@@ -158,6 +162,24 @@ def test_model_document_mask_isolates_packed_documents():
     assert torch.allclose(la[:, 5:], lb[:, 5:], atol=1e-5)
     assert torch.allclose(la[:, 5:], alone, atol=1e-5)
     assert not torch.allclose(unmasked[0][:, 5:], unmasked[1][:, 5:], atol=1e-3)
+
+
+def test_document_mask_is_computed_once_per_forward(monkeypatch):
+    """The documents' boundaries (dense mask or cu_seqlens) are built once per forward, outside
+    the blocks, not once per layer."""
+    from megaformer.kernels import attention as attn
+
+    calls = []
+    real = attn.document_causal_mask
+    monkeypatch.setattr(attn, "document_causal_mask", lambda d: calls.append(1) or real(d))
+    torch.manual_seed(0)
+    m = Transformer(_tiny(document_mask=True, n_layers=3, attention_backend="sdpa"))
+    m.eod_id = 0
+    x = torch.randint(0, 57, (2, 16), generator=torch.Generator().manual_seed(1))
+    x[:, 6] = 0
+    with track() as ran:
+        m(x, x).backward()
+    assert len(calls) == 1 and ran["attention"] == {"sdpa"}
 
 
 def test_document_mask_needs_eod_id():
@@ -237,7 +259,7 @@ def test_training_with_chunked_loss_and_document_mask(tmp_path):
     import math
     import random
 
-    from tests.conftest import run_cli, tiny_overrides
+    from tests.helpers import run_cli, tiny_overrides
 
     corpus = tmp_path / "docs"
     corpus.mkdir()
@@ -246,16 +268,21 @@ def test_training_with_chunked_loss_and_document_mask(tmp_path):
         words = " ".join(rng.choice(["def", "x", "return", "(", ")", "+", "1", ":"])
                          for _ in range(rng.randint(6, 20)))
         (corpus / f"d{i}.txt").write_text(words[:60])
-    run = tmp_path / "run"
-    proc = run_cli("train", "configs/quickstart.yaml",
-                   *tiny_overrides(corpus, **{"train.steps": 3, "eval.interval": 0}),
-                   "model.document_mask=true", "model.loss_chunk_tokens=48", "--run-dir", str(run))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    runs = {}
+    for chunk in (48, 0):  # the chunked loss against the plain one, after updates too
+        run = tmp_path / f"run{chunk}"
+        proc = run_cli("train", "configs/quickstart.yaml",
+                       *tiny_overrides(corpus, **{"train.steps": 3, "eval.interval": 0}),
+                       "model.document_mask=true", f"model.loss_chunk_tokens={chunk}",
+                       "--run-dir", str(run))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        runs[chunk] = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    losses = runs[48]
     assert sorted(losses) == [1, 2, 3]
     assert losses[1] == pytest.approx(math.log(257), rel=0.02)
-    assert all(math.isfinite(v) for v in losses.values())
+    for step in (1, 2, 3):
+        assert losses[step] == pytest.approx(runs[0][step], rel=1e-5), (step, losses, runs[0])
 
 
 # ----------------------------------------------------------------------------- GEMM dispatch
@@ -263,7 +290,9 @@ def test_training_with_chunked_loss_and_document_mask(tmp_path):
 def _onednn_or_skip():
     from megaformer.kernels import gemm
 
-    if not gemm.ONEDNN_AVAILABLE:
+    from megaformer.kernels.capabilities import onednn_available
+
+    if not onednn_available():
         pytest.skip("this torch build has no oneDNN linear op (F.linear is used)")
     return gemm
 
@@ -290,10 +319,12 @@ def test_onednn_linear_equals_f_linear(shape, bias, out):
 
 
 def test_gemm_dispatch_rule():
-    """oneDNN only for fp32 CPU tensors outside autocast with fused_kernels=auto."""
+    """oneDNN only for fp32 CPU tensors outside autocast in kernel mode auto."""
     gemm = _onednn_or_skip()
     x, w = torch.zeros(4, 8), torch.zeros(3, 8)
-    assert gemm.use_onednn(x, w, "auto") and not gemm.use_onednn(x, w, "torch")
+    assert gemm.use_onednn(x, w)
+    with kernel_mode("torch"):
+        assert not gemm.use_onednn(x, w)
     assert not gemm.use_onednn(x.bfloat16(), w.bfloat16())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not gemm.use_onednn(x, w)
@@ -322,17 +353,24 @@ def test_fused_projections_equal_separate(bias):
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_model_gemm_dispatch_equals_torch_ops(activation):
-    """A whole model with fused_kernels=auto (fused q/k/v and gate/up, oneDNN GEMMs) equals the
-    same weights with fused_kernels=torch: loss and every gradient."""
+    """A whole model in kernel mode auto (fused q/k/v and gate/up, oneDNN GEMMs, native or
+    fewer-pass CPU kernels) equals the same weights in mode torch: loss and every gradient; and
+    each mode ran what its rule names."""
+    _onednn_or_skip()
     extra = {} if activation == "swiglu" else {"position": "learned", "norm": "layernorm", "bias": True}
     x = torch.randint(0, 57, (2, 16), generator=torch.Generator().manual_seed(8))
-    out = []
-    for kernels in ("auto", "torch"):
+    out, ran = [], {}
+    for mode in ("auto", "torch"):
         torch.manual_seed(0)
-        m = Transformer(_tiny(activation=activation, fused_kernels=kernels, **extra))
-        loss = m(x, x)
-        loss.backward()
+        m = Transformer(_tiny(activation=activation, **extra))
+        with kernel_mode(mode), track() as ran[mode]:
+            loss = m(x, x)
+            loss.backward()
         out.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    assert ran["auto"]["linear"] == {"onednn"} and ran["auto"]["projections"] == {"fused"}
+    assert all(impls == {"torch"} for op, impls in ran["torch"].items() if op != "attention")
+    if activation == "swiglu":
+        assert ran["auto"]["swiglu"] <= {"native", "cpu"} and ran["auto"]["rms_norm"] <= {"native", "cpu"}
     assert abs(out[0][0] - out[1][0]) <= 1e-6 * out[1][0]
     # all gradients as one vector, and each to an absolute bound: the key bias's gradient is 0 up
     # to rounding (softmax ignores a per-row constant), so its relative error compares noise
@@ -346,8 +384,9 @@ def test_model_gemm_dispatch_equals_torch_ops(activation):
 def test_int16_dropout_statistics_and_gradient():
     """Drop rate p within sampling error, E[y] = x (scale 1/q), dx = dy * m / q, seeded (the torch
     path, without the native kernels: tests/test_native_kernels.py tests those)."""
-    with native.disabled():
+    with native.disabled(), track() as ran:
         _check_int16_dropout()
+    assert ran["dropout"] == {"int16"}
 
 
 def _check_int16_dropout() -> None:
@@ -403,7 +442,7 @@ def test_cpu_rmsnorm_function_equals_reference():
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(3, 5, 48, generator=g), torch.rand(48, generator=g) + 0.5
     dy = torch.randn(3, 5, 48, generator=g)
-    got = _grads_of(lambda a, b: RMSNormFunction.apply(a, b, 1e-5), x, w, dy=dy)
+    got = _grads_of(lambda a, b: RMSNormFunction.apply(a, b, 1e-5, False), x, w, dy=dy)
     want = _grads_of(lambda a, b: rms_norm_reference(a, b, 1e-5), x, w, dy=dy)
     for a, b in zip(got, want):
         assert _rel(a, b) < 1e-6
@@ -429,13 +468,16 @@ def test_cpu_rotary_function_equals_reference_on_strided_heads(layout):
     if layout == "contiguous":
         dy = dy.contiguous()
 
-    def grads(kernels):
+    def grads(mode):
         leaf = x.detach().requires_grad_()  # the same strides as x (a clone would make it dense)
-        y = apply_rotary(leaf, cos, sin, kernels)
-        y.backward(dy)
-        return y.detach(), leaf.grad
+        with kernel_mode(mode), track() as ran:
+            y = apply_rotary(leaf, cos, sin)
+            y.backward(dy)
+        return y.detach(), leaf.grad, ran["rope"]
 
-    for a, b in zip(grads("auto"), grads("torch")):
+    fast, plain = grads("auto"), grads("torch")
+    assert fast[2] <= {"native", "cpu"} and plain[2] == {"torch"}
+    for a, b in zip(fast[:2], plain[:2]):
         assert _rel(a, b) < 1e-6
 
 
@@ -446,8 +488,37 @@ def test_cpu_packed_swiglu_equals_reference():
     g = torch.Generator().manual_seed(11)
     y = torch.randn(3, 5, 2 * 24, generator=g) * 3
     dh = torch.randn(3, 5, 24, generator=g)
-    got = _grads_of(PackedSwiGLUFunction.apply, y, dy=dh)
+    got = _grads_of(lambda t: PackedSwiGLUFunction.apply(t, False), y, dy=dh)
     want = _grads_of(lambda t: F.silu(t[..., :24]) * t[..., 24:], y, dy=dh)
     for a, b in zip(got, want):
         assert _rel(a, b) < 1e-6
-    assert torch.autograd.gradcheck(PackedSwiGLUFunction.apply, (y[:1, :2].double().requires_grad_(),))
+    assert torch.autograd.gradcheck(lambda t: PackedSwiGLUFunction.apply(t, False),
+                                    (y[:1, :2].double().requires_grad_(),))
+
+
+def test_rope_tables_are_built_on_the_target_device_once():
+    """RoPE's cos/sin tables are computed on the positions' device (no host tensor copied over,
+    checked on the meta device: any CPU tensor would show up as an operand) and shared by every
+    layer: asking again returns the same tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megaformer.model.positions import RotaryEmbedding
+
+    devices = set()
+
+    class Devices(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for a in list(args) + list((kwargs or {}).values()):
+                if isinstance(a, torch.Tensor):
+                    devices.add(a.device.type)
+            return func(*args, **(kwargs or {}))
+
+    rotary = RotaryEmbedding(16, theta=12345.0)
+    with Devices():
+        cos, sin = rotary.tables(3, 8, torch.device("meta"))
+    assert cos.device.type == "meta" and devices == {"meta"}
+    assert rotary.tables(3, 8, torch.device("meta"))[0] is cos
+    assert RotaryEmbedding(16, theta=12345.0).tables(3, 8, torch.device("meta"))[0] is cos
+    ref = rotary(torch.arange(3, 11))
+    got = rotary.tables(3, 8, torch.device("cpu"))
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

@@ -17,8 +17,8 @@ import torch
 from megaformer.checkpoint.io import load_weights
 from megaformer.training import preemption
 from megaformer.training.watchdog import StepWatchdog
-from tests.conftest import (ROOT, assert_one_line_error, cluster_overrides, run_cli, step_records,
-                            subprocess_env, tiny_overrides, torchrun_cmd)
+from tests.helpers import (assert_one_line_error, cluster_overrides, run_cli, run_process,
+                           step_records, subprocess_env, tiny_overrides, torchrun_cmd)
 
 
 
@@ -27,7 +27,7 @@ def launch(run_dir: Path, fault: str, *extra: str, restarts: int = 0,
     cmd = torchrun_cmd(nproc, "train", "configs/quickstart.yaml", *cluster_overrides(), *extra,
                        "--run-dir", str(run_dir), restarts=restarts)
     env = subprocess_env(MEGAFORMER_FAULT=fault, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return run_process(cmd, env=env)
 
 
 def same_weights(a: Path, b: Path) -> bool:

@@ -12,9 +12,9 @@ from megaformer.analysis.flops import (checkpointed_blocks, forward_flops, korth
                                        matmul_parameters, narayanan_full_recompute, palm_per_token,
                                        step_flops, utilisation)
 from megaformer.analysis.params import count_parameters
-from megaformer.analysis.peaks import UnknownGPUError, find_accelerator, peak_tflops
+from megaformer.accelerators import UnknownGPUError, find_accelerator, peak_tflops
 from megaformer.config import ModelConfig
-from tests.conftest import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, cli_main, tiny_model
 
 
 def gpt(L=2, h=64, heads=4, V=100, **kw) -> ModelConfig:
@@ -56,8 +56,7 @@ def test_equals_torch_flop_counter(kw):
     backward of the real module equals 3 x forward_flops(causal=False) with the padded vocabulary."""
     from megaformer.model import Transformer
 
-    cfg = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
-                      attention_backend="reference", **kw)
+    cfg = tiny_model(attention_backend="reference", **kw)
     torch.manual_seed(0)
     model = Transformer(cfg, padded_vocab_size=64)
     x = torch.randint(0, 37, (2, 16))
@@ -117,8 +116,8 @@ def test_utilisation_and_peaks():
 
 
 def test_cli_flops_json_and_errors():
-    r = run_cli("flops", "configs/gpt2-124m.yaml", "--gpu", "A100", "--gpus", "8",
-                "--step-time", "1.5", "--json")
+    r = cli_main("flops", "configs/gpt2-124m.yaml", "--gpu", "A100", "--gpus", "8",
+                 "--step-time", "1.5", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["parameters"]["total"] == 124_439_808
@@ -127,6 +126,6 @@ def test_cli_flops_json_and_errors():
     assert out["step"]["tokens"] == tokens
     assert out["measured"]["tflops_per_gpu"] == pytest.approx(out["step"]["model"] / 1.5 / 8 / 1e12)
     assert 0 < out["measured"]["mfu"] < 1
-    assert_one_line_error(run_cli("flops", "configs/gpt2-124m.yaml", "--gpu", "TPU-v5p",
-                                  "--step-time", "1"), "unknown GPU")
-    assert_one_line_error(run_cli("flops", "does/not/exist.yaml"), "not found")
+    assert_one_line_error(cli_main("flops", "configs/gpt2-124m.yaml", "--gpu", "TPU-v5p",
+                                   "--step-time", "1"), "unknown GPU")
+    assert_one_line_error(cli_main("flops", "does/not/exist.yaml"), "not found")

@@ -8,7 +8,7 @@ import pytest
 
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.data.tokenizer import load_tokenizer
-from tests.conftest import assert_one_line_error, run_cli, run_torchrun, tiny_overrides
+from tests.helpers import assert_one_line_error, cli_main, run_cli, run_torchrun, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +71,6 @@ def test_weights_that_do_not_fit_are_refused(weights_run, tmp_path):
     w = ckpt_io.load_weights(ckpt)
     w.pop(sorted(w)[-1])
     save_file(w, str(ckpt / "model.safetensors"))
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=1",
-                   "--run-dir", str(run))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=1",
+                    "--run-dir", str(run))
     assert_one_line_error(proc, "weights do not fit")

@@ -1,9 +1,9 @@
-"""The Triton kernels (SwiGLU, bias-GELU, RMSNorm, LayerNorm) against their torch references,
-forward and backward, under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU.
+"""The Triton kernels (SwiGLU two-input and packed, bias-GELU, RMSNorm, LayerNorm) against their
+torch references, forward and backward, under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU.
 
 The interpreter must be switched on before triton is imported, so the comparisons run in one child
-process (:func:`_interpreter_checks`) that prints the maximum errors as JSON; each test asserts its
-own entries. Without triton the tests skip, printing why.
+process (:func:`_interpreter_checks`) that prints the maximum errors and what ran as JSON; each
+test asserts its own entries. Without triton the tests skip, printing why.
 """
 
 from __future__ import annotations
@@ -38,30 +38,36 @@ def _errors(fn, ref, *inputs, dtype=torch.float32) -> list[float]:
     return [rel(ya, yb)] + [rel(x.grad, y.grad) for x, y in zip(a, b)]
 
 
-def _model_check() -> list[float]:
-    """A tiny model with fused_kernels=auto (Triton, interpreted) vs fused_kernels=torch: loss and
-    every gradient, GELU+bias+LayerNorm and SwiGLU+RMSNorm variants."""
+def _model_check() -> dict:
+    """A tiny model in kernel mode auto (Triton, interpreted) vs torch: loss and every gradient,
+    GELU+bias+LayerNorm and SwiGLU+RMSNorm variants, and which implementations ran."""
     from megaformer.config import ModelConfig
+    from megaformer.kernels.selection import kernel_mode, track
     from megaformer.model.transformer import Transformer
 
-    out = []
-    for variant in (dict(activation="swiglu", norm="rmsnorm"),
-                    dict(activation="gelu", norm="layernorm", bias=True, position="learned")):
-        losses, grads = [], []
-        for kernels in ("auto", "torch"):
+    out = {}
+    for name, variant in (("swiglu", dict(activation="swiglu", norm="rmsnorm")),
+                          ("gelu", dict(activation="gelu", norm="layernorm", bias=True,
+                                        position="learned"))):
+        losses, grads, ran = [], [], {}
+        for mode in ("auto", "torch"):
             cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, max_seq_len=8,
-                              fused_kernels=kernels, **variant)
+                              **variant)
             torch.manual_seed(0)
             m = Transformer(cfg)
             ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
-            loss = m(ids, ids)
-            loss.backward()
+            with kernel_mode(mode), track() as ran[mode]:
+                loss = m(ids, ids)
+                loss.backward()
             losses.append(float(loss.detach()))
             grads.append([p.grad.clone() for p in m.parameters()])
-        out.append(abs(losses[0] - losses[1]) / losses[1])
         # relative to each gradient's size, floored at 1e-4 (the key biases' gradient is 0 up to
         # round-off: softmax does not change when a constant is added to every score)
-        out.append(max(float((a - b).abs().max() / (b.abs().max() + 1e-4)) for a, b in zip(*grads)))
+        out[name] = {"loss": abs(losses[0] - losses[1]) / losses[1],
+                     "grad": max(float((a - b).abs().max() / (b.abs().max() + 1e-4))
+                                 for a, b in zip(*grads)),
+                     "ran": {mode: {op: sorted(impls) for op, impls in r.items()}
+                             for mode, r in ran.items()}}
     return out
 
 
@@ -69,34 +75,48 @@ def _interpreter_checks() -> dict:
     """Run in a child with TRITON_INTERPRET=1: every kernel vs its reference."""
     from megaformer.kernels import activations as A
     from megaformer.kernels import norm as N
-    from megaformer.kernels.triton_support import use_triton
+    from megaformer.kernels.selection import choose, kernel_mode, track
 
     torch.manual_seed(0)
-    results = {"dispatch_cpu_uses_triton": use_triton(torch.zeros(1), "auto"),
-               "dispatch_torch_mode": use_triton(torch.zeros(1), "torch")}
+    results = {"dispatch_cpu": choose("swiglu", "cpu", torch.float32).impl}
+    with kernel_mode("torch"):
+        results["dispatch_torch_mode"] = choose("swiglu", "cpu", torch.float32).impl
     g, u = torch.randn(3, 5, 77), torch.randn(3, 5, 77)  # odd sizes: masked tails
     b = torch.randn(77)
     x, w, bias = torch.randn(3, 5, 77) * 3 + 1, torch.randn(77), torch.randn(77)
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        results[f"swiglu_{name}"] = _errors(A.swiglu, A.swiglu_reference, g, u, dtype=dtype)
-        for approx in ("none", "tanh"):
-            results[f"bias_gelu_{approx}_{name}"] = _errors(
-                lambda h, b_: A.bias_gelu(h, b_, approx), lambda h, b_: A.bias_gelu_reference(h, b_, approx),
-                g, b, dtype=dtype)
-        results[f"gelu_nobias_{name}"] = _errors(lambda h: A.bias_gelu(h, None),
-                                                 lambda h: A.bias_gelu_reference(h, None), g, dtype=dtype)
-        results[f"rmsnorm_{name}"] = _errors(lambda x_, w_: N.rms_norm(x_, w_, 1e-5),
-                                             lambda x_, w_: N.rms_norm_reference(x_, w_, 1e-5),
-                                             x, w, dtype=dtype)
-        results[f"layernorm_{name}"] = _errors(lambda x_, w_, b_: N.layer_norm(x_, w_, b_, 1e-5),
-                                               lambda x_, w_, b_: N.layer_norm_reference(x_, w_, b_, 1e-5),
-                                               x, w, bias, dtype=dtype)
-        results[f"layernorm_nobias_{name}"] = _errors(
-            lambda x_, w_: N.layer_norm(x_, w_, None, 1e-5),
-            lambda x_, w_: N.layer_norm_reference(x_, w_, None, 1e-5), x, w, dtype=dtype)
-    # fp32 gain on bf16 activations (autocast): the kernel returns the promoted dtype like the reference
-    fused, ref = N.rms_norm(x.bfloat16(), w, 1e-5), N.rms_norm_reference(x.bfloat16(), w, 1e-5)
-    results["rmsnorm_mixed_dtype"] = [float((fused - ref).abs().max() / ref.abs().max()), str(fused.dtype)]
+    with track() as ran:
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            results[f"swiglu_{name}"] = _errors(A.swiglu, A.swiglu_reference, g, u, dtype=dtype)
+            # the packed [g | u] form: halves read in place, [dg | du] written into one buffer
+            results[f"swiglu_packed_{name}"] = _errors(
+                A.swiglu_packed, lambda y: A.swiglu_reference(*y.chunk(2, dim=-1)),
+                torch.cat((g, u), dim=-1), dtype=dtype)
+            for approx in ("none", "tanh"):
+                results[f"bias_gelu_{approx}_{name}"] = _errors(
+                    lambda h, b_: A.bias_gelu(h, b_, approx),
+                    lambda h, b_: A.bias_gelu_reference(h, b_, approx), g, b, dtype=dtype)
+            results[f"gelu_nobias_{name}"] = _errors(lambda h: A.bias_gelu(h, None),
+                                                     lambda h: A.bias_gelu_reference(h, None), g,
+                                                     dtype=dtype)
+            results[f"rmsnorm_{name}"] = _errors(lambda x_, w_: N.rms_norm(x_, w_, 1e-5),
+                                                 lambda x_, w_: N.rms_norm_reference(x_, w_, 1e-5),
+                                                 x, w, dtype=dtype)
+            results[f"layernorm_{name}"] = _errors(
+                lambda x_, w_, b_: N.layer_norm(x_, w_, b_, 1e-5),
+                lambda x_, w_, b_: N.layer_norm_reference(x_, w_, b_, 1e-5), x, w, bias, dtype=dtype)
+            results[f"layernorm_nobias_{name}"] = _errors(
+                lambda x_, w_: N.layer_norm(x_, w_, None, 1e-5),
+                lambda x_, w_: N.layer_norm_reference(x_, w_, None, 1e-5), x, w, dtype=dtype)
+        # fp32 gain on bf16 activations (autocast): the kernel returns the promoted dtype like the reference
+        fused, ref = N.rms_norm(x.bfloat16(), w, 1e-5), N.rms_norm_reference(x.bfloat16(), w, 1e-5)
+        results["rmsnorm_mixed_dtype"] = [float((fused - ref).abs().max() / ref.abs().max()),
+                                          str(fused.dtype)]
+        # fp32 bias on bf16 pre-activations (autocast): read in its own dtype, output in h's
+        h = g.bfloat16()
+        fused, ref = A.bias_gelu(h, b), A.bias_gelu_reference(h.float(), b)
+        results["bias_gelu_mixed_dtype"] = [float((fused.float() - ref).abs().max() / ref.abs().max()),
+                                            str(fused.dtype)]
+    results["ran"] = {op: sorted(impls) for op, impls in ran.items()}
     results["model"] = _model_check()
     return results
 
@@ -119,13 +139,16 @@ def interpreted() -> dict:
 
 
 def test_interpreter_dispatch(interpreted):
-    """Under the interpreter the kernels run on CPU tensors; fused_kernels=torch never runs them."""
-    assert interpreted["dispatch_cpu_uses_triton"] is True
-    assert interpreted["dispatch_torch_mode"] is False
+    """Under the interpreter the kernels run on CPU tensors; kernel mode torch never runs them;
+    every kernel compared below really ran as Triton."""
+    assert interpreted["dispatch_cpu"] == "triton"
+    assert interpreted["dispatch_torch_mode"] == "torch"
+    assert interpreted["ran"] == {"swiglu": ["triton"], "bias_gelu": ["triton"],
+                                  "rms_norm": ["triton"], "layer_norm": ["triton"]}
 
 
-@pytest.mark.parametrize("kernel", ["swiglu", "bias_gelu_none", "bias_gelu_tanh", "gelu_nobias",
-                                    "rmsnorm", "layernorm", "layernorm_nobias"])
+@pytest.mark.parametrize("kernel", ["swiglu", "swiglu_packed", "bias_gelu_none", "bias_gelu_tanh",
+                                    "gelu_nobias", "rmsnorm", "layernorm", "layernorm_nobias"])
 def test_kernel_forward_backward_match_torch(interpreted, kernel):
     fp32 = interpreted[f"{kernel}_fp32"]
     bf16 = interpreted[f"{kernel}_bf16"]
@@ -135,22 +158,42 @@ def test_kernel_forward_backward_match_torch(interpreted, kernel):
     assert max(bf16) < 2e-2, bf16
 
 
-def test_rmsnorm_mixed_dtype_matches_reference(interpreted):
+def test_mixed_dtypes_match_reference(interpreted):
     err, dtype = interpreted["rmsnorm_mixed_dtype"]
     assert dtype == "torch.float32" and err < 1e-2
+    err, dtype = interpreted["bias_gelu_mixed_dtype"]
+    assert dtype == "torch.bfloat16" and err < 1e-2
 
 
 def test_model_with_fused_kernels_equals_torch_ops(interpreted):
-    """Whole model, both FFN/norm variants: loss and every gradient within fp32 round-off."""
-    swiglu_loss, swiglu_grad, gelu_loss, gelu_grad = interpreted["model"]
-    assert swiglu_loss < 1e-6 and gelu_loss < 1e-6
-    assert swiglu_grad < 1e-5 and gelu_grad < 1e-5
+    """Whole model, both FFN/norm variants: loss and every gradient within fp32 round-off, with
+    the Triton kernels demonstrably running (and not running in torch mode)."""
+    swiglu, gelu = interpreted["model"]["swiglu"], interpreted["model"]["gelu"]
+    assert swiglu["loss"] < 1e-6 and gelu["loss"] < 1e-6
+    assert swiglu["grad"] < 1e-5 and gelu["grad"] < 1e-5
+    assert swiglu["ran"]["auto"]["swiglu"] == ["triton"]
+    assert swiglu["ran"]["auto"]["rms_norm"] == ["triton"]
+    assert gelu["ran"]["auto"]["bias_gelu"] == ["triton"]
+    assert gelu["ran"]["auto"]["layer_norm"] == ["triton"]
+    for variant in (swiglu, gelu):
+        assert all(impls == ["torch"] for op, impls in variant["ran"]["torch"].items()
+                   if op not in ("attention",)), variant["ran"]["torch"]
 
 
-def test_cpu_without_interpreter_uses_torch_reference(monkeypatch):
+def test_cpu_without_interpreter_never_runs_triton(monkeypatch):
     """Outside the interpreter a CPU tensor never reaches a Triton kernel (even with triton installed)."""
-    from megaformer.kernels import triton_support
+    from megaformer.kernels.selection import choose, kernel_mode
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not triton_support.use_triton(torch.zeros(2), "auto")
-    assert not triton_support.use_triton(torch.zeros(2), "torch")
+    for op in ("swiglu", "bias_gelu", "rms_norm", "layer_norm"):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert choose(op, "cpu", dtype).impl != "triton"
+            with kernel_mode("torch"):
+                assert choose(op, "cpu", dtype).impl == "torch"
+
+
+def test_norm_warps_grow_with_the_row():
+    """Wide rows get more warps per program, so a row's registers do not spill."""
+    from megaformer.kernels.norm import _block, _num_warps
+
+    assert [_num_warps(_block(n)) for n in (256, 1024, 2048, 4096, 8192, 16384)] == [4, 4, 8, 16, 16, 16]

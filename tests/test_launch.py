@@ -11,13 +11,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from megaformer.errors import LaunchError
 from megaformer.training.distributed import detect_launch, first_host
 from megaformer.training.faults import Fault, parse
-from tests.conftest import ROOT, cluster_overrides, free_port, step_records, subprocess_env
+from tests.helpers import (ROOT, cluster_overrides, free_port, kill_group, run_process, step_records,
+                           subprocess_env)
 
 
 def assert_same_losses(run_dir: Path, reference: Path) -> None:
@@ -74,11 +76,11 @@ def test_fault_spec():
 
 
 def test_one_line_errors_for_a_bad_launch_environment(tmp_path):
-    from tests.conftest import assert_one_line_error, run_cli, tiny_overrides
+    from tests.helpers import assert_one_line_error, cli_main, tiny_overrides
 
-    env = subprocess_env(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2")
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "--run-dir",
-                   str(tmp_path / "run"), env=env)
+    env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "--run-dir",
+                    str(tmp_path / "run"), env=env)
     assert_one_line_error(proc, "mpi (Open MPI): world size 2 but MASTER_ADDR/MASTER_PORT")
 
 
@@ -92,11 +94,16 @@ def test_two_torchrun_nodes_over_loopback_equal_one_node(tmp_path, ddp_reference
     procs = [subprocess.Popen(
         ["bash", "launch/torchrun.sh", "1", "configs/quickstart.yaml", *cluster_overrides(),
          "--run-dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=subprocess_env(PYTHON=sys.executable, NNODES="2", NODE_RANK=str(node),
                            RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID="loopback"))
         for node in (0, 1)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    except BaseException:
+        for p in procs:
+            kill_group(p)
+        raise
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "launch: torchrun, rank 0 of 2" in "".join(outs)
     assert_same_losses(tmp_path / "run", ddp_reference)
@@ -107,9 +114,9 @@ def test_two_torchrun_nodes_over_loopback_equal_one_node(tmp_path, ddp_reference
 def test_deepspeed_launcher_with_a_hostfile(tmp_path, ddp_reference):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# one host, two processes\nlocalhost slots=2\n")
-    proc = subprocess.run(
+    proc = run_process(
         ["bash", "launch/deepspeed.sh", str(hostfile), "configs/quickstart.yaml", *cluster_overrides(),
-         "--run-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+         "--run-dir", str(tmp_path / "run")],
         env=subprocess_env(PYTHON=sys.executable, MASTER_PORT=str(free_port())))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "launch: deepspeed, rank 0 of 2" in proc.stdout
@@ -119,17 +126,31 @@ def test_deepspeed_launcher_with_a_hostfile(tmp_path, ddp_reference):
 # ----------------------------------------------------------------------------- Slurm
 
 @pytest.fixture(scope="module")
-def slurm() -> dict:
-    """A one-machine Slurm cluster (installed and started by tests/slurm/setup_local_slurm.sh)."""
+def slurm() -> Iterator[dict]:
+    """A one-machine Slurm cluster (installed and started by tests/slurm/setup_local_slurm.sh);
+    the daemons it started (munged, slurmctld, slurmd) are stopped when the module's tests end."""
     state = Path("/tmp/megaformer-slurm")
-    proc = subprocess.run(["bash", "tests/slurm/setup_local_slurm.sh", str(state)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+
+    def stop() -> None:
+        subprocess.run(["bash", "tests/slurm/stop_local_slurm.sh", str(state)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+
+    try:
+        proc = subprocess.run(["bash", "tests/slurm/setup_local_slurm.sh", str(state)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)
+    except BaseException:
+        stop()
+        raise
     if proc.returncode == 77:
+        stop()  # a daemon started before the step that failed
         reason = (proc.stdout.strip().splitlines() or ["Slurm cannot be set up here"])[-1]
         print(reason)
         pytest.skip(reason)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {"SLURM_CONF": str(state / "slurm.conf")}
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        yield {"SLURM_CONF": str(state / "slurm.conf")}
+    finally:
+        stop()
 
 
 def _job_state(job: str, env: dict) -> str:

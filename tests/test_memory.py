@@ -25,7 +25,7 @@ def _measured(cfg: ModelConfig, B: int, s: int, mode: str, padded: int) -> tuple
     torch.manual_seed(0)
     model = Transformer(cfg, padded_vocab_size=padded)
     if mode != "none":
-        from megaformer.training.recompute import apply_recompute
+        from megaformer.parallel.recompute import apply_recompute
 
         apply_recompute(model.layers, mode, 1)
     x = torch.randint(0, cfg.vocab_size, (B, s))
@@ -48,7 +48,7 @@ def _measured(cfg: ModelConfig, B: int, s: int, mode: str, padded: int) -> tuple
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_estimate_matches_measured_cpu_memory(name, mode):
     if mode != "none":
-        pytest.importorskip("megaformer.training.recompute")
+        pytest.importorskip("megaformer.parallel.recompute")
     cfg = ModelConfig(**CONFIGS[name])
     B, s, padded = 4, 64, 384 if cfg.vocab_size > 256 else None
     act, peak = _measured(cfg, B, s, mode, padded)

@@ -12,6 +12,12 @@ import torch.nn.functional as F
 
 from megaformer.kernels import native
 from megaformer.kernels.attention import attention
+from megaformer.kernels.selection import choose_for, track
+
+
+def _native_attention(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
+    return choose_for("attention", q, backend="auto", head_dim=q.shape[-1], dropout=dropout_p > 0,
+                      doc_mask=False).impl == "native"
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler: the native kernels cannot be built here")
@@ -32,15 +38,16 @@ def test_swiglu_equals_float64_reference():
     g = torch.Generator().manual_seed(1)
     y = (torch.randn(3, 7, 2 * 40, generator=g) * 4).requires_grad_()  # SiLU's tails too
     dh = torch.randn(3, 7, 40, generator=g)
-    h = PackedSwiGLUFunction.apply(y)
+    assert choose_for("swiglu", y).impl == "native"
+    h = PackedSwiGLUFunction.apply(y, True)
     h.backward(dh)
     y64 = y.detach().double().requires_grad_()
     h64 = F.silu(y64[..., :40]) * y64[..., 40:]
     h64.backward(dh.double())
     assert _rel(h, h64) < 1e-6 and _rel(y.grad, y64.grad) < 1e-6
     with native.disabled():  # the torch fallback path agrees too
-        assert not native.usable(y)
-        assert _rel(PackedSwiGLUFunction.apply(y.detach()), h64) < 1e-6
+        assert choose_for("swiglu", y).impl == "cpu"
+    assert _rel(PackedSwiGLUFunction.apply(y.detach(), False), h64) < 1e-6
 
 
 def test_exp_through_softmax_over_the_float_range():
@@ -110,6 +117,9 @@ def test_attention_softmax_dropout_equals_reference(t_len, s_len, causal):
     torch.manual_seed(5)
     _, _, m, scale = native.softmax_dropout_forward(scores.detach().float(), causal, 0.25)
     want = (torch.softmax(scores, -1) * m * scale) @ v64.repeat_interleave(2, 1)
+    # the mask and scale above come from the kernel: check them on their own, over many draws
+    _, _, big_m, big_scale = native.softmax_dropout_forward(torch.zeros(8, 4, 64, 256), False, 0.25)
+    assert abs(big_m.float().mean().item() - 0.75) < 0.003 and big_scale == pytest.approx(1 / 0.75)
     want.backward(dout.double())
     assert _rel(out, want) < 1e-6
     for a, b in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
@@ -205,17 +215,15 @@ def test_rmsnorm_and_rope_equal_the_torch_paths():
     cos, sin = RotaryEmbedding(D)(torch.arange(2, 2 + T))
     dq = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
 
-    def run():
+    def run(use_native):
         xl, wl, ql = x.clone().requires_grad_(), w.clone().requires_grad_(), q.detach().requires_grad_()
-        y = RMSNormFunction.apply(xl, wl, 1e-5)
+        y = RMSNormFunction.apply(xl, wl, 1e-5, use_native)
         y.backward(dy)
-        r = RotaryFunction.apply(ql, cos[..., :D // 2], sin[..., :D // 2])
+        r = RotaryFunction.apply(ql, cos[..., :D // 2], sin[..., :D // 2], use_native)
         r.backward(dq)
         return [y.detach(), xl.grad, wl.grad, r.detach(), ql.grad]
 
-    got = run()
-    with native.disabled():
-        want = run()
+    got, want = run(True), run(False)
     for a, b in zip(got, want):
         assert _rel(a, b) < 1e-6
 
@@ -225,7 +233,7 @@ def test_adam_impl_choices_make_the_same_update(impl):
     """train.adam_impl: auto picks torch's fused AdamW on CPU; fused and foreach update the
     parameters alike (three steps, weight decay on matrices only)."""
     from megaformer.config import TrainConfig
-    from megaformer.training.optimizer import build_optimizer
+    from megaformer.runtime.optimizer import build_optimizer
 
     def run(choice):
         torch.manual_seed(0)
@@ -253,8 +261,6 @@ def test_adam_impl_choices_make_the_same_update(impl):
 def test_native_flash_attention_equals_float64_reference(B, H, HK, T, S, D, causal):
     """attention(backend=auto) on fp32 CPU without dropout runs the native kernel: output and the
     gradients of q, k, v against softmax(QK^T/sqrt(D) + M)V in float64 autograd."""
-    from megaformer.kernels import attention as attn
-
     g = torch.Generator().manual_seed(B * 100 + T)
     if T == S:
         proj = torch.randn(B, T, (H + 2 * HK) * D, generator=g)
@@ -263,8 +269,9 @@ def test_native_flash_attention_equals_float64_reference(B, H, HK, T, S, D, caus
     else:
         q, k, v = (torch.randn(B, n, L, D, generator=g) for n, L in ((H, T), (HK, S), (HK, S)))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    assert attn._native_attention_applies(leaves[0], leaves[1], 0.0, None)
-    out = attention(*leaves, causal=causal)
+    with track() as ran:
+        out = attention(*leaves, causal=causal)
+    assert ran["attention"] == {"native"}
     dout = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
     out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -281,14 +288,13 @@ def test_native_flash_attention_equals_float64_reference(B, H, HK, T, S, D, caus
 
 def test_attention_falls_back_to_sdpa_where_the_native_kernel_does_not_apply():
     """head_dim not a multiple of 16, dropout, an explicit backend: torch SDPA (or the dropout path)."""
-    from megaformer.kernels import attention as attn
-
     q, k = torch.randn(1, 2, 5, 24), torch.randn(1, 2, 5, 24)
-    assert not attn._native_attention_applies(q, k, 0.0, None)
+    assert not _native_attention(q)
     q, k = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
-    assert not attn._native_attention_applies(q, k, 0.1, None)
-    assert not attn._native_attention_applies(q.double(), k.double(), 0.0, None)
+    assert _native_attention(q)
+    assert not _native_attention(q, 0.1)
+    assert not _native_attention(q.double())
     with native.disabled():
-        assert not attn._native_attention_applies(q, k, 0.0, None)
+        assert not _native_attention(q)
     ref = attention(q, k, k, causal=True, backend="sdpa")
     assert _rel(attention(q, k, k, causal=True), ref) < 1e-6

@@ -10,6 +10,7 @@ import torch
 from megaformer.analysis import count_parameters
 from megaformer.config import ModelConfig
 from megaformer.model import Transformer
+from tests.helpers import tiny_model
 
 TINY = [
     dict(position=pos, norm=norm, activation=act, bias=bias, tie_embeddings=tie, n_kv_heads=kv)
@@ -20,7 +21,7 @@ TINY = [
 
 
 def tiny(**kw) -> ModelConfig:
-    return ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, **kw)
+    return tiny_model(**kw)
 
 
 @pytest.mark.parametrize("kw", TINY, ids=lambda kw: "-".join(str(v) for v in kw.values()))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli, run_torchrun, tiny_overrides
+from tests.helpers import cli_main, run_cli, run_torchrun, tiny_model, tiny_overrides
 
 ARGS = {"model.n_layers": 4, "model.d_ffn": 64, "train.steps": 3, "train.micro_batch_size": 2,
         "train.lr": 1e-3,
@@ -67,9 +67,9 @@ def test_layout_equals_one_process(reference, tmp_path, layout):
                         *tiny_overrides("stdlib", **{**ARGS, **extra}), "--run-dir", str(run))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _compare(reference, run)
-    gen = run_cli("generate", str(run), "--prompt", "def", "--max-new-tokens", "5", "--temperature", "0")
-    ref_gen = run_cli("generate", str(reference), "--prompt", "def", "--max-new-tokens", "5",
-                      "--temperature", "0")
+    gen = cli_main("generate", str(run), "--prompt", "def", "--max-new-tokens", "5", "--temperature", "0")
+    ref_gen = cli_main("generate", str(reference), "--prompt", "def", "--max-new-tokens", "5",
+                       "--temperature", "0")
     assert gen.returncode == 0 and gen.stdout == ref_gen.stdout
 
 
@@ -99,7 +99,7 @@ def _saved_bytes_and_grads(mode: str, every: int = 1, dropout: float = 0.1):
     tensor saved during the forward pass: the activation memory of the micro-batch)."""
     from megaformer.config import ModelConfig
     from megaformer.model.transformer import Transformer
-    from megaformer.training.recompute import apply_recompute
+    from megaformer.parallel.recompute import apply_recompute
 
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=4, n_heads=4, max_seq_len=64,
                       dropout=dropout, attention_dropout=dropout, attention_backend="reference")
@@ -134,16 +134,14 @@ def test_recompute_changes_no_number_and_saves_memory():
 
 
 def _tp_recompute(rank: int, world: int) -> dict:
-    from megaformer.config import ModelConfig
     from megaformer.model.transformer import Transformer
     from megaformer.parallel.plan import parallelize
     from megaformer.parallel.random import TensorParallelRNG
     from megaformer.parallel.topology import build_topology
-    from megaformer.training.recompute import apply_recompute
+    from megaformer.parallel.recompute import apply_recompute
 
     topo = build_topology(world, rank, world, 1)
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
-                      dropout=0.2, attention_dropout=0.2)
+    cfg = tiny_model(vocab_size=64, dropout=0.2, attention_dropout=0.2)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     out = {}
     for mode in ("none", "full", "selective"):

@@ -6,7 +6,7 @@ import json
 
 from megaformer.analysis.planner import Hardware, plan
 from megaformer.config import load_config
-from tests.conftest import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, cli_main
 
 
 def test_plan_rules_and_order():
@@ -32,12 +32,12 @@ def test_plan_rules_and_order():
 
 
 def test_plan_cli_json_and_errors():
-    r = run_cli("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40", "--gpu",
-                "A100", "--json")
+    r = cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40", "--gpu",
+                 "A100", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["feasible"] and out["assumptions"]["memory_gb"] == 40
-    assert_one_line_error(run_cli("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40"),
+    assert_one_line_error(cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40"),
                           "--peak-tflops")
-    assert_one_line_error(run_cli("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu", "XPU-9"),
+    assert_one_line_error(cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu", "XPU-9"),
                           "unknown GPU")

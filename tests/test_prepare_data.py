@@ -11,7 +11,7 @@ from megaformer.data.indexed import IndexedDataset, tokenizer_path
 from megaformer.data.prepare import prepare
 from megaformer.data.tokenizer import load_tokenizer
 from megaformer.errors import DataError
-from tests.conftest import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, cli_main
 
 DOCS = ["déjà vu — the first document\nwith two lines", "second ✓", "x" * 3000, "last one"]
 
@@ -92,7 +92,7 @@ def test_parquet_glob_and_hub_code_path_on_local_files(tmp_path, monkeypatch):
     r = prepare(f"hf:{hub}@train", "byte", tmp_path / "hub", progress=False)
     assert r.documents == 2
     with pytest.raises(DataError, match="no-such/dataset-xyz@train: cannot load from the Hugging Face hub"):
-        prepare("no-such/dataset-xyz", "byte", tmp_path / "nohub", progress=False)
+        prepare("hf:no-such/dataset-xyz", "byte", tmp_path / "nohub", progress=False)
 
 
 def test_empty_documents_are_skipped_with_one_warning(tmp_path, capsys):
@@ -135,6 +135,6 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, make, args, needles):
     argv = [a.format(d=tmp_path) for a in args]
     if "--merge" not in argv:
         argv += ["--tokenizer", "byte"]
-    proc = run_cli("prepare-data", *argv, "--output-prefix", str(tmp_path / "out"), timeout=120)
+    proc = cli_main("prepare-data", *argv, "--output-prefix", str(tmp_path / "out"))
     assert_one_line_error(proc, *needles)
     assert not list(tmp_path.glob("*.tmp-*"))

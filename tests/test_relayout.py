@@ -20,7 +20,7 @@ from megaformer.checkpoint import portable
 from megaformer.checkpoint.reshard import reshard_checkpoint
 from megaformer.checkpoint.safe_load import safe_torch_load
 from megaformer.errors import CheckpointError, ConfigError
-from tests.conftest import assert_one_line_error, run_cli, run_torchrun, tiny_overrides
+from tests.helpers import assert_one_line_error, cli_main, run_cli, run_torchrun, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -157,6 +157,6 @@ def test_relayout_resume_with_a_truncated_state_file_is_one_clear_error(layout_a
     rewind(run)
     stage = run / "checkpoints" / "step_0000003" / "optimizer" / "stage_00.safetensors"
     stage.write_bytes(stage.read_bytes()[:5000])
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
-                   "parallel.zero_stage=1", "--run-dir", str(run))  # DP 2 -> 1
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
+                    "parallel.zero_stage=1", "--run-dir", str(run))  # DP 2 -> 1
     assert_one_line_error(proc, "stage_00.safetensors", "truncated or tampered")

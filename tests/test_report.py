@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megaformer.analysis.report import load_records, write_report
-from tests.conftest import assert_one_line_error, run_cli, tiny_overrides
+from tests.helpers import assert_one_line_error, cli_main, run_cli, tiny_overrides
 
 
 def _fake_run(folder: Path, n: int = 6, partial_last_line: bool = True) -> Path:
@@ -45,9 +45,9 @@ def test_report_from_jsonl_in_progress(tmp_path):
 
 
 def test_report_cli_errors(tmp_path):
-    assert_one_line_error(run_cli("report", str(tmp_path / "missing")), "not a run directory")
+    assert_one_line_error(cli_main("report", str(tmp_path / "missing")), "not a run directory")
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(run_cli("report", str(tmp_path / "empty")), "no metrics.jsonl")
+    assert_one_line_error(cli_main("report", str(tmp_path / "empty")), "no metrics.jsonl")
 
 
 @pytest.mark.slow
@@ -68,7 +68,7 @@ def test_training_logs_throughput_then_report(tmp_path):
         assert x["mfu"] == pytest.approx(x["tflops_per_gpu"] / 0.5)
         assert 0.05 < x["peak_mem_gb"] < 50
     (run / "metrics.jsonl").unlink()
-    out = run_cli("report", str(run), "--out", str(tmp_path / "rep"))
+    out = cli_main("report", str(run), "--out", str(tmp_path / "rep"))
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "tensorboard" in md and "MFU" in md
@@ -76,5 +76,5 @@ def test_training_logs_throughput_then_report(tmp_path):
 
 
 def test_unknown_gpu_in_training_config_is_one_line_error():
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "log.gpu=TPU-v9", "--dry-run"),
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "log.gpu=TPU-v9", "--dry-run"),
                           "log.gpu", "unknown GPU")

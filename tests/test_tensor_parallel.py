@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import run_cli, run_torchrun, tiny_overrides
+from tests.helpers import cli_main, run_cli, run_torchrun, tiny_overrides
 from tests.dist_harness import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -53,7 +53,7 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
     from megaformer.model.transformer import Transformer
     from megaformer.parallel.plan import full_state_dict, padded_vocab_size, parallelize
     from megaformer.parallel.topology import build_topology
-    from megaformer.training.trainer import global_grad_norm
+    from megaformer.parallel.grad_norm import global_grad_norm
 
     cfg = _model_cfg(**VARIANTS[variant])
     topo = build_topology(world, rank, world, 1)
@@ -201,21 +201,30 @@ def _records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
+TP_COMMON = tiny_overrides("stdlib", **{"train.steps": 3, "eval.interval": 3,
+                                        "train.micro_batch_size": 2, "train.global_batch_size": 8,
+                                        "model.d_ffn": 64, "log.sample_tokens": 10})
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tmp_path_factory) -> Path:
+    """One process, TP_COMMON: the run every tensor-parallel layout must match."""
+    run = tmp_path_factory.mktemp("tp") / "ref"
+    ref = run_cli("train", "configs/quickstart.yaml", *TP_COMMON, "--run-dir", str(run))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,stage,sp", [(2, 2, 1, True), (4, 2, 1, False), (4, 2, 2, True)])
-def test_training_with_tp_and_zero_equals_one_process(tmp_path, world, tp, stage, sp):
-    common = tiny_overrides("stdlib", **{"train.steps": 3, "eval.interval": 3,
-                                         "train.micro_batch_size": 2, "train.global_batch_size": 8,
-                                         "model.d_ffn": 64, "log.sample_tokens": 10})
-    ref = run_cli("train", "configs/quickstart.yaml", *common, "--run-dir", str(tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    run = run_torchrun(world, "train", "configs/quickstart.yaml", *common,
+def test_training_with_tp_and_zero_equals_one_process(tp_reference, tmp_path, world, tp, stage, sp):
+    run = run_torchrun(world, "train", "configs/quickstart.yaml", *TP_COMMON,
                        f"parallel.tensor={tp}", f"parallel.zero_stage={stage}",
                        f"parallel.sequence_parallel={str(sp).lower()}",
                        "--run-dir", str(tmp_path / "tp"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"TP {tp}" in run.stdout and "tensor-parallel groups:   [0,1]" in run.stdout
-    a, b = _records(tmp_path / "ref"), _records(tmp_path / "tp")
+    a, b = _records(tp_reference), _records(tmp_path / "tp")
     for step in (1, 2, 3):
         for key in ("loss", "grad_norm"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
@@ -223,13 +232,13 @@ def test_training_with_tp_and_zero_equals_one_process(tmp_path, world, tp, stage
     # the exported weights are full and unpadded: generate reads them like a TP=1 checkpoint
     from safetensors.torch import load_file
 
-    wa = load_file(str(tmp_path / "ref/checkpoints/step_0000003/model.safetensors"))
+    wa = load_file(str(tp_reference / "checkpoints/step_0000003/model.safetensors"))
     wb = load_file(str(tmp_path / "tp/checkpoints/step_0000003/model.safetensors"))
     assert wa.keys() == wb.keys()
     for k in wa:
         assert wa[k].shape == wb[k].shape
         assert float((wa[k] - wb[k]).norm() / wa[k].norm()) < 1e-5, k
-    gen = run_cli("generate", str(tmp_path / "tp"), "--prompt", "def", "--max-new-tokens", "5")
+    gen = cli_main("generate", str(tmp_path / "tp"), "--prompt", "def", "--max-new-tokens", "5")
     assert gen.returncode == 0 and gen.stdout.startswith("def")
 
 

@@ -7,6 +7,7 @@ import torch
 
 from megaformer.parallel.plan import padded_vocab_size
 from megaformer.parallel.topology import layout_groups
+from tests.helpers import tiny_model
 
 
 def test_tp_ranks_adjacent_then_dp_then_pp():
@@ -50,11 +51,9 @@ def test_vocab_padding(vocab, tp, mult, expected):
 
 
 def test_padding_changes_nothing_the_model_computes():
-    from megaformer.config import ModelConfig
     from megaformer.model.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
-                      tie_embeddings=False)
+    cfg = tiny_model(vocab_size=50, tie_embeddings=False)
     torch.manual_seed(3)
     plain = Transformer(cfg)
     torch.manual_seed(3)

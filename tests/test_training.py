@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_one_line_error, run_cli, tiny_overrides
+from tests.helpers import assert_one_line_error, cli_main, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -91,10 +91,10 @@ def test_resume_is_exact(trained, tmp_path):
 
 
 def test_generate_from_run_dir_and_checkpoint(trained):
-    a = run_cli("generate", str(trained), "--prompt", "def ", "--max-new-tokens", "20",
-                "--temperature", "0")
-    b = run_cli("generate", str(trained / "checkpoints" / "step_0000006"), "--prompt", "def ",
-                "--max-new-tokens", "20", "--temperature", "0")
+    a = cli_main("generate", str(trained), "--prompt", "def ", "--max-new-tokens", "20",
+                 "--temperature", "0")
+    b = cli_main("generate", str(trained / "checkpoints" / "step_0000006"), "--prompt", "def ",
+                 "--max-new-tokens", "20", "--temperature", "0")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert a.stdout == b.stdout and a.stdout.startswith("def ")
 
@@ -102,24 +102,31 @@ def test_generate_from_run_dir_and_checkpoint(trained):
 
     model, tok, _, _ = load_checkpoint_model(trained)
     assert generate_text(model, tok, "def ", 20, temperature=0) == a.stdout.rstrip("\n")
-    sampled = run_cli("generate", str(trained), "--prompt", "x", "--max-new-tokens", "5",
-                      "--temperature", "1.0", "--top-k", "5")
+    sampled = cli_main("generate", str(trained), "--prompt", "x", "--max-new-tokens", "5",
+                       "--temperature", "1.0", "--top-k", "5")
     assert sampled.returncode == 0 and sampled.stdout.startswith("x")
 
 
+@pytest.fixture(scope="module")
+def zero0(tmp_path_factory) -> Path:
+    """4 steps with ZeRO off: the run every ZeRO stage must match."""
+    run = tmp_path_factory.mktemp("zero") / "z0"
+    train(run, "train.steps=4", "eval.interval=0", "parallel.zero_stage=0")
+    return run
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_match_stage_0(tmp_path, stage):
-    ref = tmp_path / "z0"
-    train(ref, "train.steps=4", "eval.interval=0", "parallel.zero_stage=0")
+def test_zero_stages_match_stage_0(zero0, tmp_path, stage):
     run = tmp_path / f"z{stage}"
     train(run, "train.steps=4", "eval.interval=0", f"parallel.zero_stage={stage}")
-    a, b = losses(ref), losses(run)
+    a, b = losses(zero0), losses(run)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=1e-5)
 
 
 def test_bf16_trains_on_cpu(tmp_path):
-    train(tmp_path / "bf16", "train.precision=bf16", "train.steps=4", "eval.interval=0")
+    train(tmp_path / "bf16", "train.precision=bf16", "parallel.zero_stage=1", "train.steps=4", "eval.interval=0")
     ls = losses(tmp_path / "bf16")
     assert all(v == v and v < 10 for v in ls.values())
 
@@ -130,28 +137,28 @@ def test_empty_corpus(tmp_path):
     folder = tmp_path / "empty"
     folder.mkdir()
     (folder / "blank.txt").write_text("   \n\n")
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(folder),
-                   "--run-dir", str(tmp_path / "run"))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(folder),
+                    "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(proc, "empty")
 
 
 def test_missing_corpus(tmp_path):
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(tmp_path / "nope"),
-                   "--run-dir", str(tmp_path / "run"))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(tmp_path / "nope"),
+                    "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(proc, "no such file or folder")
 
 
 def test_sequence_longer_than_position_table(tmp_path):
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "data.seq_len=64",
-                   "--run-dir", str(tmp_path / "run"))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "data.seq_len=64",
+                    "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(proc, "data.seq_len=64", "model.max_seq_len=32")
 
 
 def test_generate_on_something_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "junk").mkdir()
-    assert_one_line_error(run_cli("generate", str(tmp_path / "junk"), "--prompt", "a"),
+    assert_one_line_error(cli_main("generate", str(tmp_path / "junk"), "--prompt", "a"),
                           "not a megaformer run directory or checkpoint")
-    assert_one_line_error(run_cli("generate", str(tmp_path / "missing")), "no such")
+    assert_one_line_error(cli_main("generate", str(tmp_path / "missing")), "no such")
 
 
 def test_corrupt_weights_are_refused(trained, tmp_path):
@@ -159,7 +166,7 @@ def test_corrupt_weights_are_refused(trained, tmp_path):
     shutil.copytree(trained / "checkpoints" / "step_0000006", bad)
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert_one_line_error(run_cli("generate", str(bad), "--prompt", "a"), "model.safetensors")
+    assert_one_line_error(cli_main("generate", str(bad), "--prompt", "a"), "model.safetensors")
 
 
 def test_corrupt_engine_state_on_resume_loses_nothing(trained, tmp_path):
@@ -168,8 +175,8 @@ def test_corrupt_engine_state_on_resume_loses_nothing(trained, tmp_path):
     state = run / "checkpoints" / "step_0000006" / "mp_rank_00_model_states.pt"
     state.write_bytes(state.read_bytes()[:1000])
     before = digest(run / "checkpoints")
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=8",
-                   "--run-dir", str(run))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=8",
+                    "--run-dir", str(run))
     assert_one_line_error(proc, "mp_rank_00_model_states.pt")
     assert digest(run / "checkpoints") == before
 
@@ -178,11 +185,11 @@ def test_existing_checkpoints_are_never_overwritten(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     before = digest(run / "checkpoints")
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "checkpoint.resume=false",
-                   "--run-dir", str(run))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "checkpoint.resume=false",
+                    "--run-dir", str(run))
     assert_one_line_error(proc, "already holds checkpoints")
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), "model.n_layers=3",
-                   "--run-dir", str(run))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "model.n_layers=3",
+                    "--run-dir", str(run))
     assert_one_line_error(proc, "model.n_layers=3 differs from the checkpoint")
     assert digest(run / "checkpoints") == before
 

@@ -18,8 +18,8 @@ batch, Narayanan et al. 2021, GQA/SwiGLU aware), MFU against the dense bf16 peak
 (989.5 TFLOP/s for H100/H200 SXM), peak memory, and the tokens/s ratio. A model that does not fit
 is reported as out of memory.
 
-Targets (issue M8): the 1.3B model at seq 4096 reaches >= 50% MFU and >= 1.5x transformers' tokens/s
-on one H100/H200. Without a CUDA device the script refuses (unless --device cpu --tiny).
+Targets: the 1.3B model at seq 4096 reaches >= 50% MFU and >= 1.5x transformers' tokens/s on one
+H100/H200 (not yet measured: docs/benchmarks.md). Without a CUDA device the script refuses (unless --device cpu --tiny).
 """
 
 from __future__ import annotations

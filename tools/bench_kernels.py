@@ -7,15 +7,16 @@
 Rows (best of --repeat timed runs after 2 warm-up runs, the two versions alternating, which one
 goes first alternating too):
 
+Every "dispatch" row names, in brackets, the implementation that ran (recorded by
+megaformer.kernels.selection.track while it ran).
+
 * RMSNorm, LayerNorm      unfused torch (fp32 statistics, as written in the model) vs megaformer's
-                          dispatch (CUDA: apex, or the faster of Triton / torch native, measured;
-                          CPU: the torch reference) and torch's native op. GB/s = bytes moved
-                          (x, y, dy, dx: 4 x tokens x d_model x element size) / time.
-* SwiGLU, bias-GELU       unfused torch (separate elementwise ops) vs the dispatch (CUDA: the
-                          Triton kernels; CPU: torch). GB/s over 8 (SwiGLU) or 6 (GELU) tokens x
-                          d_ffn tensors read or written once.
-* attention               the written-out reference (scores materialised) vs the dispatch (CUDA:
-                          FlashAttention or SDPA with cuDNN/flash priority; CPU: SDPA), causal,
+                          dispatch and torch's native op. GB/s = bytes moved (x, y, dy, dx:
+                          4 x tokens x d_model x element size) / time.
+* SwiGLU, bias-GELU       unfused torch (separate elementwise ops) vs the dispatch, SwiGLU on
+                          separate g, u and on the packed [g | u]. GB/s over 8 (SwiGLU) or 6 (GELU)
+                          tokens x d_ffn tensors read or written once.
+* attention               the written-out reference (scores materialised) vs the dispatch, causal,
                           B x seq / seq rows; TFLOP/s = 3.5 x 2 x 2 B h s^2 d_k / 2 / time (forward
                           + backward = 2.5 x forward, causal = half the square).
 * cross-entropy           logits [tokens, vocab] then F.cross_entropy vs the chunked fused head
@@ -24,7 +25,7 @@ goes first alternating too):
                           CPU: the allocator's own record, megaformer.analysis.measure).
 
 Ceilings printed beside the achieved numbers on CUDA: dense TFLOP/s from the peak table
-(megaformer/analysis/peaks.py) and the HBM bandwidth below; on CPU there is no ceiling.
+(megaformer/accelerators.py) and the HBM bandwidth below; on CPU there is no ceiling.
 """
 
 from __future__ import annotations
@@ -102,6 +103,15 @@ def _row(name: str, unfused: float, fused: float, work: float, unit: str, ceilin
             f"{work / unfused:>10.2f} {work / fused:>10.2f} {unit:>7s} {ceil} {extra}")
 
 
+def _ran(fn: Callable, inputs: list) -> str:
+    """The implementations megaformer's dispatch ran for ``fn(*inputs)`` forward + backward."""
+    from megaformer.kernels.selection import track
+
+    with track() as ran:
+        _fwd_bwd(fn, inputs)()
+    return "/".join(sorted({i for impls in ran.values() for i in impls})) or "-"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -118,7 +128,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
 
-    from megaformer.analysis.peaks import find_accelerator
+    from megaformer.accelerators import find_accelerator
     from megaformer.errors import UserError
     from megaformer.kernels import activations as A
     from megaformer.kernels import norm as N
@@ -153,31 +163,41 @@ def main() -> None:
     x, w, b = randn(M, D), randn(D), randn(D)
     norm_bytes = 4 * M * D * elem / 1e9
     ref_rms = _fwd_bwd(lambda x_, w_: N.rms_norm_reference(x_, w_, 1e-5), [x, w])
-    for name, fn in (("RMSNorm: dispatch", lambda x_, w_: N.rms_norm(x_, w_, 1e-5)),
+    rms = lambda x_, w_: N.rms_norm(x_, w_, 1e-5)  # noqa: E731
+    for name, fn in ((f"RMSNorm: dispatch [{_ran(rms, [x, w])}]", rms),
                      ("RMSNorm: torch native F.rms_norm", lambda x_, w_: F.rms_norm(x_, (D,), w_, 1e-5))):
         t_ref, t = time_pair(ref_rms, _fwd_bwd(fn, [x, w]), args.repeat, dev)
         print(_row(name, t_ref, t, norm_bytes, "GB/s", gbps_ceiling))
     ref_ln = _fwd_bwd(lambda x_, w_, b_: N.layer_norm_reference(x_, w_, b_, 1e-5), [x, w, b])
-    for name, fn in (("LayerNorm: dispatch", lambda x_, w_, b_: N.layer_norm(x_, w_, b_, 1e-5)),
+    ln = lambda x_, w_, b_: N.layer_norm(x_, w_, b_, 1e-5)  # noqa: E731
+    for name, fn in ((f"LayerNorm: dispatch [{_ran(ln, [x, w, b])}]", ln),
                      ("LayerNorm: torch native", lambda x_, w_, b_: F.layer_norm(x_, (D,), w_, b_, 1e-5))):
         t_ref, t = time_pair(ref_ln, _fwd_bwd(fn, [x, w, b]), args.repeat, dev)
         print(_row(name, t_ref, t, norm_bytes, "GB/s", gbps_ceiling))
 
     g, u, bf = randn(M, Fd), randn(M, Fd), randn(Fd)
     t_ref, t = time_pair(_fwd_bwd(A.swiglu_reference, [g, u]), _fwd_bwd(A.swiglu, [g, u]), args.repeat, dev)
-    print(_row("SwiGLU: dispatch", t_ref, t, 8 * M * Fd * elem / 1e9, "GB/s", gbps_ceiling))
+    print(_row(f"SwiGLU: dispatch [{_ran(A.swiglu, [g, u])}]", t_ref, t, 8 * M * Fd * elem / 1e9,
+               "GB/s", gbps_ceiling))
+    gu = torch.cat((g, u), dim=-1)
+    packed_ref = _fwd_bwd(lambda y_: A.swiglu_reference(*y_.chunk(2, dim=-1)), [gu])
+    t_ref, t = time_pair(packed_ref, _fwd_bwd(A.swiglu_packed, [gu]), args.repeat, dev)
+    print(_row(f"SwiGLU [g|u]: dispatch [{_ran(A.swiglu_packed, [gu])}]", t_ref, t,
+               8 * M * Fd * elem / 1e9, "GB/s", gbps_ceiling))
     t_ref, t = time_pair(_fwd_bwd(A.bias_gelu_reference, [g, bf]), _fwd_bwd(A.bias_gelu, [g, bf]),
                          args.repeat, dev)
-    print(_row("bias-GELU: dispatch", t_ref, t, 6 * M * Fd * elem / 1e9, "GB/s", gbps_ceiling))
+    print(_row(f"bias-GELU: dispatch [{_ran(A.bias_gelu, [g, bf])}]", t_ref, t,
+               6 * M * Fd * elem / 1e9, "GB/s", gbps_ceiling))
 
     H, dk, S = args.heads, D // args.heads, args.seq
     B = max(1, M // S)
     q, k, v = (randn(B, H, S, dk) for _ in range(3))
     att_flops = 3.5 * 2 * 2 * B * H * S * S * dk / 2 / 1e12
+    att = lambda *a: attention(*a, causal=True, backend="auto")  # noqa: E731
     t_ref, t = time_pair(_fwd_bwd(lambda *a: attention(*a, causal=True, backend="reference"), [q, k, v]),
-                         _fwd_bwd(lambda *a: attention(*a, causal=True, backend="auto"), [q, k, v]),
-                         args.repeat, dev)
-    print(_row(f"attention {B}x{H}x{S}x{dk}: dispatch", t_ref, t, att_flops, "TFLOP/s", tflops_ceiling))
+                         _fwd_bwd(att, [q, k, v]), args.repeat, dev)
+    print(_row(f"attention {B}x{H}x{S}x{dk}: dispatch [{_ran(att, [q, k, v])}]", t_ref, t, att_flops,
+               "TFLOP/s", tflops_ceiling))
 
     Nt, V = args.ce_tokens or M, args.vocab
     h, wv = randn(Nt, D, scale=0.1), randn(V, D, scale=0.02)
@@ -190,8 +210,7 @@ def main() -> None:
                "TFLOP/s", tflops_ceiling,
                f"peak memory {mem_plain / 2**20:,.0f} -> {mem_chunked / 2**20:,.0f} MiB "
                f"({mem_plain / mem_chunked:.1f}x less)"))
-    print("speedup = unfused time / fused time (> 1: the fast path is faster). On CPU the norm, "
-          "SwiGLU and GELU dispatch runs the torch reference (Triton kernels need CUDA).")
+    print("speedup = unfused time / fused time (> 1: the fast path is faster); [..] = what ran")
 
 
 if __name__ == "__main__":

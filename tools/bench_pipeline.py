@@ -70,13 +70,10 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
 
     import deepspeed
 
-    from megaformer.config import ModelConfig
-    from megaformer.model.transformer import Transformer
-    from megaformer.parallel.pipeline import build_pipeline
-    from megaformer.parallel.plan import parallelize
+    from megaformer.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from megaformer.parallel.build import build_model
     from megaformer.parallel.topology import build_topology
     from megaformer.training.distributed import _disable_cpu_shm_comm_op
-    from megaformer.training.recompute import apply_recompute
 
     _disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -84,11 +81,9 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
     topo = build_topology(world, rank, 1, world)
     cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8,
                       max_seq_len=args.seq, tie_embeddings=False)
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    parallelize(model, topo, False, None)
-    apply_recompute(model.layers, recompute, 1, None)
-    pipe = build_pipeline(model, topo, "layers", loss_fn=model.loss_fn)
+    run = Config(model=cfg, parallel=ParallelConfig(pipeline=world, pipeline_partition="layers"),
+                 train=TrainConfig(seed=0, recompute=recompute))
+    pipe = build_model(run, topo).model  # the pipeline stages, as training builds them
     ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": m,
           "train_batch_size": args.batch * m, "steps_per_print": 2**31 - 1}
     engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1e-4),
@@ -128,7 +123,7 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
 
 
 def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tuple]:
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

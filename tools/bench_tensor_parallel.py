@@ -6,7 +6,7 @@ For TP = 1, 2, 4 (gloo processes on this machine), without and with sequence par
 training steps of a Llama-style model and prints
 
 * the bytes each rank sends per step in the Transformer layers, counted by wrapping the collectives
-  (ring-algorithm volumes, see megaformer/parallel/comm.py), beside Megatron's analytical volume
+  (ring-algorithm volumes, see megaformer/comm.py), beside Megatron's analytical volume
   of 4 all-reduces of b·s·h per layer per step (= 4 · 2(p-1)/p · b·s·h · 4 bytes in fp32; sequence
   parallelism: 4 all-gathers + 4 reduce-scatters of b·s·h, the same volume), and their ratio;
 * the whole step's bytes beside the analytical total (layers + embedding + output head + loss);
@@ -35,19 +35,18 @@ def _one(rank: int, world: int, port: int, args: argparse.Namespace, sp: bool, l
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import torch.distributed as dist
 
-    from megaformer.config import ModelConfig
-    from megaformer.model.transformer import Transformer
-    from megaformer.parallel.comm import CommCounter
-    from megaformer.parallel.plan import padded_vocab_size, parallelize
+    from megaformer.comm import CommCounter
+    from megaformer.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from megaformer.parallel.build import build_model
     from megaformer.parallel.topology import build_topology
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=layers, n_heads=8,
                       max_seq_len=args.seq)
-    torch.manual_seed(0)
-    model = Transformer(cfg, padded_vocab_size=padded_vocab_size(257, world, 128))
     topo = build_topology(world, rank, world, 1)
-    parallelize(model, topo, sp, None)
+    run = Config(model=cfg, parallel=ParallelConfig(tensor=world, sequence_parallel=sp),
+                 train=TrainConfig(seed=0, recompute="none"))
+    model = build_model(run, topo).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 257, (args.batch, args.seq), generator=gen)
@@ -67,7 +66,7 @@ def _one(rank: int, world: int, port: int, args: argparse.Namespace, sp: bool, l
 
 
 def measure(world: int, args: argparse.Namespace, sp: bool, layers: int) -> tuple[int, float]:
-    from tests.conftest import free_port  # noqa: E402  (a free loopback port)
+    from tests.helpers import free_port  # noqa: E402  (a free loopback port)
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

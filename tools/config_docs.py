@@ -1,8 +1,11 @@
-"""Print the config-key reference (Markdown) generated from megaformer.config's declarations.
+"""The configuration reference (docs/configuration.md), generated from megaformer.config's declarations.
 
     python tools/config_docs.py            # print the table
-    python tools/config_docs.py --check    # exit 1 if README.md's table is out of date
-    python tools/config_docs.py --write    # rewrite README.md's table in place
+    python tools/config_docs.py --check    # exit 1 if docs/configuration.md's table is out of date
+    python tools/config_docs.py --write    # rewrite docs/configuration.md's table in place
+
+The table sits between the ``<!-- config-keys:begin -->`` and ``<!-- config-keys:end -->`` markers
+of the page; everything around them is written by hand.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from megaformer.config import describe_keys  # noqa: E402
 
+PAGE = ROOT / "docs" / "configuration.md"
 BEGIN, END = "<!-- config-keys:begin -->", "<!-- config-keys:end -->"
 
 
@@ -25,23 +29,30 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+def updated(text: str) -> str:
+    """``text`` with the table between the markers regenerated; ValueError if a marker is missing."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{PAGE}: expected one {BEGIN} followed by one {END}")
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
-    updated = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
-    if "--check" in sys.argv:
-        if updated != text:
-            print("README.md config table is out of date: run python tools/config_docs.py --write")
-            return 1
-        return 0
-    if "--write" in sys.argv:
-        readme.write_text(updated)
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
+def main(argv: list[str]) -> int:
+    if "--check" in argv or "--write" in argv:
+        text = PAGE.read_text()
+        new = updated(text)
+        if "--check" in argv:
+            if new != text:
+                print(f"{PAGE.relative_to(ROOT)}: the config table is out of date: "
+                      "run python tools/config_docs.py --write")
+                return 1
+            return 0
+        PAGE.write_text(new)
         return 0
     print(table())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Analysis: parameter counts, FLOPs and MFU, peaks, memory estimates, the planner, reports, bench."""
+"""Analysis: parameter counts, FLOPs and MFU, memory estimates, the planner, reports, bench, check."""
 
 from megaformer.analysis.params import count_parameters
 

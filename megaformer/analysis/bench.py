@@ -4,8 +4,8 @@ One process, random tokens, one micro-batch (train.micro_batch_size x seq_len) p
 
     forward + cross-entropy -> backward -> clip (train.grad_clip) -> AdamW step -> zero_grad
 
-megaformer's model is built as the trainer builds it (padded vocabulary, recompute mode, the
-trainer's AdamW parameter groups); with ``--compare-hf`` the same architecture is built as a
+megaformer's model is built by the trainer's own :func:`megaformer.parallel.build.build_model`
+(padded vocabulary, recompute mode, compilation; the trainer's AdamW parameter groups); with ``--compare-hf`` the same architecture is built as a
 Hugging Face ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU, GQA) or ``GPT2LMHeadModel`` (learned
 positions, LayerNorm, GELU, biases) from a config (no download), with the same weight-decay groups,
 AdamW hyper-parameters and implementation (``train.adam_impl``), batch and SDPA attention. What
@@ -16,9 +16,9 @@ alternate between the two (each going first every other step) so that both see t
 state; the reported figure is the median step time.
 
 On CPU both models share one process and so one malloc heap: with glibc's defaults the step time
-of either depends on what the other left in the heap (measured: the second model faulting in
-18,000-38,000 fresh pages per step while the first faulted none, ~10 % of its step). The bench
-applies ``train.cpu_malloc`` (tuned by default, :mod:`megaformer.training.host_allocator`) to the
+of either depends on what the other left in the heap (the second model faulting in fresh pages
+every step while the first faults none). The bench
+applies ``train.cpu_malloc`` (tuned by default, :mod:`megaformer.runtime.host_allocator`) to the
 whole process, so both run without page faults in steady state, and prints each model's median
 minor page faults per step.
 
@@ -28,6 +28,9 @@ so TFLOP/s per device and MFU are comparable.
 Peak memory: CUDA ``max_memory_allocated`` over one extra step; on CPU the allocator-measured peak
 of one extra step (:func:`megaformer.analysis.measure.measure`) plus the parameters and optimizer
 states already allocated.
+
+A model that fails (CUDA out of memory, or any other error while it is built, stepped or
+measured) gets a row with the error; the other models' rows are kept.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from megaformer.analysis.flops import step_flops
-from megaformer.analysis.peaks import find_accelerator, peak_tflops
+from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config, ModelConfig
 from megaformer.errors import UserError
 from megaformer.kernels import native
-from megaformer.training.host_allocator import configure_host_allocator
+from megaformer.parallel.build import build_model
+from megaformer.runtime.host_allocator import configure_host_allocator
+from megaformer.runtime.optimizer import build_optimizer
 
 try:
     import resource
@@ -134,31 +139,22 @@ def _sync(device: torch.device) -> None:
 
 
 def _adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    from megaformer.training.optimizer import build_optimizer
-
     return build_optimizer(model, cfg.train)
 
 
-def _native_parts(cfg: Config, dev: torch.device) -> list[str]:
-    """Which of megaformer's native CPU kernels its training steps use under this config."""
-    from megaformer.kernels.attention import trains_on_native_kernel
+def _kernel_plan(cfg: Config, dev: torch.device) -> list[list[str]]:
+    """[op, implementation, why] for each op of megaformer's training step under this config (the
+    rule that runs them, :func:`megaformer.kernels.selection.model_plan`)."""
+    from megaformer.kernels.selection import model_plan
 
-    m, fp32 = cfg.model, cfg.train.precision == "fp32"
-    if native.library() is None or dev.type != "cpu" or not fp32:
-        return []
-    parts = ["attention"] if trains_on_native_kernel(m.attention_backend, dev, torch.float32, m.head_dim,
-                                                       m.attention_dropout, m.document_mask,
-                                                       cfg.train.compile) else []
-    if m.fused_kernels == "auto":
-        parts.append("elementwise (SwiGLU, RMSNorm, RoPE, dropout, cross-entropy)")
-    return parts
+    autocast = cfg.train.precision in ("bf16", "fp16")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+    plan = model_plan(cfg.model, dev, dtype, compiled=cfg.train.compile, autocast=autocast)
+    return [[op, c.impl, c.reason] for op, c in plan]
 
 
 def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> list[Callable[[], Runner]]:
     """Builders of the runners (megaformer, then optionally transformers), called when needed."""
-    from megaformer.model.transformer import Transformer
-    from megaformer.parallel.plan import padded_vocab_size
-
     t = cfg.train
     if t.precision == "fp16" and device.type != "cuda":
         raise UserError("bench: fp16 needs CUDA; use fp32 or bf16 on CPU")
@@ -169,18 +165,8 @@ def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> li
                 else contextlib.nullcontext())
 
     def megaformer_runner() -> Runner:
-        torch.manual_seed(t.seed)
-        padded = padded_vocab_size(cfg.model.vocab_size, 1, cfg.parallel.vocab_multiple)
-        mf = Transformer(cfg.model, padded_vocab_size=padded).to(device)
-        if t.recompute != "none":
-            from megaformer.training.recompute import apply_recompute
-
-            apply_recompute(mf.layers, t.recompute, t.recompute_every)
-        if t.compile:
-            from megaformer.model.block import compile_blocks
-
-            compile_blocks(mf.layers)
-        mf.eod_id = 0  # model.document_mask: random tokens, so documents end wherever id 0 falls
+        # model.document_mask: random tokens, so documents end wherever id 0 falls
+        mf = build_model(cfg, device=device, eod_id=0).model
         mf.train()
         return Runner("megaformer", mf, _adamw(mf, cfg), lambda x: mf(x, x), t.grad_clip, autocast)
 
@@ -219,9 +205,22 @@ def _row(r: Runner, x: torch.Tensor, dev: torch.device, tokens: int, flops: floa
     return row
 
 
+def _error_row(name: str, e: BaseException) -> dict:
+    """The row of a model that failed: its name and the error in one line."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return {"name": name, "error": "CUDA out of memory"}
+    first = (str(e).splitlines() or [""])[0][:200]
+    return {"name": name, "error": f"{type(e).__name__}: {first}" if first else type(e).__name__}
+
+
+def _runner_name(make: Callable[[], Runner], r: Optional[Runner]) -> str:
+    return r.name if r is not None else make.__name__
+
+
 def _run_one(make: Callable[[], Runner], x: torch.Tensor, dev: torch.device, warmup: int, steps: int,
              tokens: int, flops: float, peak_value: Optional[float]) -> dict:
-    """Build, warm up, time and free one model; a CUDA out-of-memory is a result, not a crash."""
+    """Build, warm up, time and free one model; an error (CUDA out of memory or any other, except
+    a user error in the configuration) is this model's result, not a crash of the bench."""
     r = None
     try:
         r = make()
@@ -230,12 +229,51 @@ def _run_one(make: Callable[[], Runner], x: torch.Tensor, dev: torch.device, war
         for _ in range(steps):
             r.timed(x, dev)
         return _row(r, x, dev, tokens, flops, peak_value)
-    except torch.cuda.OutOfMemoryError:
-        return {"name": r.name if r is not None else make.__name__, "error": "CUDA out of memory"}
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - recorded in the model's row
+        return _error_row(_runner_name(make, r), e)
     finally:
         del r
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _run_alternating(factories: list[Callable[[], Runner]], x: torch.Tensor, dev: torch.device,
+                     warmup: int, steps: int, tokens: int, flops: float,
+                     peak_value: Optional[float]) -> list[dict]:
+    """Build every model, then alternate their steps; a model that fails gets an error row and
+    drops out, the others go on."""
+    rows: list[Optional[dict]] = [None] * len(factories)
+    runners: dict[int, Runner] = {}
+
+    def guarded(i: int, fn: Callable[[], Any], r: Optional[Runner]) -> Any:
+        try:
+            return fn()
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - recorded in the model's row
+            rows[i] = _error_row(_runner_name(factories[i], r), e)
+            runners.pop(i, None)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+
+    for i, make in enumerate(factories):
+        r = guarded(i, make, None)
+        if r is not None:
+            runners[i] = r
+    for _ in range(warmup):
+        for i, r in list(runners.items()):
+            guarded(i, lambda: r.step(x), r)
+    for k in range(steps):
+        order = list(runners.items())
+        for i, r in (order if k % 2 == 0 else order[::-1]):  # each goes first every other step
+            if i in runners:
+                guarded(i, lambda: r.timed(x, dev), r)
+    for i, r in list(runners.items()):
+        rows[i] = guarded(i, lambda: _row(r, x, dev, tokens, flops, peak_value), r) or rows[i]
+    return [row for row in rows if row is not None]
 
 
 def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = False,
@@ -272,20 +310,14 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
         for make in factories:
             results.append(_run_one(make, x, dev, warmup, steps, B * s, flops, peak_value))
     else:
-        runners = [make() for make in factories]
-        for _ in range(warmup):
-            for r in runners:
-                r.step(x)
-        for i in range(steps):
-            for r in (runners if i % 2 == 0 else runners[::-1]):  # each goes first every other step
-                r.timed(x, dev)
-        results = [_row(r, x, dev, B * s, flops, peak_value) for r in runners]
+        results = _run_alternating(factories, x, dev, warmup, steps, B * s, flops, peak_value)
     out = {"config": cfg.name, "device": str(dev), "threads": torch.get_num_threads(),
            "precision": cfg.train.precision, "batch": [B, s], "steps": steps, "warmup": warmup,
            "model_flops_per_step": flops, "peak_tflops": peak_value, "results": results,
            "sequential": sequential, "host_malloc": host_malloc}
+    out["kernels"] = _kernel_plan(cfg, dev)
     if dev.type == "cpu":
-        out["native_kernels"], out["native_used"] = native.status(), _native_parts(cfg, dev)
+        out["native_kernels"] = native.status()
     if compare_hf and all("tokens_per_s" in r for r in results):
         out["ratio"] = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
         if not sequential:
@@ -325,8 +357,9 @@ def format_bench(r: dict) -> str:
         lines.append(f"host allocator: {r.get('host_malloc', 'default')} (train.cpu_malloc; process-wide, "
                      f"the same for both models); faults = minor page faults per step (median)")
         if "native_kernels" in r:
-            used = ", ".join(r["native_used"]) or "nothing (model.fused_kernels / attention_backend)"
-            lines.append(f"megaformer side: native CPU kernels used for {used}; {r['native_kernels']}")
+            lines.append(r["native_kernels"])
+    if "kernels" in r:
+        lines.append("megaformer side: " + ", ".join(f"{op} {impl}" for op, impl, _ in r["kernels"]))
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)

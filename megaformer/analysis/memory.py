@@ -48,9 +48,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import torch
+
 from megaformer.config import ModelConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -105,17 +108,29 @@ def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = 
 
 # ----------------------------------------------------------------------------- activations
 
+def _plan(cfg: ModelConfig, layout: Layout) -> dict:
+    """op -> the implementation that runs for this model and layout (the rule training follows,
+    :func:`megaformer.kernels.selection.model_plan`, with this machine's optional packages)."""
+    from megaformer.kernels.selection import model_plan
+
+    autocast = layout.precision != "fp32"
+    dtype = DTYPE_TORCH[layout.precision] if layout.device == "cuda" or not autocast else torch.float32
+    return {op: c.impl for op, c in model_plan(cfg, layout.device, dtype, autocast=autocast)}
+
+
 def _mask_bytes(layout: Layout, cfg: ModelConfig) -> int:
-    """Dropout mask bytes per element: a bool on CUDA and with megaformer's CPU dropout
-    (fused_kernels=auto), torch's dtype-sized Bernoulli sample otherwise."""
-    return 1 if layout.device == "cuda" or cfg.fused_kernels == "auto" else DTYPE_BYTES[layout.precision]
+    """Dropout mask bytes per element: a bool on CUDA and with megaformer's CPU dropout, torch's
+    dtype-sized Bernoulli sample otherwise (CPU, plain torch ops)."""
+    if layout.device == "cuda" or _plan(cfg, layout).get("dropout", "torch") != "torch":
+        return 1
+    return DTYPE_BYTES[layout.precision]
 
 
 def _norm_elems(cfg: ModelConfig, layout: Layout) -> int:
     """Elements per token one norm keeps: its input and its output (read by the next matmul), plus
-    the normalised x of the unfused torch RMSNorm (fused_kernels=torch, or bf16 autocast on CPU)."""
-    fused = cfg.fused_kernels == "auto" and (layout.device == "cuda" or layout.precision == "fp32")
-    return 3 * cfg.d_model if cfg.norm == "rmsnorm" and not fused else 2 * cfg.d_model
+    the normalised x of the unfused torch RMSNorm (the torch reference implementation)."""
+    fused = cfg.norm != "rmsnorm" or _plan(cfg, layout)["rms_norm"] != "torch"
+    return 2 * cfg.d_model if fused else 3 * cfg.d_model
 
 
 def _mlp_elems(cfg: ModelConfig, layout: Layout) -> int:
@@ -123,18 +138,20 @@ def _mlp_elems(cfg: ModelConfig, layout: Layout) -> int:
     f = cfg.ffn_dim
     if cfg.activation != "swiglu":
         return 2 * f
-    packed = cfg.fused_kernels == "auto" and layout.device == "cpu" and layout.precision == "fp32"
+    plan = _plan(cfg, layout)
+    packed = plan["projections"] == "fused" and plan["swiglu"] in ("native", "cpu")
     return 3 * f if packed else 4 * f
 
 
 def _native_cpu(cfg: ModelConfig, layout: Layout) -> bool:
-    """The native CPU kernels run (fp32 CPU, fused_kernels=auto, the library builds): the loss keeps
-    the padded logits and one lse per token, and its backward writes only d(logits)."""
-    if layout.device != "cpu" or layout.precision != "fp32" or cfg.fused_kernels != "auto":
-        return False
-    from megaformer.kernels import native
+    """The native CPU kernels run: the loss keeps the padded logits and one lse per token, and its
+    backward writes only d(logits)."""
+    from megaformer.kernels.selection import choose, kernel_mode
 
-    return native.library() is not None
+    if layout.device != "cpu" or layout.precision != "fp32":
+        return False
+    with kernel_mode(cfg.fused_kernels):
+        return choose("cross_entropy", "cpu", torch.float32, chunked=False).impl == "native"
 
 
 def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> dict:

@@ -29,7 +29,7 @@ from typing import Optional
 
 from megaformer.analysis.flops import step_flops
 from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate
-from megaformer.analysis.peaks import find_accelerator, peak_tflops
+from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config
 from megaformer.errors import UserError

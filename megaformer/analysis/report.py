@@ -12,13 +12,16 @@ steps, is left out of the medians when there are at least three).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Optional
 
 from megaformer.errors import UserError
+from megaformer.safe_files import make_dir, read_text_bounded, refuse_link, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
+MAX_METRICS_BYTES = 1 << 33
 
 # (file stem, title, [(key, label)], y label)
 PLOTS = [
@@ -37,15 +40,32 @@ MEDIANS = [("tokens_per_s", "tokens/s", "{:,.0f}"), ("step_time_s", "step time (
            ("grad_norm", "grad norm", "{:.3g}")]
 
 
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def clean_record(rec: object) -> Optional[dict]:
+    """A step record with only numeric values, or None when it is not one: ``step`` must be a
+    non-negative integer; other fields that are not numbers are dropped, so nothing but numbers
+    reaches the plots and summary.md."""
+    if not isinstance(rec, dict):
+        return None
+    step = rec.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        return None
+    return {k: v for k, v in rec.items() if isinstance(k, str) and _number(v)}
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    """Records of a metrics.jsonl, skipping lines that do not parse (a write in progress)."""
+    """Records of a metrics.jsonl, skipping lines that do not parse (a write in progress) and
+    records that are not step records (see :func:`clean_record`)."""
     out = []
-    for line in path.read_text().splitlines():
+    for line in read_text_bounded(path, MAX_METRICS_BYTES, UserError).splitlines():
         try:
-            rec = json.loads(line)
+            rec = clean_record(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict) and "step" in rec:
+        if rec is not None:
             out.append(rec)
     return out
 
@@ -61,8 +81,8 @@ def read_tensorboard(folder: Path) -> list[dict]:
         for tag in acc.Tags().get("scalars", []):
             key = tag.split("/", 1)[-1] if tag.startswith(("train/", "val/")) else tag
             for ev in acc.Scalars(tag):
-                by_step.setdefault(ev.step, {"step": ev.step})[key] = ev.value
-    return [by_step[s] for s in sorted(by_step)]
+                by_step.setdefault(int(ev.step), {"step": int(ev.step)})[key] = float(ev.value)
+    return [by_step[s] for s in sorted(by_step) if s >= 0]
 
 
 def load_records(run_dir: Path) -> tuple[list[dict], str]:
@@ -70,6 +90,7 @@ def load_records(run_dir: Path) -> tuple[list[dict], str]:
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a run directory (no such folder)")
     jsonl, tb = run_dir / METRICS_FILE, run_dir / "tensorboard"
+    refuse_link(jsonl, UserError)
     if jsonl.is_file():
         records, source = read_jsonl(jsonl), str(jsonl)
     elif tb.is_dir():
@@ -146,7 +167,7 @@ def summary_markdown(run_dir: Path, records: list[dict], source: str, plots: lis
     if vals[1]:
         lines.append(f"- validation loss: {vals[1][-1]:.4f} at step {vals[0][-1]} "
                      f"(best {min(vals[1]):.4f})")
-    if "consumed_tokens" in last:
+    if "consumed_tokens" in last and math.isfinite(last["consumed_tokens"]):
         lines.append(f"- tokens consumed: {int(last['consumed_tokens']):,}")
     lines += ["", "| metric | median |", "|---|---|"]
     lines += [f"| {label} | {fmt.format(med[key])} |" for key, label, fmt in MEDIANS if key in med]
@@ -162,11 +183,14 @@ def write_report(run_dir: str | Path, out: Optional[str | Path] = None) -> dict:
     run_dir = Path(run_dir)
     records, source = load_records(run_dir)
     out_dir = Path(out) if out else run_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir, error=UserError)  # refuses a link: nothing is written through one
+    for entry in out_dir.iterdir():
+        refuse_link(entry, UserError)
     from megaformer.diagnostics.plots import plot_diagnostics
 
     plots = plot(records, out_dir) + plot_diagnostics(records, out_dir)
     summary = out_dir / "summary.md"
-    summary.write_text(summary_markdown(run_dir, records, source, plots))
+    write_atomic(summary, summary_markdown(run_dir, records, source, plots), fsync=False,
+                 error=UserError)
     return {"summary": str(summary), "plots": [str(p) for p in plots], "records": len(records),
             "medians": medians(records)}

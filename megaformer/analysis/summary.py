@@ -14,7 +14,7 @@ from typing import Optional
 
 from megaformer.analysis.flops import config_step_flops, matmul_parameters, utilisation
 from megaformer.analysis.params import count_parameters
-from megaformer.analysis.peaks import find_accelerator, peak_tflops
+from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.config import Config
 from megaformer.errors import UserError
 

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from megaformer.analysis.flops import StepFlops, config_step_flops, utilisation
-from megaformer.analysis.peaks import UnknownGPUError, find_accelerator
+from megaformer.accelerators import UnknownGPUError, find_accelerator
 from megaformer.config import Config
 from megaformer.errors import ConfigError
 

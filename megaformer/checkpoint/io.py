@@ -15,6 +15,12 @@ Layout::
 A checkpoint is written into ``.tmp-step_...``, flushed to disk, then renamed; ``latest`` is replaced
 (write + rename) only after that. An interrupted save leaves a ``.tmp-`` folder that is never
 mistaken for a checkpoint, and an existing checkpoint is never overwritten.
+
+Run directories are downloaded and shared, so what is read back is checked: ``latest`` may hold only
+``step_<digits>`` (a name inside ``checkpoints/``), checkpoints are real folders named ``step_<digits>``
+(never links), they are ordered by step number, and ``keep_last`` never deletes the checkpoint just
+sealed or a link. DeepSpeed's own files are loaded with weights-only unpickling only
+(:mod:`.safe_load`), and its unpickling recovery scripts are not left in the folder.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -29,9 +37,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megaformer import __version__
-from megaformer.checkpoint.safe_load import safe_torch_load
+from megaformer import __version__, deepspeed_attrs
+from megaformer.checkpoint.safe_load import safe_torch_load, weights_only_forced
 from megaformer.errors import CheckpointError
+from megaformer.safe_files import (check_run_dir, make_dir, read_text_bounded,  # noqa: F401
+                                   refuse_link, regular_files, write_atomic)
 
 log = logging.getLogger("megaformer")
 
@@ -41,6 +51,16 @@ META = "meta.json"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
 TMP_PREFIX = ".tmp-"
+STEP_NAME = re.compile(r"step_(\d+)")
+README = "README.md"
+README_TEXT = """\
+This folder is a megaformer checkpoint. Read its weights with `megaformer generate`, or turn it
+into a Hugging Face model folder with `megaformer convert CHECKPOINT --to hf OUT`; resume training
+with `megaformer train CONFIG --run-dir RUN_DIR`. Its `.pt` files are loaded by megaformer with
+weights-only unpickling; do not load them with scripts that unpickle arbitrary objects.
+"""
+# DeepSpeed's recovery scripts: they unpickle the checkpoint's files with weights_only=False.
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def tag_for(step: int) -> str:
@@ -69,25 +89,30 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` by ``text``: a random exclusive temporary, flushed, renamed (a link at
+    ``path`` is refused, never written through)."""
+    write_atomic(path, text)
     _fsync_dir(path.parent)
 
 
+def step_of(ckpt: Path) -> Optional[int]:
+    """The step of a folder named ``step_<digits>``, else None."""
+    m = STEP_NAME.fullmatch(ckpt.name)
+    return int(m.group(1)) if m else None
+
+
 def is_complete(ckpt: Path) -> bool:
-    return ckpt.is_dir() and not ckpt.name.startswith(TMP_PREFIX) and (ckpt / META).is_file()
+    return (not ckpt.is_symlink() and ckpt.is_dir() and not ckpt.name.startswith(TMP_PREFIX)
+            and (ckpt / META).is_file())
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """Complete checkpoints under ``root`` (real folders named ``step_<digits>``), oldest first by
+    step number."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.name.startswith("step_") and is_complete(p)),
-                  key=lambda p: p.name)
+    found = [p for p in root.iterdir() if step_of(p) is not None and is_complete(p)]
+    return sorted(found, key=lambda p: (step_of(p), p.name))
 
 
 def half_written(root: Path) -> list[Path]:
@@ -101,8 +126,14 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     """The checkpoint ``latest`` names; the newest complete one (with a warning) if that is broken."""
     pointer = root / LATEST
     found = complete_checkpoints(root)
+    if pointer.is_symlink():
+        raise CheckpointError(f"{pointer}: is a symbolic link; expected a file naming a checkpoint")
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
+        name = read_text_bounded(pointer, 4096).strip()
+        if STEP_NAME.fullmatch(name) is None:
+            raise CheckpointError(f"{pointer}: names {name[:80]!r}; expected step_<digits>, a "
+                                  f"checkpoint inside {root}")
+        named = root / name
         if is_complete(named):
             return named
         if found:
@@ -114,6 +145,8 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A run directory, its checkpoints/ folder, or one checkpoint -> the checkpoint to load."""
     p = Path(path).expanduser()
+    if p.is_symlink():  # the path the user named may be a link; links inside it are not followed
+        p = p.resolve()
     if not p.exists():
         raise CheckpointError(f"{p}: no such run directory or checkpoint")
     if is_complete(p):
@@ -129,26 +162,38 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                           f"with a complete checkpoint, no {META})")
 
 
-def read_config(ckpt: Path) -> Any:
-    """The resolved :class:`~megaformer.config.Config` a checkpoint was saved with."""
-    import yaml
-
-    from megaformer.config import config_from_dict
+def read_config_yaml(ckpt: Path) -> Any:
+    """The raw mapping of a checkpoint's config.yaml: a regular file of bounded size, YAML without
+    anchors/aliases (CheckpointError otherwise)."""
+    from megaformer.config import MAX_CONFIG_BYTES, safe_yaml_load
     from megaformer.errors import ConfigError
 
     try:
-        return config_from_dict(yaml.safe_load((ckpt / CONFIG).read_text()))
-    except (OSError, yaml.YAMLError) as e:
-        raise CheckpointError(f"{ckpt}: cannot read {CONFIG} ({e})") from None
+        return safe_yaml_load(read_text_bounded(ckpt / CONFIG, MAX_CONFIG_BYTES), str(ckpt / CONFIG))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def read_config(ckpt: Path) -> Any:
+    """The resolved :class:`~megaformer.config.Config` a checkpoint was saved with."""
+    from megaformer.config import config_from_dict
+    from megaformer.errors import ConfigError
+
+    raw = read_config_yaml(ckpt)
+    try:
+        return config_from_dict(raw)
     except ConfigError as e:
         raise CheckpointError(f"{ckpt}: invalid {CONFIG}: {e}") from None
 
 
 def read_meta(ckpt: Path) -> dict:
     try:
-        return json.loads((ckpt / META).read_text())
-    except (OSError, json.JSONDecodeError):
+        meta = json.loads(read_text_bounded(ckpt / META, 1 << 20))
+    except (CheckpointError, OSError, json.JSONDecodeError):
         raise CheckpointError(f"{ckpt}: {META} is missing or corrupt") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{ckpt}: {META} is not a JSON object")
+    return meta
 
 
 # ----------------------------------------------------------------------------- RNG state
@@ -223,8 +268,24 @@ def _seal(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
     _fsync_dir(root)
     write_text_atomic(root / LATEST, final.name + "\n")
     if keep_last is not None:
-        for old in complete_checkpoints(root)[:-keep_last]:
+        prune(root, keep_last, final)
+
+
+def prune(root: Path, keep_last: int, sealed: Path) -> list[Path]:
+    """Delete all but the ``keep_last`` newest checkpoints by step number, never ``sealed`` (the
+    one just written: a planted later-named folder cannot push it out) and never a link."""
+    sealed_step = step_of(sealed)
+    older = [p for p in complete_checkpoints(root)
+             if p.name != sealed.name and (sealed_step is None or step_of(p) < sealed_step)]
+    newer = [p for p in complete_checkpoints(root) if p.name != sealed.name and p not in older]
+    if newer:
+        log.warning("%s holds checkpoints with steps after %s (%s); keep_last leaves them alone",
+                    root, sealed.name, ", ".join(p.name for p in newer[:3]))
+    doomed = older[:max(0, len(older) - (keep_last - 1))]
+    for old in doomed:
+        if not old.is_symlink():
             shutil.rmtree(old)
+    return doomed
 
 
 def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
@@ -263,11 +324,12 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
             log.warning("checkpoint %s already exists; not overwriting it", final)
         return None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+        make_dir(root)
+        refuse_link(tmp)
         if tmp.exists():  # left by an interrupted save of ours: never a complete checkpoint
             shutil.rmtree(tmp)
     barrier()
-    ds_files = getattr(engine, "checkpoint_engine", None)
+    ds_files = deepspeed_attrs.checkpoint_engine(engine)
     defer = background is not None and hasattr(ds_files, "take_pending")
     memo: Optional[dict] = {} if background is not None else None
     if defer:
@@ -279,6 +341,11 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
         if defer:
             ds_files.deferring = False
     pending = ds_files.take_pending() if defer else []
+    if rank == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for script in RECOVERY_SCRIPTS:  # in case DeepSpeed copied them (they unpickle)
+            (tmp / script).unlink(missing_ok=True)
+        (tmp / README).write_text(README_TEXT)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save({**rng_state(), **(extra_rng or {})}, tmp / "rng" / f"rank_{rank}.pt")
     files = snapshot(tmp, memo)
@@ -377,9 +444,10 @@ def save_weights_checkpoint(run_dir: Path, step: int,
     root = run_dir / CHECKPOINTS
     tag = tag_for(step)
     final, tmp = root / tag, root / f"{TMP_PREFIX}{tag}"
-    if final.exists():
+    if final.exists() or final.is_symlink():
         raise CheckpointError(f"{final}: already exists; not overwriting it")
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root)
+    refuse_link(tmp)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -409,13 +477,16 @@ def load_engine_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict, dict]:
     """Restore model, optimizer and scheduler into ``engine`` and this rank's RNG streams.
 
     Returns (client state, this rank's saved RNG dict — empty when the checkpoint has none)."""
+    if ckpt.is_symlink() or STEP_NAME.fullmatch(ckpt.name) is None:
+        raise CheckpointError(f"{ckpt}: not a checkpoint folder named step_<digits>")
     try:
-        path, client = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
-                                              load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        with weights_only_forced():  # every torch.load inside DeepSpeed is weights-only
+            path, client = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
+                                                  load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
     except CheckpointError:
         raise
-    except (RuntimeError, KeyError, ValueError, AssertionError) as e:
+    except (RuntimeError, KeyError, ValueError, AssertionError, pickle.UnpicklingError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{ckpt}: cannot restore the training state ({first[:300]})") from None
     if path is None or client is None:
@@ -430,6 +501,43 @@ def load_engine_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict, dict]:
     return client, rng
 
 
+def expected_shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the (unpadded) model ``model_cfg`` describes, computed on
+    the ``meta`` device: no memory is allocated whatever sizes the config names."""
+    from megaformer.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_shapes(specs: Any, expected: dict[str, tuple[int, ...]], where: str,
+                 error: type = CheckpointError) -> None:
+    """Every (name, shape) in ``specs`` named in ``expected`` has exactly that shape, checked on
+    shapes alone, before any tensor is read or allocated: a config describing a huge model beside
+    small tensors (a "shape bomb") is refused instead of building what the config says."""
+    for name, shape in specs:
+        want = expected.get(name)
+        if want is not None and tuple(shape) != tuple(want):
+            raise error(f"{where}: tensor {name} has shape {list(shape)}, the config describes "
+                        f"{list(want)}")
+
+
+def check_weights(ckpt: Path, model_cfg: Any) -> None:
+    """The checkpoint's weight file is a regular, well-formed safetensors file whose tensors have
+    the shapes ``model_cfg`` gives them (headers only: nothing is loaded or allocated)."""
+    from megaformer.checkpoint.safetensors_check import read_header
+
+    f = ckpt / WEIGHTS
+    regular_files([f])
+    header = read_header(f)
+    header.pop("__metadata__", None)
+    if len(header) < model_cfg.n_layers:  # every block has tensors: bounds the meta model too
+        raise CheckpointError(f"{f}: {len(header)} tensors cannot hold the {model_cfg.n_layers} "
+                              f"blocks {ckpt / CONFIG} describes")
+    check_shapes(((n, e["shape"]) for n, e in header.items()), expected_shapes(model_cfg), str(f))
+
+
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -439,6 +547,7 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     f = ckpt / WEIGHTS
     if not f.is_file():
         raise CheckpointError(f"{ckpt}: no {WEIGHTS}")
+    regular_files([f])
     read_header(f)
     try:
         return load_file(str(f))

@@ -33,6 +33,7 @@ import torch
 
 from megaformer.checkpoint.safe_load import host_copy
 from megaformer.checkpoint.safetensors_check import read_header
+from megaformer.deepspeed_attrs import has_hp_mapping, zero3_partitioned
 from megaformer.errors import CheckpointError
 
 log = logging.getLogger("megaformer")
@@ -71,7 +72,7 @@ class OptimizerAccess:
         self.inner: torch.optim.Optimizer = opt if self.plain else getattr(opt, "optimizer", None)
 
     def supports(self, p: torch.nn.Parameter) -> bool:
-        return self.plain or hasattr(p, "_hp_mapping") or hasattr(p, "ds_id")
+        return self.plain or has_hp_mapping(p) or zero3_partitioned(p)
 
     def get(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
         """Collective over the DP group for DeepSpeed's optimizers."""
@@ -246,7 +247,7 @@ def _shard(full: torch.Tensor, name: str, p: torch.nn.Parameter, topo: Any,
         full = torch.cat([full, full.new_zeros(padded_vocab - full.shape[0], *full.shape[1:])])
     if getattr(p, "tensor_model_parallel", False) and topo.tp > 1:
         full = full.chunk(topo.tp, dim=p.partition_dim)[topo.tp_rank]
-    if tuple(full.shape) != tuple(p.shape) and not hasattr(p, "ds_id"):
+    if tuple(full.shape) != tuple(p.shape) and not zero3_partitioned(p):
         raise CheckpointError(f"{source}: {name} does not fit this layout (shard {tuple(full.shape)}, "
                               f"parameter {tuple(p.shape)})")
     return full

@@ -37,7 +37,7 @@ from megaformer.errors import CheckpointError, ConfigError
 
 def _new_config(ckpt: Path, tensor: int, pipeline: int) -> str:
     try:
-        raw = yaml.safe_load((ckpt / ckpt_io.CONFIG).read_text())
+        raw = ckpt_io.read_config_yaml(ckpt)  # bounded regular file, no YAML aliases
     except (OSError, yaml.YAMLError) as e:
         raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: missing or invalid ({e})") from None
     raw.setdefault("parallel", {})

@@ -3,16 +3,21 @@
 DeepSpeed's own checkpoint engine calls ``torch.load(..., weights_only=False)``, which runs whatever
 a pickle asks for. megaformer swaps in an engine that loads with ``weights_only=True`` and allowlists
 only the few plain-data DeepSpeed classes its files contain (loss-scaler state, the ZeRO stage enum,
-fragment addresses). A file that needs anything else is refused.
+fragment addresses). A file that needs anything else is refused. Around DeepSpeed's own checkpoint
+loading, :func:`weights_only_forced` makes every other ``torch.load`` of the process weights-only too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Optional
+import os
+import threading
+from typing import Any, Iterator, Optional
 
 import torch
 
+from megaformer import deepspeed_attrs
 from megaformer.errors import CheckpointError
 
 
@@ -34,6 +39,32 @@ def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
     except Exception as e:  # unpickling errors, truncated zip archives, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint file {path}: {first[:300]}") from None
+
+
+_FORCE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def weights_only_forced() -> Iterator[None]:
+    """Within the block every ``torch.load`` in the process loads with ``weights_only=True``, even
+    one that asks for ``weights_only=False`` (as DeepSpeed's universal-checkpoint and ZeRO loaders
+    do), with DeepSpeed's plain-data classes allowlisted: a second wall behind the checkpoint engine
+    of :func:`install_safe_checkpoint_engine`. It uses torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
+    switch, read by ``torch.load`` at every call."""
+    with _FORCE_LOCK:
+        saved = {k: os.environ.get(k) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD",
+                                                 "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+        os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+        try:
+            with torch.serialization.safe_globals(deepspeed_safe_globals()):
+                yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def host_copy(obj: Any, memo: Optional[dict] = None) -> Any:
@@ -92,8 +123,10 @@ def install_safe_checkpoint_engine(engine: Any) -> None:
         def write_now(self, state_dict: Any, path: str) -> None:
             super().save(state_dict, path)
 
-    current = getattr(engine, "checkpoint_engine", None)
-    safe = SafeTorchCheckpointEngine(getattr(engine, "_config", None))
+    current = deepspeed_attrs.checkpoint_engine(engine)
+    safe = SafeTorchCheckpointEngine(deepspeed_attrs.engine_config(engine))
+    # no zero_to_fp32.py in the checkpoints: megaformer's are converted by `megaformer convert`
+    deepspeed_attrs.skip_recovery_scripts(engine)
     if current is not None and hasattr(current, "zipfile_serialization"):
         safe.zipfile_serialization = current.zipfile_serialization
-    engine.checkpoint_engine = safe
+    deepspeed_attrs.set_checkpoint_engine(engine, safe)

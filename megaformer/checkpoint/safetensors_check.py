@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -31,7 +32,10 @@ def read_header(path: Path) -> dict:
         return CheckpointError(f"{path}: truncated or tampered: corrupt safetensors file ({why})")
 
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file (devices, folders and FIFOs are refused)")
+        size = st.st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
@@ -52,7 +56,11 @@ def read_header(path: Path) -> dict:
             continue
         try:
             begin, stop = entry["data_offsets"]
-            need = math.prod(entry["shape"]) * ITEMSIZE[entry["dtype"]]
+            shape = entry["shape"]
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                       for d in [*shape, begin, stop]):
+                raise ValueError
+            need = math.prod(shape) * ITEMSIZE[entry["dtype"]]
         except (KeyError, TypeError, ValueError):
             raise bad(f"malformed entry for {name!r}") from None
         if stop - begin != need or begin < 0:

@@ -7,27 +7,87 @@ dataset d's k-th sample in the window
 
     release (k + delta) / w_d  <=  n  <=  deadline (k + 1 - delta) / w_d,    delta = 1 / (2D - 2),
 
-which is what :func:`blend_index` does (a heap over D datasets, O(n log D); a greedy "largest
+which is what :func:`blend_index` does (two heaps over D datasets, O(n log D); a greedy "largest
 deficit" rule, as in Megatron-LM, can overshoot 1). The sequence is online, so the first n entries
-never depend on how many are built. Global sample g is sample ``k = offset[g]`` of dataset
+never depend on how many are built, and the state after n entries is just the counts c_d(n): the
+schedule is built in chunks from there. Global sample g is sample ``k = offset[g]`` of dataset
 ``which[g]``, and that dataset's own (shuffled) order supplies the tokens.
+
+The scheduling loop is sequential (each choice depends on the previous ones), so it runs as a small
+C function (``blend.c``) built on first use with the system compiler (``$CC``, default ``cc``;
+cached as the native kernels are, under ``$MEGAFORMER_CACHE_DIR``, default
+``~/.cache/megaformer``, ``/blend/<hash>/``, private to the user and digest-checked), which computes
+the same floating-point keys in the same order as the Python loop and so the same schedule. Without
+a compiler (or with ``MEGAFORMER_NATIVE=0``) the Python loop runs instead: same output, slower.
+``which`` and ``offset`` are stored in the smallest integer types that hold them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import heapq
 import json
 import logging
 import os
+import shutil
+import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
+from megaformer.data.indexed import smallest_int
+from megaformer.errors import DataError
+from megaformer.safe_files import make_dir, owned_by_me, read_text_bounded, temp_path, write_atomic
+
 log = logging.getLogger("megaformer")
+
+CHUNK = 1 << 22  # samples per call of the scheduler (bounds its int32/int64 staging buffers)
+
+SOURCE = Path(__file__).with_name("blend.c")
+_C_FLAGS = ("-O2", "-ffp-contract=off", "-fno-fast-math", "-std=c99", "-shared", "-fPIC")
+_lib_lock = threading.Lock()
+_lib_state: dict = {}
+
+
+def _build_scheduler() -> tuple[Optional[ctypes.CDLL], str]:
+    """The compiled scheduler through the native kernels' private, digest-checked build cache."""
+    from megaformer.kernels import native
+
+    if os.environ.get("MEGAFORMER_NATIVE", "1") == "0":
+        return None, "blend scheduler: Python loop (MEGAFORMER_NATIVE=0)"
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return None, f"blend scheduler: Python loop (no C compiler '{compiler}' on PATH)"
+    try:
+        target, private = native.build_library(compiler, SOURCE, _C_FLAGS, "libmegaformer_blend.so",
+                                               "blend", cpu_specific=False)
+        lib = ctypes.CDLL(str(target))
+        lib.mf_blend.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_double,
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        lib.mf_blend.restype = ctypes.c_int
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        return None, f"blend scheduler: Python loop ({e})"
+    if private:  # loaded (mapped): the private one-off copy is not needed on disk
+        shutil.rmtree(target.parent, ignore_errors=True)
+        return lib, f"blend scheduler: built privately ({private})"
+    return lib, f"blend scheduler: {target}"
+
+
+def scheduler() -> Optional[ctypes.CDLL]:
+    """The compiled scheduler, built on the first call; None where it cannot be had."""
+    if "status" not in _lib_state:
+        with _lib_lock:
+            if "status" not in _lib_state:
+                _lib_state["lib"], _lib_state["status"] = _build_scheduler()
+                if _lib_state["lib"] is None:
+                    log.info("%s", _lib_state["status"])
+    return _lib_state["lib"]
 
 
 def normalise(weights: Sequence[float]) -> np.ndarray:
@@ -35,38 +95,85 @@ def normalise(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-def blend_index(weights: Sequence[float], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(which dataset, its sample number) for global samples 0..n-1 (Tijdeman's schedule)."""
-    w = normalise(weights)
-    D = len(w)
-    which = np.zeros(n, dtype=np.int16 if D < 2**15 else np.int32)
+def _schedule_py(w: np.ndarray, active: list[int], delta: float, i0: int, n: int,
+                 count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Slots ``[i0, i0 + n)`` by the heap loop; ``count`` (samples per dataset before ``i0``) is
+    updated in place."""
+    which = np.zeros(n, dtype=np.int32)
     offset = np.zeros(n, dtype=np.int64)
-    active = [d for d in range(D) if w[d] > 0]
-    if len(active) <= 1:
-        which[:] = active[0] if active else 0
-        offset[:] = np.arange(n)
-        return which, offset
-    delta = 1.0 / (2 * (len(active) - 1))
-    count = [0] * D
-    future = [(delta / w[d], d) for d in active]  # (release, d)
+    cnt = [int(c) for c in count]
+    future = [((cnt[d] + delta) / w[d], d) for d in active]  # (release, d)
     heapq.heapify(future)
     ready: list[tuple[float, int]] = []  # (deadline, d)
-    for i in range(n):
+    for i in range(i0, i0 + n):
         t = i + 1 + 1e-9
         while future and future[0][0] <= t:
             _, d = heapq.heappop(future)
-            heapq.heappush(ready, ((count[d] + 1 - delta) / w[d], d))
+            heapq.heappush(ready, ((cnt[d] + 1 - delta) / w[d], d))
         _, d = heapq.heappop(ready)
-        which[i] = d
-        offset[i] = count[d]
-        count[d] += 1
-        heapq.heappush(future, ((count[d] + delta) / w[d], d))
+        which[i - i0] = d
+        offset[i - i0] = cnt[d]
+        cnt[d] += 1
+        heapq.heappush(future, ((cnt[d] + delta) / w[d], d))
+    count[:] = cnt
+    return which, offset
+
+
+def blend_chunks(weights: Sequence[float], n: int, chunk: int = CHUNK, native: bool = True,
+                 out: Optional[tuple[np.ndarray, np.ndarray]] = None
+                 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """``(start, which, offset)`` for global samples ``[start, start + len(which))``, chunk by chunk,
+    covering ``[0, n)``: :func:`blend_index` without holding all of it (int32 / int64 chunks), or,
+    given ``out`` (two contiguous integer arrays of length >= n), views of ``out`` filled in place.
+    ``native=False`` runs the Python loop."""
+    w = normalise(weights)
+    D = len(w)
+    active = [d for d in range(D) if w[d] > 0]
+    lib = scheduler() if native and len(active) > 1 else None
+    count = np.zeros(D, dtype=np.int64)
+    if len(active) > 1:
+        delta = 1.0 / (2 * (len(active) - 1))
+        w_c = np.ascontiguousarray(w)
+        act = np.asarray(active, dtype=np.int32)
+        scratch = np.zeros(2 * len(active), dtype=np.dtype([("key", np.float64), ("d", np.int32)],
+                                                             align=True))
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        if out is not None:
+            which, offset = out[0][start:start + m], out[1][start:start + m]
+        else:
+            which, offset = np.empty(m, dtype=np.int32), np.empty(m, dtype=np.int64)
+        if len(active) <= 1:
+            which[:] = active[0] if active else 0
+            offset[:] = np.arange(start, start + m)
+        elif lib is None:
+            which[:], offset[:] = _schedule_py(w, active, delta, start, m, count)
+        else:
+            rc = lib.mf_blend(w_c.ctypes.data, act.ctypes.data, len(active), delta, start, m,
+                              count.ctypes.data, which.ctypes.data, which.itemsize,
+                              offset.ctypes.data, offset.itemsize, scratch.ctypes.data)
+            if rc != 0:
+                raise AssertionError("blend schedule: no dataset ready at a slot")
+        yield start, which, offset
+
+
+def blend_index(weights: Sequence[float], n: int, native: bool = True
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(which dataset, its sample number) for global samples 0..n-1 (Tijdeman's schedule), in the
+    smallest integer types that hold them."""
+    which = np.empty(n, dtype=smallest_int(max(len(weights) - 1, 0)))
+    offset = np.empty(n, dtype=smallest_int(max(n - 1, 0)))
+    for _ in blend_chunks(weights, n, native=native, out=(which, offset)):
+        pass
     return which, offset
 
 
 class BlendedDataset:
     """Global sample g = sample ``offset[g]`` of dataset ``which[g]``; built for ``n`` samples,
-    extended (exactly, the schedule being online) when asked for more. ``len()`` = samples built."""
+    extended (exactly, the schedule being online) when asked for more. ``len()`` = samples built.
+
+    With a ``cache_dir``, the index is saved there as ``blend-<hash>-{which,offset}.npy`` (and a
+    ``.json`` written last) and memory-mapped when read back."""
 
     shuffled = True
 
@@ -84,30 +191,83 @@ class BlendedDataset:
         text = json.dumps({"v": 1, "datasets": parts, "weights": self.weights.tolist()})
         return "blend-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
+    def _paths(self) -> dict[str, Path]:
+        assert self.cache_dir is not None
+        key = self._key()
+        return {name: self.cache_dir / f"{key}-{name}.npy" for name in ("which", "offset")} | \
+            {"meta": self.cache_dir / f"{key}.json"}
+
+    def _load_cached(self, n: int) -> bool:
+        """The cached index when it holds at least ``n`` samples, its files are this user's own (not
+        writable by others) and it is well formed (dataset numbers in range, sample numbers in
+        ``[0, g]``); anything else is ignored (rebuilt)."""
+        if self.cache_dir is None:
+            return False
+        paths = self._paths()
+        if not (paths["meta"].is_file() or paths["meta"].is_symlink()):
+            return False
+        if not all(owned_by_me(p) for p in paths.values()):
+            log.warning("data: ignoring the cached blend index %s: its files must be regular files "
+                        "of this user, not writable by group or others", paths["meta"])
+            return False
+        try:
+            if int(json.loads(read_text_bounded(paths["meta"], 1 << 16, DataError))["samples"]) < n:
+                return False
+            which = np.load(paths["which"], mmap_mode="r", allow_pickle=False)
+            offset = np.load(paths["offset"], mmap_mode="r", allow_pickle=False)
+            if (which.ndim != 1 or which.shape != offset.shape or len(which) < n
+                    or which.dtype.kind not in "iu" or offset.dtype.kind not in "iu"):
+                raise ValueError(f"shapes {which.shape} ({which.dtype}), {offset.shape} ({offset.dtype})")
+            for a in range(0, len(which), CHUNK):
+                wh, off = which[a:a + CHUNK], offset[a:a + CHUNK]
+                if wh.min() < 0 or wh.max() >= len(self.datasets) or off.min() < 0 or \
+                        (off > np.arange(a, a + len(off))).any():
+                    raise ValueError("entries out of range")
+        except (OSError, ValueError, KeyError, TypeError, DataError) as e:
+            log.warning("data: ignoring the cached blend index %s (%s); rebuilding it", paths["meta"],
+                        " ".join(str(e).split())[:200])
+            return False
+        self.which, self.offset = which, offset
+        return True
+
+    def _save(self, n: int) -> None:
+        paths = self._paths()
+        make_dir(paths["meta"].parent, mode=0o700, error=DataError)
+        for name in ("which", "offset"):
+            tmp = temp_path(paths[name], ".npy")
+            try:
+                with open(tmp, "wb") as fh:
+                    np.save(fh, getattr(self, name))
+                os.replace(tmp, paths[name])
+            finally:
+                tmp.unlink(missing_ok=True)
+        write_atomic(paths["meta"], json.dumps({"samples": n, "datasets": len(self.datasets)}),
+                     fsync=False, error=DataError)
+
     def _build(self, n: int, save: bool) -> None:
-        path = self.cache_dir / f"{self._key()}.npz" if self.cache_dir is not None else None
-        if path is not None and path.is_file():
-            with np.load(path) as z:
-                if len(z["which"]) >= n:
-                    self.which, self.offset = z["which"], z["offset"]
-                    self._ensure_parts()
-                    return
+        if self._load_cached(n):
+            self._ensure_parts()
+            return
+        if save:
+            log.info("data: building the blend index of %d datasets for %s samples (rank 0; the "
+                     "other ranks wait)", len(self.datasets), f"{n:,}")
         t0 = time.perf_counter()
         self.which, self.offset = blend_index(self.weights, n)
-        if path is not None and save:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}.npz"
-            np.savez(tmp, which=self.which, offset=self.offset)
-            os.replace(tmp, path)
+        if self.cache_dir is not None and save:
+            self._save(n)
+            paths = self._paths()  # memory-mapped from here on, as on the other ranks
+            self.which = np.load(paths["which"], mmap_mode="r", allow_pickle=False)
+            self.offset = np.load(paths["offset"], mmap_mode="r", allow_pickle=False)
         log.info("data: blend of %d datasets (weights %s): %s samples in %.2fs", len(self.datasets),
                  ", ".join(f"{w:.3f}" for w in self.weights), f"{n:,}", time.perf_counter() - t0)
         self._ensure_parts()
 
     def _ensure_parts(self) -> None:
+        # dataset d's samples are numbered 0, 1, 2, ... in order: it needs as many as it appears
+        counts = np.bincount(self.which, minlength=len(self.datasets))
         for d, ds in enumerate(self.datasets):
-            mine = self.offset[self.which == d]
-            if len(mine) and hasattr(ds, "ensure"):
-                ds.ensure(int(mine.max()) + 1, build=False)
+            if counts[d] and hasattr(ds, "ensure"):
+                ds.ensure(int(counts[d]), build=False)
 
     def __len__(self) -> int:
         return len(self.which)

@@ -14,7 +14,9 @@ Let the split hold documents ``[a, b)`` with T tokens in all, and L = seq_len. T
 Each index is a prefix of the one built for more epochs, so sample g never depends on how many
 samples were built: a resumed run, or one with more steps, sees the same stream. The indices are
 built with vectorised numpy (a permutation, a cumulative sum and a ``searchsorted``), saved under
-``CACHE/<hash of the settings>-*.npy`` by one rank and memory-mapped by the others.
+``CACHE/<hash of the settings>-*.npy`` by one rank and memory-mapped by the others. A cache may be
+shared, so a cached index is used only when its files belong to this user (not writable by others)
+and it passes :meth:`GPTDataset.check_indices`; otherwise it is rebuilt.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from megaformer.data.indexed import IndexedDataset, idx_path
 from megaformer.errors import DataError
+from megaformer.safe_files import make_dir, owned_by_me, read_text_bounded, temp_path, write_atomic
 
 log = logging.getLogger("megaformer")
 
@@ -64,15 +67,21 @@ def build_document_index(n_docs: int, start: int, n_epochs: int, seed: int) -> n
     return out
 
 
-def build_sample_index(doc_lengths: np.ndarray, seq_len: int, n_samples: int) -> np.ndarray:
-    """[n_samples + 1, 2]: (document-index position, offset) of stream token i * seq_len."""
+def build_sample_index(doc_lengths: np.ndarray, seq_len: int, n_samples: int,
+                       chunk: int = 1 << 22) -> np.ndarray:
+    """[n_samples + 1, 2]: (document-index position, offset) of stream token i * seq_len; int32
+    when positions and document lengths fit it (else int64), built ``chunk`` samples at a time."""
     ends = np.cumsum(doc_lengths, dtype=np.int64)
-    targets = np.arange(n_samples + 1, dtype=np.int64) * seq_len
-    pos = np.searchsorted(ends, targets, side="right")
-    if pos[-1] >= len(doc_lengths):
-        raise AssertionError("sample index ran past the document index")
-    starts = ends[pos] - doc_lengths[pos]
-    return np.stack([pos, targets - starts], axis=1)
+    fits = max(len(doc_lengths), int(doc_lengths.max(initial=0))) < 2**31
+    out = np.empty((n_samples + 1, 2), dtype=np.int32 if fits else np.int64)
+    for a in range(0, n_samples + 1, chunk):
+        targets = np.arange(a, min(a + chunk, n_samples + 1), dtype=np.int64) * seq_len
+        pos = np.searchsorted(ends, targets, side="right")
+        if pos[-1] >= len(doc_lengths):
+            raise AssertionError("sample index ran past the document index")
+        out[a:a + len(pos), 0] = pos
+        out[a:a + len(pos), 1] = targets - (ends[pos] - doc_lengths[pos])
+    return out
 
 
 def build_shuffle_index(block: int, n_blocks: int, seed: int) -> np.ndarray:
@@ -100,8 +109,8 @@ class GPTDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.cache_dir = cache_dir
-        lengths = data.lengths[self.start:self.end].astype(np.int64)
-        self.n_tokens = int(lengths.sum())
+        lengths = data.lengths[self.start:self.end]  # int32, a view on the .idx mapping
+        self.n_tokens = int(lengths.sum(dtype=np.int64))
         self.n_docs = self.end - self.start
         self.block = self.n_tokens // seq_len
         if self.n_tokens < seq_len + 1:
@@ -140,30 +149,82 @@ class GPTDataset:
         return {name: self.cache_dir / f"{key}-{name}.npy" for name in ("doc", "sample", "shuffle")}
 
     def _load_cached(self, key: str, n_blocks: int) -> bool:
+        """The cached indices when they are this user's own files (not writable by others) and
+        pass :meth:`check_indices`; anything else is ignored (rebuilt), with a warning when the
+        files exist but are refused."""
         meta = self.cache_dir / f"{key}.json" if self.cache_dir else None
-        if meta is None or not meta.is_file():
+        if meta is None or not (meta.is_file() or meta.is_symlink()):
+            return False
+        paths = [meta, *self._paths(key).values()]
+        if not all(owned_by_me(p) for p in paths):
+            log.warning("data: ignoring the cached index %s: its files must be regular files of "
+                        "this user, not writable by group or others", meta)
             return False
         try:
-            if json.loads(meta.read_text())["blocks"] < n_blocks:
+            info = json.loads(read_text_bounded(meta, 1 << 16, DataError))
+            blocks = int(info["blocks"])
+            if blocks < n_blocks:
                 return False
-            arrays = [np.load(p, mmap_mode="r") for p in self._paths(key).values()]
-        except (OSError, ValueError, KeyError):
+            arrays = [np.load(p, mmap_mode="r", allow_pickle=False) for p in paths[1:]]
+            self.check_indices(*arrays, blocks)
+        except (OSError, ValueError, KeyError, TypeError, DataError) as e:
+            log.warning("data: ignoring the cached index %s (%s); rebuilding it", meta,
+                        " ".join(str(e).split())[:200])
             return False
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
         self.n_built = len(self.shuffle_idx)
         return True
 
+    def check_indices(self, doc_idx: np.ndarray, sample_idx: np.ndarray, shuffle: np.ndarray,
+                      n_blocks: int) -> None:
+        """ValueError unless the three arrays are exactly the shapes :meth:`_compute` gives for
+        ``n_blocks`` and consistent with this split: every epoch of the document index a
+        permutation of ``[start, end)``, every sample-index entry the (position, offset) of stream
+        token ``i * seq_len``, every shuffle block a permutation of its own samples. A poisoned
+        cache therefore cannot point outside the data, allocate, or change which tokens a sample
+        holds (O(N) numpy passes, no sort)."""
+        n = n_blocks * self.block
+        n_epochs = -(-(n * self.seq_len + 1) // self.n_tokens)
+        for name, arr, shape in (("doc", doc_idx, (n_epochs * self.n_docs,)),
+                                 ("sample", sample_idx, (n + 1, 2)), ("shuffle", shuffle, (n,))):
+            if arr.shape != shape or arr.dtype.kind not in "iu":
+                raise ValueError(f"{name} index has shape {arr.shape} ({arr.dtype}), expected {shape}")
+        docs = np.asarray(doc_idx, dtype=np.int64) - self.start
+        if len(docs) and (docs.min() < 0 or docs.max() >= self.n_docs):
+            raise ValueError("document index outside the split")
+        counts = np.bincount(docs + np.repeat(np.arange(n_epochs, dtype=np.int64) * self.n_docs,
+                                              self.n_docs), minlength=len(docs))
+        if not (counts == 1).all():
+            raise ValueError("an epoch of the document index is not a permutation of the split")
+        pos, off = np.asarray(sample_idx[:, 0], dtype=np.int64), np.asarray(sample_idx[:, 1], np.int64)
+        if pos.min() < 0 or pos.max() >= len(docs):
+            raise ValueError("sample index outside the document index")
+        lengths = self._lengths[docs[pos]]
+        ends = np.cumsum(self._lengths[docs], dtype=np.int64)[pos]
+        if (off < 0).any() or (off >= lengths).any() or \
+                not (ends - lengths + off == np.arange(n + 1, dtype=np.int64) * self.seq_len).all():
+            raise ValueError("sample index does not match the documents' lengths")
+        sh = np.asarray(shuffle, dtype=np.int64)
+        if len(sh) and (sh.min() < 0 or sh.max() >= n or
+                        not (sh // self.block == np.arange(n) // self.block).all() or
+                        not (np.bincount(sh, minlength=n) == 1).all()):
+            raise ValueError("shuffle index is not a permutation of each block")
+
     def _save(self, key: str, n_blocks: int) -> None:
-        self.cache_dir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
-        tag = f".tmp-{os.getpid()}"
+        """Write the indices: cache folder private to this user (0700 when created here), each
+        file under a random exclusive temporary name, renamed into place."""
+        make_dir(self.cache_dir, mode=0o700, error=DataError)  # type: ignore[arg-type]
         for arr, path in zip((self.doc_idx, self.sample_idx, self.shuffle_idx), self._paths(key).values()):
-            with open(f"{path}{tag}", "wb") as fh:
-                np.save(fh, arr)
-            os.replace(f"{path}{tag}", path)
+            tmp = temp_path(path, ".npy")
+            try:
+                with open(tmp, "wb") as fh:
+                    np.save(fh, arr)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
         meta = self.cache_dir / f"{key}.json"  # type: ignore[operator]
-        Path(f"{meta}{tag}").write_text(json.dumps({"blocks": n_blocks, "block": self.block,
-                                                    "prefix": str(self.data.prefix)}))
-        os.replace(f"{meta}{tag}", meta)
+        write_atomic(meta, json.dumps({"blocks": n_blocks, "block": self.block,
+                                       "prefix": str(self.data.prefix)}), fsync=False, error=DataError)
 
     def ensure(self, n_samples: int, build: bool = True) -> None:
         """Make samples ``[0, n_samples)`` available: from the cache, or built (and cached when
@@ -176,10 +237,15 @@ class GPTDataset:
         if key and self._load_cached(key, n_blocks):
             return
         t0 = time.perf_counter()
+        if build:
+            log.info("data: building the %s index of %s for %s samples (rank 0; the other ranks "
+                     "wait)", self.split, self.data.prefix, f"{n_blocks * self.block:,}")
         self.doc_idx, self.sample_idx, self.shuffle_idx = self._compute(n_blocks)
         self.n_built = len(self.shuffle_idx)
         if key and build:
             self._save(key, n_blocks)
+            self.doc_idx, self.sample_idx, self.shuffle_idx = (  # memory-mapped, as on other ranks
+                np.load(p, mmap_mode="r", allow_pickle=False) for p in self._paths(key).values())
         log.info("data: %s split of %s: index of %s samples (%d blocks of %s) built in %.2fs",
                  self.split, self.data.prefix, f"{self.n_built:,}", n_blocks, f"{self.block:,}",
                  time.perf_counter() - t0)

@@ -17,8 +17,8 @@ GPT-NeoX's ``preprocess_data.py`` write without sentence splitting; files in thi
 tool load here and the other way round. Reading memory-maps both files: nothing is loaded into RAM
 but the three index arrays (16 bytes per sequence), and those are views on the mapping.
 
-Writing streams tokens into ``PREFIX.bin.tmp-PID``, keeps only the int32 lengths in memory, writes
-the index as ``PREFIX.idx.tmp-PID`` at the end and renames ``.bin`` first and ``.idx`` last, so a
+Writing streams tokens into ``PREFIX.bin.tmp-PID-RANDOM`` (created exclusively), keeps only the
+int32 lengths in memory, writes the index as ``PREFIX.idx.tmp-PID-RANDOM`` at the end and renames ``.bin`` first and ``.idx`` last, so a
 prefix whose ``.idx`` exists is complete.
 """
 
@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megaformer.errors import DataError
+from megaformer.runtime.run_lock import check_not_owned
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -89,12 +90,14 @@ def _replace(tmp: Path, final: Path) -> None:
 
 
 def check_output_prefix(prefix: str | Path, overwrite: bool) -> Path:
-    """Refuse an output prefix whose files exist (unless ``overwrite``) or whose folder is missing."""
+    """Refuse an output prefix whose files exist (unless ``overwrite``), whose folder is missing, or
+    that lies in a run directory another live job owns."""
     prefix = Path(prefix)
     if not prefix.name:
         raise DataError(f"--output-prefix {prefix}: needs a file name, e.g. data/corpus")
     if not prefix.parent.is_dir():
         raise DataError(f"--output-prefix {prefix}: folder {prefix.parent} does not exist")
+    check_not_owned(prefix.parent, "prepare-data")  # never into a run directory a live job owns
     if not overwrite:
         for p in (bin_path(prefix), idx_path(prefix)):
             if p.exists():
@@ -113,10 +116,10 @@ class IndexedWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
             raise DataError(f"{self.prefix}: dtype {self.dtype} has no MMIDIDX code")
-        tag = f".tmp-{os.getpid()}"
-        self.tmp_bin = Path(f"{bin_path(prefix)}{tag}")
+        tag = f".tmp-{os.getpid()}-{os.urandom(6).hex()}"  # random, created exclusively ("x"):
+        self.tmp_bin = Path(f"{bin_path(prefix)}{tag}")     # never a planted link's target
         self.tmp_idx = Path(f"{idx_path(prefix)}{tag}")
-        self._fh = open(self.tmp_bin, "wb", buffering=1 << 22)
+        self._fh = open(self.tmp_bin, "xb", buffering=1 << 22)
         self._lengths: list[np.ndarray] = []
         self.n_tokens = 0
         self.n_docs = 0
@@ -135,7 +138,7 @@ class IndexedWriter:
         """Write the index, then rename ``.bin`` and, last, ``.idx`` into place."""
         self._fh.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        with open(self.tmp_idx, "wb") as fh:
+        with open(self.tmp_idx, "xb") as fh:
             fh.write(index_bytes(lengths, np.arange(len(lengths) + 1), self.dtype))
         _replace(self.tmp_bin, bin_path(self.prefix))
         _replace(self.tmp_idx, idx_path(self.prefix))
@@ -238,10 +241,10 @@ def merge(prefixes: Sequence[str | Path], output: str | Path, overwrite: bool = 
     for s in sidecars[1:]:
         if s.read_bytes() != sidecars[0].read_bytes():
             raise DataError(f"{s}: a different tokenizer from {sidecars[0]}; cannot merge")
-    tag = f".tmp-{os.getpid()}"
+    tag = f".tmp-{os.getpid()}-{os.urandom(6).hex()}"  # random, created exclusively ("x")
     tmp_bin, tmp_idx = Path(f"{bin_path(output)}{tag}"), Path(f"{idx_path(output)}{tag}")
     try:
-        with open(tmp_bin, "wb") as out:
+        with open(tmp_bin, "xb") as out:
             for p in parts:
                 with open(bin_path(p.prefix), "rb") as src:
                     shutil.copyfileobj(src, out, 1 << 24)
@@ -250,7 +253,7 @@ def merge(prefixes: Sequence[str | Path], output: str | Path, overwrite: bool = 
         for p in parts:
             docs.append(p.doc_indices[1:] + shift)
             shift += len(p)
-        with open(tmp_idx, "wb") as fh:
+        with open(tmp_idx, "xb") as fh:
             fh.write(index_bytes(lengths, np.concatenate(docs), dtype))
         if sidecars:
             shutil.copyfile(sidecars[0], tokenizer_path(output))
@@ -260,3 +263,11 @@ def merge(prefixes: Sequence[str | Path], output: str | Path, overwrite: bool = 
         tmp_bin.unlink(missing_ok=True)
         tmp_idx.unlink(missing_ok=True)
     return IndexedDataset(output)
+
+
+def smallest_int(upper: int) -> np.dtype:
+    """The smallest signed integer dtype holding every value in ``[0, upper]``."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if upper <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)

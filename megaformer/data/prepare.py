@@ -32,6 +32,7 @@ from megaformer.data.sources import Source, open_source
 from megaformer.data.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer,
                                        build_tokenizer)
 from megaformer.errors import DataError
+from megaformer.safe_files import current_umask, temp_path
 
 log = logging.getLogger("megaformer")
 
@@ -237,7 +238,7 @@ def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
         raise DataError(f"--workers {workers}: must be >= 1")
 
     writer = IndexedWriter(prefix, np_dtype)
-    side_tmp = Path(f"{tokenizer_path(prefix)}.tmp-{os.getpid()}")
+    side_tmp = temp_path(tokenizer_path(prefix))  # random exclusive name beside the output
     bar = _bar(source, progress)
     try:
         for tokens, lengths, chars in encode_stream(_chunks(limit_chars(source.batches(), max_chars), chunk_chars),
@@ -250,6 +251,7 @@ def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
             raise DataError(f"{input_spec}: no non-empty documents"
                             + (f" ({source.stats.empty} empty or whitespace-only)" if source.stats.empty else ""))
         tokenizer.save(side_tmp)
+        os.chmod(side_tmp, 0o666 & ~current_umask())  # an ordinary file's mode, not mkstemp's 0600
         os.replace(side_tmp, tokenizer_path(prefix))
         writer.finish()
     except BaseException:

@@ -7,8 +7,11 @@ A spec is, in this order of precedence:
   record's ``text_field``), ``.parquet``/``.arrow`` (one per row), ``.txt``/``.md``/``.py``/``.rst``
   (one document per file; ``sample_by`` = ``line`` or ``paragraph`` splits them), optionally
   compressed (``.gz``, ``.bz2``, ``.xz``, ``.zst``);
-- otherwise a Hugging Face hub dataset ``NAME[:CONFIG][@SPLIT]`` (split defaults to ``train``),
-  streamed by default; ``hf:`` in front forces the hub reading.
+- ``hf:NAME[:CONFIG][@SPLIT]``: a Hugging Face hub dataset (split defaults to ``train``), streamed
+  by default. Only this explicit prefix reaches the network: a spec naming nothing local is an
+  error naming it, never a hub lookup. ``HF_HUB_OFFLINE=1`` is honoured (the hub reading then uses
+  the local Hugging Face cache only, and says so when that fails). Hub datasets are read as data:
+  the ``datasets`` versions megaformer requires never run a dataset's loading script.
 
 Consecutive files of one kind are read by one ``load_dataset(..., streaming=True)`` call, so memory
 is one batch whatever the corpus size. Errors (missing field, invalid UTF-8, broken JSON) name the
@@ -163,7 +166,8 @@ class Source:
             raise DataError(f"{where}: {_describe(e, self.text_field)}") from None
         except Exception as e:  # noqa: BLE001 - hub / network / builder errors
             msg = " ".join(str(e).split())[:300]
-            raise DataError(f"{where}: cannot load from the Hugging Face hub "
+            offline = ", offline: HF_HUB_OFFLINE is set" if hub_offline() else ""
+            raise DataError(f"{where}: cannot load from the Hugging Face hub{offline} "
                             f"({type(e).__name__}: {msg})") from None
 
 
@@ -215,11 +219,10 @@ def _expand_local(spec: str) -> Optional[list[Path]]:
     return None
 
 
-def _looks_local(spec: str) -> bool:
-    parent = Path(spec).expanduser().parent
-    return (spec.startswith(("/", "./", "../", "~")) or glob.has_magic(spec)
-            or any(spec.endswith(s) for s in list(BUILDERS) + list(COMPRESSION))
-            or (parent != Path(".") and parent.is_dir()))
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set to a true value."""
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def parse_hub_spec(spec: str) -> tuple[str, Optional[str], str]:
@@ -255,7 +258,7 @@ def open_source(spec: str, text_field: str = "text", sample_by: str = "document"
                                 ".arrow or .txt, optionally compressed)")
             src.files = files
             return src
-        if _looks_local(spec):
-            raise DataError(f"{spec}: no such file, folder, glob match or PREFIX.bin/.idx pair")
+        raise DataError(f"{spec}: no such file, folder, glob match or PREFIX.bin/.idx pair (a "
+                        "Hugging Face hub dataset needs the prefix hf:, e.g. hf:NAME[:CONFIG][@SPLIT])")
     src.hub = parse_hub_spec(spec)
     return src

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from megaformer.diagnostics.residual import (LayerTrace, eval_mode, head_write_sq_norms,
                                              logit_lens_logits, trace_layers)
-from megaformer.parallel.comm import ProcessGroup, all_reduce
+from megaformer.comm import ProcessGroup, all_reduce
 
 PREFIXES = ("resid/", "attn_write/", "mlp_write/", "attn/", "logit_lens/")
 

@@ -82,6 +82,8 @@ def _probed(block: nn.Module, probe: ProbeAttention) -> Iterator[None]:
     attn = block.attn
     saved_core = attn.core_attention
     rows = [m for m in (attn.wo, block.mlp.w2) if getattr(m, "sequence_parallel", False)]
+    if isinstance(saved_core, nn.Module):  # a recomputation wrapper (train.recompute=selective)
+        del attn.core_attention  # unregistered for the swap; registered again on restore
     attn.core_attention = probe
     for m in rows:
         m.sequence_parallel = False

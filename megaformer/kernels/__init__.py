@@ -1,13 +1,24 @@
-"""Kernels, each with a torch fallback and chosen at run time (the choice is logged once):
+"""Kernels: one public function per op, each owning every backend choice for that op.
 
-    attention.py       attention dispatch (FlashAttention FA3/FA2/FA4 -> torch SDPA -> reference),
-                       document masking for packed sequences
-    activations.py     fused SwiGLU and bias-GELU (Triton forward + backward)
-    norm.py            fused RMSNorm / LayerNorm (apex, Triton or torch native, measured)
-    cross_entropy.py   cross-entropy fused with the output projection over chunks of tokens
-                       (vocab-parallel under tensor parallelism)
-    triton_support.py  when the Triton kernels run (CUDA, or Triton's interpreter on CPU)
+    op (function)                         module            implementations
+    attention(q, k, v, ...)               attention.py      FlashAttention FA3/FA2/FA4, torch SDPA,
+                                                            native CPU FlashAttention-2, reference
+    swiglu(g, u), swiglu_packed(gu)       activations.py    Triton, native CPU, fewer-pass CPU, torch
+    bias_gelu(h, b)                       activations.py    Triton, torch
+    rms_norm(x, w), layer_norm(x, w, b)   norm.py           apex, Triton, torch native, native CPU, torch
+    rope(x, cos, sin)                     rope.py           native CPU, fewer-pass CPU, torch
+    dropout(x, p)                         dropout.py        native CPU, int16 CPU, torch
+    cross_entropy(z, y, V)                cross_entropy.py  native CPU, torch; chunked_cross_entropy
+                                                            fused with the output projection
+    linear(x, w, b)                       gemm.py           oneDNN (fp32 CPU), torch
 
-Import from the submodules: ``from megaformer.kernels.attention import attention, resolve_backend``
-(the package does not re-export ``attention`` so that ``megaformer.kernels.attention`` stays the module).
+Which implementation runs for an op, device, dtype and kernel mode -- and why -- is answered in one
+place, :mod:`megaformer.kernels.selection` (also used by the trainer's start-up summary, the bench
+and the tests); :mod:`megaformer.kernels.capabilities` probes what this process can run;
+:mod:`megaformer.kernels.native` builds and calls the native CPU kernels; ``cpu_eager.py`` holds
+the CPU autograd functions around them.
+
+Import from the submodules (``from megaformer.kernels.attention import attention``): the package
+does not re-export the functions, so ``megaformer.kernels.attention`` stays the module. This package
+depends only on torch, :mod:`megaformer.errors` and :mod:`megaformer.comm`.
 """

@@ -17,8 +17,8 @@ computed as y = x C + swap(x) S with C = [c, c], S = [-s, s]: one full-width pro
 half-width ``addcmul_`` into the same buffer (three passes each way instead of mul, neg, cat, mul,
 add and their backward). q and k arrive as [B, H, T, D] views of the projection's [B, T, H D] output
 (heads adjacent in memory); there the product runs in that memory order against [T, H, D] tables,
-so each inner loop covers a whole row of H D elements instead of D/2 (q of the quickstart model:
-2.8-4.1 ms -> ~1.0 ms, against iterating [B, H, T, D/2] against [T, D/2]).
+so each inner loop covers a whole row of H D elements instead of D/2 (iterating [B, H, T, D/2]
+against [T, D/2]).
 
 SwiGLU of the fused gate/up product y = [g | u] (one GEMM, :func:`megaformer.model.linear.fused_projections`):
 
@@ -29,11 +29,10 @@ It saves y alone (torch's silu and mul keep g, u and SiLU(g): 3F per token inste
 recomputes SiLU(g) in backward; dy is the input gradient of the fused GEMM as is, where splitting y
 into g and u would concatenate dg and du (a copy of 2F per token).
 
-Used on fp32 CPU tensors in eager mode with ``model.fused_kernels=auto``: as one native kernel each
-way where :mod:`megaformer.kernels.native` loads (RMSNorm, RoPE, SwiGLU), else as the torch ops
-above; inside ``torch.compile``
-the torch references run and inductor fuses them itself. Tested equal to the references
-(tests/test_fast_paths.py).
+Used on fp32 CPU tensors in eager mode with ``model.fused_kernels=auto`` (implementations ``native``
+and ``cpu`` of :mod:`megaformer.kernels.selection`): each function takes ``use_native``, one native
+kernel each way (:mod:`megaformer.kernels.native`), else the torch ops above. Tested equal to the
+references (tests/test_fast_paths.py).
 """
 
 from __future__ import annotations
@@ -44,20 +43,15 @@ import torch.nn.functional as F
 from megaformer.kernels import native
 
 
-def cpu_eager(x: torch.Tensor, kernels: str) -> bool:
-    """These paths apply: fused_kernels=auto, an fp32 CPU tensor, eager (not compiling), no autocast."""
-    return (kernels == "auto" and x.device.type == "cpu" and x.dtype == torch.float32
-            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu"))
-
-
 class RMSNormFunction(torch.autograd.Function):
     """y = x r w (see the module docstring); saves x, r, w."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float,  # type: ignore[override]
+                use_native: bool) -> torch.Tensor:
         n = x.shape[-1]
         x2 = x.reshape(-1, n)
-        ctx.native = native.usable(x) and w.dtype == torch.float32
+        ctx.native = use_native
         if ctx.native:
             y, r = native.rmsnorm_forward(x2, w, eps)
             ctx.save_for_backward(x2, r, w)
@@ -73,13 +67,13 @@ class RMSNormFunction(torch.autograd.Function):
         n = x2.shape[-1]
         if ctx.native:
             dx, dw = native.rmsnorm_backward(x2, w, r, dy.reshape(-1, n))
-            return dx.view(dy.shape), dw if ctx.needs_input_grad[1] else None, None
+            return dx.view(dy.shape), dw if ctx.needs_input_grad[1] else None, None, None
         dy2 = dy.reshape(-1, n)
         g = dy2 * w
         coef = torch.linalg.vecdot(g, x2).mul_(r.pow(3)).div_(-n)
         dx = g.mul_(r.unsqueeze(1)).addcmul_(x2, coef.unsqueeze(1))
         dw = torch.linalg.vecdot(dy2, x2 * r.unsqueeze(1), dim=0) if ctx.needs_input_grad[1] else None
-        return dx.view(dy.shape), dw, None
+        return dx.view(dy.shape), dw, None, None
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -101,19 +95,21 @@ class RotaryFunction(torch.autograd.Function):
     """RoPE of x [B, H, T, D] by the half tables c, s [T, D/2] (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor,  # type: ignore[override]
+                use_native: bool) -> torch.Tensor:
         ctx.save_for_backward(c, s)
-        return _rotate_any(x, c, s)
+        ctx.native = use_native
+        return _rotate_any(x, c, s, use_native)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         c, s = ctx.saved_tensors
-        return _rotate_any(dy, c, -s), None, None
+        return _rotate_any(dy, c, -s, ctx.native), None, None, None
 
 
-def _rotate_any(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def _rotate_any(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, use_native: bool) -> torch.Tensor:
     """The native kernel (one pass, any strides with a contiguous last dimension) or :func:`_rotate`."""
-    if x.stride(-1) == 1 and c.dtype == torch.float32 and native.usable(x):
+    if use_native and x.stride(-1) == 1 and c.dtype == torch.float32:
         return native.rope(x, c, s)
     return _rotate(x, c, s)
 
@@ -123,10 +119,10 @@ class PackedSwiGLUFunction(torch.autograd.Function):
     One native kernel each way where :mod:`megaformer.kernels.native` loads, else torch ops."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, y: torch.Tensor, use_native: bool) -> torch.Tensor:  # type: ignore[override]
         f = y.shape[-1] // 2
         ctx.save_for_backward(y)
-        ctx.native = native.usable(y)
+        ctx.native = use_native
         if ctx.native:
             return native.swiglu_forward(y)
         return F.silu(y[..., :f]).mul_(y[..., f:])
@@ -135,7 +131,7 @@ class PackedSwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dh: torch.Tensor):  # type: ignore[override]
         (y,) = ctx.saved_tensors
         if ctx.native:
-            return native.swiglu_backward(y, dh)
+            return native.swiglu_backward(y, dh), None
         f = y.shape[-1] // 2
         g, u = y[..., :f], y[..., f:]
         dy = torch.empty_like(y, memory_format=torch.contiguous_format)
@@ -143,4 +139,4 @@ class PackedSwiGLUFunction(torch.autograd.Function):
         torch.mul(dh, silu, out=dy[..., f:])                                  # du = dh SiLU(g)
         dh_u = torch.mul(dh, u, out=silu)                                     # (buffer reused)
         torch.ops.aten.silu_backward.grad_input(dh_u, g, grad_input=dy[..., :f])  # dg = dh u SiLU'(g)
-        return dy
+        return dy, None

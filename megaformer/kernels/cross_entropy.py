@@ -27,10 +27,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from megaformer.comm import ProcessGroup, all_reduce
 from megaformer.kernels import native
 from megaformer.kernels.gemm import mm_nt
-from megaformer.parallel.comm import ProcessGroup, all_reduce
+from megaformer.kernels.selection import choose_for
 
 
 def _reduce(x: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -117,6 +119,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    choose_for("cross_entropy", hidden, chunked=True)  # recorded for track()
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     keep = y != ignore_index
@@ -157,8 +160,18 @@ class _NativeCrossEntropy(torch.autograd.Function):
         return dz.view(logits.shape), None, None, None
 
 
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                  ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy (fp32) over labels != ignore_index of logits [..., Vp] whose first
+    ``vocab_size`` columns are the vocabulary (the rest: padding, excluded from the softmax)."""
+    if choose_for("cross_entropy", logits).impl == "native":
+        return native_cross_entropy(logits, labels, vocab_size, ignore_index)
+    z = logits[..., :vocab_size]
+    return F.cross_entropy(z.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index)
+
+
 def native_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
                          ignore_index: int) -> torch.Tensor:
     """F.cross_entropy(logits[..., :vocab].flatten(0, -2), labels.flatten(), ignore_index) in native
-    passes (fp32 CPU logits; callers check :func:`megaformer.kernels.native.applies`)."""
+    passes over fp32 CPU logits (the ``native`` implementation of :func:`cross_entropy`)."""
     return _NativeCrossEntropy.apply(logits, labels, vocab, ignore_index)

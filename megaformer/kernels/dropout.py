@@ -8,11 +8,10 @@ So E[y] = x exactly, and the drop probability is p rounded to a multiple of 2^-1
 7.6e-6). torch's CPU ``F.dropout`` draws a float Bernoulli sample per element, divides it by 1 - p
 and saves it (4 bytes per element); here the randomness is half an int32 per element (torch's
 generator, so ``torch.manual_seed`` and the tensor-parallel RNG forks govern it as before), and the
-saved mask is a bool. Measured on a 2-core AMD EPYC for [4, 12, 256, 256] fp32: 46 ms -> 16 ms
-forward. Where the native CPU kernels load (:mod:`megaformer.kernels.native`, fp32 eager) one
-pass draws the mask from a counter-based hash (drop probability p to 2^-32) and writes the product:
-the same forward 16 ms -> ~4 ms. On CUDA torch's fused dropout kernel runs (``F.dropout``), and
-everywhere with ``model.fused_kernels=torch``.
+saved mask is a bool. Where the native CPU kernels load (:mod:`megaformer.kernels.native`, fp32
+eager) one pass draws the mask from a counter-based hash (drop probability p to 2^-32) and writes
+the product. On CUDA torch's fused dropout kernel runs (``F.dropout``), and everywhere with
+``model.fused_kernels=torch`` (op ``dropout`` of :mod:`megaformer.kernels.selection`).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaformer.kernels import native
+from megaformer.kernels.selection import choose_for
 
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -38,8 +38,8 @@ class _MaskedScale(torch.autograd.Function):
     (:mod:`megaformer.kernels.native`: mask and product in one pass) where it loads."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.native = native.usable(x)
+    def forward(ctx, x: torch.Tensor, p: float, use_native: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.native = use_native
         if ctx.native:
             y, m, scale = native.dropout_forward(x, p)
         else:
@@ -53,25 +53,22 @@ class _MaskedScale(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         (m,) = ctx.saved_tensors
         if ctx.native:
-            return native.masked_scale(dy, m, ctx.scale), None
-        return torch.where(m, dy, 0.0).mul_(ctx.scale), None
+            return native.masked_scale(dy, m, ctx.scale), None, None
+        return torch.where(m, dy, 0.0).mul_(ctx.scale), None, None
 
 
-def dropout(x: torch.Tensor, p: float, training: bool = True, kernels: str = "auto") -> torch.Tensor:
-    """Dropout with drop probability ``p``: the int16 path on CPU (``kernels=auto``), else F.dropout."""
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Dropout with drop probability ``p`` (identity when not training or p = 0)."""
     if not training or p == 0.0:
         return x
-    if kernels != "auto" or x.device.type != "cpu" or not 0.0 < p < 1.0 or not x.is_floating_point():
+    impl = choose_for("dropout", x).impl
+    if impl == "torch" or not 0.0 < p < 1.0 or not x.is_floating_point():
         return F.dropout(x, p, training=True)
-    return _MaskedScale.apply(x, p)
+    return _MaskedScale.apply(x, p, impl == "native" and x.dtype == torch.float32)
 
 
 class Dropout(nn.Dropout):
     """nn.Dropout (same p, same train/eval switch) through :func:`dropout`."""
 
-    def __init__(self, p: float = 0.5, kernels: str = "auto") -> None:
-        super().__init__(p)
-        self.kernels = kernels
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training, self.kernels)
+        return dropout(x, self.p, self.training)

@@ -6,13 +6,10 @@
 
 On CUDA (and under autocast, and in bf16/fp16) this is ``F.linear``: cuBLAS. On CPU in fp32 torch's
 matmul calls MKL's sgemm, which on non-Intel x86 CPUs takes a slower code path; oneDNN (built into
-torch's CPU wheels as mkldnn) dispatches on the instruction set instead. Measured on a 2-core AMD
-EPYC (AVX2, 2.45 GHz, fp32 peak ~157 GFLOP/s), GFLOP/s MKL -> oneDNN:
-
-    Y = X W^T     M=4096 K=256 N=1408: 94 -> 112     M=1024 K=768 N=3072: 92 -> 116
-                  M=1024 K=768 N=50304 (GPT-2 head): 84 -> 102   (oneDNN ahead in every shape tried)
-    dX = dY W     W 1408 x 256: 93 -> 121            W 768 x 3072: 106 -> 51   W 50304 x 768: 108 -> 89
-    dW = dY^T X   MKL ahead (oneDNN needs both operands transposed in memory)
+torch's CPU wheels as mkldnn) dispatches on the instruction set instead. Which library is faster
+depends on the product: oneDNN for Y = X W^T, for dX = dY W only while W is small (oneDNN repacks
+the strided operand per call), MKL for dW = dY^T X (oneDNN needs both operands transposed in
+memory); the timings behind this rule are in docs/benchmarks.md.
 
 So, with ``model.fused_kernels=auto`` on fp32 CPU tensors outside autocast: Y on oneDNN; dX on
 oneDNN for weights of at most 2^20 elements (a strided operand oneDNN repacks per call: cheap for
@@ -31,23 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megaformer.kernels.triton_support import announce
-
-
-def _probe_onednn() -> bool:
-    """torch was built with oneDNN and exposes its dense linear op (checked by running it)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        x, w = torch.ones(2, 3), torch.ones(4, 3)
-        return bool(torch.equal(op(x, w, None, "none", [], ""), torch.full((2, 4), 3.0)))
-    except Exception:  # an op renamed or removed in another torch version: F.linear is used
-        return False
-
-
-# Probed once at import: a plain constant, so torch.compile traces the dispatch without a break.
-ONEDNN_AVAILABLE = _probe_onednn()
+from megaformer.kernels.selection import choose_for
 
 
 @torch.library.custom_op("megaformer::onednn_linear", mutates_args=())
@@ -101,11 +82,10 @@ def _backward(ctx, dy: torch.Tensor):  # type: ignore[no-untyped-def]
 _onednn_linear.register_autograd(_backward, setup_context=_setup)
 
 
-def use_onednn(x: torch.Tensor, w: torch.Tensor, kernels: str = "auto") -> bool:
-    """The oneDNN path applies: fused_kernels=auto, fp32 CPU tensors, no autocast, oneDNN present."""
-    return (kernels == "auto" and x.device.type == "cpu" and x.dtype == torch.float32
-            and w.dtype == torch.float32 and x.dim() >= 2
-            and not torch.is_autocast_enabled("cpu") and ONEDNN_AVAILABLE)
+def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The oneDNN path runs for x W^T (:func:`megaformer.kernels.selection.choose`: fp32 CPU tensors,
+    no autocast, kernel mode auto, oneDNN present)."""
+    return (w.dtype == x.dtype and x.dim() >= 2 and choose_for("linear", x).impl == "onednn")
 
 
 def mm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -125,13 +105,13 @@ class FusedLinear(torch.autograd.Function):
     autocast keeps anyway)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, kernels: str, n: int, *params: torch.Tensor  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, n: int, *params: torch.Tensor  # type: ignore[override]
                 ) -> torch.Tensor:
         ws, bs = params[:n], params[n:]
         w = torch.cat(ws)
         b = torch.cat(bs) if bs else None
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        onednn = use_onednn(x, w, kernels)
+        onednn = use_onednn(x, w)
         y = _onednn_linear(x2, w, b) if onednn else F.linear(x2, w, b)
         ctx.save_for_backward(x2, *ws)
         ctx.onednn, ctx.n, ctx.has_bias, ctx.lead = onednn, n, bool(bs), x.shape
@@ -149,15 +129,13 @@ class FusedLinear(torch.autograd.Function):
         dws = list(dy2.t().mm(x2).split(sizes)) if any(ctx.needs_input_grad[3:3 + ctx.n]) \
             else [None] * ctx.n
         dbs = list(dy2.sum(0).split(sizes)) if ctx.has_bias else []
-        return (dx, None, None, *dws, *dbs)
+        return (dx, None, *dws, *dbs)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
-           kernels: str = "auto") -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] W^T + b -> [..., N]: oneDNN on fp32 CPU tensors (see above), else F.linear."""
-    if not use_onednn(x, w, kernels):
+    if not use_onednn(x, w):
         return F.linear(x, w, b)
-    announce("linear GEMM (fp32 CPU)", "oneDNN for X W^T and dY W, torch.mm for dY^T X")
     lead = x.shape[:-1]
     y = _onednn_linear(x.reshape(-1, x.shape[-1]).contiguous(), w, b)
     return y.view(*lead, w.shape[0])

@@ -30,8 +30,11 @@ match torch to fp32 rounding, not bit for bit (tests/test_native_kernels.py).
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp`` into
 ``$MEGAFORMER_CACHE_DIR`` (default ``~/.cache/megaformer``)``/native/<hash>/``, the hash covering
 the source, the flags, the compiler's version and this CPU's feature flags; written to a temporary
-file and renamed, so concurrent ranks never load a half-written library. No compiler, a failed
-build or ``MEGAFORMER_NATIVE=0``: the torch ops run instead, and :func:`status` says why (logged
+file and renamed, so concurrent ranks never load a half-written library. The cache folders are
+created 0700; a cached library is loaded only when it and every folder up to the cache root belong
+to this user and are not writable by group or others, and its sha256 matches the digest recorded at
+build time; otherwise it is rebuilt (into a private temporary folder when the cache is not
+private). No compiler, a failed build or ``MEGAFORMER_NATIVE=0``: the torch ops run instead, and :func:`status` says why (logged
 once by the trainer and the bench). ``model.fused_kernels=torch`` never uses them.
 """
 
@@ -43,11 +46,12 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -75,9 +79,79 @@ _lock = threading.Lock()
 _state: dict = {}  # "lib": CDLL or None, "status": str
 
 
+LIBRARY = "libmegaformer_native.so"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MEGAFORMER_CACHE_DIR")
+                or os.path.join(Path.home(), ".cache", "megaformer"))
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("MEGAFORMER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "megaformer")
-    return Path(root) / "native"
+    return _cache_root() / "native"
+
+
+def _private(path: Path, want_dir: bool) -> bool:
+    """``path`` (not a link) is owned by this user and not writable by group or others."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+    return kind and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _trusted_path(path: Path, root: Path) -> bool:
+    """The file and every folder from its own up to ``root`` are private to this user: nobody else
+    could have planted or swapped the library."""
+    if not _private(path, want_dir=False):
+        return False
+    d = path.parent
+    while True:
+        if not _private(d, want_dir=True):
+            return False
+        if d == root or d.parent == d:
+            return d == root
+        d = d.parent
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verified(target: Path, root: Path) -> bool:
+    """A library built here before: private path (see :func:`_trusted_path`) and the sha256 digest
+    recorded beside it at build time still matches."""
+    digest = target.with_name(target.name + ".sha256")
+    if not (_trusted_path(target, root) and _private(digest, want_dir=False)):
+        return False
+    try:
+        return digest.read_text().strip() == _sha256(target)
+    except OSError:
+        return False
+
+
+def _make_private_dirs(folder: Path, root: Path) -> bool:
+    """Create ``root`` .. ``folder`` with mode 0700 where missing; True when all of them are then
+    private to this user."""
+    try:
+        for d in [*reversed(folder.relative_to(root).parents), folder.relative_to(root)]:
+            path = root / d
+            if not path.exists():
+                path.mkdir(mode=0o700, parents=True)
+    except (OSError, ValueError):
+        return False
+    d = folder
+    while True:
+        if not _private(d, want_dir=True):
+            return False
+        if d == root:
+            return True
+        d = d.parent
 
 
 def _cpu_flags() -> str:
@@ -90,27 +164,56 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()])
-                         .encode()).hexdigest()[:16]
-    target = _cache_dir() / key / "libmegaformer_native.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+def _compile(compiler: str, folder: Path, source: Path, flags: Sequence[str], library: str) -> Path:
+    """Build into ``folder`` under a random temporary name, record its sha256, rename into place."""
+    target = folder / library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"{compiler} failed: {last}")
+        os.chmod(tmp, 0o700)
+        fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=folder)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(_sha256(Path(tmp)) + "\n")
+        os.replace(tmp_digest, target.with_name(target.name + ".sha256"))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def build_library(compiler: str, source: Path, flags: Sequence[str], library: str, subdir: str,
+                  cpu_specific: bool = True) -> tuple[Path, Optional[str]]:
+    """(path of the shared library built from ``source``, why it is a private one-off build or
+    None). From the cache ``$MEGAFORMER_CACHE_DIR/<subdir>/<hash>/`` when verified (private folders
+    up to the cache root, owned by this user, digest recorded at build time matching), else built
+    there. A cache that is not private (another user could write it) is not used: the library is
+    then built into a fresh private temporary folder, which the caller removes once it is loaded.
+    The hash covers the source, the flags, the compiler's version and (``cpu_specific``) the CPU."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [source.read_text(), " ".join(flags), version] + ([_cpu_flags()] if cpu_specific else [])
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    root = _cache_root()
+    folder = root / subdir / key
+    target = folder / library
+    if _verified(target, root):
+        return target, None
+    absent = not (target.exists() or target.is_symlink())
+    if _make_private_dirs(folder, root) and (absent or _trusted_path(target, root)):
+        # new, or ours with a digest that does not match
+        return _compile(compiler, folder, source, flags, library), None
+    private = Path(tempfile.mkdtemp(prefix="megaformer-native-"))  # 0700, this process only
+    try:
+        built = _compile(compiler, private, source, flags, library)
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    return built, f"{root / subdir} is not private to this user"
 
 
 def _load() -> tuple[Optional[ctypes.CDLL], str]:
@@ -120,13 +223,20 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
     if shutil.which(compiler) is None:
         return None, f"native CPU kernels unavailable: no C compiler '{compiler}' on PATH (torch ops run)"
     try:
-        path = _build(compiler)
+        path, private = build_library(compiler, SOURCE, FLAGS, LIBRARY, "native")
+        if private:
+            _state["private_build"] = private
         lib = ctypes.CDLL(str(path))
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        _state.pop("private_build", None)
         return None, f"native CPU kernels unavailable ({e}); torch ops run"
+    if "private_build" in _state:  # loaded (mapped): the private copy is not needed on disk
+        shutil.rmtree(path.parent, ignore_errors=True)
+        return lib, (f"native CPU kernels: built in a private temporary folder and loaded "
+                     f"({_state.pop('private_build')}, so it is not used)")
     return lib, f"native CPU kernels: {path}"
 
 
@@ -155,19 +265,6 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _state.update(saved)
-
-
-def usable(t: torch.Tensor) -> bool:
-    """t is an fp32 CPU tensor outside torch.compile and the library loads."""
-    return (t.device.type == "cpu" and t.dtype == torch.float32 and not torch.compiler.is_compiling()
-            and library() is not None)
-
-
-def applies(x: torch.Tensor, kernels: str) -> bool:
-    """Use the native kernels for x: fp32 CPU eager with fused_kernels=auto, and the library loads."""
-    from megaformer.kernels.cpu_eager import cpu_eager
-
-    return cpu_eager(x, kernels) and library() is not None
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -6,26 +6,31 @@
                 dx = r (g - x_hat mean(g x_hat) - mean(g))      (the last term only for LayerNorm)
                 dw = sum_rows dy x_hat;   db = sum_rows dy
 
-Statistics are computed in fp32. Dispatch (``rms_norm`` / ``layer_norm``) on a CUDA tensor: apex's
-fused kernels when apex is installed; else whichever of the Triton kernel and torch's native op
-(``F.rms_norm`` / ``F.layer_norm``) runs forward + backward faster, timed once per (width, dtype)
-and logged. On fp32 CPU tensors in eager mode RMSNorm runs the fewer-pass autograd function of
-``megaformer.kernels.cpu_eager``. Elsewhere (and with ``model.fused_kernels=torch``) the torch
-reference runs; under Triton's interpreter the Triton kernel runs on CPU (tests).
+Statistics are computed in fp32. Which implementation runs (``rms_norm`` / ``layer_norm``) is a
+rule of :mod:`megaformer.kernels.selection` on device and dtypes -- never a timing, so every run and
+every rank computes with the same kernel: on CUDA apex's fused kernels (with its compiled
+extension, same dtypes, not under autocast, not a bias-less LayerNorm), else torch's native fused
+op for same dtypes, else the Triton kernel (bf16 activations with an fp32 gain); on fp32 CPU
+tensors in eager mode RMSNorm runs the native kernel or the fewer-pass autograd function of
+:mod:`megaformer.kernels.cpu_eager`; under Triton's interpreter the Triton kernel runs on CPU
+(tests); elsewhere (and with ``model.fused_kernels=torch``) the torch reference.
+
+The Triton kernels keep a row in registers: the warps per program grow with the row width
+(``_num_warps``), so wide rows (4096-8192 and more) do not spill, and the backward gives each
+program a strided set of rows with its partial dw, db sums.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megaformer.kernels.cpu_eager import RMSNormFunction, cpu_eager
-from megaformer.kernels.triton_support import announce, interpreting, use_triton
+from megaformer.kernels import capabilities
+from megaformer.kernels.cpu_eager import RMSNormFunction
+from megaformer.kernels.selection import choose_for
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -108,6 +113,13 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _num_warps(block: int) -> int:
+    """Warps per program: a row of ``block`` fp32 values spread over 32 * warps threads, at most 8
+    per thread per tensor held up to width 4096 (4 warps up to 1024, 8 at 2048, 16 from 4096 on),
+    so wide rows are not spilled to local memory."""
+    return min(16, max(4, block // 256))
+
+
 def _programs(rows: int, device: torch.device) -> int:
     if device.type == "cuda":
         return max(1, min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
@@ -129,8 +141,10 @@ class NormFunction(torch.autograd.Function):
         mean = torch.empty(M, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
         bias = b if (b is not None and not rms) else w
+        block = _block(N)
         _kernels()["fwd"][(M,)](x2, w, bias, y, mean, rstd, N, eps, IS_RMS=rms,
-                                HAS_BIAS=b is not None and not rms, BLOCK=_block(N))
+                                HAS_BIAS=b is not None and not rms, BLOCK=block,
+                                num_warps=_num_warps(block))
         ctx.save_for_backward(x2, w, mean, rstd)
         ctx.rms, ctx.has_bias, ctx.shape = rms, b is not None and not rms, shape
         return y.view(shape)
@@ -144,8 +158,9 @@ class NormFunction(torch.autograd.Function):
         P = _programs(M, x2.device)
         dw = torch.empty((P, N), dtype=torch.float32, device=x2.device)
         db = torch.empty_like(dw)
+        block = _block(N)
         _kernels()["bwd"][(P,)](x2, w, dy2, dx, mean, rstd, dw, db, M, N, IS_RMS=ctx.rms,
-                                BLOCK=_block(N))
+                                BLOCK=block, num_warps=_num_warps(block))
         db_out = db.sum(0).to(w.dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw.sum(0).to(w.dtype), db_out, None, None
 
@@ -158,99 +173,39 @@ def layer_norm_triton(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
     return NormFunction.apply(x, w, b, eps, False)
 
 
-# ----------------------------------------------------------------------------- apex, native
+# ----------------------------------------------------------------------------- apex, torch native
 
-@functools.lru_cache(maxsize=None)
-def _apex() -> Optional[object]:
-    """NVIDIA apex's fused_layer_norm module (built with its CUDA extensions), or None."""
-    try:
-        return importlib.import_module("apex.normalization.fused_layer_norm")
-    except Exception:  # not installed, the unrelated PyPI "apex", or built without extensions
-        return None
+def _apex():
+    return capabilities.apex_status()[0]
 
 
-def _rms_native(x, w, eps):
-    return F.rms_norm(x, x.shape[-1:], w, eps)
-
-
-def _ln_native(x, w, b, eps):
-    return F.layer_norm(x, x.shape[-1:], w, b, eps)
-
-
-def _rms_apex(x, w, eps):
-    return _apex().fused_rms_norm_affine(x, w, x.shape[-1:], eps)
-
-
-def _ln_apex(x, w, b, eps):
-    return _apex().fused_layer_norm_affine(x, w, b, x.shape[-1:], eps)
-
-
-def _time_fwd_bwd(fn: Callable, args: tuple, iters: int = 10) -> float:
-    x = args[0].detach().requires_grad_(True)
-    rest = args[1:]
-    for _ in range(2):
-        fn(x, *rest).sum().backward()
-    torch.cuda.synchronize(x.device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn(x, *rest).sum().backward()
-    torch.cuda.synchronize(x.device)
-    return time.perf_counter() - t0
-
-
-_CHOICE: dict = {}
-
-
-def _pick(kind: str, candidates: dict[str, Callable], args: tuple) -> Callable:
-    """The fastest candidate for (kind, width, dtype, device), measured once (CUDA), and logged."""
-    x = args[0]
-    key = (kind, x.shape[-1], x.dtype, args[1].dtype, str(x.device))
-    if key not in _CHOICE:
-        if len(candidates) == 1:
-            name = next(iter(candidates))
-        else:
-            with torch.enable_grad():
-                times = {n: _time_fwd_bwd(f, tuple(a.detach() if isinstance(a, torch.Tensor) else a
-                                                   for a in args)) for n, f in candidates.items()}
-            name = min(times, key=times.get)
-            announce(f"{kind} (width {x.shape[-1]}, {str(x.dtype).replace('torch.', '')})",
-                     f"{name} (measured fwd+bwd: " + ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in times.items()) + ")")
-        _CHOICE[key] = candidates[name]
-    return _CHOICE[key]
-
-
-def _candidates(kind: str, same_dtype: bool) -> dict[str, Callable]:
-    """apex alone when installed; else Triton and torch's native op. Mixed dtypes (an fp32 gain
-    on bf16 activations under autocast): only the Triton kernel, which reads each in its own dtype."""
-    triton_fn = rms_norm_triton if kind == "RMSNorm" else layer_norm_triton
-    if not same_dtype:
-        return {"triton": triton_fn}
-    if _apex() is not None:
-        return {"apex": _rms_apex if kind == "RMSNorm" else _ln_apex}
-    native = _rms_native if kind == "RMSNorm" else _ln_native
-    out = {"triton": triton_fn, "torch native": native}
-    if kind == "RMSNorm" and not hasattr(F, "rms_norm"):  # torch < 2.4
-        out.pop("torch native")
-    return out
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kernels: str = "auto") -> torch.Tensor:
-    """RMSNorm over the last dimension (see the module docstring for the dispatch)."""
-    if not use_triton(x, kernels):
-        if cpu_eager(x, kernels) and w.dtype == torch.float32:
-            return RMSNormFunction.apply(x, w, eps)
-        return rms_norm_reference(x, w, eps)
-    if interpreting() and not x.is_cuda:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension (see the module docstring for which implementation runs)."""
+    impl = choose_for("rms_norm", x, weight_dtype=w.dtype).impl
+    if impl == "apex":
+        return _apex().fused_rms_norm_affine(x, w, x.shape[-1:], eps)
+    if impl == "triton":
         return rms_norm_triton(x, w, eps)
-    return _pick("RMSNorm", _candidates("RMSNorm", x.dtype == w.dtype), (x, w, eps))(x, w, eps)
+    if impl == "torch-native":
+        return F.rms_norm(x, x.shape[-1:], w, eps)
+    if impl in ("native", "cpu"):
+        return RMSNormFunction.apply(x, w, eps, impl == "native")
+    return rms_norm_reference(x, w, eps)
 
 
-def layer_norm(x: torch.Tensor, w: Optional[torch.Tensor], b: Optional[torch.Tensor], eps: float,
-               kernels: str = "auto") -> torch.Tensor:
-    """LayerNorm over the last dimension (see the module docstring for the dispatch)."""
-    if w is None or not use_triton(x, kernels):
+def layer_norm(x: torch.Tensor, w: Optional[torch.Tensor], b: Optional[torch.Tensor], eps: float
+               ) -> torch.Tensor:
+    """LayerNorm over the last dimension (see the module docstring for which implementation runs)."""
+    if w is None:
         return layer_norm_reference(x, w, b, eps)
-    if interpreting() and not x.is_cuda:
+    facts = {"weight_dtype": w.dtype, "bias": b is not None}
+    if b is not None and b.dtype != w.dtype:
+        facts["weight_dtype"] = b.dtype if b.dtype != x.dtype else w.dtype
+    impl = choose_for("layer_norm", x, **facts).impl
+    if impl == "apex":
+        return _apex().fused_layer_norm_affine(x, w, b, x.shape[-1:], eps)
+    if impl == "triton":
         return layer_norm_triton(x, w, b, eps)
-    same = x.dtype == w.dtype and (b is None or b.dtype == w.dtype)
-    return _pick("LayerNorm", _candidates("LayerNorm", same), (x, w, b, eps))(x, w, b, eps)
+    if impl == "torch-native":
+        return F.layer_norm(x, x.shape[-1:], w, b, eps)
+    return layer_norm_reference(x, w, b, eps)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from megaformer.config import ModelConfig
-from megaformer.kernels.attention import attention
+from megaformer.kernels.attention import DocumentMask, attention
 from megaformer.model.linear import Linear, fused_projections
 from megaformer.model.positions import RotaryEmbedding, apply_rotary
 
@@ -75,25 +75,24 @@ class Attention(nn.Module):
         # softmax(QK^T/sqrt(d_k))V itself; selective recomputation wraps it in a checkpoint.
         self.core_attention: Callable[..., torch.Tensor] = attention
         self.backend = cfg.attention_backend
-        d, dk, kernels = cfg.d_model, cfg.head_dim, cfg.fused_kernels
-        self.kernels = kernels
-        self.wq = Linear(d, cfg.n_heads * dk, bias=cfg.bias, kernels=kernels)
-        self.wk = Linear(d, cfg.kv_heads * dk, bias=cfg.bias, kernels=kernels)
-        self.wv = Linear(d, cfg.kv_heads * dk, bias=cfg.bias, kernels=kernels)
-        self.wo = Linear(cfg.n_heads * dk, d, bias=cfg.bias, kernels=kernels)
+        d, dk = cfg.d_model, cfg.head_dim
+        self.wq = Linear(d, cfg.n_heads * dk, bias=cfg.bias)
+        self.wk = Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
+        self.wv = Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
+        self.wo = Linear(cfg.n_heads * dk, d, bias=cfg.bias)
         self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta)
                        if cfg.position == "rope" else None)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[LayerKVCache] = None, start_pos: int = 0,
-                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                doc_ids: Optional[DocumentMask] = None) -> torch.Tensor:
         """x [B, T, d_model] at absolute positions start_pos..start_pos+T-1 -> [B, T, d_model].
 
-        rope: precomputed (cos, sin) for those positions (computed here when None and position=rope).
+        rope: precomputed (cos, sin) for those positions (looked up here when None and position=rope).
         cache: this layer's KV cache; keys/values of earlier positions are read from it.
-        doc_ids: [B, T] document index of each position (packed documents attend only within).
+        doc_ids: the batch's document boundaries (packed documents attend only within).
         """
-        q, k, v = fused_projections(x, (self.wq, self.wk, self.wv), self.kernels)
+        q, k, v = fused_projections(x, (self.wq, self.wk, self.wv))
         if self.rotary is not None:
             # q and k are replaced by their rotations below; a view of v kept for backward would
             # keep the whole [q | k | v] product alive, so v gets its own storage
@@ -104,8 +103,8 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             if rope is None:
-                rope = self.rotary(torch.arange(start_pos, start_pos + T, device=x.device))
-            q, k = apply_rotary(q, *rope, self.kernels), apply_rotary(k, *rope, self.kernels)
+                rope = self.rotary.tables(start_pos, T, x.device)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from megaformer.config import ModelConfig
+from megaformer.kernels.attention import DocumentMask
 from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import Attention, LayerKVCache
 from megaformer.model.mlp import MLP
@@ -31,11 +32,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg, causal=causal)
         self.mlp_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
-        self.drop = Dropout(cfg.dropout, kernels=cfg.fused_kernels)
+        self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[LayerKVCache] = None, start_pos: int = 0,
-                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                doc_ids: Optional[DocumentMask] = None) -> torch.Tensor:
         a = self.drop(self.attn(self.attn_norm(x), rope=rope, cache=cache, start_pos=start_pos,
                                 doc_ids=doc_ids))
         if self.parallel:
@@ -49,7 +50,7 @@ def compile_blocks(blocks: nn.ModuleList, backend: str = "inductor") -> None:
     breaks: kernel dispatch is resolved at trace time), the same code reused by every block; the
     first call pays the compilation. Inside the compiled graph inductor fuses the norms and
     activations itself, so the Triton kernels of megaformer.kernels are not called there."""
-    from megaformer.kernels.attention import mark_constant_for_compile
+    from megaformer.kernels.selection import mark_constant_for_compile
 
     mark_constant_for_compile()
     for block in blocks:

@@ -20,31 +20,29 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from megaformer.deepspeed_attrs import zero3_partitioned
 from megaformer.kernels.gemm import FusedLinear, linear
+from megaformer.kernels.selection import choose_for
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b, W [out, in]; ``kernels`` is model.fused_kernels (the GEMM dispatch)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 kernels: str = "auto") -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.kernels = kernels
+    """y = x W^T + b, W [out, in], through the GEMM dispatch of :mod:`megaformer.kernels.gemm`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.kernels)
+        return linear(x, self.weight, self.bias)
 
 
 def _zero3_partitioned(module: nn.Module) -> bool:
-    return any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
+    return any(zero3_partitioned(p) for p in module.parameters(recurse=False))
 
 
-def fused_product(x: torch.Tensor, projections: Sequence[nn.Module],
-                  kernels: str = "auto") -> Optional[torch.Tensor]:
+def fused_product(x: torch.Tensor, projections: Sequence[nn.Module]) -> Optional[torch.Tensor]:
     """[p_1(x) | ... | p_n(x)] (concatenated on the last dimension) as one GEMM, or None where the
-    projections must run one by one: ZeRO-3 partitioned parameters, a projection applying its own
-    input communication, or a mix of present and absent biases."""
-    if (len(projections) == 1 or any(_zero3_partitioned(p) for p in projections)
+    projections run one by one: where the rule for ``projections`` says so (CUDA: no weight
+    concatenation per call), ZeRO-3 partitioned parameters, a projection applying its own input
+    communication, or a mix of present and absent biases."""
+    if (len(projections) == 1 or choose_for("projections", x).impl != "fused"
+            or any(_zero3_partitioned(p) for p in projections)
             or any(getattr(p, "input_comm", False) for p in projections)):
         return None
     weights = [p.weight for p in projections]
@@ -56,18 +54,17 @@ def fused_product(x: torch.Tensor, projections: Sequence[nn.Module],
     if torch.is_autocast_enabled(x.device.type):
         b = torch.cat(biases) if biases else None  # type: ignore[arg-type]
         # autocast's cast of the concatenated weight is saved (as nn.Linear's own)
-        return linear(x, torch.cat(weights), b, kernels)
-    return FusedLinear.apply(x, kernels, len(weights), *weights, *biases)
+        return linear(x, torch.cat(weights), b)
+    return FusedLinear.apply(x, len(weights), *weights, *biases)
 
 
-def fused_projections(x: torch.Tensor, projections: Sequence[nn.Module],
-                      kernels: str = "auto") -> list[torch.Tensor]:
+def fused_projections(x: torch.Tensor, projections: Sequence[nn.Module]) -> list[torch.Tensor]:
     """[p(x) for p in projections] as one GEMM over the concatenated weights (see the docstring).
 
     Each projection is a linear module applying no input communication of its own (nn.Linear, or a
     column-parallel shard whose input region the caller entered); their biases are all present or
     all absent (else they run one by one)."""
-    y = fused_product(x, projections, kernels)
+    y = fused_product(x, projections)
     if y is None:
         return [p(x) for p in projections]
     return list(y.split([p.weight.shape[0] for p in projections], dim=-1))

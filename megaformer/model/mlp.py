@@ -4,25 +4,19 @@
     SwiGLU: FFN(x) = (SiLU(x W1) * (x W3)) W2                 (Shazeer 2020; Llama)
 
 W1: d_model -> d_ffn (SwiGLU: the gate), W3: d_model -> d_ffn (the up projection), W2: d_ffn -> d_model.
-The SwiGLU gate and up projections are one GEMM (``fused_projections``). The activations
-(SiLU(g) * u; GELU(h + b1)) run as fused Triton kernels on CUDA (``megaformer.kernels.activations``;
-``model.fused_kernels``); on fp32 CPU in eager mode SwiGLU reads the gate/up product [g | u] as one
-tensor (``megaformer.kernels.cpu_eager.PackedSwiGLUFunction``: saves 2F per token instead of 3F, no
-concatenation of dg and du in backward); as torch ops elsewhere.
+Where one GEMM over the concatenated gate and up weights pays (``fused_product``), SwiGLU reads
+its packed output [x W1 | x W3]; the activations are :mod:`megaformer.kernels.activations`'
+(which decide their own implementation).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
-from megaformer.kernels.activations import bias_gelu, swiglu
-from megaformer.kernels.cpu_eager import PackedSwiGLUFunction, cpu_eager
-from megaformer.kernels.gemm import linear
-from megaformer.kernels.triton_support import use_triton
-from megaformer.model.linear import Linear, fused_product, fused_projections
+from megaformer.kernels.activations import linear_gelu, swiglu, swiglu_packed
+from megaformer.model.linear import Linear, fused_product
 
 
 class MLP(nn.Module):
@@ -36,25 +30,17 @@ class MLP(nn.Module):
         if cfg.activation not in ("gelu", "gelu_tanh", "swiglu"):
             raise ValueError(f"model.activation={cfg.activation!r}: must be gelu or swiglu")
         self.activation = cfg.activation
-        self.kernels = cfg.fused_kernels
-        self.w1 = Linear(d, f, bias=cfg.bias, kernels=self.kernels)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+        self.w1 = Linear(d, f, bias=cfg.bias)
         if cfg.activation == "swiglu":
-            self.w3 = Linear(d, f, bias=cfg.bias, kernels=self.kernels)
-        self.w2 = Linear(f, d, bias=cfg.bias, kernels=self.kernels)
+            self.w3 = Linear(d, f, bias=cfg.bias)
+        self.w2 = Linear(f, d, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            if cpu_eager(x, self.kernels) and self.w1.weight.shape == self.w3.weight.shape:
-                y = fused_product(x, (self.w1, self.w3), self.kernels)  # [gate | up]
-                if y is not None:
-                    return self.w2(PackedSwiGLUFunction.apply(y))
-            gate, up = fused_projections(x, (self.w1, self.w3), self.kernels)
-            return self.w2(swiglu(gate, up, self.kernels))
-        approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-        if self.w1.bias is not None and use_triton(x, self.kernels):
-            # x W1 without the bias, then GELU(. + b1) in one pass (w1 may be a column-parallel shard)
-            h = bias_gelu(linear(x, self.w1.weight, None, self.kernels), self.w1.bias, approximate,
-                          self.kernels)
-        else:
-            h = F.gelu(self.w1(x), approximate=approximate)
-        return self.w2(h)
+            gate_up = fused_product(x, (self.w1, self.w3))           # [x W1 | x W3], or None
+            if gate_up is not None:
+                return self.w2(swiglu_packed(gate_up))
+            return self.w2(swiglu(self.w1(x), self.w3(x)))
+        # GELU(x W1 + b1); w1 may be a column-parallel shard whose input region the plan entered
+        return self.w2(linear_gelu(x, self.w1.weight, self.w1.bias, self.approximate))

@@ -21,7 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from megaformer.kernels.cpu_eager import RotaryFunction, cpu_eager
+from megaformer.kernels.rope import rope, rotate_half
+
+_TABLES: dict = {}  # (rot, theta, device, start, T) -> (cos, sin): shared by every layer
+_MAX_TABLES = 8
 
 
 def sinusoidal_table(n_pos: int, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -46,8 +49,10 @@ def rotary_dim(head_dim: int, rotary_fraction: float) -> int:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of RoPE for given positions: angle(pos, i) = pos * theta^(-2i/rot), i < rot/2.
 
-    Holds no parameters and no buffers (the tables are a few KB and recomputed per forward), so it is
-    safe under meta-device construction and never goes stale after ``to_empty``.
+    Holds no parameters and no buffers, so it is safe under meta-device construction and never goes
+    stale after ``to_empty``. The tables are computed on the positions' device (no host copy) and
+    kept for the last few (start, length, device) asked for, shared by all layers, so a model or a
+    pipeline stage computes them once, not per layer and step.
     """
 
     def __init__(self, head_dim: int, rotary_fraction: float = 1.0, theta: float = 10000.0) -> None:
@@ -60,8 +65,8 @@ class RotaryEmbedding(nn.Module):
 
     def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         """theta^(-2i/rot) for i = 0 .. rot/2 - 1, fp32 (computed as Hugging Face does)."""
-        exponent = torch.arange(0, self.rot, 2, dtype=torch.int64).float() / self.rot
-        return (1.0 / (self.theta ** exponent)).to(device)
+        exponent = torch.arange(0, self.rot, 2, dtype=torch.int64, device=device).float() / self.rot
+        return 1.0 / (self.theta ** exponent)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] (int) -> (cos, sin), each [T, rot] fp32, halves duplicated: cat(f, f)."""
@@ -69,30 +74,27 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
+    def tables(self, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions start .. start + length - 1, cached (see the class docstring)."""
+        key = (self.rot, self.theta, str(device), start, length)
+        if torch.compiler.is_compiling():
+            return self(torch.arange(start, start + length, device=device))
+        if key not in _TABLES:
+            if len(_TABLES) >= _MAX_TABLES:
+                _TABLES.clear()
+            with torch.no_grad():
+                _TABLES[key] = self(torch.arange(start, start + length, device=device))
+        return _TABLES[key]
+
     def extra_repr(self) -> str:
         return f"rot={self.rot}, theta={self.theta}"
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] on the last dimension."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch"
-                 ) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [B, H, T, D]: x_rot * cos + rotate_half(x_rot) * sin on the first rot dims.
 
-    cos, sin: [T, rot] as returned by :class:`RotaryEmbedding` (cast to x's dtype, like HF).
-    ``kernels="auto"``: fp32 CPU tensors in eager mode take ``megaformer.kernels.cpu_eager``'s
-    fewer-pass function (full rotary only).
-    """
-    rot = cos.shape[-1]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if rot == x.shape[-1]:
-        if cpu_eager(x, kernels):
-            h = rot // 2
-            return RotaryFunction.apply(x, cos[..., :h], sin[..., :h])
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    cos, sin: [T, rot] as returned by :class:`RotaryEmbedding` (cast to x's dtype, like HF)."""
+    return rope(x, cos, sin)
+
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "rotary_dim", "rotate_half", "sinusoidal_table"]

@@ -8,11 +8,11 @@
 The embedding and output tables may hold more rows than the vocabulary (``padded_vocab_size``, so
 that tensor parallelism splits them evenly); padding rows start at zero and are sliced off the
 logits before any softmax, so they never reach the loss, generation or exported weights.
-The output head is ``lm_head`` followed by ``output_logits`` / ``loss_fn``, which a parallel plan
-may replace (vocab-parallel cross-entropy) without this file knowing the tensor-parallel degree.
-With ``model.loss_chunk_tokens`` > 0 the loss is ``head_loss_fn(hidden, labels)`` instead: the
-output projection fused with the cross-entropy over chunks of tokens (the full logits never exist).
-With ``model.document_mask`` the training forward passes each position's document index
+The output head ``lm_head`` (:class:`OutputHead`) computes the logits, drops the padding columns
+and computes the loss; a tensor-parallel plan swaps it for a vocab-parallel head, as it swaps the
+linears, without this file knowing the degree. With ``model.loss_chunk_tokens`` > 0 the loss is
+the output projection fused with the cross-entropy over chunks of tokens (the full logits never
+exist). With ``model.document_mask`` the training forward computes the documents' boundaries once
 (``eod_id`` set by the trainer from the tokenizer) so packed documents do not attend to each other.
 
 Initialisation: every Linear/Embedding weight ~ N(0, init_std), biases 0, norm gains 1; the
@@ -26,12 +26,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
-from megaformer.kernels import native
-from megaformer.kernels.attention import document_ids
-from megaformer.kernels.cross_entropy import chunked_cross_entropy, native_cross_entropy
+from megaformer.kernels.attention import DocumentMask, document_mask
+from megaformer.kernels.cross_entropy import chunked_cross_entropy, cross_entropy
 from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
@@ -40,6 +38,32 @@ from megaformer.model.norms import RMSNorm, build_norm
 from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
 
 IGNORE_INDEX = -100
+
+
+class OutputHead(Linear):
+    """logits = h W_out^T over the padded vocabulary [.., Vp]; the real vocabulary is the first V
+    columns. Also the loss on those logits (or on the hidden states, ``chunk_tokens`` at a time)."""
+
+    def __init__(self, d_model: int, padded_vocab_size: int, vocab_size: int, chunk_tokens: int = 0
+                 ) -> None:
+        super().__init__(d_model, padded_vocab_size, bias=False)
+        self.vocab_size, self.chunk_tokens = vocab_size, chunk_tokens
+
+    def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the real vocabulary [.., V] (padding columns dropped)."""
+        return logits[..., :self.vocab_size]
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (fp32) over labels != -100, over the real vocabulary."""
+        return cross_entropy(logits, labels, self.vocab_size, IGNORE_INDEX)
+
+    def hidden_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """loss(self(hidden), labels) without the full logits: ``chunk_tokens`` tokens at a time."""
+        return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_tokens,
+                                     vocab_size=self.vocab_size, ignore_index=IGNORE_INDEX)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", vocab_size={self.vocab_size}"
 
 
 class Transformer(nn.Module):
@@ -79,10 +103,11 @@ class Transformer(nn.Module):
             self.pos_table = None
         self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta)
                        if cfg.position == "rope" else None)
-        self.drop = Dropout(cfg.dropout, kernels=cfg.fused_kernels)
+        self.drop = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = build_norm(cfg)
-        self.lm_head = Linear(cfg.d_model, self.padded_vocab_size, bias=False, kernels=cfg.fused_kernels)
+        self.lm_head = OutputHead(cfg.d_model, self.padded_vocab_size, cfg.vocab_size,
+                                  cfg.loss_chunk_tokens)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -147,7 +172,7 @@ class Transformer(nn.Module):
         elif self.pos_table is not None:
             x = x + self.pos_table[start_pos:start_pos + T].to(x.dtype)
         x = self.drop(x)
-        rope = self.rotary(positions) if self.rotary is not None else None
+        rope = self.rotary.tables(start_pos, T, x.device) if self.rotary is not None else None
         return x, rope
 
     def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int) -> torch.Tensor:
@@ -155,41 +180,39 @@ class Transformer(nn.Module):
         x, rope = self.embed(input_ids, start_pos)
         docs = {}
         if self.cfg.document_mask and cache is None:
-            if self.eod_id is None:
-                raise ValueError("model.document_mask needs the end-of-document id: set the "
-                                 "model's eod_id (the trainer sets it from the tokenizer)")
-            docs["doc_ids"] = document_ids(input_ids, self.eod_id)
+            docs["doc_ids"] = self.document_mask(input_ids, x)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope=rope, cache=cache.layers[i] if cache is not None else None,
                       start_pos=start_pos, **docs)
         return self.final_norm(x)
 
+    def document_mask(self, input_ids: torch.Tensor, x: torch.Tensor) -> DocumentMask:
+        """The batch's document boundaries, once per forward, in the form attention reads."""
+        if self.eod_id is None:
+            raise ValueError("model.document_mask needs the end-of-document id: set the "
+                             "model's eod_id (the trainer sets it from the tokenizer)")
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        return document_mask(input_ids, self.eod_id, backend=self.cfg.attention_backend,
+                             head_dim=self.cfg.head_dim, dtype=dtype)
+
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100."""
         hidden = self._hidden(input_ids, None, 0)
         if labels is not None and self.cfg.loss_chunk_tokens > 0:
-            return self.head_loss_fn(hidden, labels)
+            return self.lm_head.hidden_loss(hidden, labels)
         logits = self.lm_head(hidden)
         if labels is None:
-            return self.output_logits(logits)
-        return self.loss_fn(logits, labels)
+            return self.lm_head.output_logits(logits)
+        return self.lm_head.loss(logits, labels)
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """lm_head output -> logits over the real vocabulary [.., V] (padding columns dropped)."""
-        return logits[..., :self.vocab_size]
+        return self.lm_head.output_logits(logits)
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (fp32) over labels != -100, over the real vocabulary (the native CPU
-        kernel on fp32 CPU logits, which skips the padding columns without slicing them off)."""
-        if native.applies(logits, self.cfg.fused_kernels):
-            return native_cross_entropy(logits, labels, self.vocab_size, IGNORE_INDEX)
-        logits = logits[..., :self.vocab_size]
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-
-    def head_loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The same loss as loss_fn(lm_head(hidden), labels), loss_chunk_tokens tokens at a time."""
-        return chunked_cross_entropy(hidden, self.lm_head.weight, labels, self.cfg.loss_chunk_tokens,
-                                     vocab_size=self.vocab_size, ignore_index=IGNORE_INDEX)
+        """Mean cross-entropy (fp32) over labels != -100 of lm_head output, over the real vocabulary."""
+        return self.lm_head.loss(logits, labels)
 
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
         """An empty KV cache for up to ``max_len`` (default max_seq_len) positions; storage is
@@ -207,7 +230,7 @@ class Transformer(nn.Module):
         h = self._hidden(input_ids, cache, start_pos)
         if last_only:
             h = h[:, -1:]
-        return self.output_logits(self.lm_head(h)), cache
+        return self.lm_head.output_logits(self.lm_head(h)), cache
 
     # ------------------------------------------------------------------ generation
 

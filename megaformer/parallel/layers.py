@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaformer.kernels.gemm import linear
-from megaformer.parallel.comm import (ProcessGroup, all_reduce, copy_to_tp, gather_seq,
+from megaformer.comm import (ProcessGroup, all_reduce, copy_to_tp, gather_seq,
                                       reduce_from_tp, reduce_scatter_to_seq)
 
 
@@ -64,7 +64,6 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         rank, world = _rank(group)
         self.group, self.sequence_parallel, self.input_comm = group, sequence_parallel, input_comm
-        self.kernels = getattr(full, "kernels", "auto")
         self.weight = mark_sharded(nn.Parameter(shard(full.weight.data, 0, rank, world)), 0)
         self.bias = (mark_sharded(nn.Parameter(shard(full.bias.data, 0, rank, world)), 0)
                      if full.bias is not None else None)
@@ -72,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_comm:
             x = tp_region_input(x, self.group, self.sequence_parallel)
-        return linear(x, self.weight, self.bias, self.kernels)
+        return linear(x, self.weight, self.bias)
 
 
 def tp_region_input(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -87,12 +86,11 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         rank, world = _rank(group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.kernels = getattr(full, "kernels", "auto")
         self.weight = mark_sharded(nn.Parameter(shard(full.weight.data, 1, rank, world)), 1)
         self.bias = nn.Parameter(full.bias.data.clone()) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.kernels)
+        y = linear(x, self.weight, None)
         y = reduce_scatter_to_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -152,10 +150,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
 
     Columns at global ids >= ``vocab_size`` (vocabulary padding) are excluded from the softmax.
     """
-    if vocab_size is not None:
+    if vocab_size is not None and vocab_start + logits.shape[-1] > vocab_size:  # padding here
         ids = torch.arange(vocab_start, vocab_start + logits.shape[-1], device=logits.device)
-        if bool((ids >= vocab_size).any()):
-            logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
     keep = labels != ignore_index
     safe = labels.masked_fill(~keep, 0)
     per_token = _VocabParallelCrossEntropy.apply(logits, safe, vocab_start, group)

@@ -9,7 +9,8 @@ seed, so TP=N starts from exactly the weights of TP=1) and :func:`parallelize` t
     layers.*.attn.wo         -> row parallel
     layers.*.mlp.w1 (/w3)    -> column parallel             (SwiGLU gate and up split alike)
     layers.*.mlp.w2          -> row parallel
-    lm_head                  -> column parallel over the vocabulary, + vocab-parallel cross-entropy
+    lm_head                  -> vocab-parallel output head (column parallel over the vocabulary,
+                                vocab-parallel cross-entropy, gathered logits)
     norms                    -> replicated
 
 With sequence parallelism the residual stream inside the blocks is split along the sequence: the
@@ -28,7 +29,7 @@ import torch.nn as nn
 
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.kernels.dropout import Dropout
-from megaformer.parallel.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
+from megaformer.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
 from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, gather_vocab, sum_grad_over_tp,
                                         tp_region_input, vocab_parallel_cross_entropy)
@@ -57,8 +58,8 @@ def padded_vocab_size(vocab: int, tensor: int, multiple: int) -> int:
 class ForkedDropout(Dropout):
     """Dropout whose mask comes from the tensor-parallel RNG stream (sharded activations)."""
 
-    def __init__(self, p: float, rng: TensorParallelRNG, kernels: str = "auto") -> None:
-        super().__init__(p, kernels)
+    def __init__(self, p: float, rng: TensorParallelRNG) -> None:
+        super().__init__(p)
         self.rng = rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,43 +67,35 @@ class ForkedDropout(Dropout):
             return super().forward(x)
 
 
-class VocabParallelLoss:
-    """loss_fn of a model whose lm_head is vocab-sharded."""
+class VocabParallelOutputHead(ColumnParallelLinear):
+    """The output head with its vocabulary rows split over the TP group (the same methods as
+    :class:`megaformer.model.transformer.OutputHead`): this rank's logits [.., Vp/p], the
+    vocab-parallel cross-entropy on them (or chunked on the hidden states), and the gathered
+    logits over the real vocabulary for evaluation without labels."""
 
-    def __init__(self, vocab_start: int, vocab_size: int, group: ProcessGroup) -> None:
-        self.vocab_start, self.vocab_size, self.group = vocab_start, vocab_size, group
+    def __init__(self, full: nn.Linear, group: ProcessGroup, vocab_start: int, vocab_size: int,
+                 chunk_tokens: int) -> None:
+        super().__init__(full, group, sequence_parallel=False)
+        self.vocab_start, self.vocab_size, self.chunk_tokens = vocab_start, vocab_size, chunk_tokens
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_vocab(logits, self.group)[..., :self.vocab_size]
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group,
                                             vocab_size=self.vocab_size)
 
-
-class VocabParallelHeadLoss:
-    """head_loss_fn of a model whose lm_head is vocab-sharded: chunked vocab-parallel CE.
-
-    The hidden states enter the column-parallel region (identity forward, all-reduce of dH
-    backward) as they would entering the lm_head."""
-
-    def __init__(self, head: ColumnParallelLinear, vocab_start: int, vocab_size: int,
-                 group: ProcessGroup, chunk_tokens: int) -> None:
-        self.head, self.vocab_start, self.vocab_size = head, vocab_start, vocab_size
-        self.group, self.chunk_tokens = group, chunk_tokens
-
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def hidden_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the hidden states enter the column-parallel region (identity forward, all-reduce of dH
+        # backward) as they would entering the head
         hidden = tp_region_input(hidden, self.group, sequence_parallel=False)
-        return chunked_cross_entropy(hidden, self.head.weight, labels, self.chunk_tokens,
+        return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_tokens,
                                      vocab_start=self.vocab_start, vocab_size=self.vocab_size,
                                      group=self.group)
 
-
-class GatheredLogits:
-    """output_logits of a model whose lm_head is vocab-sharded: gather, drop the padding."""
-
-    def __init__(self, vocab_size: int, group: ProcessGroup) -> None:
-        self.vocab_size, self.group = vocab_size, group
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(logits, self.group)[..., :self.vocab_size]
+    def extra_repr(self) -> str:
+        return (f"{self.weight.shape[1]}, {self.weight.shape[0]} (vocabulary rows "
+                f"{self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1})")
 
 
 def _submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
@@ -149,7 +142,7 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
         if rng is not None:
             block.attn.dropout_rng = rng.fork  # local heads: independent masks per rank
             if sp and block.drop.p > 0:
-                block.drop = ForkedDropout(block.drop.p, rng, block.drop.kernels)  # local positions
+                block.drop = ForkedDropout(block.drop.p, rng)  # local positions
         if sp:
             for norm in (block.attn_norm, block.mlp_norm):
                 for p in norm.parameters():
@@ -162,15 +155,12 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
         model.layers[-1].register_forward_hook(_gather_output(group))
 
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group)
-    head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=False)
+    vocab_start = topo.tp_rank * (model.padded_vocab_size // topo.tp)
+    head = VocabParallelOutputHead(model.lm_head, group, vocab_start, model.vocab_size,
+                                   model.cfg.loss_chunk_tokens)
     if model.cfg.tie_embeddings:
         head.weight = model.tok_embeddings.weight  # both split by vocabulary rows, alike
     model.lm_head = head
-    vocab_start = topo.tp_rank * (model.padded_vocab_size // topo.tp)
-    model.loss_fn = VocabParallelLoss(vocab_start, model.vocab_size, group)
-    model.head_loss_fn = VocabParallelHeadLoss(head, vocab_start, model.vocab_size, group,
-                                               model.cfg.loss_chunk_tokens)
-    model.output_logits = GatheredLogits(model.vocab_size, group)
     return model
 
 

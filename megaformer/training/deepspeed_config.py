@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from megaformer.config import Config
+from megaformer.config import Config, check_deepspeed_section
+from megaformer.errors import ConfigError
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
@@ -18,7 +19,8 @@ def deep_merge(base: dict, extra: dict) -> dict:
 
 
 def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
-    """ZeRO stage, batch sizes, precision and clipping from ``cfg``; ``cfg.deepspeed`` merged on top."""
+    """ZeRO stage, batch sizes, precision and clipping from ``cfg``; ``cfg.deepspeed`` (its reviewed
+    keys only) merged on top; universal-checkpoint loading forced off."""
     t = cfg.train
     ds = {
         "train_batch_size": t.global_batch_size,
@@ -38,7 +40,13 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
         # DeepSpeed splits the activations it sends between stages over the TP group, assuming
         # they are replicated there; under sequence parallelism each TP rank holds its own part.
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
-    if cfg.parallel.pipeline > 1 and t.precision == "bf16":
-        # the pipeline engine accumulates bf16 gradients over micro-batches in fp32 only if told
+    if t.precision == "bf16":  # zero_stage >= 1 (config validation refuses bf16 without ZeRO)
+        # DeepSpeed accumulates bf16 gradients over micro-batches in bf16 unless told: fp32 takes
+        # ZeRO-1 (and the pipeline engine) to its bf16 optimizer and ZeRO-2/3 to fp32 accumulators
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
-    return deep_merge(ds, cfg.deepspeed)
+    check_deepspeed_section(cfg.deepspeed)  # also for a Config built without validate()
+    merged = deep_merge(ds, cfg.deepspeed)
+    # the pass-through section is an allowlist (megaformer.config.check_deepspeed_section); loading
+    # DeepSpeed's universal checkpoints (which unpickle arbitrary objects) stays off whatever it holds
+    merged["checkpoint"] = {"load_universal": False}
+    return merged

@@ -8,23 +8,32 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from megaformer.safe_files import open_append, read_text_bounded, refuse_link, write_atomic
+
 log = logging.getLogger("megaformer")
 
 METRICS_FILE = "metrics.jsonl"
+MAX_METRICS_BYTES = 1 << 33  # 8 GiB: far more than any run logs, bounded all the same
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records after ``last_step`` (a resumed run rewrites the steps it replays)."""
-    if not path.is_file():
+    """Drop records after ``last_step`` (a resumed run rewrites the steps it replays).
+
+    The file is rewritten by temporary + rename, never in place; a link at ``path`` is refused and
+    lines that are not step records (JSON objects with an integer ``step``) are dropped."""
+    refuse_link(path)
+    if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in read_text_bounded(path, MAX_METRICS_BYTES).splitlines():
         try:
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line)
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-    path.write_text("".join(k + "\n" for k in kept))
+        step = rec.get("step", 0) if isinstance(rec, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step <= last_step:
+            kept.append(line)
+    write_atomic(path, "".join(k + "\n" for k in kept), fsync=False)
 
 
 def tensorboard_tag(key: str) -> str:
@@ -50,7 +59,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as fh:
+        with open_append(self.path) as fh:  # O_NOFOLLOW: never through a link
             fh.write(json.dumps(record) + "\n")
         if self.tb is not None:
             step = record["step"]
@@ -68,4 +77,5 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = read_text_bounded(path, MAX_METRICS_BYTES).splitlines()
+    return [rec for rec in (json.loads(line) for line in lines if line.strip()) if isinstance(rec, dict)]

@@ -27,28 +27,30 @@ import torch
 from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.checkpoint import portable
-from megaformer.config import Config, config_from_dict, validate_for_world
+from megaformer.checkpoint.compat import check_resume_compatible, relayout_changes
+from megaformer.config import Config, validate_for_training, validate_for_world
 from megaformer.data.dataset import TrainLoader, validation_batches
+from megaformer.data.setup import setup_data
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.kernels import native
 from megaformer.training import distributed as dist
-from megaformer.training.bad_steps import BadStepCounter, guard_optimizer_step
+from megaformer.training import deepspeed_adapter as ds_adapter
+from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.faults import FaultPlan
-from megaformer.training.host_allocator import configure_host_allocator
+from megaformer.runtime.host_allocator import configure_host_allocator
+from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.training.preemption import REASONS, StopRequest, agree_max
 from megaformer.training.watchdog import StepWatchdog
-from megaformer.training.data_setup import setup_data
 from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
-from megaformer.training.optimizer import build_optimizer
+from megaformer.runtime.optimizer import build_optimizer
+from megaformer.training.intervals import LoopIntervals
 from megaformer.training.schedule import lr_lambda
 from megaformer.analysis.params import count_parameters
-from megaformer.parallel.pipeline import build_pipeline, original_names, pipeline_state_dict
-from megaformer.parallel.plan import (full_state_dict, load_full_weights, padded_vocab_size,
-                                      parallelize)
-from megaformer.model.block import compile_blocks
-from megaformer.training.recompute import apply_recompute
-from megaformer.parallel.random import TensorParallelRNG
+from megaformer.parallel.build import build_model
+from megaformer.parallel.grad_norm import GradNormClipper
+from megaformer.parallel.pipeline import pipeline_state_dict
+from megaformer.parallel.plan import full_state_dict
 from megaformer.parallel.topology import build_topology, layout_groups
 
 log = logging.getLogger("megaformer")
@@ -98,74 +100,10 @@ def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
         pass
 
 
-# Model keys that do not change the weights, so a resumed run may set them differently.
-RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std", "fused_kernels",
-                     "loss_chunk_tokens", "document_mask"}
-# Data keys that define the sample stream the saved position (consumed samples) indexes.
-RESUME_DATA_KEYS = ("seq_len", "tokenizer", "source", "text_field", "max_bytes", "valid_fraction",
-                    "paths", "weights", "split")
-
-
-def _check_resume_compatible(cfg: Config, ckpt: Path) -> None:
-    """The model a checkpoint holds must be the model the config describes."""
-    import yaml
-
-    try:
-        saved = yaml.safe_load((ckpt / ckpt_io.CONFIG).read_text())
-        saved_cfg = config_from_dict(saved)
-    except (OSError, yaml.YAMLError, ConfigError) as e:
-        raise CheckpointError(f"{ckpt}: its {ckpt_io.CONFIG} is missing or invalid ({e})") from None
-    for f in dataclasses.fields(saved_cfg.model):
-        new, old = getattr(cfg.model, f.name), getattr(saved_cfg.model, f.name)
-        if f.name in RESUME_MAY_CHANGE or (f.name == "vocab_size" and new is None):
-            continue
-        if new != old:
-            raise CheckpointError(f"model.{f.name}={new!r} differs from the checkpoint {ckpt} "
-                                  f"({old!r}); use another --run-dir or the checkpoint's model")
-    if ckpt_io.is_weights_only(ckpt):  # a fresh run from these weights: any data, any layout
-        return
-    for key in RESUME_DATA_KEYS:
-        new, old = getattr(cfg.data, key), getattr(saved_cfg.data, key)
-        if new != old:
-            raise CheckpointError(
-                f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r}): the saved data "
-                "position would point into another sample stream; resume with the checkpoint's "
-                "data settings, or start a new run from its weights")
-
-
-def _layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
-    """What about the layout differs from the checkpoint's in a way DeepSpeed's per-rank files
-    cannot load (empty: DeepSpeed's exact resume applies). A resharded checkpoint has no engine
-    files at all."""
-    meta = ckpt_io.read_meta(ckpt)
-    if not meta.get("engine_state", True):
-        return ["resharded offline (no engine state)"]
-    saved = dict(meta.get("parallel", {}), zero_stage=meta.get("zero_stage"),
-                 precision=meta.get("precision"))
-    dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
-    now = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline, "data": dp,
-           "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision}
-    keys = ["tensor", "pipeline", "zero_stage", "precision"]
-    if cfg.parallel.zero_stage > 0 or saved.get("zero_stage", 0) > 0:  # ZeRO files are per DP rank
-        keys.append("data")
-    return [f"{k} {saved[k]} -> {now[k]}" for k in keys
-            if saved.get(k) is not None and saved[k] != now[k]]
-
-
-def _relayout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
-    """The layout changes that need the layout-free resume (empty: DeepSpeed's own resume)."""
-    changes = _layout_changes(cfg, ckpt, world_size)
-    if changes and not portable.has_portable_state(ckpt):
-        raise CheckpointError(
-            f"{ckpt}: resuming with a different layout ({', '.join(changes)}) needs the "
-            f"checkpoint's layout-free optimizer state ({portable.STATE_DIR}/{portable.STATE_JSON}), "
-            "which it lacks; resume at the saved layout")
-    return changes
-
-
 def _precision_checks(cfg: Config, device: torch.device) -> None:
     if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("train.precision=fp16: needs a CUDA device; use bf16 or fp32 on CPU")
+    validate_for_training(cfg)
 
 
 def _resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
@@ -178,31 +116,6 @@ def _resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=v))
 
 
-def global_grad_norm(params: Any, tp_group: Any, pp_group: Any = None) -> float:
-    """||g||_2 over the whole model: shards of tensor-parallel parameters summed over the TP
-    group, replicated parameters counted once, pipeline stages summed over the PP group (the copy
-    of a tied weight on the last stage skipped). Used when DeepSpeed does not report it."""
-    from megaformer.parallel.comm import all_reduce, no_counting
-
-    parts: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # sharded? -> squared norms
-    device = torch.device("cpu")
-    for p in params:
-        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
-            continue
-        device = p.grad.device
-        parts[bool(getattr(p, "tensor_model_parallel", False))].append(
-            p.grad.detach().double().pow(2).sum())
-    # summed where the gradients live: no host sync per parameter on the training step
-    sharded, replicated = (torch.stack(v).sum() if v else torch.zeros((), dtype=torch.float64,
-                                                                        device=device)
-                           for v in (parts[True], parts[False]))
-    with no_counting():
-        total = all_reduce(sharded, tp_group) + replicated
-        if pp_group is not None:
-            total = all_reduce(total, pp_group)
-    return float(total.sqrt())
-
-
 class Trainer:
     """Builds everything for one run and runs the loop; see :func:`train`."""
 
@@ -213,29 +126,27 @@ class Trainer:
         if run_dir.exists() and not run_dir.is_dir():
             raise CheckpointError(f"--run-dir {run_dir}: exists and is not a directory")
         self.run_dir = run_dir
+        ckpt_io.check_run_dir(run_dir)  # no symlinked entries: nothing is written through a link
         self.resume_from = ckpt_io.latest_checkpoint(run_dir / ckpt_io.CHECKPOINTS)
         if self.resume_from is not None and not cfg.checkpoint.resume:
             raise CheckpointError(f"{run_dir} already holds checkpoints (latest "
                                   f"{self.resume_from.name}); resume with checkpoint.resume=true "
                                   "or choose another --run-dir")
         if self.resume_from is not None:
-            _check_resume_compatible(cfg, self.resume_from)
+            check_resume_compatible(cfg, self.resume_from)
         # A weights-only checkpoint (``megaformer convert``) seeds the model; nothing else resumes.
         self.init_only = self.resume_from is not None and ckpt_io.is_weights_only(self.resume_from)
         # Another layout: model and optimizer from the layout-free state, not DeepSpeed's files.
-        self.relayout = (_relayout_changes(cfg, self.resume_from, self.proc.world_size)
+        self.relayout = (relayout_changes(cfg, self.resume_from, self.proc.world_size)
                          if self.resume_from is not None and not self.init_only else [])
-        from megaformer.kernels.attention import resolve_backend, trains_on_native_kernel
+        from megaformer.kernels.selection import model_plan
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        m = cfg.model
-        self.attention_backend = resolve_backend(m.attention_backend, self.proc.device,
-                                                 dtype[cfg.train.precision])
-        if trains_on_native_kernel(m.attention_backend, self.proc.device, dtype[cfg.train.precision],
-                                   m.head_dim, m.attention_dropout, m.document_mask,
-                                   cfg.train.compile):
-            self.attention_backend = ("native", "megaformer's native CPU FlashAttention-2 kernel; "
-                                                "attention_backend=sdpa for torch's")
+        # which implementation runs for each op (also refuses a forced attention backend that
+        # cannot run here, before anything is built)
+        self.kernel_plan = model_plan(cfg.model, self.proc.device, dtype[cfg.train.precision],
+                                      compiled=cfg.train.compile)
+        self.attention_backend = dict(self.kernel_plan)["attention"]
         self.cfg = cfg
         self.rank = self.proc.rank
         self.is_main = self.proc.is_main
@@ -251,6 +162,7 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
+        self.run_lock = acquire_on_rank0(self.run_dir, self.rank)  # one job per run directory
         self.topo = build_topology(self.proc.world_size, self.rank, cfg.parallel.tensor,
                                    cfg.parallel.pipeline)
         dist.barrier()
@@ -258,7 +170,7 @@ class Trainer:
         _quiet_known_warnings()
         configure_host_allocator(cfg.train.cpu_malloc, self.proc.device)  # before anything allocates
         if self.proc.device.type == "cpu" and cfg.model.fused_kernels == "auto":
-            log.info("%s", native.status())  # builds them on first use (cached), before step 1
+            log.info("%s", native.status())  # built on first use (cached), before step 1
         if self.is_main:
             for tmp in ckpt_io.half_written(self.run_dir / ckpt_io.CHECKPOINTS):
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
@@ -306,33 +218,18 @@ class Trainer:
                                self.topo, self.engine.module if self.cfg.parallel.pipeline > 1 else None)
 
     def _build_model(self) -> torch.nn.Module:
-        """The whole model from the seed on every rank (so TP=N starts from TP=1's weights), then
-        the tensor-parallel plan keeps this rank's shards."""
-        from megaformer.model.transformer import Transformer
-
-        p = self.cfg.parallel
-        padded = padded_vocab_size(self.cfg.model.vocab_size, p.tensor, p.vocab_multiple)
-        torch.manual_seed(self.cfg.train.seed)
-        model = Transformer(self.cfg.model, padded_vocab_size=padded)
-        model.eod_id = self.tokenizer.eod_id  # document boundaries for model.document_mask
+        """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
+        the weights of a weights-only checkpoint or of the layout-free state (another layout)."""
+        weights, source = None, None
         if self.init_only:
-            load_full_weights(model, ckpt_io.load_weights(self.resume_from), self.resume_from)
+            weights, source = ckpt_io.load_weights(self.resume_from), self.resume_from
         elif self.relayout:
             self.portable = portable.PortableState(self.resume_from)
-            load_full_weights(model, self.portable.masters(), self.resume_from / portable.STATE_DIR)
-        torch.manual_seed(self.cfg.train.seed + 1)  # dropout stream, independent of init
-        self.tp_rng = (TensorParallelRNG(self.cfg.train.seed, self.topo.tp_rank)
-                       if p.tensor > 1 else None)
-        parallelize(model, self.topo, p.sequence_parallel, self.tp_rng)
-        apply_recompute(model.layers, self.cfg.train.recompute, self.cfg.train.recompute_every,
-                        self.tp_rng)
-        if self.cfg.train.compile:
-            compile_blocks(model.layers)
-        self.plain_model = model.to(self.proc.device)
-        if p.pipeline == 1:
-            return model
-        self.param_names = original_names(model)
-        return build_pipeline(model, self.topo, p.pipeline_partition, loss_fn=model.loss_fn)
+            weights, source = self.portable.masters(), self.resume_from / portable.STATE_DIR
+        built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
+                            weights_source=source, eod_id=self.tokenizer.eod_id)
+        self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
+        return built.model
 
     def _local_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         names = self.param_names if self.cfg.parallel.pipeline > 1 else None
@@ -367,39 +264,21 @@ class Trainer:
             # a PipelineModule brings its own grid (same rank order as self.topo)
             mpu=self.topo if self.cfg.parallel.pipeline == 1 else None, dist_init_required=False)
         install_safe_checkpoint_engine(self.engine)
-        self._grad_norm: Optional[float] = None
-        if not hasattr(self.engine.optimizer, "_global_grad_norm"):
-            self._record_grad_norm()
+        self.clipper: Optional[GradNormClipper] = None
+        if not ds_adapter.reports_grad_norm(self.engine):
+            self._measure_grad_norm()
 
-    def _record_grad_norm(self) -> None:
+    def _measure_grad_norm(self) -> None:
         """Without a ZeRO/bf16 optimizer DeepSpeed reports no gradient norm, and its fp32 clipping
         counts a pipeline-tied weight once per stage that holds it. megaformer measures the norm
-        itself (:func:`global_grad_norm`) and clips with it: g <- g * min(1, c / (||g|| + 1e-6))."""
+        itself (:class:`megaformer.parallel.grad_norm.GradNormClipper`) and clips with it."""
         engine = self.engine
-        groups = (self.topo.group("tp"), self.topo.group("pp"))
-        max_norm = self.cfg.train.grad_clip
-
-        def measure() -> None:
-            self._grad_norm = global_grad_norm(engine.module.parameters(), *groups)
-
-        def measure_and_clip() -> None:
-            measure()
-            coef = max_norm / (self._grad_norm + 1e-6)
-            if coef < 1:
-                for p in engine.module.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-
-        def norm_for_step() -> float:
-            if max_norm == 0:  # otherwise clip_fp32_gradients measured it just before the step
-                measure()
-            assert self._grad_norm is not None
-            return self._grad_norm
-
-        if max_norm > 0:
-            engine.clip_fp32_gradients = measure_and_clip
+        self.clipper = GradNormClipper(engine.module.parameters, self.topo.group("tp"),
+                                       self.topo.group("pp"), self.cfg.train.grad_clip)
+        if self.cfg.train.grad_clip > 0:
+            ds_adapter.replace_fp32_clipping(engine, self.clipper.measure_and_clip)
         # DeepSpeed steps this torch optimizer directly: megaformer skips a non-finite step itself
-        guard_optimizer_step(engine.optimizer, norm_for_step)
+        ds_adapter.skip_nonfinite_steps(engine, self.clipper.norm_for_step)
 
     def _print_summary(self) -> None:
         cfg, p = self.cfg, self.proc
@@ -413,6 +292,9 @@ class Trainer:
                  self.plain_model.padded_vocab_size, p.world_size, dp, tp, sp, pp,
                  cfg.parallel.zero_stage, p.device.type,
                  cfg.train.precision, name, reason)
+        from megaformer.kernels.selection import format_plan
+
+        log.info("kernels:\n%s", format_plan(self.kernel_plan))
         log.info("launch: %s, rank %d of %d, local rank %d, collective timeout %g min",
                  p.launcher, p.rank, p.world_size, p.local_rank,
                  cfg.parallel.collective_timeout_minutes)
@@ -449,13 +331,14 @@ class Trainer:
                 losses.append(loss.detach().float())
             loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp"))
         self.faults.mid_step(step)
-        gn = self._grad_norm if self._grad_norm is not None else engine.get_global_grad_norm()
-        grad_norm = float(gn) if gn is not None else float("nan")
+        gn = (self.clipper.norm if self.clipper is not None and self.clipper.norm is not None
+              else ds_adapter.grad_norm(engine))
+        grad_norm = gn if gn is not None else float("nan")
         if dev.type == "cuda":
             torch.cuda.synchronize()
         self.step = step
         # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
-        bad = not engine.was_step_applied() or not math.isfinite(float(loss))
+        bad = not ds_adapter.step_applied(engine) or not math.isfinite(float(loss))
         return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, "bad": bad,
                 "step_time_s": time.perf_counter() - t0}
 
@@ -535,7 +418,7 @@ class Trainer:
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
         if self.cfg.parallel.zero_stage == 3:
-            full = self.engine._zero3_consolidated_16bit_state_dict()
+            full = ds_adapter.zero3_full_state_dict(self.engine)
             if full is None:
                 return None
             V = self.cfg.model.vocab_size
@@ -565,6 +448,7 @@ class Trainer:
         stop_request = StopRequest(cfg.train.exit_after_minutes)
         stop_request.install()
         watchdog = self._start_watchdog()
+        due = LoopIntervals.from_config(cfg)
         try:
             while self.step < cfg.train.steps:
                 if watchdog is not None:
@@ -585,15 +469,13 @@ class Trainer:
                     bar.set_postfix(loss=f"{last['loss']:.3f}",
                                     tok_s=f"{tokens_per_step / last['step_time_s']:,.0f}")
                 record: dict[str, Any] = {}
-                if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps or bad:
+                if due.log_due(self.step, bool(bad)):
                     record = self._interval_record(window, tokens_per_step)
                     window = []
                 self._count_bad_step(last, record, bar)
                 if self.diagnostics is not None and self.diagnostics.due(self.step):
                     record = {**(record or {"step": self.step}), **self.diagnostics()}
-                final = self.step == cfg.train.steps
-                if not stop_code and ((cfg.eval.interval and self.step % cfg.eval.interval == 0)
-                                      or (final and cfg.eval.at_end)):
+                if due.eval_due(self.step, stopping=bool(stop_code)):
                     val_loss = self.evaluate()
                     record = record or {"step": self.step}
                     record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
@@ -603,8 +485,7 @@ class Trainer:
                     self.metrics.write(record)
                     if bar is None and "loss" in record:
                         self._console(self._format(record), bar)
-                if stop_code or (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) \
-                        or (final and cfg.checkpoint.save_at_end):
+                if due.save_due(self.step, stopping=bool(stop_code)):
                     last_ckpt = self.save() or last_ckpt
                 if stop_code:
                     stopped = REASONS[stop_code]
@@ -691,16 +572,12 @@ class Trainer:
         if n == 0:
             return None
         from megaformer.generation import generate_text
-        from megaformer.model.transformer import Transformer
 
         weights = self.full_weights()
         if not self.is_main or weights is None:
             return None
-        model = Transformer(self.cfg.model)
-        if self.cfg.model.tie_embeddings:
-            weights = {**weights, "lm_head.weight": weights["tok_embeddings.weight"]}
-        model.load_state_dict({k: v.float() for k, v in weights.items()})
-        model.to(self.proc.device).eval()
+        model = build_model(self.cfg, device=self.proc.device, weights=weights,
+                            weights_source="the trained model", training=False).model
         return generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,
                              temperature=0.8, top_k=40, seed=self.cfg.train.seed)
 
@@ -708,7 +585,11 @@ class Trainer:
 def train(cfg: Config, run_dir: Path) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` (resuming from its latest checkpoint when there is one)."""
     trainer = Trainer(cfg, Path(run_dir))
-    trainer.setup()
-    result = trainer.run()
-    dist.barrier()  # every rank leaves together: none closes its connections under another
+    try:
+        trainer.setup()
+        result = trainer.run()
+        dist.barrier()  # every rank leaves together: none closes its connections under another
+    finally:
+        if getattr(trainer, "run_lock", None) is not None:
+            trainer.run_lock.release()
     return result

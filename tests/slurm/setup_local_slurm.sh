@@ -5,11 +5,19 @@
 # apt), writes STATE_DIR/slurm.conf (cgroup-free: proctrack/linuxproc, task/none), starts munged,
 # slurmctld and slurmd (or reuses the ones a previous call started) and waits for the node to be idle.
 # Clients then need SLURM_CONF=STATE_DIR/slurm.conf; /etc/slurm is never touched.
+# Every daemon it starts is listed in STATE_DIR/started.pids: tests/slurm/stop_local_slurm.sh
+# STATE_DIR stops exactly those (a munged that was already running is left alone).
 # Exit 0: ready.  Exit 77: Slurm cannot be installed or started here; the last line says why.
 set -uo pipefail
 STATE=${1:-/tmp/megaformer-slurm}
 CONF=$STATE/slurm.conf
 skip() { echo "SKIP: $*"; exit 77; }
+mkdir -p "$STATE"
+# started NAME PIDFILE: remember a daemon this script started (waits up to 5 s for its pid file)
+started() {
+  for _ in $(seq 50); do [ -s "$2" ] && break; sleep 0.1; done
+  [ -s "$2" ] && echo "$1 $(cat "$2")" >> "$STATE/started.pids"
+}
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
     || ! command -v munged >/dev/null; then
@@ -30,7 +38,9 @@ if ! { [ -S /run/munge/munge.socket.2 ] && timeout 5 munge -n </dev/null >/dev/n
     chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
   fi
   mkdir -p /run/munge && chown munge:munge /run/munge
+  rm -f /run/munge/munged.pid  # a stale one would be taken for the new daemon's
   runuser -u munge -- /usr/sbin/munged --force || skip "munged did not start"
+  started munged /run/munge/munged.pid
 fi
 (timeout 10 munge -n | timeout 10 unmunge) >/dev/null 2>&1 || skip "munge does not answer"
 
@@ -66,8 +76,11 @@ KillWait=10
 NodeName=$HOST CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
+  rm -f "$STATE/slurmctld.pid" "$STATE/slurmd.pid"
   slurmctld -f "$CONF" || skip "slurmctld did not start (see $STATE/slurmctld.log)"
+  started slurmctld "$STATE/slurmctld.pid"
   slurmd -f "$CONF" || skip "slurmd did not start (see $STATE/slurmd.log)"
+  started slurmd "$STATE/slurmd.pid"
 fi
 for _ in $(seq 100); do
   state=$(sinfo -h -n "$HOST" -o %t 2>/dev/null | head -1)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -32,11 +33,17 @@ from megaformer.checkpoint.hf.arch import Architecture
 from megaformer.checkpoint.hf.gpt2 import GPT2
 from megaformer.checkpoint.hf.gpt_neox import OUT_NAMES, GPTNeoX
 from megaformer.checkpoint.hf.llama import Llama
-from megaformer.checkpoint.hf.stream import DTYPE_NAMES, TensorSource, run_plan
+from megaformer.checkpoint.hf.stream import (DTYPE_NAMES, TensorSource, check_inputs, output_specs,
+                                              run_plan)
 from megaformer.checkpoint.hf.tokenizer_files import read_hf_tokenizer, write_hf_tokenizer
 from megaformer.config import Config, ConfigError, config_from_dict, validate
 from megaformer.data.tokenizer import load_tokenizer
 from megaformer.errors import CheckpointError, ConversionError
+from megaformer.runtime.run_lock import check_not_owned
+from megaformer.safe_files import check_file, current_umask, read_text_bounded
+
+MAX_JSON_BYTES = 64 * 1024 * 1024
+MAX_TOKENIZER_BYTES = 1 << 30
 
 log = logging.getLogger("megaformer")
 
@@ -49,13 +56,12 @@ _DTYPE_LABEL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def staged_output(dst: Path) -> Iterator[Path]:
     """A temporary folder beside ``dst`` that becomes ``dst`` when the block succeeds (removed if
     it fails). ``dst`` may not exist yet or be an empty folder; anything else is refused."""
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+    if dst.is_symlink() or (dst.exists() and (not dst.is_dir() or any(dst.iterdir()))):
         raise ConversionError(f"{dst}: already exists and is not empty; not overwriting it")
+    check_not_owned(dst, "convert")  # never into a run directory a live training job owns
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f"{ckpt_io.TMP_PREFIX}{dst.name}.{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{ckpt_io.TMP_PREFIX}{dst.name}.", dir=dst.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700, widened to what mkdir would give
     try:
         yield tmp
     except BaseException:
@@ -109,6 +115,8 @@ def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Option
     if m.dropout and adapter.name == "llama":
         log.warning("model.dropout=%s is a training-time setting LlamaForCausalLM has no key for; "
                     "it does not change the exported function", m.dropout)
+    ckpt_io.check_weights(ckpt, m)  # shapes against config.yaml, before anything is allocated
+    check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     source = TensorSource(ckpt)
     plan = adapter.export_plan(m)
@@ -133,9 +141,11 @@ def _read_hf_config(src: Path, arch: Optional[str]) -> tuple[dict, Architecture]
     if not path.is_file():
         raise ConversionError(f"{src}: no config.json (not a Hugging Face model folder)")
     try:
-        hf = json.loads(path.read_text())
+        hf = json.loads(read_text_bounded(path, MAX_JSON_BYTES, ConversionError))
     except (OSError, ValueError) as e:
         raise ConversionError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path}: not a JSON object")
     model_type = hf.get("model_type")
     if model_type not in BY_MODEL_TYPE:
         raise ConversionError(f"{path}: model_type={model_type!r} is not supported (supported: "
@@ -168,19 +178,32 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
     hf, adapter = _read_hf_config(src, arch)
     dst = dst.resolve()
     cfg = import_config(hf, adapter, tensor, pipeline, dst / "tokenizer.json", dst.name)
+    if (src / "tokenizer.json").exists() or (src / "tokenizer.json").is_symlink():
+        check_file(src / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
     tokenizer = read_hf_tokenizer(src)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConversionError(f"{src / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than "
                               f"the model's vocab_size {cfg.model.vocab_size}")
-    source = TensorSource(src)
+    source = TensorSource(src)  # headers only
     names = set(source.keys())
+    if cfg.model.n_layers > len(names):  # every block has tensors: bounds the plan and meta model
+        raise ConversionError(f"{src}: {len(names)} tensors cannot hold the "
+                              f"{cfg.model.n_layers} blocks config.json describes")
+    expected = ckpt_io.expected_shapes(cfg.model)  # on the meta device: nothing allocated
     plan = adapter.import_plan(cfg.model, names)
     out_dtype = _dtype(dtype)
     tied_out = {"lm_head.weight", *OUT_NAMES} if cfg.model.tie_embeddings else set()
 
+    def ignore(n: str) -> bool:
+        return adapter.ignore_on_import(n) or n in tied_out
+
+    check_inputs(plan, source, ignore)
+    ckpt_io.check_shapes([(n, shape) for n, shape, _ in output_specs(plan, source, out_dtype)],
+                         expected, str(src), ConversionError)
+
     def write_weights(path: Path) -> None:
         run_plan(plan, source, path.parent, out_dtype, metadata={"megaformer_version": __version__},
-                 ignore=lambda n: adapter.ignore_on_import(n) or n in tied_out)
+                 ignore=ignore, expected_out=expected)
 
     with staged_output(dst) as tmp:
         ckpt_io.save_weights_checkpoint(tmp, 0, write_weights, cfg.to_yaml(), tokenizer,

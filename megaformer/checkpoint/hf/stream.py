@@ -29,11 +29,15 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from megaformer.checkpoint.io import check_shapes
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.errors import CheckpointError, ConversionError
+from megaformer.safe_files import read_text_bounded, regular_files
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+\.safetensors")
+MAX_INDEX_BYTES = 256 * 1024 * 1024
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -127,17 +131,27 @@ class TensorSource:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         index = folder / INDEX_FILE
-        if index.is_file():
+        if index.is_file() or index.is_symlink():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                paths = sorted({folder / f for f in weight_map.values()})
+                weight_map = json.loads(read_text_bounded(index, MAX_INDEX_BYTES,
+                                                          ConversionError))["weight_map"]
+                names = set(weight_map.values())
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise ConversionError(f"{index}: not a safetensors index (no weight_map)") from None
+            regular_files([index], ConversionError)
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: not a safetensors index (no weight_map)")
+            for fname in sorted(names, key=str):
+                if not shard_name_ok(fname):
+                    raise ConversionError(f"{index}: weight_map names {str(fname)[:80]!r}; expected "
+                                          "a plain *.safetensors file name inside the folder")
+            paths = sorted(folder / f for f in names)
         elif (folder / SINGLE_FILE).is_file():
             weight_map, paths = None, [folder / SINGLE_FILE]
         else:
             raise ConversionError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
                                   "weights are read; pickled .bin files are refused)")
+        regular_files(paths, ConversionError)  # no links, devices or folders as shards
         self._files: dict[str, SafetensorsFile] = {}
         for path in paths:
             f = SafetensorsFile(path)
@@ -165,6 +179,13 @@ class TensorSource:
 
     def get(self, name: str) -> torch.Tensor:
         return self.file_of(name).get(name)
+
+
+def shard_name_ok(name: object) -> bool:
+    """A weight_map entry is a plain file name (no folder part, no '..', not hidden) ending in
+    ``.safetensors``."""
+    return (isinstance(name, str) and SHARD_NAME.fullmatch(name) is not None
+            and name not in (".", "..") and not name.startswith("."))
 
 
 def check_inputs(plan: list[Entry], source: TensorSource, ignore: Callable[[str], bool]) -> None:
@@ -279,10 +300,18 @@ class SafetensorsShardWriter:
 
 def run_plan(plan: list[Entry], source: TensorSource, folder: Path, dtype: Optional[torch.dtype],
              max_bytes: Optional[int] = None, metadata: Optional[dict[str, str]] = None,
-             ignore: Callable[[str], bool] = lambda name: False) -> list[str]:
-    """Check, lay out and stream ``plan`` from ``source`` into safetensors file(s) in ``folder``."""
+             ignore: Callable[[str], bool] = lambda name: False,
+             expected_out: Optional[dict[str, tuple[int, ...]]] = None) -> list[str]:
+    """Check, lay out and stream ``plan`` from ``source`` into safetensors file(s) in ``folder``.
+
+    ``expected_out``: the shapes the outputs must have (from the config); checked on meta tensors
+    before anything is computed."""
     check_inputs(plan, source, ignore)
-    writer = SafetensorsShardWriter(folder, output_specs(plan, source, dtype), max_bytes, metadata)
+    specs = output_specs(plan, source, dtype)
+    if expected_out is not None:
+        check_shapes([(n, s) for n, s, _ in specs], expected_out, str(source.folder),
+                     ConversionError)
+    writer = SafetensorsShardWriter(folder, specs, max_bytes, metadata)
     for e in plan:
         out = e.fn(*(source.get(n) for n in e.inputs))
         writer.write(e.out, out.to(dtype) if dtype is not None else out)

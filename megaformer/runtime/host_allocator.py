@@ -3,9 +3,8 @@
 A training step allocates and frees the same activation tensors every step. glibc's malloc returns
 a large freed block to the kernel (``munmap`` of an mmap-ed chunk, or ``sbrk`` trimming of the heap
 top once more than the trim threshold is free), so the next step's allocation of the same size maps
-fresh pages, and the kernel zero-fills every 4 KiB page on first touch: measured on the quickstart
-model (one process, 2 cores), ~100,000 minor page faults per step (~400 MB of zero-filled pages),
-5-10 % of the step. With
+fresh pages, and the kernel zero-fills every 4 KiB page on first touch: every step pays minor page
+faults for all of its activations (docs/benchmarks.md has the count for the quickstart). With
 
     mallopt(M_MMAP_MAX, 0)            no chunk is mmap-ed: every block comes from the heap
     mallopt(M_TRIM_THRESHOLD, -1)     freed memory at the heap top is never handed back
@@ -24,7 +23,7 @@ import ctypes.util
 
 import torch
 
-from megaformer.kernels.triton_support import announce
+from megaformer.kernels.selection import announce
 
 M_TRIM_THRESHOLD = -1   # glibc malloc.h
 M_MMAP_MAX = -4

@@ -1,6 +1,6 @@
 """From ``cfg.data`` to a tokenizer and train/validation datasets, on every rank.
 
-Two paths. With ``data.paths`` empty (M1): ``data.source`` is read and tokenized in memory
+Two paths. With ``data.paths`` empty: ``data.source`` is read and tokenized in memory
 (:func:`prepare_data`). With ``data.paths``: each entry is a prepared ``.bin``/``.idx`` prefix or a
 source that rank 0 prepares once into ``data.cache_dir``; each is split by ``data.split`` and packed
 into shuffled samples (:mod:`megaformer.data.gpt_dataset`), and several are blended by
@@ -31,6 +31,7 @@ from megaformer.data.corpus import iter_documents
 from megaformer.data.dataset import (PackedDataset, TokenizedCorpus, tokenize_corpus,
                                      unigram_cross_entropy)
 from megaformer.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
+from megaformer.data.wait import wait_barrier, wait_group
 from megaformer.errors import ConfigError, DataError, UserError
 
 log = logging.getLogger("megaformer")
@@ -75,7 +76,8 @@ class DataBundle:
 
 def setup_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
                checkpoint: Optional[Path]) -> tuple[Tokenizer, DataBundle]:
-    """The tokenizer and datasets of ``cfg.data``, by the M1 path or the indexed pipeline."""
+    """The tokenizer and datasets of ``cfg.data``, by the in-memory path or the indexed pipeline."""
+    barrier = wait_barrier(barrier)  # rank 0's builds may outlast the collective timeout
     if not cfg.data.paths:
         tokenizer, corpus = prepare_data(cfg, run_dir, rank, barrier, checkpoint)
         bundle = DataBundle(PackedDataset(corpus.train, cfg.seq_len, "train"),
@@ -97,7 +99,7 @@ def _rank0_first(rank: int, barrier: Callable[[], None], work: Callable[[], None
             error = (type(e).__name__, str(e))
     if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
         box = [error]
-        tdist.broadcast_object_list(box, src=0)
+        tdist.broadcast_object_list(box, src=0, group=wait_group())
         error = box[0]
     else:
         barrier()

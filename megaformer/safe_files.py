@@ -1,0 +1,191 @@
+"""Writing into a run directory (or a cache) without following links, and reading bounded files.
+
+Run directories, model folders and data caches are things users download and share, often on
+shared filesystems. Every write megaformer makes into one follows three rules:
+
+- an entry that is a symbolic link is refused, never written through (a linked ``metrics.jsonl``
+  or ``checkpoints/`` would otherwise redirect the write, or a deletion, to the link's target);
+- a file is replaced by writing a temporary with a random, exclusively created name in the same
+  folder (``tempfile.mkstemp``: ``O_CREAT | O_EXCL``, mode 0600), flushing it, and renaming it
+  over the target (``rename`` replaces a link itself, never its target);
+- an appended file is opened with ``O_NOFOLLOW``.
+
+Files that are read whole (configs, JSON metadata) are read only when they are regular files of a
+bounded size, so a ``config.yaml`` linked to ``/dev/zero`` is refused instead of read forever.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Iterable, Optional, Type
+
+from megaformer.errors import CheckpointError, UserError
+
+MAX_TEXT_BYTES = 64 * 1024 * 1024  # configs, meta.json, indexes: far below this in practice
+
+# Entries of a run directory megaformer writes to (or deletes in).
+RUN_DIR_ENTRIES = ("checkpoints", "logs", "metrics.jsonl", "config.yaml", "tokenizer.json",
+                   "data_cache", "report", "tensorboard")
+
+
+def refuse_link(path: Path, error: Type[UserError] = CheckpointError) -> None:
+    """Raise ``error`` when ``path`` is a symbolic link (a missing path is fine)."""
+    if os.path.islink(path):
+        raise error(f"{path}: is a symbolic link; megaformer does not write through links in a "
+                    "run directory or cache (replace it by a real file or folder)")
+
+
+def check_run_dir(run_dir: Path, error: Type[UserError] = CheckpointError) -> None:
+    """Refuse a run directory whose entries, the entries of its checkpoints/, logs/, report/ and
+    data_cache/ folders, or the files of its checkpoints are symbolic links.
+
+    The run directory itself may be a link (scratch space); what megaformer writes inside it may not.
+    """
+    run_dir = Path(run_dir)
+    for name in RUN_DIR_ENTRIES:
+        refuse_link(run_dir / name, error)
+    for folder in ("checkpoints", "logs", "report", "data_cache"):
+        if (run_dir / folder).is_dir():
+            for entry in (run_dir / folder).iterdir():
+                refuse_link(entry, error)
+                if folder == "checkpoints" and entry.is_dir():  # config.yaml, tokenizer.json, ...
+                    for item in entry.iterdir():
+                        refuse_link(item, error)
+
+
+def make_dir(path: Path, mode: int = 0o777, error: Type[UserError] = CheckpointError) -> Path:
+    """``mkdir -p`` that refuses ``path`` when it is a link (or not a folder)."""
+    refuse_link(path, error)
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    if not path.is_dir():
+        raise error(f"{path}: exists and is not a folder")
+    return path
+
+
+def write_atomic(path: Path, data: str | bytes, *, fsync: bool = True,
+                 error: Type[UserError] = CheckpointError, mode: Optional[int] = 0o644) -> None:
+    """Replace ``path`` by ``data``: a random exclusive temporary beside it, flushed, renamed.
+
+    ``mode`` (default 0644, as an ordinary file) is applied to the temporary before the rename;
+    None keeps mkstemp's private 0600."""
+    path = Path(path)
+    refuse_link(path.parent, error)
+    refuse_link(path, error)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def temp_path(target: Path, suffix: str = "") -> Path:
+    """A new, empty, exclusively created file beside ``target`` with a random name (the caller
+    writes it and renames it over ``target``, or deletes it)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{Path(target).name}.", suffix=suffix,
+                               dir=Path(target).parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def open_append(path: Path, error: Type[UserError] = CheckpointError):
+    """Open ``path`` for appending text without following a link at its name."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            refuse_link(path, error)
+        raise error(f"{path}: cannot open for writing ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{path}: not a regular file")
+    return os.fdopen(fd, "a")
+
+
+def read_bounded(path: Path, limit: int = MAX_TEXT_BYTES,
+                 error: Type[UserError] = CheckpointError) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes, else ``error``.
+
+    The check is made on the opened file (``fstat``), so a path swapped between check and read
+    cannot slip a device or a larger file in."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise error(f"{path}: missing") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise error(f"{path}: {st.st_size} bytes, more than the {limit} a file of this kind "
+                        "may hold")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise error(f"{path}: more than the {limit} bytes a file of this kind may hold")
+    return data
+
+
+def read_text_bounded(path: Path, limit: int = MAX_TEXT_BYTES,
+                      error: Type[UserError] = CheckpointError) -> str:
+    data = read_bounded(path, limit, error)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise error(f"{path}: not a UTF-8 text file") from None
+
+
+def regular_files(paths: Iterable[Path], error: Type[UserError] = CheckpointError) -> None:
+    """Each path is a regular file (not a link, device or folder)."""
+    for p in paths:
+        st = os.lstat(p) if os.path.lexists(p) else None
+        if st is None:
+            raise error(f"{p}: missing")
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{p}: not a regular file (links, devices and folders are refused)")
+
+
+def check_file(path: Path, limit: int, error: Type[UserError] = CheckpointError) -> None:
+    """``path`` is a regular file (not a link, device or folder) of at most ``limit`` bytes."""
+    regular_files([path], error)
+    size = os.lstat(path).st_size
+    if size > limit:
+        raise error(f"{path}: {size} bytes, more than the {limit} a file of this kind may hold")
+
+
+def owned_by_me(path: Path) -> bool:
+    """``path`` is a regular file (not a link) owned by this user and not writable by group or
+    others: a cache file nobody else could have planted or changed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # once, at import: os.umask is process-wide, not safe to toggle in threads
+
+
+def current_umask() -> int:
+    """The process umask (read once at import)."""
+    return _UMASK
