@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from megaformer.errors import ConfigError
 from megaformer.kernels import capabilities, native
 from megaformer.kernels.dropout import dropout
-from megaformer.kernels.selection import ATTENTION_BACKENDS as BACKENDS
 from megaformer.kernels.selection import choose, choose_for
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 from megaformer.config import Config, check_deepspeed_section
-from megaformer.errors import ConfigError
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
