@@ -496,7 +496,7 @@ def _build_section(name: str, cls: type, values: Any) -> Any:
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
-class _NoAliasLoader(yaml.SafeLoader):
+class _SafeNoAliasLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing anchors and aliases (``&a`` / ``*a``): a config never needs
     them, and nested aliases expand exponentially (an "alias bomb")."""
 
@@ -512,7 +512,7 @@ class _NoAliasLoader(yaml.SafeLoader):
 def safe_yaml_load(text: str, where: str) -> Any:
     """``yaml.safe_load`` without anchors/aliases; errors as ConfigError naming ``where``."""
     try:
-        return yaml.load(text, Loader=_NoAliasLoader)
+        return yaml.load(text, Loader=_SafeNoAliasLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""
@@ -530,7 +530,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if len(parts) < 2 or not all(parts):
         raise ConfigError(f"override '{item}': key must be dotted, SECTION.KEY (e.g. train.steps)")
     try:
-        value = yaml.load(raw, Loader=_NoAliasLoader) if raw.strip() != "" else ""
+        value = yaml.load(raw, Loader=_SafeNoAliasLoader) if raw.strip() != "" else ""
     except yaml.YAMLError:
         value = raw
     return parts, value

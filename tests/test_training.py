@@ -125,6 +125,18 @@ def test_zero_stages_match_stage_0(zero0, tmp_path, stage):
         assert b[s] == pytest.approx(a[s], rel=1e-5)
 
 
+def test_zero3_matches_stage_0_with_gelu_and_biases(tmp_path):
+    """GPT-2's FFN (GELU with a bias, LayerNorm, learned positions) under ZeRO-3 equals ZeRO-0."""
+    gpt = ("model.activation=gelu", "model.norm=layernorm", "model.bias=true",
+           "model.position=learned", "train.steps=3", "eval.interval=0")
+    for stage in (0, 3):
+        train(tmp_path / f"z{stage}", *gpt, f"parallel.zero_stage={stage}")
+    a, b = losses(tmp_path / "z0"), losses(tmp_path / "z3")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=1e-5)
+
+
 def test_bf16_trains_on_cpu(tmp_path):
     train(tmp_path / "bf16", "train.precision=bf16", "parallel.zero_stage=1", "train.steps=4", "eval.interval=0")
     ls = losses(tmp_path / "bf16")

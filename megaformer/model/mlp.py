@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
+from megaformer.deepspeed_attrs import zero3_partitioned
 from megaformer.kernels.activations import linear_gelu, swiglu, swiglu_packed
 from megaformer.model.linear import Linear, fused_product
 
@@ -42,5 +44,7 @@ class MLP(nn.Module):
             if gate_up is not None:
                 return self.w2(swiglu_packed(gate_up))
             return self.w2(swiglu(self.w1(x), self.w3(x)))
+        if zero3_partitioned(self.w1.weight):  # ZeRO-3 gathers w1 only inside its own call
+            return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
         # GELU(x W1 + b1); w1 may be a column-parallel shard whose input region the plan entered
         return self.w2(linear_gelu(x, self.w1.weight, self.w1.bias, self.approximate))
