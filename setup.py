@@ -37,10 +37,14 @@ setup(
         # triton: its interpreter runs the fused kernels on CPU in the tests (TRITON_INTERPRET=1);
         # mkdocs + mkdocs-material: the documentation site, built with --strict by the tests.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.44", "matplotlib>=3.7",
+                 "sentencepiece>=0.2",
                  "triton>=3.5; platform_system == 'Linux'", "mkdocs>=1.6", "mkdocs-material>=9.5"],
         # Optional accelerators: flash-attn (CUDA) and NVIDIA apex (built from source, never the
         # unrelated PyPI package called "apex") are used when importable.
         "gpu": ["flash-attn>=2.5", "triton>=3.5"],
+        # `megaformer convert` from Hugging Face: config.json read through transformers' config
+        # classes, --verify, SentencePiece tokenizer.model files (Llama 2, Mistral)
+        "hf": ["transformers>=4.44", "sentencepiece>=0.2"],
     },
     entry_points={"console_scripts": ["megaformer=megaformer.cli:main"]},
 )

@@ -22,4 +22,4 @@ import, including those inside functions)::
 ``parallel`` and ``runtime`` do not import each other.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -36,6 +36,55 @@ def option(default: Any, doc: str, choices: Optional[tuple] = None, factory: Any
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts FFN (``model.moe``): token-choice top-k routing over E experts.
+
+    Off unless ``interval`` > 0. docs/moe.md explains routing, the load-balancing terms and what
+    each parallelism does with the experts."""
+
+    interval: int = option(
+        0, "An MoE FFN in every n-th block (block i, counting from 0, is MoE when (i + 1) % n == 0; "
+           "1 = every block), a dense FFN elsewhere; 0 = no MoE (a dense model).")
+    num_experts: int = option(8, "Routed experts E per MoE block.")
+    top_k: int = option(2, "Experts each token is routed to (1..8, at most num_experts).")
+    score: str = option(
+        "softmax", "Router score s = softmax(logits) over the experts (Switch, Mixtral, Qwen-MoE) or "
+                   "sigmoid(logits) per expert (DeepSeek-V3).", ("softmax", "sigmoid"))
+    renormalize: bool = option(
+        True, "Divide the k selected scores by their sum, so each token's expert weights sum to 1 "
+              "(Mixtral, Qwen3-MoE norm_topk_prob, DeepSeek-V3).")
+    d_expert: Optional[int] = option(
+        None, "Hidden width of each routed expert's FFN; null = the dense FFN width (model.d_ffn "
+              "or its default).")
+    num_shared_experts: int = option(
+        0, "Shared experts every token passes through besides its routed ones (DeepSeek-style); "
+           "they run as one FFN of num_shared_experts * d_shared hidden units.")
+    d_shared: Optional[int] = option(
+        None, "Hidden width of each shared expert; null = model.moe.d_expert.")
+    dropless: bool = option(
+        True, "Every routed token is computed (no capacity limit, nothing dropped; a token's output "
+              "does not depend on the other tokens in the batch). false needs "
+              "model.moe.capacity_factor.")
+    capacity_factor: Optional[float] = option(
+        None, "With dropless=false: each expert takes at most ceil(capacity_factor * tokens * top_k "
+              "/ num_experts) token assignments per micro-batch, first come first served in token "
+              "order; the rest are dropped (that expert adds nothing for the token) and counted.")
+    aux_loss_coef: float = option(
+        0.01, "Coefficient alpha of the load-balancing loss alpha * E * sum_e f_e P_e per MoE block "
+              "(Switch Transformer / Mixtral; f_e the fraction of the top-k assignments sent to "
+              "expert e, P_e its mean router probability; 1 when balanced), added to the training "
+              "loss; 0 = off.")
+    z_loss_coef: float = option(
+        0.0, "Coefficient of the router z-loss mean_tokens(logsumexp(logits)^2) per MoE block "
+             "(ST-MoE), added to the training loss; 0 = off.")
+    bias_update_rate: float = option(
+        0.0, "Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias b_e is added to "
+             "the scores for the top-k selection only (not to the expert weights), and after each "
+             "optimizer step b_e += rate * sign(mean load - load_e), the load counted over the "
+             "step's tokens on all data-parallel ranks; 0 = off.")
+
+
+@dataclass
 class ModelConfig:
     """The decoder-only Transformer (Vaswani et al. 2017 and its modern descendants)."""
 
@@ -43,15 +92,25 @@ class ModelConfig:
         None, "Vocabulary size of the embedding and output layer; null takes it from the tokenizer.")
     d_model: int = option(256, "Width of the residual stream (d_model).")
     n_layers: int = option(4, "Number of Transformer blocks.")
-    n_heads: int = option(4, "Attention heads h; each has d_k = d_model / h.")
+    n_heads: int = option(4, "Attention heads h; each has d_k = d_model / h (or model.head_dim).")
     n_kv_heads: Optional[int] = option(
         None, "Key/value heads for grouped-query attention; null = n_heads (MHA), 1 = MQA.")
     d_ffn: Optional[int] = option(
         None, "Hidden width of the FFN; null = 4*d_model for gelu, and 2/3 of that rounded up to a "
               "multiple of 64 for swiglu (same parameter count, Llama's convention).")
+    head_dim: Optional[int] = option(
+        None, "Width d_k of each attention head; null = d_model / n_heads. Set where a model's "
+              "heads are wider or narrower than that (Qwen3: n_heads * head_dim != d_model).")
     max_seq_len: int = option(256, "Longest sequence the model accepts (size of the position table).")
     position: str = option("rope", "Positional encoding.", ("sinusoidal", "learned", "rope", "none"))
     rope_theta: float = option(10000.0, "Base theta of rotary embeddings.")
+    rope_scaling: Optional[dict] = option(
+        None, "Scaled rotary frequencies for a longer context, as transformers computes them: "
+              "null (unscaled), {rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
+              "original_max_position_embeddings} (Llama 3.1+), or {rope_type: yarn, factor, "
+              "original_max_position_embeddings, and optionally beta_fast, beta_slow, mscale, "
+              "mscale_all_dim, attention_factor, truncate} (YaRN, whose attention factor scales "
+              "cos and sin). docs/checkpoints.md explains the keys.")
     rotary_fraction: float = option(
         1.0, "Fraction of each head's dimensions that rotary embeddings rotate (GPT-NeoX uses 0.25).")
     norm: str = option("rmsnorm", "Normalisation layer.", ("layernorm", "rmsnorm"))
@@ -64,14 +123,24 @@ class ModelConfig:
                       "parallel (x += attn(ln1(x)) + mlp(ln2(x))).", ("sequential", "parallel"))
     tie_embeddings: bool = option(True, "Share the token embedding with the output layer.")
     bias: bool = option(False, "Biases in the linear layers (and LayerNorm).")
+    qkv_bias: Optional[bool] = option(
+        None, "Biases in the query/key/value projections; null = model.bias (Qwen2: true with "
+              "model.bias false).")
+    qk_norm: bool = option(
+        False, "RMSNorm over each head's d_k dimensions of the queries and keys, before rotary "
+               "embeddings (Qwen3).")
+    sliding_window: Optional[int] = option(
+        None, "Each token attends to at most this many most recent positions, itself included "
+              "(Mistral 7B v0.1: 4096); null = the whole causal context. flash-attn's window_size "
+              "on CUDA, a banded mask elsewhere (the native CPU attention kernel is not used).")
     dropout: float = option(0.0, "Dropout on embeddings and on each residual write.")
     attention_dropout: float = option(0.0, "Dropout on the attention probabilities.")
     init_std: float = option(0.02, "Std of the normal initialisation; residual-output projections "
                                    "use init_std / sqrt(2 * n_layers).")
     attention_backend: str = option(
         "auto", "Attention kernel: auto (flash-attn on CUDA fp16/bf16; megaformer's native CPU "
-                "FlashAttention-2 kernel on fp32 CPU in eager mode without attention dropout or "
-                "document mask, head_dim a multiple of 16; else torch SDPA, whose own backend "
+                "FlashAttention-2 kernel on fp32 CPU in eager mode without attention dropout, "
+                "document mask or sliding window, head_dim a multiple of 16; else torch SDPA, whose own backend "
                 "choice MEGAFORMER_SDPA_BACKENDS can override), or force one.",
         ("auto", "flash", "sdpa", "reference"))
     fused_kernels: str = option(
@@ -88,14 +157,17 @@ class ModelConfig:
                "of its own document (documents end at the tokenizer's EOD token). Varlen flash-attn "
                "on CUDA when installed, else a block-diagonal causal mask (SDPA/reference). Not with "
                "parallel.pipeline > 1.")
+    moe: MoEConfig = option(None, "Mixture-of-Experts FFN: see the model.moe.* keys.",
+                            factory=MoEConfig)
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def attn_bias(self) -> bool:
+        """Whether the q/k/v projections have biases (``qkv_bias``, else ``bias``)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def ffn_dim(self) -> int:
@@ -104,6 +176,74 @@ class ModelConfig:
         if self.activation == "swiglu":
             return 64 * math.ceil(2 * 4 * self.d_model / 3 / 64)
         return 4 * self.d_model
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` (from 0) has an MoE FFN (``model.moe.interval``)."""
+        n = self.moe.interval
+        return n > 0 and (i + 1) % n == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks have an MoE FFN."""
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden width of one routed expert (``model.moe.d_expert``, else the dense FFN's)."""
+        return self.moe.d_expert if self.moe.d_expert is not None else self.ffn_dim
+
+    @property
+    def shared_dim(self) -> int:
+        """Total hidden width of the shared experts (0 without them)."""
+        per = self.moe.d_shared if self.moe.d_shared is not None else self.expert_dim
+        return self.moe.num_shared_experts * per
+
+
+def _head_dim(self: ModelConfig) -> int:
+    """d_k: ``model.head_dim`` when set, else d_model / n_heads."""
+    explicit = self.__dict__.get("head_dim")
+    return explicit if explicit is not None else self.d_model // self.n_heads
+
+
+def _set_head_dim(self: ModelConfig, value: Optional[int]) -> None:
+    self.__dict__["head_dim"] = value  # the value as configured (null stays null)
+
+
+# ``cfg.head_dim`` reads the resolved width d_k; the configured value (possibly null) is kept in
+# the instance's __dict__, so ``ModelConfig(**cfg.__dict__)`` reproduces the config.
+ModelConfig.head_dim = property(_head_dim, _set_head_dim)  # type: ignore[assignment]
+
+ROPE_SCALING_KEYS = {
+    "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+               set()),
+    "yarn": ({"factor", "original_max_position_embeddings"},
+             {"beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}),
+}
+
+
+def check_rope_scaling(scaling: Optional[dict]) -> None:
+    """One-line ConfigError unless ``model.rope_scaling`` is null or a complete llama3/yarn spec."""
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type")
+    _require(kind in ROPE_SCALING_KEYS, f"model.rope_scaling.rope_type={kind!r}: must be one of "
+                                        f"{', '.join(ROPE_SCALING_KEYS)} (or rope_scaling: null)")
+    required, optional = ROPE_SCALING_KEYS[kind]
+    missing = sorted(required - set(scaling))
+    _require(not missing, f"model.rope_scaling: rope_type {kind} needs {', '.join(missing)}")
+    unknown = sorted(set(scaling) - required - optional - {"rope_type"})
+    _require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}: unknown for "
+                          f"rope_type {kind} (known: {', '.join(sorted(required | optional))})")
+    for key in sorted((required | optional) & set(scaling)):
+        value = scaling[key]
+        if key == "truncate":
+            _require(isinstance(value, bool), f"model.rope_scaling.truncate={value!r}: expected bool")
+        elif value is not None or key in required:
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                     f"model.rope_scaling.{key}={value!r}: expected a positive number")
+    if kind == "llama3":
+        _require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
+                 "model.rope_scaling: high_freq_factor must exceed low_freq_factor")
 
 
 @dataclass
@@ -275,10 +415,14 @@ class CheckpointConfig:
               "(half-written ones are ignored with a warning); false refuses a run directory that "
               "already holds checkpoints rather than overwrite or silently ignore them.")
     async_save: bool = option(
-        False, "Write checkpoint files on a background thread: DeepSpeed's engine files and a "
-               "host-memory snapshot of the rest are taken synchronously, then training goes on "
-               "while model.safetensors and the layout-free optimizer state are written, flushed "
-               "and sealed (the next save and the end of training wait for it).")
+        False, "Write checkpoint files on a background thread: each rank copies its own shard of "
+               "the state to host memory (the only stall), then training goes on while the shards "
+               "are written, flushed and sealed (the next save and the end of training wait for "
+               "it).")
+    export_weights: bool = option(
+        False, "Also write consolidated release weights (model.safetensors) into every checkpoint. "
+               "This gathers the whole model onto rank 0 at each save; leave it off at scale and "
+               "build them when needed with megaformer convert CKPT --to hf.")
 
 
 @dataclass
@@ -413,6 +557,7 @@ class Config:
 
     def to_dict(self) -> dict:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["model"]["head_dim"] = self.model.__dict__.get("head_dim")  # as configured (null: d/h)
         out["deepspeed"] = dict(self.deepspeed)
         return out
 
@@ -443,6 +588,8 @@ def _coerce(key: str, value: Any, tp: Any, choices: Optional[tuple]) -> Any:
     if origin is list:  # a single scalar is a one-element list
         items = value if isinstance(value, list) else [value]
         return [_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0], choices) for i, v in enumerate(items)]
+    if dataclasses.is_dataclass(tp):  # a nested section, e.g. model.moe
+        return _build_section(key, tp, value)
     ok = False
     if tp is bool:
         ok = isinstance(value, bool)
@@ -641,13 +788,59 @@ def _check_tensor_parallel(cfg: Config) -> None:
              "tensor-parallel shards here; use zero_stage 0, 1 or 2")
 
 
+def _check_moe(cfg: Config) -> None:
+    m, moe = cfg.model, cfg.model.moe
+    _positive("model.moe.interval", moe.interval, allow_zero=True)
+    if moe.interval == 0:
+        return
+    _require(moe.interval <= m.n_layers, f"model.moe.interval={moe.interval}: no block would be "
+                                         f"MoE with model.n_layers={m.n_layers}")
+    _positive("model.moe.num_experts", moe.num_experts)
+    _require(1 <= moe.top_k <= 8, f"model.moe.top_k={moe.top_k}: must be in 1..8")
+    _require(moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: more than "
+                                           f"model.moe.num_experts={moe.num_experts}")
+    for key in ("d_expert", "d_shared"):
+        _positive(f"model.moe.{key}", getattr(moe, key))
+    for key in ("num_shared_experts", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        _positive(f"model.moe.{key}", getattr(moe, key), allow_zero=True)
+    if moe.dropless:
+        _require(moe.capacity_factor is None,
+                 f"model.moe.capacity_factor={moe.capacity_factor}: a capacity drops tokens; set "
+                 "model.moe.dropless=false to use it (or capacity_factor: null)")
+    else:
+        _require(moe.capacity_factor is not None,
+                 "model.moe.dropless=false: needs model.moe.capacity_factor (e.g. 1.25)")
+        _positive("model.moe.capacity_factor", moe.capacity_factor)
+    tp = cfg.parallel.tensor
+    if tp > 1:
+        _require(m.expert_dim % tp == 0, f"parallel.tensor={tp}: must divide the expert FFN width "
+                                         f"{m.expert_dim} (model.moe.d_expert)")
+        _require(m.shared_dim % tp == 0, f"parallel.tensor={tp}: must divide the shared experts' "
+                                         f"FFN width {m.shared_dim}")
+    if cfg.parallel.pipeline > 1:
+        _require(moe.aux_loss_coef == 0 and moe.z_loss_coef == 0,
+                 f"model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline="
+                 f"{cfg.parallel.pipeline}: the pipeline stages pass only the hidden states, so "
+                 "the router losses cannot reach the loss; set both to 0 (the auxiliary-loss-free "
+                 "model.moe.bias_update_rate works under pipeline parallelism)")
+    _require(cfg.parallel.zero_stage < 3,
+             "model.moe with parallel.zero_stage=3: experts are not partitioned by ZeRO-3 here; "
+             "use zero_stage 0, 1 or 2")
+    _require(not cfg.log.diagnostics,
+             "log.diagnostics=true with model.moe: the residual-stream diagnostics do not cover "
+             "MoE blocks yet; switch one of them off")
+
+
 def validate(cfg: Config) -> None:
     """Cross-key checks that do not depend on the world size."""
     m, t, d = cfg.model, cfg.train, cfg.data
-    for key in ("d_model", "n_layers", "n_heads", "max_seq_len", "vocab_size", "n_kv_heads", "d_ffn"):
+    for key in ("d_model", "n_layers", "n_heads", "max_seq_len", "vocab_size", "n_kv_heads", "d_ffn",
+                "sliding_window"):
         _positive(f"model.{key}", getattr(m, key))
-    _require(m.d_model % m.n_heads == 0,
-             f"model.d_model={m.d_model}: must be divisible by model.n_heads={m.n_heads}")
+    _positive("model.head_dim", m.__dict__.get("head_dim"))
+    _require(m.__dict__.get("head_dim") is not None or m.d_model % m.n_heads == 0,
+             f"model.d_model={m.d_model}: must be divisible by model.n_heads={m.n_heads} "
+             "(or set model.head_dim)")
     _require(m.n_heads % m.kv_heads == 0,
              f"model.n_heads={m.n_heads}: must be divisible by model.n_kv_heads={m.kv_heads}")
     if m.position == "rope":
@@ -658,6 +851,10 @@ def validate(cfg: Config) -> None:
                  f"model.rotary_fraction={m.rotary_fraction}: rotary dims per head "
                  f"({m.head_dim} * fraction = {rot}) must be even and >= 2")
         _positive("model.rope_theta", m.rope_theta)
+        check_rope_scaling(m.rope_scaling)
+    else:
+        _require(m.rope_scaling is None, f"model.rope_scaling: needs model.position=rope, "
+                                         f"not {m.position}")
     if m.position == "sinusoidal":
         _require(m.d_model % 2 == 0, f"model.d_model={m.d_model}: sinusoidal positions need an even width")
     for key in ("dropout", "attention_dropout"):
@@ -671,6 +868,8 @@ def validate(cfg: Config) -> None:
         _require(not (on and cfg.parallel.pipeline > 1),
                  f"{key}: not supported with parallel.pipeline={cfg.parallel.pipeline} "
                  "(the pipeline stages pass only the hidden states); use pipeline 1 or turn it off")
+
+    _check_moe(cfg)
 
     p = cfg.parallel
     _positive("parallel.tensor", p.tensor)
@@ -764,16 +963,23 @@ def validate_for_world(cfg: Config, world_size: int) -> int:
 def describe_keys() -> list[tuple[str, str, str, str]]:
     """(key, type, default, doc) for every config key, in declaration order."""
     rows = []
-    for section, cls in SECTIONS.items():
+
+    def add(prefix: str, cls: type) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):  # a nested section: its keys, dotted
+                add(f"{prefix}.{f.name}", hints[f.name])
+                continue
             choices = f.metadata.get("choices")
             doc = f.metadata.get("doc", "")
             if choices:
                 doc += " One of: " + ", ".join(str(c) for c in choices) + "."
             default = f.default
-            rows.append((f"{section}.{f.name}", _type_name(hints[f.name]),
+            rows.append((f"{prefix}.{f.name}", _type_name(hints[f.name]),
                          "null" if default is None else repr(default).strip("'"), doc))
+
+    for section, cls in SECTIONS.items():
+        add(section, cls)
     rows.append(("deepspeed", "dict", "{}", "Passed through into the derived DeepSpeed config "
                  "(deep-merged); batch, precision, clipping and ZeRO-stage keys are derived from the "
                  "sections above and refused here. Only these reviewed keys are accepted (any other, "

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint.model_weights import load_model_weights
 from megaformer.config import Config
 from megaformer.data.tokenizer import Tokenizer, load_tokenizer
 from megaformer.errors import CheckpointError, UserError
@@ -40,23 +41,11 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens:
 
 def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Config, Path]:
     """Model (eval mode, fp32), tokenizer and config from a run directory or checkpoint."""
-    from megaformer.parallel.build import build_model
-
     ckpt = ckpt_io.resolve_checkpoint(path)
-    cfg = ckpt_io.read_config(ckpt)
-    # weights checked against the config (headers only) before anything is allocated or built
-    ckpt_io.check_weights(ckpt, cfg.model)
+    if not (ckpt / "tokenizer.json").exists() and not (ckpt / "tokenizer.json").is_symlink():
+        raise CheckpointError(f"{ckpt}: no tokenizer.json (a model converted without its "
+                              "tokenizer: convert it again with --tokenizer PATH)")
     check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
-    weights = ckpt_io.load_weights(ckpt)
-    model = build_model(cfg, device=device, training=False).model
-    if cfg.model.tie_embeddings:
-        weights.pop("lm_head.weight", None)
-        weights["lm_head.weight"] = weights.get("tok_embeddings.weight")
-    try:
-        model.load_state_dict({k: v.float() for k, v in weights.items() if v is not None})
-    except RuntimeError as e:
-        raise CheckpointError(f"{ckpt}: weights do not fit the model its config describes "
-                              f"({str(e).splitlines()[0][:200]})") from None
-    model.to(device).eval()
+    model, cfg, ckpt = load_model_weights(ckpt, device)
     return model, tokenizer, cfg, ckpt

@@ -201,3 +201,22 @@ def step_records(run_dir: Path) -> dict[int, dict]:
 
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
+
+
+def reference_and_tensor_parallel(cfg: Any, world: int, rank: int, sp: bool) -> tuple:
+    """(one-process model, this rank's TP=world model, topology, the TP model's gathered weights)
+    of ``cfg``, both built from seed 0 (vocabulary padded to multiples of 8 x TP): the pair every
+    tensor-parallel equivalence test trains side by side. Call inside a gloo rank."""
+    import torch
+
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.plan import full_state_dict, padded_vocab_size, parallelize
+    from megaformer.parallel.topology import build_topology
+
+    topo = build_topology(world, rank, world, 1)
+    torch.manual_seed(0)
+    ref = Transformer(cfg, padded_vocab_size=padded_vocab_size(cfg.vocab_size, 1, 8))
+    torch.manual_seed(0)
+    tp = Transformer(cfg, padded_vocab_size=padded_vocab_size(cfg.vocab_size, world, 8))
+    parallelize(tp, topo, sp, None)
+    return ref, tp, topo, full_state_dict(tp, topo)

@@ -277,10 +277,10 @@ def test_hf_options_megaformer_cannot_express_are_refused(hf_folders, tmp_path):
     proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, "LlamaForCausalLM option rope_type=linear cannot be expressed")
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
-    cfg["model_type"] = "mistral"
+    cfg["model_type"] = "gemma"
     (src / "config.json").write_text(json.dumps(cfg))
     proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
-    assert_one_line_error(proc, "model_type='mistral' is not supported")
+    assert_one_line_error(proc, "model_type='gemma' is not supported")
 
 
 def test_conversion_errors_are_one_line(hf_folders, megaformer_run, tmp_path):

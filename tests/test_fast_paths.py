@@ -171,7 +171,7 @@ def test_document_mask_is_computed_once_per_forward(monkeypatch):
 
     calls = []
     real = attn.document_causal_mask
-    monkeypatch.setattr(attn, "document_causal_mask", lambda d: calls.append(1) or real(d))
+    monkeypatch.setattr(attn, "document_causal_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
     m = Transformer(_tiny(document_mask=True, n_layers=3, attention_backend="sdpa"))
     m.eod_id = 0

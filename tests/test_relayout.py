@@ -1,9 +1,10 @@
-"""Resuming at another layout (online, and after an offline reshard) continues the original run.
+"""Resuming at another layout after an offline reshard, and with an asynchronous save.
 
 Layout A: DP=2 with ZeRO-1 (DeepSpeed's partitioned optimizer), 6 steps, a checkpoint at step 3.
-From that checkpoint the run resumes at PP=2 (DP=1, ZeRO-1) and, after ``reshard_checkpoint``, at
-TP=2 (DP=1, ZeRO-0: torch's AdamW as is); steps 4-6 equal A's within fp32 tolerance. The global
-batch stays 8 sequences (A: micro 4 x DP 2; B: micro 4 x accumulation 2).
+After ``reshard_checkpoint`` the run resumes at TP=2 (DP=1, ZeRO-0: torch's AdamW as is), and
+directly at DP=1 with an asynchronous save; steps 4-6 equal A's within fp32 tolerance. The global
+batch stays 8 sequences (A: micro 4 x DP 2; B: micro 4 x accumulation 2). Resuming between 4-rank
+layouts is tested in tests/test_sharded_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import pytest
 import torch
 
 from megaformer.checkpoint import io as ckpt_io
-from megaformer.checkpoint import portable
+from megaformer.checkpoint import sharded
 from megaformer.checkpoint.reshard import reshard_checkpoint
-from megaformer.checkpoint.safe_load import safe_torch_load
+from megaformer.checkpoint.sharded import ShardedState
 from megaformer.errors import CheckpointError, ConfigError
-from tests.helpers import assert_one_line_error, cli_main, run_cli, run_torchrun, tiny_overrides
+from tests.helpers import run_cli, run_torchrun, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -62,26 +63,15 @@ def layout_a(tmp_path_factory) -> Path:
     return run
 
 
-def test_checkpoint_holds_layout_free_state(layout_a):
+def test_checkpoint_holds_sharded_state(layout_a):
     ckpt = layout_a / "checkpoints" / "step_0000003"
-    state = portable.PortableState(ckpt)
-    assert state.info["step"] == 3 and state.info["adam_step"] == 3.0
-    assert state.info["layout"]["data"] == 2
-    weights = ckpt_io.load_weights(ckpt)
-    assert sorted(state.names()) == sorted(weights)
-    for name, w in weights.items():  # fp32 training: the master weights are the weights
-        assert torch.equal(state.tensor(name, "master"), w), name
-        assert state.tensor(name, "exp_avg_sq").min() >= 0
-        assert state.tensor(name, "exp_avg").abs().sum() > 0, name
-
-
-def test_resume_at_pipeline_2(layout_a, tmp_path):
-    run = tmp_path / "pp2"
-    shutil.copytree(layout_a, run)
-    rewind(run)
-    out = torchrun_train(run, "parallel.pipeline=2", "parallel.zero_stage=1")
-    assert "at a new layout" in out and "pipeline 1 -> 2" in out
-    assert_same_continuation(run, layout_a)
+    state = ShardedState(ckpt)
+    assert state.index["step"] == 3 and state.adam_step == 3.0
+    assert state.index["layout"]["data"] == 2
+    assert sorted(state.files) == ["rank_00000.safetensors", "rank_00001.safetensors"]
+    for name in state.names():
+        assert state.whole(name, "exp_avg_sq").min() >= 0
+        assert state.whole(name, "exp_avg").abs().sum() > 0, name
 
 
 def test_reshard_then_resume_at_tensor_2(layout_a, tmp_path):
@@ -111,15 +101,15 @@ def test_reshard_refusals(layout_a, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
-    stage = bad / "optimizer" / "stage_00.safetensors"
-    data = stage.read_bytes()
-    stage.write_bytes(data[:-100])  # truncated
-    with pytest.raises(CheckpointError, match=r"stage_00.safetensors: truncated or tampered"):
+    shard = bad / "state" / "rank_00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])  # truncated
+    with pytest.raises(CheckpointError, match=r"rank_00001.safetensors: .*truncated"):
         reshard_checkpoint(bad, tmp_path / "out", 2, 1)
     n = int.from_bytes(data[:8], "little")
     header = data[8:8 + n].replace(b'"F32"', b'"F16"', 1)  # tampered: dtype edited
-    stage.write_bytes(data[:8] + header + data[8 + n:])
-    with pytest.raises(CheckpointError, match=r"stage_00.safetensors: truncated or tampered"):
+    shard.write_bytes(data[:8] + header + data[8 + n:])
+    with pytest.raises(CheckpointError, match=r"rank_00001.safetensors: truncated or tampered"):
         reshard_checkpoint(bad, tmp_path / "out", 2, 1)
     assert not (tmp_path / "out").exists()
 
@@ -132,31 +122,20 @@ def test_resume_at_data_parallel_1_with_async_save(layout_a, tmp_path):
     rewind(run)
     proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
                    "parallel.zero_stage=1", "checkpoint.interval=3", "checkpoint.async_save=true",
-                   "checkpoint.keep_last=1", "--run-dir", str(run))
+                   "checkpoint.keep_last=1", "checkpoint.export_weights=true", "--run-dir", str(run))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "data 2 -> 1" in proc.stdout and "(in the background)" in proc.stdout
     assert_same_continuation(run, layout_a)
     ckpt = ckpt_io.latest_checkpoint(run / "checkpoints")
     assert [p.name for p in ckpt_io.complete_checkpoints(run / "checkpoints")] == [ckpt.name]
     assert ckpt.name == "step_0000006" and ckpt_io.read_meta(ckpt)["parallel"]["data"] == 1
-    engine_state = safe_torch_load(str(ckpt / "mp_rank_00_model_states.pt"))["module"]
-    for name, w in ckpt_io.load_weights(ckpt).items():  # DeepSpeed's file, deferred, is whole
-        assert torch.equal(engine_state[name][:w.shape[0]], w), name
-    mine, theirs = (portable.PortableState(r / "checkpoints" / "step_0000006")
-                    for r in (run, layout_a))
-    assert sorted(mine.names()) == sorted(theirs.names())
+    from safetensors.torch import load_file
+
+    mine, theirs = (ShardedState(r / "checkpoints" / "step_0000006") for r in (run, layout_a))
+    exported = load_file(str(ckpt / "model.safetensors"))  # checkpoint.export_weights=true
+    assert sorted(mine.names()) == sorted(theirs.names()) == sorted(exported)
     for name in theirs.names():
-        for key in portable.KEYS:
-            a, b = theirs.tensor(name, key), mine.tensor(name, key)
+        assert torch.equal(exported[name], mine.whole(name)), name  # fp32: weights = masters
+        for key in sharded.KEYS:
+            a, b = theirs.whole(name, key), mine.whole(name, key)
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (name, key)
-
-
-def test_relayout_resume_with_a_truncated_state_file_is_one_clear_error(layout_a, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(layout_a, run)
-    rewind(run)
-    stage = run / "checkpoints" / "step_0000003" / "optimizer" / "stage_00.safetensors"
-    stage.write_bytes(stage.read_bytes()[:5000])
-    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
-                    "parallel.zero_stage=1", "--run-dir", str(run))  # DP 2 -> 1
-    assert_one_line_error(proc, "stage_00.safetensors", "truncated or tampered")

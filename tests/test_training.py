@@ -49,8 +49,10 @@ def test_run_dir_layout_and_metrics(trained):
     ckpts = trained / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_0000006"
     for tag in ("step_0000003", "step_0000006"):
-        for name in ("model.safetensors", "config.yaml", "tokenizer.json", "meta.json"):
+        for name in ("state/index.json", "state/rank_00000.safetensors", "config.yaml",
+                     "tokenizer.json", "meta.json", "rng/rank_0.pt"):
             assert (ckpts / tag / name).is_file()
+        assert not (ckpts / tag / "model.safetensors").exists()  # checkpoint.export_weights=false
     meta = json.loads((ckpts / "step_0000006" / "meta.json").read_text())
     assert meta["step"] == 6 and meta["consumed_samples"] == 48 and meta["consumed_tokens"] == 48 * 32
     recs = metrics(trained)
@@ -176,21 +178,31 @@ def test_generate_on_something_that_is_not_a_checkpoint(tmp_path):
 def test_corrupt_weights_are_refused(trained, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(trained / "checkpoints" / "step_0000006", bad)
-    data = (bad / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert_one_line_error(cli_main("generate", str(bad), "--prompt", "a"), "model.safetensors")
+    shard = bad / "state" / "rank_00000.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(cli_main("generate", str(bad), "--prompt", "a"), str(shard), "truncated")
+    shard.write_bytes(data[:8] + data[8:].replace(b'"F32"', b'"F16"', 1))  # tampered, same size
+    assert_one_line_error(cli_main("generate", str(bad), "--prompt", "a"), str(shard),
+                          "truncated or tampered")
+    (bad / "state" / "index.json").write_text("{")
+    assert_one_line_error(cli_main("generate", str(bad), "--prompt", "a"), "index.json",
+                          "missing or corrupt")
 
 
-def test_corrupt_engine_state_on_resume_loses_nothing(trained, tmp_path):
+def test_corrupt_state_on_resume_loses_nothing(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
-    state = run / "checkpoints" / "step_0000006" / "mp_rank_00_model_states.pt"
-    state.write_bytes(state.read_bytes()[:1000])
-    before = digest(run / "checkpoints")
-    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=8",
-                    "--run-dir", str(run))
-    assert_one_line_error(proc, "mp_rank_00_model_states.pt")
-    assert digest(run / "checkpoints") == before
+    for bad in ("state/rank_00000.safetensors", "rng/rank_0.pt"):
+        state = run / "checkpoints" / "step_0000006" / bad
+        data = state.read_bytes()
+        state.write_bytes(data[:1000])
+        before = digest(run / "checkpoints")
+        proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=8",
+                        "--run-dir", str(run))
+        assert_one_line_error(proc, bad.split("/")[1])
+        assert digest(run / "checkpoints") == before
+        state.write_bytes(data)
 
 
 def test_existing_checkpoints_are_never_overwritten(trained, tmp_path):

@@ -1,23 +1,24 @@
-"""Checkpoint save/load throughput beside raw writes of the same tensors, and the training stall.
+"""Sharded checkpoints against the single-writer design, on 1, 2, 4 and 8 ranks (gloo, CPU).
 
-    python tools/bench_checkpoint.py [--d-model 768] [--layers 6] [--vocab 32000] [--dir DIR]
+    python tools/bench_checkpoint.py [--ranks 1,2,4,8] [--d-model 512] [--layers 8]
+                                     [--vocab 32000] [--zero-stage 1] [--dir DIR]
 
-One process (DeepSpeed on CPU, ZeRO-0, fp32) builds a Llama-style model of a few hundred MB, takes
-one training step (so Adam's moments exist), and times on the same disk, fsync included everywhere:
+For each world size the ranks (DP = world size, ZeRO ``--zero-stage``, fp32) build one Llama-style
+model, take one training step (so Adam's moments exist), and each measures on the same disk,
+fsync included:
 
-* raw ``torch.save`` and ``safetensors.save_file`` of the tensors a checkpoint holds (weights,
-  fp32 master weights, both Adam moments), and loading them back (``torch.load(weights_only=True)``,
-  ``safetensors.torch.load`` of the file's bytes: ``load_file`` maps lazily and reads nothing);
-* megaformer's full synchronous save (``Trainer.save``: DeepSpeed's engine files + RNG +
-  ``model.safetensors`` + the layout-free ``optimizer/`` state + config/tokenizer/meta, sealed);
-* the layout-free part alone (snapshot + write of ``optimizer/stage_00.safetensors``);
-* loads: DeepSpeed's exact resume (``load_engine_state``) and the layout-free one (read every
-  tensor + set master weights and moments);
-* the training stall of a save: ``Trainer.save`` returning, with ``checkpoint.async_save`` off and on
-  (and, for async, how long the background write took).
+* sharded save (megaformer's ``Trainer.save``): wall time, the bytes this rank wrote, the peak of
+  this process's resident memory above its level before the save (sampled every 2 ms);
+* asynchronous sharded save: the training stall (``Trainer.save`` returning: the host copy of the
+  rank's own shard) and when the background write was done;
+* sharded load: reading this rank's part and setting master weights and Adam moments;
+* the single-writer design this replaced, on the same model: DeepSpeed's engine files plus whole
+  weights and whole optimizer state gathered to one writer (``full_weights`` and the layout-free
+  snapshot) and written there: wall time, bytes of the busiest writer, its peak memory.
 
-GB/s counts the bytes each path writes/reads; ratios are megaformer's GB/s over raw safetensors'.
-Loads read from the page cache (the files were just written); a cold-cache load is disk-bound.
+One table row per (world size, design); ratios are the single writer's over the sharded save's.
+The machine's cores are shared by all ranks: with more ranks than cores wall times grow with the
+rank count; the bytes and memory columns are what scale.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -36,20 +40,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
-        else path.stat().st_size
+def measured(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """(seconds, peak resident bytes above the level at the start, result)."""
+    base, peak, done = _rss(), [0], threading.Event()
 
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss() - base)
+            time.sleep(0.002)
 
-def _timed(fn):
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
     t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+    try:
+        out = fn()
+    finally:
+        dt = time.perf_counter() - t0
+        done.set()
+        t.join()
+    return dt, max(peak[0], _rss() - base), out
+
+
+def _written(folder: Path, names: list[str]) -> int:
+    return sum((folder / n).stat().st_size for n in names if (folder / n).is_file())
 
 
 def build_trainer(args: argparse.Namespace, run_dir: Path, async_save: bool):
@@ -57,108 +75,151 @@ def build_trainer(args: argparse.Namespace, run_dir: Path, async_save: bool):
     from megaformer.training.trainer import Trainer
 
     root = Path(__file__).resolve().parents[1]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(root / "configs" / "quickstart.yaml", [
-        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", "model.n_heads=12",
-        "model.n_kv_heads=12", f"model.vocab_size={args.vocab}", "model.max_seq_len=64",
-        "data.source=stdlib", "data.max_bytes=200000", "train.steps=2",
-        "train.micro_batch_size=1", "train.global_batch_size=1", "eval.interval=0",
+        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", "model.n_heads=8",
+        "model.n_kv_heads=8", f"model.vocab_size={args.vocab}", "model.max_seq_len=64",
+        "data.source=stdlib", "data.max_bytes=200000", "train.steps=8",
+        "train.micro_batch_size=1", f"train.global_batch_size={world}", "eval.interval=0",
         "checkpoint.interval=0", "log.progress_bar=false", "log.tensorboard=false",
-        "log.sample_tokens=0", f"checkpoint.async_save={str(async_save).lower()}"])
+        "log.sample_tokens=0", f"parallel.zero_stage={args.zero_stage}",
+        f"checkpoint.async_save={str(async_save).lower()}", "checkpoint.keep_last=null"])
     trainer = Trainer(cfg, run_dir)
     trainer.setup()
     trainer.train_step()
     return trainer
 
 
-def raw_tensors(trainer) -> dict[str, torch.Tensor]:
-    """What a checkpoint holds: weights, masters, both moments (fp32, whole)."""
+def single_writer_save(trainer, folder: Path) -> list[str]:
+    """The design sharded checkpoints replaced: DeepSpeed's per-rank engine files, then whole
+    weights and the whole optimizer state gathered and written by one writer (rank 0 here: one
+    pipeline stage)."""
+    from megaformer.checkpoint import io as ckpt_io
     from megaformer.checkpoint import portable
+    from megaformer.training import distributed as dist
 
-    out = {f"weights/{k}": v.detach().clone() for k, v in trainer.full_weights().items()}
-    out.update(portable.snapshot_portable_state(trainer.engine, trainer._local_params(),
-                                                trainer.topo, trainer.cfg.model.vocab_size))
-    return out
+    trainer.engine.save_checkpoint(str(folder), tag="engine", save_latest=False)
+    weights = trainer.full_weights()
+    state = portable.snapshot_portable_state(trainer.engine, trainer._local_params(), trainer.topo,
+                                             trainer.cfg.model.vocab_size)
+    names = []
+    if trainer.rank == 0:
+        ckpt_io.write_payload(folder / "model.safetensors",
+                              {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+        ckpt_io.write_payload(folder / portable.stage_file(0), state)
+        names = ["model.safetensors", portable.stage_file(0)]
+    dist.barrier()
+    engine = folder / "engine"
+    names += [f"engine/{f.name}" for f in engine.glob(f"*rank_{trainer.rank:02d}*")
+              if trainer.rank > 0] + ([f"engine/{f.name}" for f in engine.glob("*")]
+                                      if trainer.rank == 0 else [])
+    return names
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: Path,
+              out: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from megaformer.checkpoint import sharded
+    from megaformer.training import distributed as dist
+
+    run = base / f"w{world}"
+    trainer = build_trainer(args, run, async_save=False)
+    row: dict[str, Any] = {"rank": rank}
+    dist.barrier()
+    t, mem, ckpt = measured(trainer.save)
+    row.update(save_s=t, save_mem=mem,
+               save_bytes=_written(ckpt / sharded.STATE_DIR, [sharded.rank_file(rank)]))
+    dist.barrier()
+    from megaformer.checkpoint import io as ckpt_io
+
+    trainer.writer = ckpt_io.BackgroundWriter()
+    trainer.step += 1
+    dist.barrier()
+    t0 = time.perf_counter()
+    stall, stall_mem, _ = measured(trainer.save)
+    trainer.writer.wait()
+    row.update(stall_s=stall, stall_mem=stall_mem, async_total_s=time.perf_counter() - t0)
+    trainer.writer = None
+    dist.barrier()
+
+    def load() -> None:
+        trainer.resume_from, trainer.relayout = ckpt, []
+        trainer.shards = sharded.ShardedState(ckpt)
+        rng = torch.get_rng_state()
+        trainer._resume_sharded()
+        torch.set_rng_state(rng)
+
+    t, mem, _ = measured(load)
+    row.update(load_s=t, load_mem=mem)
+    dist.barrier()
+    old = run / "single_writer"
+    t, mem, names = measured(lambda: single_writer_save(trainer, old))
+    row.update(old_s=t, old_mem=mem, old_bytes=_written(old, names))
+    dist.barrier()
+    state_bytes = 12 * sum(p.numel() for p in trainer.plain_model.parameters())
+    rows = dist.gather_to_main({**row, "state_bytes": state_bytes})
+    if rank == 0:
+        out.put(rows)
+    dist.barrier()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--ranks", default="1,2,4,8")
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--zero-stage", type=int, default=1)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    import torch.multiprocessing as mp
+
     base = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
-    from safetensors.torch import load as safetensors_load
-    from safetensors.torch import save_file
-
-    from megaformer.checkpoint import io as ckpt_io
-    from megaformer.checkpoint import portable
-
-    rows: list[tuple[str, float, int]] = []  # (what, seconds, bytes)
+    results = {}
     try:
-        trainer = build_trainer(args, base / "sync", async_save=False)
-        tensors = raw_tensors(trainer)
-        n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        print(f"model: {sum(p.numel() for p in trainer.plain_model.parameters()) / 1e6:.1f} M "
-              f"parameters; checkpoint tensors {n_bytes / 1e9:.2f} GB (weights + master + 2 moments)")
-
-        raw_pt, raw_st = base / "raw.pt", base / "raw.safetensors"
-        t, _ = _timed(lambda: (torch.save(tensors, raw_pt), _fsync(raw_pt)))
-        rows.append(("save: raw torch.save", t, _size(raw_pt)))
-        t, _ = _timed(lambda: (save_file(tensors, str(raw_st)), _fsync(raw_st)))
-        rows.append(("save: raw safetensors", t, _size(raw_st)))
-        raw_save = rows[-1]
-
-        t, ckpt = _timed(trainer.save)
-        rows.append(("save: megaformer full (sync)", t, _size(ckpt)))
-        lf_dir = base / "layout_free"
-
-        def layout_free_save() -> None:
-            state = portable.snapshot_portable_state(trainer.engine, trainer._local_params(),
-                                                     trainer.topo, trainer.cfg.model.vocab_size)
-            ckpt_io.write_payload(lf_dir / portable.stage_file(0), state)
-
-        t, _ = _timed(layout_free_save)
-        rows.append(("save: megaformer layout-free part", t, _size(lf_dir)))
-
-        t, _ = _timed(lambda: torch.load(raw_pt, weights_only=True))
-        rows.append(("load: raw torch.load(weights_only)", t, _size(raw_pt)))
-        # safetensors.load_file maps the file lazily (nothing read until used): read every byte
-        t, _ = _timed(lambda: safetensors_load(raw_st.read_bytes()))
-        rows.append(("load: raw safetensors", t, _size(raw_st)))
-        raw_load = rows[-1]
-        ds_bytes = sum(_size(f) for f in ckpt.glob("*.pt")) + _size(ckpt / "rng")
-        t, _ = _timed(lambda: ckpt_io.load_engine_state(trainer.engine, ckpt, 0))
-        rows.append(("load: megaformer DeepSpeed exact", t, ds_bytes))
-
-        def layout_free_load() -> None:
-            state = portable.PortableState(ckpt)
-            portable.restore_portable_state(trainer.engine, trainer._local_params(), trainer.topo,
-                                            trainer.plain_model.padded_vocab_size, state, ckpt)
-
-        t, _ = _timed(layout_free_load)
-        rows.append(("load: megaformer layout-free", t, _size(ckpt / portable.STATE_DIR)))
-
-        trainer.step += 1
-        stall_sync, _ = _timed(trainer.save)
-        trainer.writer = ckpt_io.BackgroundWriter()
-        trainer.step += 1
-        stall_async, _ = _timed(trainer.save)
-        t0 = time.perf_counter()
-        trainer.writer.wait()
-        background = time.perf_counter() - t0 + stall_async
+        for world in [int(w) for w in args.ranks.split(",")]:
+            ctx = mp.get_context("spawn")
+            q = ctx.SimpleQueue()
+            port = _port()
+            procs = [ctx.Process(target=rank_main, args=(r, world, port, args, base, q))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            results[world] = q.get()
+            for p in procs:
+                p.join()
+            shutil.rmtree(base / f"w{world}", ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-
-    print(f"\n{'path':40s} {'GB':>6s} {'s':>7s} {'GB/s':>6s} {'vs raw safetensors':>19s}")
-    for what, t, b in rows:
-        ref = raw_save if what.startswith("save") else raw_load
-        ratio = (b / t) / (ref[2] / ref[1])
-        print(f"{what:40s} {b / 1e9:6.2f} {t:7.2f} {b / 1e9 / t:6.2f} {ratio:19.2f}")
-    print(f"\ntraining stall of one save: sync {stall_sync:.2f} s | async {stall_async:.2f} s "
-          f"(background write done after {background:.2f} s) | stall ratio async/sync "
-          f"{stall_async / stall_sync:.2f}")
+    mb = 1e6
+    first = next(iter(results.values()))[0]
+    print(f"model: {first['state_bytes'] / 12 / 1e6:.1f} M parameters; training state "
+          f"{first['state_bytes'] / 1e9:.2f} GB (fp32 master + 2 Adam moments); ZeRO "
+          f"{args.zero_stage}, fp32, DP = ranks")
+    print(f"{'ranks':>5s} {'design':>13s} {'save s':>7s} {'load s':>7s} {'max MB/rank':>11s} "
+          f"{'share':>6s} {'peak RSS MB':>11s} {'stall s':>8s} {'bg write s':>10s}")
+    for world, rows in results.items():
+        total = rows[0]["state_bytes"]
+        save = max(r["save_s"] for r in rows)
+        load = max(r["load_s"] for r in rows)
+        wrote = max(r["save_bytes"] for r in rows)
+        print(f"{world:>5d} {'sharded':>13s} {save:>7.2f} {load:>7.2f} {wrote / mb:>11.1f} "
+              f"{wrote / total:>6.3f} {max(r['save_mem'] for r in rows) / mb:>11.1f} "
+              f"{max(r['stall_s'] for r in rows):>8.2f} "
+              f"{max(r['async_total_s'] for r in rows):>10.2f}")
+        old = max(r["old_s"] for r in rows)
+        old_wrote = max(r["old_bytes"] for r in rows)
+        print(f"{world:>5d} {'single writer':>13s} {old:>7.2f} {'':>7s} {old_wrote / mb:>11.1f} "
+              f"{old_wrote / total:>6.3f} {max(r['old_mem'] for r in rows) / mb:>11.1f} "
+              f"{'':>8s} {'':>10s}   save x{old / save:.2f}, busiest writer x{old_wrote / wrote:.1f}")
 
 
 if __name__ == "__main__":

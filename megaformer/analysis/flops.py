@@ -16,6 +16,15 @@ f = d_ffn, V = vocabulary rows of the output layer, L = n_layers:
 
     forward = L * (q,k,v + out + scores + values + mlp) + logits
 
+Mixture of Experts (``model.moe``): FLOPs count the ACTIVE parameters, what each token multiplies:
+an MoE block's mlp term is its router 2*s*d*E plus top_k routed experts and the shared experts,
+
+    moe mlp     2*s*d*E + m * 2*s*d*(k*f_e + f_s)               (m = 3 swiglu, 2 gelu)
+
+so MFU compares a sparse model with the dense model of its active size. Dropped tokens (a capacity
+factor) are not subtracted: MFU counts the work the model asks for. Parameter and memory counts
+(:mod:`.params`, :mod:`.memory`) use the TOTAL parameters.
+
 Backward = 2 x forward, exactly: every product Y = X W needs dX = dY W^T and dW = X^T dY (the first
 layer's dX too, because the embedding is trained; scores and values need both operands' gradients).
 
@@ -55,8 +64,11 @@ from megaformer.config import Config, ModelConfig
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def attention_pairs(seq_len: int, causal: bool = True) -> int:
-    """Query-key pairs of one head: s(s+1)/2 under a causal mask, s^2 without."""
+def attention_pairs(seq_len: int, causal: bool = True, window: Optional[int] = None) -> int:
+    """Query-key pairs of one head: s(s+1)/2 under a causal mask, s^2 without; with a sliding
+    window W < s (causal), W(W+1)/2 + (s - W) W (query i sees min(i + 1, W) keys)."""
+    if causal and window is not None and window < seq_len:
+        return window * (window + 1) // 2 + (seq_len - window) * window
     return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
 
 
@@ -93,14 +105,17 @@ def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = True,
         raise ValueError(f"model.vocab_size must be an int to count FLOPs, got {V!r}")
     s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    pairs = attention_pairs(s, causal)
+    pairs = attention_pairs(s, causal, cfg.sliding_window)
     n_mats = 3 if cfg.activation == "swiglu" else 2
+    moe = cfg.moe_layers
+    moe_mlp = (2 * s * d * cfg.moe.num_experts
+               + n_mats * 2 * s * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim)) if moe else 0
     return ForwardFlops(
         qkv=L * (2 * s * d * hq + 2 * 2 * s * d * hkv),
         attn_scores=L * 2 * pairs * hq,
         attn_values=L * 2 * pairs * hq,
         attn_out=L * 2 * s * hq * d,
-        mlp=L * n_mats * 2 * s * d * f,
+        mlp=(L - moe) * n_mats * 2 * s * d * f + moe * moe_mlp,
         logits=2 * s * d * V,
     )
 
@@ -168,12 +183,16 @@ def config_step_flops(cfg: Config, causal: bool = True) -> StepFlops:
 
 def matmul_parameters(cfg: ModelConfig) -> int:
     """Weights that take part in matrix products per token: all block matrices plus the output
-    layer (V*d, tied or not); excludes norms, biases and position tables. PaLM's N in 6N."""
+    layer (V*d, tied or not); excludes norms, biases and position tables. PaLM's N in 6N. In
+    MoE blocks the active ones: router, top_k routed experts, shared experts."""
     d, f = cfg.d_model, cfg.ffn_dim
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     n_mats = 3 if cfg.activation == "swiglu" else 2
     block = d * hq + 2 * d * hkv + hq * d + n_mats * d * f
-    return cfg.n_layers * block + cfg.vocab_size * d
+    moe = cfg.moe_layers
+    moe_mlp = d * cfg.moe.num_experts + n_mats * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim)
+    return (cfg.n_layers * block + moe * (moe_mlp - n_mats * d * f)
+            + cfg.vocab_size * d)
 
 
 # ----------------------------------------------------------------------------- closed forms

@@ -9,7 +9,8 @@ Model states (Rajbhandari et al. 2020, ZeRO), P = parameters held by one TP x PP
 
 P per rank: block matrices and vocabulary tables / TP, norms replicated; PP splits the blocks
 (ceil(L / PP) on the worst stage), the embedding sits on the first stage, the final norm and the
-output layer on the last (both when tied).
+output layer on the last (both when tied). MoE blocks hold ALL their experts (total parameters,
+each expert / TP; the router replicated); the worst stage holds ceil(moe blocks / PP) of them.
 
 Activations of one micro-batch of b sequences of s tokens, n = b*s, in elements per layer of this
 implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.py; t = TP):
@@ -28,6 +29,14 @@ implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.p
                           native loss: the logits grad alone) and one MLP's (SwiGLU: d[g | u] + an
                           f-wide temporary = 3f, 2f with the native kernel; GELU: f)
 
+    moe mlp               per token: the k dispatched copies of its input, the expert outputs
+                          and the weighted outputs the index-add keeps (3 k d, not divided by
+                          TP), k expert FFNs' intermediates (as the MLP's with the expert width,
+                          torch ops: SwiGLU 4 f_e, GELU 2 f_e), the shared experts' (as the
+                          MLP's), the fp32 router logits, scores and loss-side probabilities
+                          and the k weights (3 E + 3 k, 4 bytes each) and three int64 index
+                          vectors of k entries (selection, sort order, token of each row)
+
     TP divides attention and MLP by t; sequence parallelism also divides the norm terms by t.
     full recompute keeps only each checkpointed block's input (d per token), and in backward one
     block's activations are live again; selective recompute keeps q, k, v and the output (the
@@ -37,7 +46,7 @@ implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.p
     batches of its L/PP layers in flight.
 
 Checked against the CPU allocator's measured bytes (:mod:`megaformer.analysis.measure`) in
-tests/test_memory.py. For reference, Korthikanti et al. 2022 (Megatron, 16-bit, dropout masks,
+tests/test_memory.py (MoE blocks: tests/test_moe.py). For reference, Korthikanti et al. 2022 (Megatron, 16-bit, dropout masks,
 non-fused softmax) give per layer s*b*h*(34 + 5*a*s/h) bytes, /t with TP+SP, 34*s*b*h/t with
 selective recompute, 2*s*b*h with full recompute: :func:`korthikanti_layer_bytes`.
 """
@@ -84,11 +93,20 @@ def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int
     block = (_attention(cfg) - (d if cfg.bias else 0) + _mlp(cfg) - (d if cfg.bias else 0)) // t \
         + (2 * d if cfg.bias else 0) + 2 * _norm(cfg)              # row-parallel biases replicated
     layers = math.ceil(cfg.n_layers / layout.pp)
+    if cfg.moe_layers:  # the worst stage's MoE blocks: every expert / TP, the router replicated
+        from megaformer.analysis.params import _moe_mlp
+
+        router = d * cfg.moe.num_experts
+        moe_delta = (_moe_mlp(cfg, cfg.moe.num_experts) - router) // t + router \
+            - (_mlp(cfg) - (d if cfg.bias else 0)) // t - (d if cfg.bias else 0)
+        block_sum = layers * block + min(layers, math.ceil(cfg.moe_layers / layout.pp)) * moe_delta
+    else:
+        block_sum = layers * block
     emb = V * d // t + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
     head = _norm(cfg) + (V * d // t if (not cfg.tie_embeddings or layout.pp > 1) else 0)
     if layout.pp == 1:
-        return layers * block + emb + head
-    return layers * block + max(emb, head)
+        return block_sum + emb + head
+    return block_sum + max(emb, head)
 
 
 def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> dict:
@@ -154,8 +172,18 @@ def _native_cpu(cfg: ModelConfig, layout: Layout) -> bool:
         return choose("cross_entropy", "cpu", torch.float32, chunked=False).impl == "native"
 
 
-def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> dict:
-    """Bytes one block keeps for backward for one micro-batch, by part (fused attention)."""
+def _moe_mlp_bytes(cfg: ModelConfig, n: int, layout: Layout, e: int) -> float:
+    """Bytes an MoE block's FFN keeps for n tokens (see the module docstring)."""
+    k, d, E, t = cfg.moe.top_k, cfg.d_model, cfg.moe.num_experts, layout.tp
+    expert = (4 if cfg.activation == "swiglu" else 2) * cfg.expert_dim
+    shared = _mlp_elems(cfg, layout) * cfg.shared_dim // cfg.ffn_dim if cfg.shared_dim else 0
+    return n * (3 * k * d * e + (k * expert + shared) * e / t + (3 * E + 3 * k) * 4 + 3 * k * 8)
+
+
+def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
+                           moe: bool = False) -> dict:
+    """Bytes one block keeps for backward for one micro-batch, by part (fused attention); ``moe``:
+    a block with the MoE FFN."""
     e = DTYPE_BYTES[layout.precision]
     n = layout.micro_batch * seq_len
     t = layout.tp
@@ -167,8 +195,9 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> di
     lse = n * cfg.n_heads * 4 / t                                       # fp32 log-sum-exp
     parts = {
         "norms": n * norms * e / sp,
-        "attention": n * (2 * hq + 2 * hkv) * e / t + (0 if layout.recompute == "selective" else lse),
-        "mlp": n * _mlp_elems(cfg, layout) * e / t,
+        "attention": n * (2 * hq + 2 * hkv) * e / t + (0 if layout.recompute == "selective" else lse)
+                     + (n * (hq + hkv) * e / t if cfg.qk_norm else 0),  # q, k before their norms
+        "mlp": _moe_mlp_bytes(cfg, n, layout, e) if moe else n * _mlp_elems(cfg, layout) * e / t,
         "dropout_masks": (2 * n * d * _mask_bytes(layout, cfg) / sp) if cfg.dropout > 0 else 0,
     }
     parts["total"] = sum(parts.values())
@@ -186,12 +215,14 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     d, V = cfg.d_model, cfg.vocab_size
     layer = layer_activation_bytes(cfg, seq_len, layout)["total"]
     layers = math.ceil(cfg.n_layers / layout.pp)
+    n_moe = min(layers, math.ceil(cfg.moe_layers / layout.pp))   # on the busiest stage
+    moe_layer = layer_activation_bytes(cfg, seq_len, layout, moe=True)["total"] if n_moe else 0.0
     if layout.recompute == "full":
         ckpt = math.ceil(layers / layout.recompute_every)
-        kept = ckpt * n * d * e / sp + (layers - ckpt) * layer
-        recompute_live = layer      # one block rebuilt at a time in backward
+        kept = ckpt * n * d * e / sp + (layers - ckpt) * max(layer, moe_layer)
+        recompute_live = max(layer, moe_layer)      # one block rebuilt at a time in backward
     else:
-        kept, recompute_live = layers * layer, 0.0
+        kept, recompute_live = (layers - n_moe) * layer + n_moe * moe_layer, 0.0
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     per_norm = _norm_elems(cfg, layout)
     rot = int(cfg.head_dim * cfg.rotary_fraction) if cfg.position == "rope" else 0

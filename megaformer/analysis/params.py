@@ -1,12 +1,17 @@
 """Closed-form parameter count of the Transformer, equal to the module's count for every config.
 
-With d = d_model, L = n_layers, h_kv key/value heads of width d_k = d / h, f = ffn_dim, V = vocab,
-beta = 1 if biases else 0:
+With d = d_model, L = n_layers, h heads and h_kv key/value heads of width d_k (d / h unless
+model.head_dim), f = ffn_dim, V = vocab, beta = 1 if biases else 0, beta_qkv = 1 if q/k/v biases:
 
-    attention  = d*d + 2*d*(h_kv*d_k) + d*d            + beta*(d + 2*h_kv*d_k + d)        (wq, wk, wv, wo)
+    attention  = d*(h*d_k) + 2*d*(h_kv*d_k) + (h*d_k)*d
+                 + beta_qkv*(h*d_k + 2*h_kv*d_k) + beta*d                                 (wq, wk, wv, wo)
+                 + 2*d_k with qk_norm                                                     (q_norm, k_norm)
     mlp        = gelu: 2*d*f + beta*(f + d);  swiglu: 3*d*f + beta*(2*f + d)
+    moe mlp    = d*E + E*m*d*f_e + m*d*f_s   (router, E experts of width f_e, shared experts of total
+                 width f_s; m = 3 for swiglu, 2 for gelu; no biases) in the MoE blocks
+    active     = the same with top_k experts in place of E: what one token's forward multiplies
     norm       = d (+ d for a LayerNorm with bias)
-    block      = attention + mlp + 2 * norm
+    block      = attention + (mlp or moe mlp) + 2 * norm
     embedding  = V*d  (+ max_seq_len*d for learned positions)  (+ V*d for an untied lm_head)
     total      = embedding + L * block + norm
 """
@@ -20,8 +25,9 @@ def _attention(cfg: ModelConfig) -> int:
     d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
     q_out = cfg.n_heads * cfg.head_dim
     weights = d * q_out + 2 * d * kv + q_out * d
-    biases = (q_out + 2 * kv + d) if cfg.bias else 0
-    return weights + biases
+    biases = ((q_out + 2 * kv) if cfg.attn_bias else 0) + (d if cfg.bias else 0)
+    qk_norm = 2 * cfg.head_dim if cfg.qk_norm else 0
+    return weights + biases + qk_norm
 
 
 def _mlp(cfg: ModelConfig) -> int:
@@ -31,6 +37,12 @@ def _mlp(cfg: ModelConfig) -> int:
     return 2 * d * f + ((f + d) if cfg.bias else 0)
 
 
+def _moe_mlp(cfg: ModelConfig, experts: int) -> int:
+    """An MoE block's FFN with ``experts`` routed experts counted (all E, or the top_k a token uses)."""
+    d, m = cfg.d_model, (3 if cfg.activation == "swiglu" else 2)
+    return d * cfg.moe.num_experts + experts * m * d * cfg.expert_dim + m * d * cfg.shared_dim
+
+
 def _norm(cfg: ModelConfig) -> int:
     if cfg.norm == "layernorm" and cfg.bias:
         return 2 * cfg.d_model
@@ -38,7 +50,8 @@ def _norm(cfg: ModelConfig) -> int:
 
 
 def count_parameters(cfg: ModelConfig) -> dict:
-    """{'total', 'embedding', 'non_embedding'} parameter counts for ``cfg`` (tied weights once).
+    """{'total', 'embedding', 'non_embedding'} parameter counts for ``cfg`` (tied weights once),
+    and for an MoE model 'active': the parameters one token uses (top_k of the E routed experts).
 
     ``embedding`` is the token embedding, learned positions and an untied lm_head.
     """
@@ -52,4 +65,11 @@ def count_parameters(cfg: ModelConfig) -> dict:
         embedding += V * d
     block = _attention(cfg) + _mlp(cfg) + 2 * _norm(cfg)
     non_embedding = cfg.n_layers * block + _norm(cfg)
-    return {"total": embedding + non_embedding, "embedding": embedding, "non_embedding": non_embedding}
+    moe = cfg.moe_layers
+    if moe == 0:
+        return {"total": embedding + non_embedding, "embedding": embedding,
+                "non_embedding": non_embedding}
+    non_embedding += moe * (_moe_mlp(cfg, cfg.moe.num_experts) - _mlp(cfg))
+    inactive = moe * (_moe_mlp(cfg, cfg.moe.num_experts) - _moe_mlp(cfg, cfg.moe.top_k))
+    return {"total": embedding + non_embedding, "embedding": embedding,
+            "non_embedding": non_embedding, "active": embedding + non_embedding - inactive}

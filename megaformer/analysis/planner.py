@@ -14,10 +14,17 @@ stated bandwidths and nothing overlapped (so it is a pessimistic, comparable ran
 
     MFU = model FLOPs / (step time * GPUs * peak)
 
+Checkpoints are sharded: the state is 12 bytes per parameter (fp32 master weight and Adam's two
+moments), and every rank writes its own share in parallel: the busiest rank's TP x PP shard / DP
+(its ZeRO partition; under ZeRO-0 the DP ranks split the replicated shard). An asynchronous save
+stages exactly that share in host memory.
+
 Rules that reject a layout: TP must divide heads, KV heads and the FFN width and stay within a node
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
 must split into micro-batches x DP; ZeRO-3 not with TP > 1 (megaformer), ZeRO 2/3 not with PP > 1
-(DeepSpeed's pipeline engine); memory must fit.
+(DeepSpeed's pipeline engine); memory must fit. MoE models (``model.moe``): TP must also divide the
+expert and shared-expert widths, no ZeRO-3, no PP > 1 with router losses; memory and checkpoints
+count every expert (total parameters), FLOPs and MFU the active ones.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from megaformer.parallel.plan import padded_vocab_size
 
 RESERVE_GB = 2.0
 GB = 1e9
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master weight + Adam's first and second moments
 
 
 @dataclass(frozen=True)
@@ -83,12 +91,17 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
     pp_bw = hw.inter_gbps if lay.tp * lay.pp > hw.gpus_per_node else hw.intra_gbps
     pp_time = 2 * micro * (lay.pp - 1) * act / (pp_bw * GB) / max(lay.pp, 1) if lay.pp > 1 else 0.0
     step = compute + tp_time + dp_time + pp_time
+    from megaformer.analysis.params import count_parameters
+
+    per_rank = CHECKPOINT_BYTES_PER_PARAM * params_per_rank(m, lay, padded) / lay.dp
     return {
         "layout": asdict(lay), "memory_gb": mem.total / GB,
         "memory": {k: v / GB for k, v in mem.as_dict().items() if isinstance(v, float)},
         "step_time_s": step,
         "time": {"compute": compute, "tp_comm": tp_time, "dp_comm": dp_time, "pp_comm": pp_time},
         "mfu": fl.model / (step * hw.gpus * peak), "tokens_per_s": fl.tokens / step,
+        "checkpoint": {"total_gb": CHECKPOINT_BYTES_PER_PARAM * count_parameters(m)["total"] / GB,
+                       "per_rank_gb": per_rank / GB, "async_staging_gb": per_rank / GB},
     }
 
 
@@ -96,6 +109,12 @@ def _reject_reason(cfg: Config, tp: int, pp: int, dp: int, zero: int, mb: int) -
     m, gbs = cfg.model, cfg.train.global_batch_size
     if m.n_heads % tp or m.kv_heads % tp or m.ffn_dim % tp:
         return f"TP={tp} does not divide heads {m.n_heads} / KV heads {m.kv_heads} / FFN {m.ffn_dim}"
+    if m.moe_layers and (m.expert_dim % tp or m.shared_dim % tp):
+        return f"TP={tp} does not divide the expert FFN {m.expert_dim} / shared FFN {m.shared_dim}"
+    if m.moe_layers and zero == 3:
+        return "ZeRO-3 with MoE blocks is not supported by megaformer"
+    if m.moe_layers and pp > 1 and (m.moe.aux_loss_coef > 0 or m.moe.z_loss_coef > 0):
+        return "MoE router losses (aux/z loss) with PP > 1 are not supported"
     if pp > m.n_layers:
         return f"PP={pp} > {m.n_layers} layers"
     if gbs % (mb * dp):
@@ -168,13 +187,20 @@ def format_plan(r: dict, top: int = 10) -> str:
              f"{a['intra_gbps']:g} GB/s, network {a['inter_gbps']:g} GB/s per GPU; no overlap; "
              f"{a['reserve_gb']:g} GB reserved; global batch {a['global_batch']} x {a['seq_len']}",
              f"{'TP':>3s} {'PP':>3s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} {'recompute':>9s} "
-             f"{'mem GB':>7s} {'step s':>8s} {'MFU':>6s}  time split (compute/TP/DP/PP)"]
+             f"{'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "
+             "time split (compute/TP/DP/PP)"]
     for x in r["feasible"][:top]:
         L, t = x["layout"], x["time"]
         lines.append(f"{L['tp']:>3d} {L['pp']:>3d} {L['dp']:>4d} {L['zero']:>4d} {L['micro_batch']:>3d} "
                      f"{L['recompute']:>9s} {x['memory_gb']:>7.1f} {x['step_time_s']:>8.3f} "
-                     f"{100 * x['mfu']:>5.1f}%  {t['compute']:.3f}/{t['tp_comm']:.3f}/"
+                     f"{100 * x['mfu']:>5.1f}% {x['checkpoint']['per_rank_gb']:>12.2f}  "
+                     f"{t['compute']:.3f}/{t['tp_comm']:.3f}/"
                      f"{t['dp_comm']:.3f}/{t['pp_comm']:.3f}")
+    if r["feasible"]:
+        c = r["feasible"][0]["checkpoint"]
+        lines.append(f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + Adam "
+                     f"moments), written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
+                     f"first layout (= its host staging with checkpoint.async_save)")
     if not r["feasible"]:
         lines.append("no feasible layout")
     lines.append(f"{len(r['feasible'])} feasible, {len(r['rejected'])} rejected; e.g.:")

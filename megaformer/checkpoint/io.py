@@ -3,14 +3,18 @@
 Layout::
 
     RUN_DIR/checkpoints/
-      step_0000100/                DeepSpeed engine state (model, optimizer, scheduler) ...
-        model.safetensors          ... plus consolidated weights (what ``generate`` reads),
+      step_0000100/
+        state/                     the training state, one file per rank (:mod:`.sharded`)
+        model.safetensors          consolidated weights, only with checkpoint.export_weights
         config.yaml                the resolved config,
         tokenizer.json             the tokenizer,
         rng/rank_N.pt              every rank's RNG state,
-        meta.json                  step, consumed samples/tokens, layout, version,
-        optimizer/                 the layout-free optimizer state (:mod:`.portable`).
+        meta.json                  step, consumed samples/tokens, layout, version.
       latest                       the name of the newest complete checkpoint
+
+Checkpoints of the first release instead hold DeepSpeed's engine files, ``model.safetensors`` and
+the layout-free ``optimizer/`` (:mod:`.portable`); they still load. fp16 runs still write
+DeepSpeed's files (its loss scaler lives there).
 
 A checkpoint is written into ``.tmp-step_...``, flushed to disk, then renamed; ``latest`` is replaced
 (write + rename) only after that. An interrupted save leaves a ``.tmp-`` folder that is never
@@ -150,8 +154,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not p.exists():
         raise CheckpointError(f"{p}: no such run directory or checkpoint")
     if is_complete(p):
-        if not (p / WEIGHTS).is_file():
-            raise CheckpointError(f"{p}: checkpoint has no {WEIGHTS}")
+        if not (p / WEIGHTS).is_file() and not (p / "state" / "index.json").is_file():
+            raise CheckpointError(f"{p}: checkpoint has neither {WEIGHTS} nor a sharded state "
+                                  "(state/index.json)")
         return p
     for root in (p / CHECKPOINTS, p):
         if root.is_dir():
@@ -231,15 +236,15 @@ def set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- save
 
-def write_payload(path: Path, payload: Any) -> None:
+def write_payload(path: Path, payload: Any, metadata: Optional[dict[str, str]] = None) -> None:
     """One file of a checkpoint: tensors as safetensors, or text; written under a ``.partial``
     name, flushed to disk, then renamed, so a file that exists is a whole file."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    if isinstance(payload, dict):  # one metadata key: the bytes do not depend on hash order
-        save_file(payload, str(partial), metadata={"format": "pt"})
+    if isinstance(payload, dict):  # sorted metadata keys: the bytes do not depend on hash order
+        save_file(payload, str(partial), metadata={"format": "pt", **(metadata or {})})
     else:
         partial.write_text(payload)
     with open(partial, "rb") as fh:
@@ -293,7 +298,9 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
                     keep_last: Optional[int], barrier: Any,
                     extra_rng: Optional[dict] = None, background: Any = None,
                     wait_timeout_s: float = 1800.0,
-                    before_commit: Optional[Callable[[], None]] = None) -> Optional[Path]:
+                    before_commit: Optional[Callable[[], None]] = None,
+                    engine_files: bool = True,
+                    before_seal: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
 
     Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
@@ -309,7 +316,9 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     with barriers.
 
     ``before_commit`` runs on every rank once its files are written, before the checkpoint is
-    sealed (the fault-injection tests kill a rank there)."""
+    sealed (the fault-injection tests kill a rank there). ``engine_files=False``: DeepSpeed's own
+    files are not written (the state is all in ``snapshot``'s files). ``before_seal(tmp)`` runs on
+    rank 0 once every rank's files exist, before the seal (it writes what describes them all)."""
     if background is not None:
         background.wait()  # the previous save is sealed (or its failure raised) first
     root = run_dir / CHECKPOINTS
@@ -330,19 +339,21 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
             shutil.rmtree(tmp)
     barrier()
     ds_files = deepspeed_attrs.checkpoint_engine(engine)
-    defer = background is not None and hasattr(ds_files, "take_pending")
+    defer = engine_files and background is not None and hasattr(ds_files, "take_pending")
     memo: Optional[dict] = {} if background is not None else None
     if defer:
         ds_files.deferring = True
         ds_files.memo = memo
-    try:
-        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
-    finally:
-        if defer:
-            ds_files.deferring = False
+    if engine_files:
+        try:
+            engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state,
+                                   save_latest=False)
+        finally:
+            if defer:
+                ds_files.deferring = False
     pending = ds_files.take_pending() if defer else []
+    tmp.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=True)
         for script in RECOVERY_SCRIPTS:  # in case DeepSpeed copied them (they unpickle)
             (tmp / script).unlink(missing_ok=True)
         (tmp / README).write_text(README_TEXT)
@@ -354,7 +365,10 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
         for state, path in pending:
             ds_files.write_now(state, path)
         for rel, payload in files.items():
-            write_payload(tmp / rel, payload)
+            if isinstance(payload, tuple):  # (tensors, safetensors metadata)
+                write_payload(tmp / rel, *payload)
+            else:
+                write_payload(tmp / rel, payload)
 
     if background is None:
         write()
@@ -362,6 +376,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
         if before_commit is not None:
             before_commit()
         if rank == 0:
+            if before_seal is not None:
+                before_seal(tmp)
             _seal(tmp, final, keep_last)
         barrier()
         return final
@@ -377,6 +393,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
             _wait_for(tmp, markers, wait_timeout_s)
             for m in markers:
                 (tmp / m).unlink()
+            if before_seal is not None:
+                before_seal(tmp)
             _seal(tmp, final, keep_last)
             log.info("saved checkpoint %s (in the background)", final)
 
@@ -491,14 +509,22 @@ def load_engine_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict, dict]:
         raise CheckpointError(f"{ckpt}: cannot restore the training state ({first[:300]})") from None
     if path is None or client is None:
         raise CheckpointError(f"{ckpt}: DeepSpeed found no engine state for this layout")
+    return client, load_rng_state(ckpt, rank)
+
+
+def load_rng_state(ckpt: Path, rank: int) -> dict:
+    """Restore this rank's saved RNG streams (weights-only unpickling); returns the saved dict
+    (empty, with a warning, when the checkpoint has none for this rank)."""
     rng_file = ckpt / "rng" / f"rank_{rank}.pt"
-    rng: dict = {}
-    if rng_file.is_file():
+    if rng_file.is_symlink() or not rng_file.is_file():
+        log.warning("%s has no RNG state for rank %d; dropout will not replay exactly", ckpt, rank)
+        return {}
+    try:
         rng = safe_torch_load(str(rng_file))
         set_rng_state(rng)
-    else:
-        log.warning("%s has no RNG state for rank %d; dropout will not replay exactly", ckpt, rank)
-    return client, rng
+    except (RuntimeError, KeyError, ValueError, TypeError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{rng_file}: corrupt RNG state ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+    return rng
 
 
 def expected_shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -525,10 +551,16 @@ def check_shapes(specs: Any, expected: dict[str, tuple[int, ...]], where: str,
 
 def check_weights(ckpt: Path, model_cfg: Any) -> None:
     """The checkpoint's weight file is a regular, well-formed safetensors file whose tensors have
-    the shapes ``model_cfg`` gives them (headers only: nothing is loaded or allocated)."""
+    the shapes ``model_cfg`` gives them (headers only: nothing is loaded or allocated); for a
+    sharded checkpoint, its index names exactly the model's parameters with their shapes."""
     from megaformer.checkpoint.safetensors_check import read_header
 
     f = ckpt / WEIGHTS
+    if not f.exists():
+        from megaformer.checkpoint.sharded import ShardedState
+
+        ShardedState(ckpt).check_model(expected_shapes(model_cfg))
+        return
     regular_files([f])
     header = read_header(f)
     header.pop("__metadata__", None)
@@ -539,14 +571,21 @@ def check_weights(ckpt: Path, model_cfg: Any) -> None:
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Whole, unpadded weights (one process: generation, tools): ``model.safetensors``, or the
+    master weights assembled from a sharded checkpoint's shards."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from megaformer.checkpoint.safetensors_check import read_header
 
     f = ckpt / WEIGHTS
-    if not f.is_file():
-        raise CheckpointError(f"{ckpt}: no {WEIGHTS}")
+    if not f.exists():
+        from megaformer.checkpoint.sharded import ShardedState, has_sharded_state
+
+        if has_sharded_state(ckpt):
+            state = ShardedState(ckpt)
+            return {name: state.whole(name) for name in state.names()}
+        raise CheckpointError(f"{ckpt}: no {WEIGHTS} and no sharded state")
     regular_files([f])
     read_header(f)
     try:

@@ -1,4 +1,6 @@
-"""Layout-independent optimizer state: what lets a run resume at another TP, PP or DP degree.
+"""The layout-independent optimizer state of first-release checkpoints (read, to resume them at
+another layout; new checkpoints are sharded, :mod:`megaformer.checkpoint.sharded`), and the
+optimizer accessors both formats use.
 
 DeepSpeed's own files hold each rank's shard (per TP/PP rank, and per DP rank under ZeRO), so they
 only load back into the layout that wrote them. Next to them every checkpoint carries::

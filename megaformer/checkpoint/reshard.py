@@ -1,8 +1,10 @@
 """Offline reshard: a megaformer checkpoint -> a new run directory set up for another TP x PP layout.
 
-Every checkpoint already holds its state in a layout-free form (``model.safetensors`` and
-``optimizer/``, see :mod:`megaformer.checkpoint.portable`): whole tensors under plain-model names.
-Resharding therefore moves no bytes between shards; it
+Every checkpoint already holds its state in a layout-free form: the sharded state (``state/``,
+see :mod:`megaformer.checkpoint.sharded`: boxes placed in whole-tensor coordinates, which any
+layout reads directly), or, in checkpoints of the first release, ``model.safetensors`` and
+``optimizer/`` (:mod:`megaformer.checkpoint.portable`). Resharding therefore moves no bytes
+between shards; it
 
 1. checks that the new layout fits the model (heads and KV heads divisible by TP, at least one
    block per stage, ...) by validating the checkpoint's config with the new ``parallel`` keys;
@@ -29,7 +31,7 @@ import yaml
 
 from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
-from megaformer.checkpoint import portable
+from megaformer.checkpoint import portable, sharded
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.config import config_from_dict
 from megaformer.errors import CheckpointError, ConfigError
@@ -56,9 +58,22 @@ def _shapes(header: dict) -> dict[str, tuple]:
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
+def _check_sharded(ckpt: Path) -> list[Path]:
+    """A sharded checkpoint's state files: the index, and every shard checked against it (size,
+    header, each tensor's byte range)."""
+    state = sharded.ShardedState(ckpt)
+    files = [state.folder / sharded.INDEX]
+    for name in state.files:
+        state._handle(name)  # size against the index, header against the file
+        files.append(state.folder / name)
+    return files
+
+
 def _check_state(ckpt: Path) -> list[Path]:
     """The checkpoint's safetensors files, each checked; the optimizer state must cover exactly
     the weights (three fp32 tensors of the weight's shape per parameter)."""
+    if sharded.has_sharded_state(ckpt):
+        return _check_sharded(ckpt)
     weights = _shapes(read_header(ckpt / ckpt_io.WEIGHTS))
     files = [ckpt / ckpt_io.WEIGHTS]
     if not portable.has_portable_state(ckpt):
@@ -90,7 +105,8 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
             raise ConfigError(f"{name} {value}: must be a positive integer")
     meta = ckpt_io.read_meta(ckpt)
     weights_only = bool(meta.get("weights_only", False))
-    if not weights_only and not portable.has_portable_state(ckpt):
+    if (not weights_only and not portable.has_portable_state(ckpt)
+            and not sharded.has_sharded_state(ckpt)):
         raise CheckpointError(f"{ckpt}: has no layout-free optimizer state "
                               f"({portable.STATE_DIR}/); it predates resharding")
     config_yaml = _new_config(ckpt, tensor, pipeline)
@@ -104,7 +120,7 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
             target = tmp / f.relative_to(ckpt)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, target)
-        if not weights_only:
+        if not weights_only and portable.has_portable_state(ckpt):
             shutil.copyfile(ckpt / portable.STATE_DIR / portable.STATE_JSON,
                             tmp / portable.STATE_DIR / portable.STATE_JSON)
         shutil.copyfile(ckpt / "tokenizer.json", tmp / "tokenizer.json")

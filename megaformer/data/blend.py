@@ -7,11 +7,12 @@ dataset d's k-th sample in the window
 
     release (k + delta) / w_d  <=  n  <=  deadline (k + 1 - delta) / w_d,    delta = 1 / (2D - 2),
 
-which is what :func:`blend_index` does (two heaps over D datasets, O(n log D); a greedy "largest
-deficit" rule, as in Megatron-LM, can overshoot 1). The sequence is online, so the first n entries
-never depend on how many are built, and the state after n entries is just the counts c_d(n): the
-schedule is built in chunks from there. Global sample g is sample ``k = offset[g]`` of dataset
-``which[g]``, and that dataset's own (shuffled) order supplies the tokens.
+which is what :func:`blend_index` does (per slot, a scan over the D datasets, or two heaps, O(log D),
+beyond 16 datasets; a greedy "largest deficit" rule, as in Megatron-LM, can overshoot 1). The
+sequence is online, so the first n entries never depend on how many are built, and the state
+after n entries is just the counts c_d(n): the schedule is built in chunks from there. Global
+sample g is sample ``k = offset[g]`` of dataset ``which[g]``, and that dataset's own (shuffled)
+order supplies the tokens.
 
 The scheduling loop is sequential (each choice depends on the previous ones), so it runs as a small
 C function (``blend.c``) built on first use with the system compiler (``$CC``, default ``cc``;
@@ -19,7 +20,10 @@ cached as the native kernels are, under ``$MEGAFORMER_CACHE_DIR``, default
 ``~/.cache/megaformer``, ``/blend/<hash>/``, private to the user and digest-checked), which computes
 the same floating-point keys in the same order as the Python loop and so the same schedule. Without
 a compiler (or with ``MEGAFORMER_NATIVE=0``) the Python loop runs instead: same output, slower.
-``which`` and ``offset`` are stored in the smallest integer types that hold them.
+The same library holds the two loops of :mod:`megaformer.data.gpt_dataset`'s index build (an
+epoch's sample rows, numpy's shuffle), each with a numpy fallback of the same output. ``which``
+and ``offset`` are stored in the smallest integer types that hold them, and a cached blend is
+written chunk by chunk straight into its files (never whole in memory).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ import numpy as np
 import torch
 
 from megaformer.data.indexed import smallest_int
+from megaformer.data.npy_files import NpyWriter
 from megaformer.errors import DataError
-from megaformer.safe_files import make_dir, owned_by_me, read_text_bounded, temp_path, write_atomic
+from megaformer.safe_files import make_dir, owned_by_me, read_text_bounded, write_atomic
 
 log = logging.getLogger("megaformer")
 
@@ -71,6 +76,12 @@ def _build_scheduler() -> tuple[Optional[ctypes.CDLL], str]:
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
         lib.mf_blend.restype = ctypes.c_int
+        lib.mf_epoch_rows.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int)
+        lib.mf_epoch_rows.restype = ctypes.c_int
+        lib.mf_shuffle.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+        lib.mf_shuffle.restype = None
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         return None, f"blend scheduler: Python loop ({e})"
     if private:  # loaded (mapped): the private one-off copy is not needed on disk
@@ -120,17 +131,18 @@ def _schedule_py(w: np.ndarray, active: list[int], delta: float, i0: int, n: int
 
 
 def blend_chunks(weights: Sequence[float], n: int, chunk: int = CHUNK, native: bool = True,
-                 out: Optional[tuple[np.ndarray, np.ndarray]] = None
-                 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+                 out: Optional[tuple[np.ndarray, np.ndarray]] = None,
+                 counts: Optional[np.ndarray] = None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """``(start, which, offset)`` for global samples ``[start, start + len(which))``, chunk by chunk,
     covering ``[0, n)``: :func:`blend_index` without holding all of it (int32 / int64 chunks), or,
     given ``out`` (two contiguous integer arrays of length >= n), views of ``out`` filled in place.
+    ``counts`` (int64 zeros, one per dataset), when given, holds the samples per dataset so far.
     ``native=False`` runs the Python loop."""
     w = normalise(weights)
     D = len(w)
     active = [d for d in range(D) if w[d] > 0]
     lib = scheduler() if native and len(active) > 1 else None
-    count = np.zeros(D, dtype=np.int64)
+    count = np.zeros(D, dtype=np.int64) if counts is None else counts
     if len(active) > 1:
         delta = 1.0 / (2 * (len(active) - 1))
         w_c = np.ascontiguousarray(w)
@@ -146,6 +158,7 @@ def blend_chunks(weights: Sequence[float], n: int, chunk: int = CHUNK, native: b
         if len(active) <= 1:
             which[:] = active[0] if active else 0
             offset[:] = np.arange(start, start + m)
+            count[active[0] if active else 0] += m
         elif lib is None:
             which[:], offset[:] = _schedule_py(w, active, delta, start, m, count)
         else:
@@ -218,31 +231,49 @@ class BlendedDataset:
             if (which.ndim != 1 or which.shape != offset.shape or len(which) < n
                     or which.dtype.kind not in "iu" or offset.dtype.kind not in "iu"):
                 raise ValueError(f"shapes {which.shape} ({which.dtype}), {offset.shape} ({offset.dtype})")
+            counts = np.zeros(len(self.datasets), dtype=np.int64)
             for a in range(0, len(which), CHUNK):
                 wh, off = which[a:a + CHUNK], offset[a:a + CHUNK]
                 if wh.min() < 0 or wh.max() >= len(self.datasets) or off.min() < 0 or \
                         (off > np.arange(a, a + len(off))).any():
                     raise ValueError("entries out of range")
+                counts += np.bincount(wh, minlength=len(self.datasets))
         except (OSError, ValueError, KeyError, TypeError, DataError) as e:
             log.warning("data: ignoring the cached blend index %s (%s); rebuilding it", paths["meta"],
                         " ".join(str(e).split())[:200])
             return False
-        self.which, self.offset = which, offset
+        self.which, self.offset, self._counts = which, offset, counts
         return True
 
-    def _save(self, n: int) -> None:
-        paths = self._paths()
+    def _compute(self, n: int, paths: Optional[dict[str, Path]] = None) -> None:
+        """``which``/``offset`` for ``n`` samples and the samples per dataset among them: in
+        memory, or written chunk by chunk into ``paths`` (renamed into place when complete, the
+        ``.json`` last) and memory-mapped from there."""
+        D = len(self.datasets)
+        dtypes = {"which": smallest_int(max(D - 1, 0)), "offset": smallest_int(max(n - 1, 0))}
+        if paths is None:
+            self.which, self.offset = blend_index(self.weights, n)
+            self._counts = self.counts(n)
+            return
         make_dir(paths["meta"].parent, mode=0o700, error=DataError)
-        for name in ("which", "offset"):
-            tmp = temp_path(paths[name], ".npy")
-            try:
-                with open(tmp, "wb") as fh:
-                    np.save(fh, getattr(self, name))
-                os.replace(tmp, paths[name])
-            finally:
-                tmp.unlink(missing_ok=True)
-        write_atomic(paths["meta"], json.dumps({"samples": n, "datasets": len(self.datasets)}),
-                     fsync=False, error=DataError)
+        sinks: dict[str, NpyWriter] = {}
+        try:
+            for name in ("which", "offset"):
+                sinks[name] = NpyWriter(paths[name], dtypes[name], (n,))
+            counts = np.zeros(D, dtype=np.int64)
+            for start, which, offset in blend_chunks(self.weights, n, counts=counts):
+                sinks["which"].put(start, which)
+                sinks["offset"].put(start, offset)
+            for name in ("which", "offset"):
+                sinks.pop(name).commit()
+        finally:
+            for sink in sinks.values():
+                sink.abort()
+        write_atomic(paths["meta"], json.dumps({"samples": n, "datasets": D}), fsync=False,
+                     error=DataError)
+        self.which = np.load(paths["which"], mmap_mode="r", allow_pickle=False)
+        self.offset = np.load(paths["offset"], mmap_mode="r", allow_pickle=False)
+        self._counts = counts
 
     def _build(self, n: int, save: bool) -> None:
         if self._load_cached(n):
@@ -252,29 +283,26 @@ class BlendedDataset:
             log.info("data: building the blend index of %d datasets for %s samples (rank 0; the "
                      "other ranks wait)", len(self.datasets), f"{n:,}")
         t0 = time.perf_counter()
-        self.which, self.offset = blend_index(self.weights, n)
-        if self.cache_dir is not None and save:
-            self._save(n)
-            paths = self._paths()  # memory-mapped from here on, as on the other ranks
-            self.which = np.load(paths["which"], mmap_mode="r", allow_pickle=False)
-            self.offset = np.load(paths["offset"], mmap_mode="r", allow_pickle=False)
+        self._compute(n, self._paths() if self.cache_dir is not None and save else None)
         log.info("data: blend of %d datasets (weights %s): %s samples in %.2fs", len(self.datasets),
                  ", ".join(f"{w:.3f}" for w in self.weights), f"{n:,}", time.perf_counter() - t0)
         self._ensure_parts()
 
     def _ensure_parts(self) -> None:
         # dataset d's samples are numbered 0, 1, 2, ... in order: it needs as many as it appears
-        counts = np.bincount(self.which, minlength=len(self.datasets))
         for d, ds in enumerate(self.datasets):
-            if counts[d] and hasattr(ds, "ensure"):
-                ds.ensure(int(counts[d]), build=False)
+            if self._counts[d] and hasattr(ds, "ensure"):
+                ds.ensure(int(self._counts[d]), build=False)
 
     def __len__(self) -> int:
         return len(self.which)
 
     def counts(self, n: int) -> np.ndarray:
         """Samples per dataset among the first n."""
-        return np.bincount(self.which[:n], minlength=len(self.datasets))
+        counts = np.zeros(len(self.datasets), dtype=np.int64)
+        for a in range(0, min(n, len(self.which)), CHUNK):
+            counts += np.bincount(self.which[a:min(a + CHUNK, n)], minlength=len(self.datasets))
+        return counts
 
     def sample(self, g: int) -> np.ndarray:
         if g >= len(self.which):

@@ -24,9 +24,11 @@ prefix whose ``.idx`` exists is complete.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -41,6 +43,7 @@ HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count,
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
           7: np.float32, 8: np.uint16}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+CHECK_CHUNK = 1 << 20  # sequences per step of the index check on open
 TOKENIZER_SUFFIX = ".tokenizer.json"  # megaformer's sidecar; ignored by Megatron-LM and GPT-NeoX
 
 
@@ -152,6 +155,50 @@ class IndexedWriter:
             p.unlink(missing_ok=True)
 
 
+def _pread(fd: int, dtype: type, count: int, offset: int) -> np.ndarray:
+    want = np.dtype(dtype).itemsize * count
+    parts = []
+    while want > 0:
+        data = os.pread(fd, want, offset)
+        if not data:
+            raise OSError("unexpected end of file")
+        parts.append(data)
+        want, offset = want - len(data), offset + len(data)
+    return np.frombuffer(b"".join(parts), dtype=dtype)
+
+
+def _check_index(ip: Path, n_seq: int, n_doc: int, itemsize: int) -> int:
+    """The ``.bin`` size in bytes that the index describes, after checking it (lengths >= 0,
+    pointers their running sum, document index rising from 0 to ``n_seq``), read in chunks with
+    ``pread``: bounded memory, and the index's pages are not left mapped in this process."""
+    head = HEADER.size
+    fd = os.open(ip, os.O_RDONLY)
+    try:
+        nbytes = 0
+        for a in range(0, n_seq, CHECK_CHUNK):
+            m = min(CHECK_CHUNK, n_seq - a)
+            lengths = _pread(fd, np.int32, m, head + 4 * a)
+            if int(lengths.min()) < 0:
+                raise DataError(f"{ip}: corrupt (negative sequence length)")
+            ends = np.cumsum(lengths, dtype=np.int64)
+            ends *= itemsize
+            ends += nbytes
+            pointers = _pread(fd, np.int64, m, head + 4 * n_seq + 8 * a)
+            if pointers[0] != nbytes or not np.array_equal(pointers[1:], ends[:-1]):
+                raise DataError(f"{ip}: corrupt (sequence pointers do not follow the lengths)")
+            nbytes = int(ends[-1])
+        ok, last = n_doc > 0, 0
+        for a in range(0, n_doc, CHECK_CHUNK):
+            docs = _pread(fd, np.int64, min(CHECK_CHUNK, n_doc - a), head + 12 * n_seq + 8 * a)
+            ok = ok and (a > 0 or docs[0] == 0) and docs[0] >= last and not (docs[1:] < docs[:-1]).any()
+            last = int(docs[-1])
+        if not ok or last != n_seq:
+            raise DataError(f"{ip}: corrupt document index (must rise from 0 to {n_seq})")
+    finally:
+        os.close(fd)
+    return nbytes
+
+
 class IndexedDataset:
     """A read-only, memory-mapped ``PREFIX.bin`` / ``PREFIX.idx`` pair, validated on open.
 
@@ -165,7 +212,8 @@ class IndexedDataset:
         for p in (ip, bp):
             if not p.is_file():
                 raise DataError(f"{p}: no such file (expected PREFIX.bin and PREFIX.idx)")
-        size = ip.stat().st_size
+        st = ip.stat()
+        size = st.st_size
         if size < HEADER.size:
             raise DataError(f"{ip}: truncated ({size} bytes, shorter than the {HEADER.size}-byte header)")
         with open(ip, "rb") as fh:
@@ -186,23 +234,36 @@ class IndexedDataset:
         self.lengths = np.frombuffer(self._idx, np.int32, n_seq, off)
         self.pointers = np.frombuffer(self._idx, np.int64, n_seq, off + 4 * n_seq)
         self.doc_indices = np.frombuffer(self._idx, np.int64, n_doc, off + 12 * n_seq)
-        if (self.lengths < 0).any():
-            raise DataError(f"{ip}: corrupt (negative sequence length)")
-        nbytes = int(self.lengths.sum(dtype=np.int64)) * self.dtype.itemsize
-        expected_ptr = np.zeros(n_seq, dtype=np.int64)
-        if n_seq > 1:
-            np.cumsum(self.lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=expected_ptr[1:])
-        if not np.array_equal(self.pointers, expected_ptr):
-            raise DataError(f"{ip}: corrupt (sequence pointers do not follow the lengths)")
-        if n_doc == 0 or self.doc_indices[0] != 0 or self.doc_indices[-1] != n_seq or \
-                (np.diff(self.doc_indices) < 0).any():
-            raise DataError(f"{ip}: corrupt document index (must rise from 0 to {n_seq})")
+        nbytes = _check_index(ip, n_seq, n_doc, self.dtype.itemsize)
         bsize = bp.stat().st_size
         if bsize != nbytes:
             raise DataError(f"{bp}: {bsize} bytes but {ip} describes {nbytes} "
                             f"({'truncated' if bsize < nbytes else 'mismatched'} .bin/.idx pair)")
         self._bin = np.memmap(bp, mode="r", dtype=self.dtype) if nbytes else np.zeros(0, self.dtype)
-        self.starts = self.pointers // self.dtype.itemsize  # token offset of each sequence
+        self._idx_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # what was mapped
+        self._sha256: Optional[str] = None
+        self._sha256_lock = threading.Lock()
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Token offset of each sequence (computed on use: 8 bytes per sequence)."""
+        return self.pointers // self.dtype.itemsize
+
+    def idx_sha256(self) -> str:
+        """sha256 of ``PREFIX.idx``, read once per dataset object (the cache keys of its indices);
+        DataError if the file was replaced since it was opened."""
+        with self._sha256_lock:
+            if self._sha256 is None:
+                ip = idx_path(self.prefix)
+                h = hashlib.sha256()
+                with open(ip, "rb") as fh:
+                    st = os.fstat(fh.fileno())
+                    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._idx_id:
+                        raise DataError(f"{ip}: replaced or changed while in use; run again")
+                    for chunk in iter(lambda: fh.read(1 << 24), b""):
+                        h.update(chunk)
+                self._sha256 = h.hexdigest()
+            return self._sha256
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -217,8 +278,9 @@ class IndexedDataset:
         return self._bin
 
     def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-        start = int(self.starts[i]) + offset
-        end = int(self.starts[i]) + int(self.lengths[i]) if length is None else start + length
+        first = int(self.pointers[i]) // self.dtype.itemsize
+        start = first + offset
+        end = first + int(self.lengths[i]) if length is None else start + length
         return self._bin[start:end]
 
 

@@ -177,6 +177,8 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
         prefixes.append(out)
         if not is_prefix(out):
             todo.append((spec, out))
+        else:
+            _check_own_prepared(out)
 
     def work() -> None:
         for spec, out in todo:
@@ -191,9 +193,27 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
     return prefixes
 
 
-def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_limit: int) -> None:
+def _check_own_prepared(prefix: Path) -> None:
+    """A prepared dataset found in the cache is reused only when its files are this user's own and
+    not writable by group or others (a shared cache could hold files someone else planted)."""
+    from megaformer.data.indexed import bin_path, idx_path, tokenizer_path
+    from megaformer.safe_files import owned_by_me
+
+    side = tokenizer_path(prefix)
+    for p in [bin_path(prefix), idx_path(prefix)] + ([side] if side.exists() or side.is_symlink() else []):
+        if not owned_by_me(p):
+            raise DataError(f"{p}: a prepared dataset in data.cache_dir that is not this user's own "
+                            "regular file (or is writable by group or others), so it is not reused; "
+                            f"remove {prefix.parent}, use a data.cache_dir private to you, or list "
+                            f"{prefix} in data.paths to use it as it is")
+
+
+def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_limit: int) -> list:
+    """The prefixes opened (:class:`IndexedDataset`, each checked once), after checking that they
+    were prepared with this tokenizer."""
     from megaformer.data.indexed import IndexedDataset, bin_path, tokenizer_path
 
+    opened = []
     for p in prefixes:
         side = tokenizer_path(p)
         if side.is_file():
@@ -208,13 +228,15 @@ def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_l
         if len(head) and (int(head.max()) >= vocab_limit or int(head.min()) < 0):
             raise DataError(f"{bin_path(p)}: token id {int(head.max())} outside the vocabulary "
                             f"(size {vocab_limit}); was it prepared with another tokenizer?")
+        opened.append(data)
+    return opened
 
 
 def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
                    checkpoint: Optional[Path]) -> tuple[Tokenizer, DataBundle]:
     from megaformer.data.blend import BlendedDataset, normalise
-    from megaformer.data.gpt_dataset import build_split_datasets, parse_split, split_ranges
-    from megaformer.data.indexed import IndexedDataset, is_prefix
+    from megaformer.data.gpt_dataset import build_many_split_datasets, parse_split, split_ranges
+    from megaformer.data.indexed import is_prefix
 
     t0 = time.perf_counter()
     d, t = cfg.data, cfg.train
@@ -226,24 +248,23 @@ def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], 
     sources = [p for p in d.paths or [] if not is_prefix(p)]
     tokenizer = _indexed_tokenizer(cfg, run_dir, rank, barrier, checkpoint, sources)
     prefixes = _prepare_sources(cfg, cache, rank, barrier, tokenizer)
-    _check_tokenizer_matches(prefixes, tokenizer, max(tokenizer.vocab_size, cfg.model.vocab_size or 0))
+    datasets = _check_tokenizer_matches(prefixes, tokenizer,
+                                        max(tokenizer.vocab_size, cfg.model.vocab_size or 0))
 
     if d.weights is not None:
         weights = normalise(d.weights)
     else:  # proportional to each dataset's training tokens
         sizes = []
-        for p in prefixes:
-            data = IndexedDataset(p)
+        for data in datasets:
             a, b = split_ranges(len(data), ratios)[0]
             sizes.append(max(1, int(data.lengths[a:b].sum(dtype=np.int64))))
         weights = normalise(sizes)
     G = t.global_batch_size
     n_train, n_valid = t.steps * G, cfg.eval.iters * G
-    parts = [build_split_datasets(p, ratios, cfg.seq_len, t.seed,
-                                  (math.ceil(w * n_train) + 1 if w > 0 else 0,
-                                   math.ceil(w * n_valid) + 1 if w > 0 else 0, 0),
-                                  cache, rank, barrier)
-             for p, w in zip(prefixes, weights)]
+    parts = build_many_split_datasets(datasets, ratios, cfg.seq_len, t.seed,
+                                      [(math.ceil(w * n_train) + 1 if w > 0 else 0,
+                                        math.ceil(w * n_valid) + 1 if w > 0 else 0, 0)
+                                       for w in weights], cache, rank, barrier)
     if len(parts) == 1:
         train, valid = parts[0][0], parts[0][1]
     else:

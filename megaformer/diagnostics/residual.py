@@ -65,11 +65,11 @@ class ProbeAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  dropout_p: float = 0.0, backend: str = "reference",
-                 scale: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+                 scale: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
+                 window: Optional[int] = None) -> torch.Tensor:
         if doc_ids is not None:  # refused by the config (log.diagnostics with document_mask)
             raise ValueError("the diagnostics pass does not support model.document_mask")
-        self.scores = attention_scores(q, k, causal, scale)
+        self.scores = attention_scores(q, k, causal, scale, window)
         self.probs = torch.softmax(self.scores, dim=-1)
         self.context = self.probs @ share_kv_heads(v.float(), q.shape[1])
         return self.context.to(q.dtype)

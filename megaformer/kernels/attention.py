@@ -6,6 +6,8 @@ with q of shape [B, H, T, D] and k, v of shape [B, Hkv, S, D], H a multiple of H
 attention: query head i reads key/value head i // (H / Hkv); Hkv = 1 is multi-query attention).
 When T < S the queries are the *last* T positions of the S keys (decoding with a KV cache), so the
 causal mask M is aligned bottom-right: query i (absolute position S - T + i) sees keys j <= S - T + i.
+With a sliding window W (``window``, Mistral) it sees only the W most recent of those keys,
+S - T + i - W < j <= S - T + i: flash-attn's ``window_size=(W - 1, 0)``, a banded mask elsewhere.
 
 Paths:
   * ``flash``     -- FlashAttention (CUDA, fp16/bf16; GQA and bottom-right causal native), the first
@@ -15,8 +17,8 @@ Paths:
                      (its own guards know which cuDNN versions are safe for which masks);
                      ``MEGAFORMER_SDPA_BACKENDS=cudnn,flash,efficient,math`` (any subset, in order)
                      sets a priority instead
-  * ``native``    -- megaformer's native CPU FlashAttention-2 kernel (fp32, no dropout or document
-                     mask; :mod:`megaformer.kernels.native`)
+  * ``native``    -- megaformer's native CPU FlashAttention-2 kernel (fp32, no dropout, document
+                     mask or sliding window; :mod:`megaformer.kernels.native`)
   * ``reference`` -- the formula above written out, in fp32
   * ``auto``      -- flash when usable, else native on fp32 CPU, else sdpa
                      (the rule: op ``attention`` of :mod:`megaformer.kernels.selection`)
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from typing import Optional, Union
@@ -60,9 +63,19 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[in
     return H // Hkv, S - T
 
 
-def causal_mask(T: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean [T, S] mask, True where query i may attend key j: j <= i + (S - T) (bottom-right aligned)."""
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+def causal_mask(T: int, S: int, device: torch.device | str | None = None,
+                window: Optional[int] = None) -> torch.Tensor:
+    """Boolean [T, S] mask, True where query i may attend key j: j <= i + (S - T) (bottom-right
+    aligned), and with a sliding ``window`` W also j > i + (S - T) - W."""
+    mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+    if window is not None and window < S:
+        mask = mask.triu(diagonal=S - T - window + 1)
+    return mask
+
+
+def windowed(window: Optional[int], S: int) -> Optional[int]:
+    """The sliding window where it hides keys of a sequence of S keys (W < S), else None."""
+    return window if window is not None and window < S else None
 
 
 def share_kv_heads(t: torch.Tensor, query_heads: int) -> torch.Tensor:
@@ -71,14 +84,15 @@ def share_kv_heads(t: torch.Tensor, query_heads: int) -> torch.Tensor:
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
-def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Optional[float] = None
-                     ) -> torch.Tensor:
+def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Optional[float] = None,
+                     window: Optional[int] = None) -> torch.Tensor:
     """The attention logits Q K^T * scale + M in fp32, [B, H, T, S]; masked entries are -inf."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = (q.float() @ share_kv_heads(k.float(), q.shape[1]).transpose(-2, -1)) * scale
     if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        mask = causal_mask(q.shape[2], k.shape[2], q.device, window)
+        scores = scores.masked_fill(~mask, float("-inf"))
     return scores
 
 
@@ -88,11 +102,12 @@ def document_ids(input_ids: torch.Tensor, eod_id: int) -> torch.Tensor:
     return eod.cumsum(dim=-1, dtype=torch.int32) - eod
 
 
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, 1, T, T]: True where query i may attend key j (j <= i, same document)."""
+def document_causal_mask(doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """Boolean [B, 1, T, T]: True where query i may attend key j (j <= i, same document, and
+    i - j < window when a sliding window is set)."""
     T = doc_ids.shape[-1]
     same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
-    return (same & causal_mask(T, T, doc_ids.device)).unsqueeze(1)
+    return (same & causal_mask(T, T, doc_ids.device, window)).unsqueeze(1)
 
 
 @dataclasses.dataclass
@@ -106,20 +121,21 @@ class DocumentMask:
     cu_seqlens: Optional[torch.Tensor] = None
     longest: Optional[int] = None
     dense: Optional[torch.Tensor] = None
+    window: Optional[int] = None  # the sliding window the dense form includes
 
     @classmethod
-    def build(cls, doc_ids: torch.Tensor, impl: str) -> "DocumentMask":
+    def build(cls, doc_ids: torch.Tensor, impl: str, window: Optional[int] = None) -> "DocumentMask":
         """Precompute the form ``impl`` ("flash", "sdpa", "reference") reads."""
-        mask = cls(doc_ids)
+        mask = cls(doc_ids, window=window)
         if impl == "flash":
             mask.cu_seqlens, mask.longest = cu_seqlens(doc_ids)
         else:
-            mask.dense = document_causal_mask(doc_ids)
+            mask.dense = document_causal_mask(doc_ids, window)
         return mask
 
     def dense_mask(self) -> torch.Tensor:
         if self.dense is None:  # a fallback path (e.g. dropout with a flash package without it)
-            self.dense = document_causal_mask(self.doc_ids)
+            self.dense = document_causal_mask(self.doc_ids, self.window)
         return self.dense
 
     def varlen(self) -> tuple[torch.Tensor, int]:
@@ -129,38 +145,44 @@ class DocumentMask:
 
 
 def document_mask(input_ids: torch.Tensor, eod_id: int, *, backend: str, head_dim: int,
-                  dtype: torch.dtype) -> DocumentMask:
-    """The :class:`DocumentMask` of a batch of token ids for attention on tensors of ``dtype``."""
+                  dtype: torch.dtype, window: Optional[int] = None) -> DocumentMask:
+    """The :class:`DocumentMask` of a batch of token ids for attention on tensors of ``dtype``
+    (with a sliding ``window``: the dense form includes it)."""
+    window = windowed(window, input_ids.shape[-1])
     impl = choose("attention", input_ids.device, dtype, backend=backend, head_dim=head_dim,
-                  dropout=False, doc_mask=True).impl
-    return DocumentMask.build(document_ids(input_ids, eod_id), impl)
+                  dropout=False, doc_mask=True, window=window is not None).impl
+    return DocumentMask.build(document_ids(input_ids, eod_id), impl, window)
 
 
 DocIds = Union[torch.Tensor, DocumentMask, None]
 
 
-def _as_mask(doc_ids: DocIds, impl: str) -> Optional[DocumentMask]:
+def _as_mask(doc_ids: DocIds, impl: str, window: Optional[int]) -> Optional[DocumentMask]:
     if doc_ids is None or isinstance(doc_ids, DocumentMask):
         return doc_ids
-    return DocumentMask.build(doc_ids, impl)
+    return DocumentMask.build(doc_ids, impl, window)
 
 
-def _mask_for(q, k, causal: bool, doc: Optional[DocumentMask]) -> Optional[torch.Tensor]:
+def _mask_for(q, k, causal: bool, doc: Optional[DocumentMask],
+              window: Optional[int] = None) -> Optional[torch.Tensor]:
     """The explicit boolean mask (broadcastable to [B, H, T, S]) or None for 'no mask / is_causal'."""
     if doc is not None:
         return doc.dense_mask()
     T, S = q.shape[2], k.shape[2]
+    if causal and window is not None:  # a band (windowed() left only windows that hide keys)
+        return causal_mask(T, S, q.device, window)
     if causal and T < S and T > 1:  # T == 1 (one new token) sees every key: no mask needed
         return causal_mask(T, S, q.device)
     return None
 
 
 def _reference(q, k, v, causal: bool, dropout_p: float, scale: float,
-               doc: Optional[DocumentMask] = None) -> torch.Tensor:
-    """softmax(Q K^T * scale + M) V written out, in fp32 (M: causal, or causal within documents)."""
+               doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+    """softmax(Q K^T * scale + M) V written out, in fp32 (M: causal, or causal within documents;
+    banded with a sliding window)."""
     vf = share_kv_heads(v.float(), q.shape[1])
     if doc is None:
-        scores = attention_scores(q, k, causal, scale)
+        scores = attention_scores(q, k, causal, scale, window)
     else:
         scores = attention_scores(q, k, False, scale).masked_fill(~doc.dense_mask(), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -244,10 +266,11 @@ def _cpu_dropout_attention(q, k, v, causal: bool, dropout_p: float, scale: float
 
 
 def _sdpa(q, k, v, causal: bool, dropout_p: float, scale: float,
-          doc: Optional[DocumentMask] = None) -> torch.Tensor:
-    """torch SDPA; its is_causal is top-left aligned, so T < S gets an explicit bottom-right mask.
+          doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+    """torch SDPA; its is_causal is top-left aligned, so T < S gets an explicit bottom-right mask
+    (as does a sliding window: a banded one).
     On CPU with dropout: :func:`_cpu_dropout_attention` (the same math, a faster dropout)."""
-    mask = _mask_for(q, k, causal, doc)
+    mask = _mask_for(q, k, causal, doc, window)
     if dropout_p > 0 and q.device.type == "cpu" and choose_for("dropout", q).impl != "torch":
         return _cpu_dropout_attention(q, k, v, causal, dropout_p, scale, mask)
     is_causal = causal and mask is None and q.shape[2] == k.shape[2]
@@ -291,14 +314,30 @@ def cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_window(func) -> bool:
+    """Whether a FlashAttention entry point takes ``window_size`` (FA2 >= 2.3, FA3)."""
+    import inspect
+
+    try:
+        return "window_size" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _flash(q, k, v, causal: bool, dropout_p: float, scale: float,
-           doc: Optional[DocumentMask] = None) -> torch.Tensor:
-    """FlashAttention works in [B, T, H, D]; GQA and bottom-right causal alignment are native.
+           doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+    """FlashAttention works in [B, T, H, D]; GQA and bottom-right causal alignment are native, a
+    sliding window W is ``window_size=(W - 1, 0)``.
     With a document mask, the varlen kernel runs over the documents of all rows as one ragged batch."""
     impl, _ = capabilities.flash_status()
-    if (dropout_p > 0 and not impl.dropout) or (doc is not None and impl.varlen is None):
-        return _sdpa(q, k, v, causal, dropout_p, scale, doc)
+    entry = impl.func if doc is None else impl.varlen
+    if ((dropout_p > 0 and not impl.dropout) or (doc is not None and impl.varlen is None)
+            or (window is not None and not _takes_window(entry))):
+        return _sdpa(q, k, v, causal, dropout_p, scale, doc, window)
     drop = {"dropout_p": dropout_p} if impl.dropout else {}
+    if window is not None:
+        drop["window_size"] = (window - 1, 0)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if doc is None:
         return _first(impl.func(qt, kt, vt, softmax_scale=scale, causal=causal, **drop)).transpose(1, 2)
@@ -311,8 +350,8 @@ def _flash(q, k, v, causal: bool, dropout_p: float, scale: float,
 
 
 def _native(q, k, v, causal: bool, dropout_p: float, scale: float,
-            doc: Optional[DocumentMask] = None) -> torch.Tensor:
-    return NativeFlashAttention.apply(q, k, v, causal, scale)
+            doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+    return NativeFlashAttention.apply(q, k, v, causal, scale)  # chosen only without a window
 
 
 _IMPLS = {"reference": _reference, "sdpa": _sdpa, "flash": _flash, "native": _native}
@@ -320,12 +359,13 @@ _IMPLS = {"reference": _reference, "sdpa": _sdpa, "flash": _flash, "native": _na
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
               dropout_p: float = 0.0, backend: str = "auto", scale: Optional[float] = None,
-              doc_ids: DocIds = None) -> torch.Tensor:
+              doc_ids: DocIds = None, window: Optional[int] = None) -> torch.Tensor:
     """softmax(Q K^T * scale + M) V for q [B, H, T, D], k, v [B, Hkv, S, D] -> [B, H, T, D].
 
     ``dropout_p`` is applied as given (pass 0 in eval mode). ``scale`` defaults to 1/sqrt(D).
     ``doc_ids`` (causal, T == S only): a :class:`DocumentMask`, or the [B, T] document index of
-    each position; keys of other documents are masked too. ``backend``: model.attention_backend.
+    each position; keys of other documents are masked too. ``window`` (causal only): each query
+    sees its ``window`` most recent keys, itself included. ``backend``: model.attention_backend.
     """
     _check_shapes(q, k, v)
     if doc_ids is not None:
@@ -333,8 +373,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if not causal or q.shape[2] != k.shape[2] or tuple(ids.shape) != (q.shape[0], q.shape[2]):
             raise ValueError(f"attention: doc_ids {tuple(ids.shape)} need causal self-attention "
                              f"with T == S and shape [B, T] = {(q.shape[0], q.shape[2])}")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"attention: a sliding window ({window}) needs causal attention and >= 1 key")
+    window = windowed(window, k.shape[2]) if causal else None
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     impl = choose_for("attention", q, backend=backend, head_dim=q.shape[-1], dropout=dropout_p > 0,
-                      doc_mask=doc_ids is not None).impl
-    return _IMPLS[impl](q, k, v, causal, dropout_p, scale, _as_mask(doc_ids, impl))
+                      doc_mask=doc_ids is not None, window=window is not None).impl
+    return _IMPLS[impl](q, k, v, causal, dropout_p, scale, _as_mask(doc_ids, impl, window), window)

@@ -384,7 +384,7 @@ def rmsnorm_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch
 def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) of y = x r w."""
-    dy = dy.contiguous()
+    x, dy = x.contiguous(), dy.contiguous()  # x may be a strided view of rows (as in forward)
     n, nt = x.shape[-1], _threads()
     dx, dw, work = torch.empty_like(x), torch.empty_like(w), torch.empty(nt, n)
     library().mf_rmsnorm_bwd(_ptr(x), _ptr(w), _ptr(rstd), _ptr(dy), _ptr(dx), _ptr(dw), _ptr(work),

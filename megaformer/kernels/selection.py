@@ -200,7 +200,7 @@ def native_attention_supported(head_dim: int) -> bool:
 
 
 def _attention(device: str, dtype: torch.dtype, requested: str, head_dim: int, dropout: bool,
-               doc_mask: bool, compiling: bool) -> Choice:
+               doc_mask: bool, compiling: bool, window: bool = False) -> Choice:
     if requested not in ATTENTION_BACKENDS:
         raise ConfigError(f"model.attention_backend={requested!r}: must be one of "
                           f"{', '.join(ATTENTION_BACKENDS)}")
@@ -214,10 +214,10 @@ def _attention(device: str, dtype: torch.dtype, requested: str, head_dim: int, d
     if requested == "auto" and why_not is None:
         return Choice("flash", f"{caps.flash_status()[0].name} on {device} {_dtype_name(dtype)}")
     if (requested == "auto" and device == "cpu" and dtype == torch.float32 and not compiling
-            and not dropout and not doc_mask and native_attention_supported(head_dim)
+            and not dropout and not doc_mask and not window and native_attention_supported(head_dim)
             and native.library() is not None):
-        return Choice("native", "megaformer's native CPU FlashAttention-2 kernel (fp32, no dropout "
-                                "or document mask); attention_backend=sdpa for torch's")
+        return Choice("native", "megaformer's native CPU FlashAttention-2 kernel (fp32, no dropout, "
+                                "document mask or sliding window); attention_backend=sdpa for torch's")
     reason = "requested in config" if requested == "sdpa" else why_not
     return Choice("sdpa", f"{reason}; torch SDPA (torch picks its backend"
                           f"{', or MEGAFORMER_SDPA_BACKENDS' if device == 'cuda' else ''})")
@@ -237,7 +237,7 @@ def _decide(op: str, device: str, dtype: torch.dtype, mode: str, compiling: bool
     f = dict(facts)
     if op == "attention":  # a model choice (model.attention_backend), not a kernel-mode one
         return tuple(_attention(device, dtype, f["backend"], f["head_dim"], f["dropout"],
-                                f["doc_mask"], compiling))
+                                f["doc_mask"], compiling, f.get("window", False)))
     if op == "cross_entropy" and f.get("chunked"):
         return tuple(_cross_entropy(device, dtype, autocast, True))
     if mode == "torch":
@@ -268,7 +268,7 @@ def choose(op: str, device: torch.device | str, dtype: torch.dtype, *, autocast:
     """The implementation of ``op`` for tensors on ``device`` with ``dtype`` (see the table above).
 
     ``facts`` are the op's own inputs to its rule: attention takes backend, head_dim, dropout and
-    doc_mask; norms weight_dtype (and bias for LayerNorm); rope full; cross_entropy chunked."""
+    doc_mask (and window: a sliding window hides keys); norms weight_dtype (and bias for LayerNorm); rope full; cross_entropy chunked."""
     device_type = device if isinstance(device, str) else device.type
     if compiling is None:
         compiling = torch.compiler.is_compiling()
@@ -352,7 +352,7 @@ def _model_plan(m: object, device: torch.device | str, dtype: torch.dtype, compi
         ("projections", choose("projections", device, dtype, **inner)),
         ("attention", choose("attention", device, dtype, compiling=compiled, backend=m.attention_backend,
                              head_dim=m.head_dim, dropout=training and m.attention_dropout > 0,
-                             doc_mask=m.document_mask)),
+                             doc_mask=m.document_mask, window=m.sliding_window is not None)),
     ]
     norm = "rms_norm" if m.norm == "rmsnorm" else "layer_norm"
     norm_facts = {"weight_dtype": torch.float32 if autocast else dtype}

@@ -2,13 +2,17 @@
 
     head_i       = Attention(X W^Q_i, X W^K_{g(i)}, X W^V_{g(i)}),   g(i) = i // (h / h_kv)
     MultiHead(X) = Concat(head_1, ..., head_h) W^O
-    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + M) V,           d_k = d_model / h
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + M) V,           d_k = d_model / h (or model.head_dim)
 
 h_kv = h is multi-head attention, 1 < h_kv < h grouped-query, h_kv = 1 multi-query. The causal mask M
-hides future positions. With rotary positions, q and k are rotated before the product. The number of
-local heads is read from the projection width (``view(B, T, -1, d_k)``), so a tensor-parallel plan can
-shard wq/wk/wv by columns and wo by rows without this file knowing the degree. q, k and v come from one
-GEMM over the concatenated weights (:func:`megaformer.model.linear.fused_projections`).
+hides future positions (and, with a sliding window W, positions W or more back: Mistral). With
+rotary positions, q and k are rotated before the product; with ``qk_norm`` each head's q and k are
+first RMS-normalised over their d_k dimensions (Qwen3: q_i = RMSNorm(X W^Q_i), one gain vector
+shared by all heads). The q/k/v projections may carry biases while the other linears do not
+(``qkv_bias``, Qwen2). The number of local heads is read from the projection width
+(``view(B, T, -1, d_k)``), so a tensor-parallel plan can shard wq/wk/wv by columns and wo by rows
+without this file knowing the degree. q, k and v come from one GEMM over the concatenated weights
+(:func:`megaformer.model.linear.fused_projections`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn as nn
 from megaformer.config import ModelConfig
 from megaformer.kernels.attention import DocumentMask, attention
 from megaformer.model.linear import Linear, fused_projections
+from megaformer.model.norms import RMSNorm
 from megaformer.model.positions import RotaryEmbedding, apply_rotary
 
 
@@ -75,12 +80,18 @@ class Attention(nn.Module):
         # softmax(QK^T/sqrt(d_k))V itself; selective recomputation wraps it in a checkpoint.
         self.core_attention: Callable[..., torch.Tensor] = attention
         self.backend = cfg.attention_backend
+        self.window = cfg.sliding_window
         d, dk = cfg.d_model, cfg.head_dim
-        self.wq = Linear(d, cfg.n_heads * dk, bias=cfg.bias)
-        self.wk = Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
-        self.wv = Linear(d, cfg.kv_heads * dk, bias=cfg.bias)
+        self.wq = Linear(d, cfg.n_heads * dk, bias=cfg.attn_bias)
+        self.wk = Linear(d, cfg.kv_heads * dk, bias=cfg.attn_bias)
+        self.wv = Linear(d, cfg.kv_heads * dk, bias=cfg.attn_bias)
         self.wo = Linear(cfg.n_heads * dk, d, bias=cfg.bias)
-        self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta)
+        if cfg.qk_norm:  # one gain over d_k, shared by the heads (replicated under TP)
+            self.q_norm = RMSNorm(dk, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(dk, eps=cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
                        if cfg.position == "rope" else None)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -98,8 +109,11 @@ class Attention(nn.Module):
             # keep the whole [q | k | v] product alive, so v gets its own storage
             v = v.contiguous()
         B, T = q.shape[:2]  # a sequence-parallel projection returns the whole sequence
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h, T, d_k]
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, h_kv, T, d_k]
+        q = q.view(B, T, -1, self.head_dim)  # [B, T, h, d_k]
+        k = k.view(B, T, -1, self.head_dim)  # [B, T, h_kv, d_k]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, d_k], [B, h_kv, T, d_k]
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             if rope is None:
@@ -110,5 +124,5 @@ class Attention(nn.Module):
         p = self.attention_dropout if self.training else 0.0
         with self.dropout_rng():
             y = self.core_attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend,
-                                    doc_ids=doc_ids)
+                                    doc_ids=doc_ids, window=self.window)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

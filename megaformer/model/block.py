@@ -1,5 +1,7 @@
 """One pre-norm Transformer block writing additively onto the residual stream.
 
+MLP is the dense FFN, or in an MoE block (``model.moe``) the Mixture-of-Experts FFN.
+
     sequential:  h   = x + Dropout(Attn(Norm_a(x)))
                  out = h + Dropout(MLP(Norm_m(h)))
     parallel:    out = x + Dropout(Attn(Norm_a(x))) + Dropout(MLP(Norm_m(x)))     (GPT-J / GPT-NeoX)
@@ -17,13 +19,14 @@ from megaformer.kernels.attention import DocumentMask
 from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import Attention, LayerKVCache
 from megaformer.model.mlp import MLP
+from megaformer.model.moe import MoE
 from megaformer.model.norms import build_norm
 
 
 class Block(nn.Module):
     """Pre-norm block: attn_norm -> attn, mlp_norm -> mlp, sequential or parallel residual."""
 
-    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, causal: bool = True, layer: int = 0) -> None:
         super().__init__()
         if cfg.residual not in ("sequential", "parallel"):
             raise ValueError(f"model.residual={cfg.residual!r}: must be sequential or parallel")
@@ -31,7 +34,8 @@ class Block(nn.Module):
         self.attn_norm = build_norm(cfg)
         self.attn = Attention(cfg, causal=causal)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        # the FFN: dense, or a Mixture of Experts in the blocks model.moe.interval picks
+        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,

@@ -11,6 +11,8 @@ its packed output [x W1 | x W3]; the activations are :mod:`megaformer.kernels.ac
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,21 +24,24 @@ from megaformer.model.linear import Linear, fused_product
 
 
 class MLP(nn.Module):
-    """FFN(x) with GELU (w1, w2) or SwiGLU (w1 gate, w3 up, w2 down); d_ffn = cfg.ffn_dim."""
+    """FFN(x) with GELU (w1, w2) or SwiGLU (w1 gate, w3 up, w2 down); d_ffn = cfg.ffn_dim unless
+    given (an MoE block's shared experts), biases as cfg.bias unless given."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, d_ffn: Optional[int] = None,
+                 bias: Optional[bool] = None) -> None:
         super().__init__()
-        d, f = cfg.d_model, cfg.ffn_dim
+        d, f = cfg.d_model, d_ffn if d_ffn is not None else cfg.ffn_dim
+        bias = cfg.bias if bias is None else bias
         # "gelu" is the exact erf form (GPT-NeoX); "gelu_tanh" (GPT-2's tanh approximation) is
         # accepted too, should the config ever offer it.
         if cfg.activation not in ("gelu", "gelu_tanh", "swiglu"):
             raise ValueError(f"model.activation={cfg.activation!r}: must be gelu or swiglu")
         self.activation = cfg.activation
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
-        self.w1 = Linear(d, f, bias=cfg.bias)
+        self.w1 = Linear(d, f, bias=bias)
         if cfg.activation == "swiglu":
-            self.w3 = Linear(d, f, bias=cfg.bias)
-        self.w2 = Linear(f, d, bias=cfg.bias)
+            self.w3 = Linear(d, f, bias=bias)
+        self.w2 = Linear(f, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":

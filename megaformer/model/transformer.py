@@ -4,6 +4,7 @@
     x_l     = Block_l(x_{l-1}),  l = 1..L                pre-norm blocks on the residual stream
     logits  = Norm(x_L) W_out                            W_out = E_tok^T when embeddings are tied
     loss    = mean over positions with label != -100 of -log softmax(logits)[label]
+              (+ in training, the MoE blocks' router losses: megaformer.model.moe)
 
 The embedding and output tables may hold more rows than the vocabulary (``padded_vocab_size``, so
 that tensor parallelism splits them evenly); padding rows start at zero and are sliced off the
@@ -16,7 +17,8 @@ exist). With ``model.document_mask`` the training forward computes the documents
 (``eod_id`` set by the trainer from the tokenizer) so packed documents do not attend to each other.
 
 Initialisation: every Linear/Embedding weight ~ N(0, init_std), biases 0, norm gains 1; the
-residual-output projections (attn.wo, mlp.w2) ~ N(0, init_std / sqrt(2 L)) (GPT-2 / Megatron).
+residual-output projections (attn.wo, mlp.w2; every expert's w2) ~ N(0, init_std / sqrt(2 L))
+(GPT-2 / Megatron); the aux-loss-free expert biases start at 0.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
 from megaformer.model.linear import Linear
+from megaformer.model.moe import MoE, take_router_losses
 from megaformer.model.norms import RMSNorm, build_norm
 from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
 
@@ -101,10 +104,11 @@ class Transformer(nn.Module):
                                  persistent=False)
         else:
             self.pos_table = None
-        self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta)
+        self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta,
+                                       cfg.rope_scaling)
                        if cfg.position == "rope" else None)
         self.drop = Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, layer=i) for i in range(cfg.n_layers))
         self.final_norm = build_norm(cfg)
         self.lm_head = OutputHead(cfg.d_model, self.padded_vocab_size, cfg.vocab_size,
                                   cfg.loss_chunk_tokens)
@@ -151,7 +155,17 @@ class Transformer(nn.Module):
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for block in self.layers:
             nn.init.normal_(block.attn.wo.weight, mean=0.0, std=out_std)
-            nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=out_std)
+            if isinstance(block.mlp, MoE):  # every expert's w2 (and the shared experts') alike
+                experts = block.mlp.experts
+                nn.init.normal_(experts.w1, mean=0.0, std=std)
+                if experts.w3 is not None:
+                    nn.init.normal_(experts.w3, mean=0.0, std=std)
+                nn.init.normal_(experts.w2, mean=0.0, std=out_std)
+                block.mlp.reset_state()
+                if block.mlp.shared is not None:
+                    nn.init.normal_(block.mlp.shared.w2.weight, mean=0.0, std=out_std)
+            else:
+                nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=out_std)
 
     # ------------------------------------------------------------------ forward
 
@@ -194,17 +208,22 @@ class Transformer(nn.Module):
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         return document_mask(input_ids, self.eod_id, backend=self.cfg.attention_backend,
-                             head_dim=self.cfg.head_dim, dtype=dtype)
+                             head_dim=self.cfg.head_dim, dtype=dtype, window=self.cfg.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100."""
         hidden = self._hidden(input_ids, None, 0)
-        if labels is not None and self.cfg.loss_chunk_tokens > 0:
-            return self.lm_head.hidden_loss(hidden, labels)
-        logits = self.lm_head(hidden)
         if labels is None:
-            return self.lm_head.output_logits(logits)
-        return self.lm_head.loss(logits, labels)
+            return self.lm_head.output_logits(self.lm_head(hidden))
+        if self.cfg.loss_chunk_tokens > 0:
+            loss = self.lm_head.hidden_loss(hidden, labels)
+        else:
+            loss = self.lm_head.loss(self.lm_head(hidden), labels)
+        if self.cfg.moe.interval > 0:  # + the MoE blocks' router losses, in training
+            router = take_router_losses(self)
+            if router is not None:
+                loss = loss + router
+        return loss
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """lm_head output -> logits over the real vocabulary [.., V] (padding columns dropped)."""

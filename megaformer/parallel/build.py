@@ -12,6 +12,11 @@ sets): no rank holds an fp32 copy of the model in host memory on the way to its 
 
 After the weights, the default RNG is reseeded with ``train.seed + 1``: the dropout stream is
 independent of how the weights were initialised or loaded.
+
+Weights come either whole (a mapping name -> unsharded tensor, copied in before the plan), or from
+a sharded reader (an object with ``shard(name, shape, dim, tp_offset)``, e.g. a checkpoint's
+:class:`~megaformer.checkpoint.sharded.ShardedState`): then each rank reads, once the layout is
+built, only the tensor-parallel shards of the parameters its pipeline stage holds.
 """
 
 from __future__ import annotations
@@ -72,20 +77,43 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     with torch.device(device):
         model = Transformer(m, padded_vocab_size=padded)
     model.eod_id = eod_id
-    if weights is not None:
+    reader = weights if weights is not None and hasattr(weights, "shard") else None
+    if weights is not None and reader is None:
         load_full_weights(model, weights, weights_source)
     torch.manual_seed(t.seed + 1)  # dropout stream, independent of init
     tp_rng = TensorParallelRNG(t.seed, topology.tp_rank) if topology is not None and tp > 1 else None
     if topology is not None:
         parallelize(model, topology, p.sequence_parallel, tp_rng)
     if not training:
+        if reader is not None:
+            load_shards(model, None, topology, reader)
         return BuiltModel(model.to(device).eval(), model, tp_rng)
     apply_recompute(model.layers, t.recompute, t.recompute_every, tp_rng)
     if t.compile:
         compile_blocks(model.layers)
     model = model.to(device)
     if pp == 1:
+        if reader is not None:
+            load_shards(model, None, topology, reader)
         return BuiltModel(model, model, tp_rng)
     names = original_names(model)
-    return BuiltModel(build_pipeline(model, topology, p.pipeline_partition, loss_fn=model.loss_fn),
-                      model, tp_rng, names)
+    pipe = build_pipeline(model, topology, p.pipeline_partition, loss_fn=model.loss_fn)
+    if reader is not None:  # this stage's parameters only
+        load_shards(pipe, names, topology, reader)
+    return BuiltModel(pipe, model, tp_rng, names)
+
+
+@torch.no_grad()
+def load_shards(module: nn.Module, names: Optional[dict[int, str]], topology: Optional[Topology],
+                reader: object) -> None:
+    """Copy each parameter's tensor-parallel shard (vocabulary padding rows zero) from ``reader``
+    into ``module`` (``names``: id(parameter) -> its plain-model name, under PP)."""
+    tp = topology.tp if topology is not None else 1
+    rank = topology.tp_rank if topology is not None else 0
+    for name, p in module.named_parameters():
+        name = names[id(p)] if names is not None else name
+        split = getattr(p, "tensor_model_parallel", False) and tp > 1
+        dim = p.partition_dim if split else None
+        shard = reader.shard(name, tuple(p.shape), dim,  # type: ignore[attr-defined]
+                             rank * p.shape[dim] if split else 0)
+        p.copy_(shard.to(p.dtype))

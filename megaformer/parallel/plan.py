@@ -5,10 +5,19 @@ megaformer. The model in ``megaformer/model`` is built whole (identical on every
 seed, so TP=N starts from exactly the weights of TP=1) and :func:`parallelize` then replaces:
 
     tok_embeddings           -> vocab-parallel embedding   (rows split; padded vocab)
-    layers.*.attn.wq/wk/wv   -> column parallel             (heads split; KV heads split)
+    layers.*.attn.wq/wk/wv   -> column parallel             (heads split; KV heads split; biases
+                                                             split with their columns)
+    layers.*.attn.q/k_norm   -> replicated                  (one gain over d_k; every rank's heads
+                                                             add to its gradient: summed over TP)
     layers.*.attn.wo         -> row parallel
     layers.*.mlp.w1 (/w3)    -> column parallel             (SwiGLU gate and up split alike)
     layers.*.mlp.w2          -> row parallel
+    MoE blocks:
+    layers.*.mlp.experts.w1/w3 -> every expert column parallel [E, f/p, d]
+    layers.*.mlp.experts.w2  -> every expert row parallel [E, d, f/p]; one reduction of the
+                                combined routed output (not one per expert)
+    layers.*.mlp.router      -> replicated (gradient summed over TP: see megaformer.model.moe)
+    layers.*.mlp.shared.*    -> as the dense mlp
     lm_head                  -> vocab-parallel output head (column parallel over the vocabulary,
                                 vocab-parallel cross-entropy, gathered logits)
     norms                    -> replicated
@@ -30,9 +39,11 @@ import torch.nn as nn
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.kernels.dropout import Dropout
 from megaformer.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
+from megaformer.model.moe import MoE
 from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                        VocabParallelEmbedding, gather_vocab, sum_grad_over_tp,
-                                        tp_region_input, vocab_parallel_cross_entropy)
+                                        VocabParallelEmbedding, gather_vocab, mark_sharded, shard,
+                                        sum_grad_over_tp, tp_region_input,
+                                        vocab_parallel_cross_entropy)
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.topology import Topology
 
@@ -45,8 +56,31 @@ BLOCK_PLAN: dict[str, type] = {
     "mlp.w3": ColumnParallelLinear,
     "mlp.w2": RowParallelLinear,
 }
+# An MoE block's shared experts are a dense FFN, split alike (the routed experts: shard_experts).
+MOE_PLAN: dict[str, type] = {
+    "mlp.shared.w1": ColumnParallelLinear,
+    "mlp.shared.w3": ColumnParallelLinear,
+    "mlp.shared.w2": RowParallelLinear,
+}
 # Modules whose input enters the column-parallel region once, for all their projections.
 REGION_INPUTS = ("attn", "mlp")
+
+
+def shard_experts(moe: MoE, group: ProcessGroup, sequence_parallel: bool) -> None:
+    """Split every routed expert of ``moe`` like the dense FFN: w1 and w3 [E, f, d] by their f
+    rows, w2 [E, d, f] by its f columns. The router stays replicated: its gradient through the
+    combine is this rank's share (summed over the group), that of the router losses is scaled
+    by 1/tp inside the block. The block all-reduces (with SP reduce-scatters) its routed output."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ex = moe.experts
+    for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        full = getattr(ex, name)
+        if full is not None:
+            setattr(ex, name, mark_sharded(nn.Parameter(shard(full.data, dim, rank, world)), dim))
+    sum_grad_over_tp(moe.router.weight, group)
+    moe.tp_group, moe.tp_size, moe.sequence_parallel = group, world, sequence_parallel
 
 
 def padded_vocab_size(vocab: int, tensor: int, multiple: int) -> int:
@@ -102,7 +136,9 @@ def _submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
     *path, leaf = dotted.split(".")
     parent = root
     for p in path:
-        parent = getattr(parent, p)
+        parent = getattr(parent, p, None)
+        if parent is None:  # e.g. a block without shared experts
+            return None, leaf
     return (parent if getattr(parent, leaf, None) is not None else None), leaf
 
 
@@ -132,13 +168,18 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
     group = topo.group("tp")
     sp = sequence_parallel
     for block in model.layers:
-        for name, style in BLOCK_PLAN.items():
+        if isinstance(block.mlp, MoE):
+            shard_experts(block.mlp, group, sp)
+        for name, style in {**BLOCK_PLAN, **MOE_PLAN}.items():
             parent, leaf = _submodule(block, name)
             if parent is not None:
                 kwargs = {"input_comm": False} if style is ColumnParallelLinear else {}
                 setattr(parent, leaf, style(getattr(parent, leaf), group, sp, **kwargs))
         for name in REGION_INPUTS:
             getattr(block, name).register_forward_pre_hook(_region_input(group, sp), with_kwargs=True)
+        if block.attn.q_norm is not None:  # the gain sees only this rank's heads
+            for norm in (block.attn.q_norm, block.attn.k_norm):
+                sum_grad_over_tp(norm.weight, group)
         if rng is not None:
             block.attn.dropout_rng = rng.fork  # local heads: independent masks per rank
             if sp and block.drop.p > 0:
@@ -147,8 +188,8 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
             for norm in (block.attn_norm, block.mlp_norm):
                 for p in norm.parameters():
                     sum_grad_over_tp(p, group)
-            for row in (block.attn.wo, block.mlp.w2):
-                if row.bias is not None:
+            for row in (block.attn.wo, getattr(block.mlp, "w2", None)):
+                if row is not None and row.bias is not None:
                     sum_grad_over_tp(row.bias, group)
     if sp:
         model.layers[0].register_forward_pre_hook(_scatter_input(group), with_kwargs=True)

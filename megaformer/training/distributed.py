@@ -216,3 +216,15 @@ def all_reduce_mean(value: torch.Tensor, group: Optional[Any] = None) -> torch.T
             torch.distributed.all_reduce(value, group=group)
             value /= n
     return value
+
+
+def gather_to_main(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable) on rank 0, in rank order; [] on the other ranks
+    ([obj] without a process group)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return [obj]
+    out: Optional[list] = [None] * tdist.get_world_size() if tdist.get_rank() == 0 else None
+    tdist.gather_object(obj, out, dst=0)
+    return out or []

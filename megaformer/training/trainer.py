@@ -26,8 +26,8 @@ import torch
 
 from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
-from megaformer.checkpoint import portable
-from megaformer.checkpoint.compat import check_resume_compatible, relayout_changes
+from megaformer.checkpoint import portable, sharded
+from megaformer.checkpoint.compat import check_resume_compatible, layout_changes, relayout_changes
 from megaformer.config import Config, validate_for_training, validate_for_world
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.data.setup import setup_data
@@ -47,6 +47,9 @@ from megaformer.runtime.optimizer import build_optimizer
 from megaformer.training.intervals import LoopIntervals
 from megaformer.training.schedule import lr_lambda
 from megaformer.analysis.params import count_parameters
+from megaformer.model.moe import checkpoint_files as moe_checkpoint_files
+from megaformer.model.moe import end_of_step as moe_end_of_step
+from megaformer.model.moe import load_router_state
 from megaformer.parallel.build import build_model
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.pipeline import pipeline_state_dict
@@ -136,9 +139,14 @@ class Trainer:
             check_resume_compatible(cfg, self.resume_from)
         # A weights-only checkpoint (``megaformer convert``) seeds the model; nothing else resumes.
         self.init_only = self.resume_from is not None and ckpt_io.is_weights_only(self.resume_from)
-        # Another layout: model and optimizer from the layout-free state, not DeepSpeed's files.
-        self.relayout = (relayout_changes(cfg, self.resume_from, self.proc.world_size)
-                         if self.resume_from is not None and not self.init_only else [])
+        # A sharded checkpoint resumes at any layout from its shards; one in the earlier format at
+        # another layout from its layout-free state, not from DeepSpeed's per-rank files.
+        resuming = self.resume_from is not None and not self.init_only
+        self.sharded_resume = resuming and sharded.has_sharded_state(self.resume_from)
+        self.relayout = ([] if not resuming else
+                         layout_changes(cfg, self.resume_from, self.proc.world_size)
+                         if self.sharded_resume else
+                         relayout_changes(cfg, self.resume_from, self.proc.world_size))
         from megaformer.kernels.selection import model_plan
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -185,6 +193,8 @@ class Trainer:
         self.step, consumed, skipped = 0, 0, 0
         if self.resume_from is not None and self.init_only:
             log.info("starting from the weights of %s (fresh optimizer, step 0)", self.resume_from)
+        elif self.sharded_resume:
+            self.step, consumed, skipped = self._resume_sharded()
         elif self.relayout:
             self.step, consumed = self._resume_relayout()
         elif self.resume_from is not None:
@@ -195,6 +205,8 @@ class Trainer:
             skipped = int(client.get("skipped_steps", 0))
             log.info("resumed from %s (step %d, %s samples consumed)", self.resume_from,
                      self.step, f"{consumed:,}")
+        if self.resume_from is not None and not self.init_only:
+            load_router_state(self.engine.module, self.resume_from)  # MoE aux-loss-free biases
         self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
                                   self.dp_rank, self.dp_size, cfg.train.seed, consumed,
                                   prefetch=cfg.data.prefetch,
@@ -220,9 +232,14 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
         the weights of a weights-only checkpoint or of the layout-free state (another layout)."""
-        weights, source = None, None
+        weights: Any = None
+        source: Any = None
         if self.init_only:
             weights, source = ckpt_io.load_weights(self.resume_from), self.resume_from
+        elif self.sharded_resume:  # each rank reads its own shards of the master weights
+            self.shards = sharded.ShardedState(self.resume_from)
+            self.shards.check_model(ckpt_io.expected_shapes(self.cfg.model))
+            weights, source = self.shards, self.shards.folder
         elif self.relayout:
             self.portable = portable.PortableState(self.resume_from)
             weights, source = self.portable.masters(), self.resume_from / portable.STATE_DIR
@@ -234,6 +251,38 @@ class Trainer:
     def _local_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         names = self.param_names if self.cfg.parallel.pipeline > 1 else None
         return portable.local_parameters(self.engine.module, names)
+
+    def _resume_sharded(self) -> tuple[int, int, int]:
+        """Master weights (already in the model), Adam moments and step count from this rank's
+        part of the sharded state, at whatever layout this run has; the LR schedule and data
+        position from meta.json; every rank's RNG streams when the layout is the saved one."""
+        ckpt, state = self.resume_from, self.shards
+        meta = ckpt_io.read_meta(ckpt)
+        access = sharded.StateAccess(self.engine, self.topo)
+        params = self._local_params()
+        if not access.covered(params):
+            raise CheckpointError(f"{ckpt}: its sharded state cannot be loaded into this "
+                                  f"optimizer ({type(self.engine.optimizer).__name__}); resume "
+                                  "with train.precision bf16 or fp32")
+        access.access.prepare(state.adam_step)
+        for o in access.owned(params, self.cfg.model.vocab_size, for_save=False):
+            for key in sharded.KEYS:
+                access.set(o, key, state.fill(o, key))
+        step, consumed = int(meta["step"]), int(meta["consumed_samples"])
+        portable.restore_schedule(self.engine, self.scheduler, step,
+                                  self.cfg.train.global_batch_size)
+        del self.shards
+        if self.relayout:
+            log.warning("resumed from %s at a new layout (%s; step %d, %s samples consumed); RNG "
+                        "streams are per rank and do not carry over, so dropout masks differ from "
+                        "the saved layout's continuation", ckpt, ", ".join(self.relayout), step,
+                        f"{consumed:,}")
+        else:
+            rng = ckpt_io.load_rng_state(ckpt, self.rank)
+            if self.tp_rng is not None and "tensor_parallel" in rng:
+                self.tp_rng.load_state_dict(rng["tensor_parallel"])
+            log.info("resumed from %s (step %d, %s samples consumed)", ckpt, step, f"{consumed:,}")
+        return step, consumed, int(meta.get("skipped_steps", 0))
 
     def _resume_relayout(self) -> tuple[int, int]:
         """Master weights, Adam moments, LR schedule and data position from the layout-free state."""
@@ -339,8 +388,10 @@ class Trainer:
         self.step = step
         # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
         bad = not ds_adapter.step_applied(engine) or not math.isfinite(float(loss))
+        # MoE blocks: the step's expert load over DP, the aux-loss-free bias update, the metrics
+        moe = moe_end_of_step(engine.module, self.topo.group("dp"), update_bias=not bad)
         return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, "bad": bad,
-                "step_time_s": time.perf_counter() - t0}
+                "step_time_s": time.perf_counter() - t0, "moe": moe}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -376,42 +427,59 @@ class Trainer:
                              "sequence_parallel": self.cfg.parallel.sequence_parallel},
                 "zero_stage": self.cfg.parallel.zero_stage, "precision": self.cfg.train.precision}
         info = {"step": self.step, "consumed_samples": consumed, "layout": meta["parallel"],
-                "lr": self.scheduler.get_last_lr()}
+                "lr": self.scheduler.get_last_lr(), "precision": self.cfg.train.precision}
+        access = sharded.StateAccess(self.engine, self.topo)
+        # fp16's loss scaler lives in DeepSpeed's files: that optimizer saves through them
+        shard = self.cfg.train.precision != "fp16" and access.covered(self._local_params())
+        pieces: list = []
+        t0 = time.perf_counter()
         path = ckpt_io.save_checkpoint(
             self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
             client_state={"step": self.step, "consumed_samples": consumed,
                           "skipped_steps": self.bad_steps.total},
-            snapshot=lambda tmp, memo: self._snapshot(tmp, memo, meta, info),
+            snapshot=lambda tmp, memo: self._snapshot(tmp, memo, meta, access if shard else None,
+                                                      pieces),
             keep_last=self.cfg.checkpoint.keep_last, barrier=dist.barrier,
             extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
-            background=self.writer, before_commit=lambda: self.faults.in_save(self.step))
+            background=self.writer, before_commit=lambda: self.faults.in_save(self.step),
+            engine_files=not shard,
+            before_seal=(lambda tmp: sharded.write_index(tmp, pieces,
+                                                         {**info, "adam_step": access.access.adam_step()}))
+            if shard else None)
         if path is not None and self.writer is None:
-            log.info("saved checkpoint %s", path)
+            log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
+        elif path is not None:
+            log.info("checkpoint %s: training stalled %.2f s for the host copy of each rank's "
+                     "shard; writing in the background", path.name, time.perf_counter() - t0)
         return path
 
-    def _snapshot(self, tmp: Path, memo: Optional[dict], meta: dict, info: dict) -> dict[str, Any]:
-        """This rank's share of a checkpoint's files, on the host (collective); copies when
-        ``memo`` is given (asynchronous save)."""
-        weights = self.full_weights()
-        state = portable.snapshot_portable_state(self.engine, self._local_params(), self.topo,
-                                                 self.cfg.model.vocab_size, memo)
+    def _snapshot(self, tmp: Path, memo: Optional[dict], meta: dict,
+                  access: Optional[sharded.StateAccess], pieces: list) -> dict[str, Any]:
+        """This rank's share of a checkpoint's files, on the host (collective): its shard of the
+        training state (``access``; None: DeepSpeed's files hold it), and on rank 0 the files
+        that describe the checkpoint. Copies where ``memo`` is given (asynchronous save).
+        ``pieces`` receives, on rank 0, every rank's description of its shard (for the index)."""
         files: dict[str, Any] = {}
-        if state:  # this stage's writer
-            files[portable.stage_file(self.topo.pp_rank)] = state
+        if access is not None:
+            owned = access.owned(self._local_params(), self.cfg.model.vocab_size, for_save=True)
+            tensors, where = sharded.snapshot(access, owned, copy=memo is not None)
+            files[f"{sharded.STATE_DIR}/{sharded.rank_file(self.rank)}"] = \
+                sharded.RankFile(tensors, where)
+            pieces.extend(dist.gather_to_main(
+                sharded.piece_description(self.rank, tensors, where, owned, self.topo.tp)))
+        files.update(moe_checkpoint_files(self.engine.module, self.topo))  # aux-loss-free biases
+        weights = self.full_weights() if self.cfg.checkpoint.export_weights else None
         if self.is_main:
-            assert weights is not None
-            # full_weights() returns fresh tensors: moving them to the host is the snapshot
-            files[ckpt_io.WEIGHTS] = {k: v.detach().to("cpu").contiguous()
-                                      for k, v in weights.items()}
+            if weights is not None:  # full_weights() returns fresh tensors: already a snapshot
+                files[ckpt_io.WEIGHTS] = {k: v.detach().to("cpu").contiguous()
+                                          for k, v in weights.items()}
             files[ckpt_io.CONFIG] = self.cfg.to_yaml()
             self.tokenizer.save(tmp / "tokenizer.json")
             full_meta = {"megaformer_version": __version__, "step": self.step,
                          "world_size": self.proc.world_size,
                          "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                         "layout_free_state": state is not None, **meta}
-            if state is not None:
-                files[f"{portable.STATE_DIR}/{portable.STATE_JSON}"] = \
-                    portable.portable_info(self.engine, info)
+                         "skipped_steps": self.bad_steps.total,
+                         "state": "sharded" if access is not None else "deepspeed", **meta}
             files[ckpt_io.META] = json.dumps(full_meta, indent=2)  # last: marks it complete
         return files
 
@@ -539,6 +607,7 @@ class Trainer:
                   "consumed_tokens": self.loader.consumed_samples * self.cfg.seq_len}
         if getattr(self, "meter", None) is not None:  # tflops_per_gpu, [mfu, hfu], peak_mem_gb
             record.update(self.meter.record(t / len(window)))
+        record.update(window[-1].get("moe", {}))  # the last step's MoE metrics
         return record
 
     @staticmethod
@@ -567,15 +636,19 @@ class Trainer:
             log.info(text)
 
     def sample(self) -> Optional[str]:
-        """A short text sample from the trained weights (gathered on every rank, generated on 0)."""
+        """A short text sample from the trained weights, generated on rank 0 when it holds them
+        whole (TP = PP = 1, ZeRO below 3); a sharded model is never gathered for it."""
         n = self.cfg.log.sample_tokens
-        if n == 0:
+        p = self.cfg.parallel
+        if n == 0 or not self.is_main:
+            return None
+        if p.tensor > 1 or p.pipeline > 1 or p.zero_stage == 3:
+            log.info("text sample skipped: the model is sharded over ranks (megaformer generate "
+                     "RUN_DIR reads the checkpoint)")
             return None
         from megaformer.generation import generate_text
 
-        weights = self.full_weights()
-        if not self.is_main or weights is None:
-            return None
+        weights = full_state_dict(self.engine.module, self.topo)
         model = build_model(self.cfg, device=self.proc.device, weights=weights,
                             weights_source="the trained model", training=False).model
         return generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,

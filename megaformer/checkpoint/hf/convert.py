@@ -32,11 +32,18 @@ from megaformer.checkpoint import io as ckpt_io
 from megaformer.checkpoint.hf.arch import Architecture
 from megaformer.checkpoint.hf.gpt2 import GPT2
 from megaformer.checkpoint.hf.gpt_neox import OUT_NAMES, GPTNeoX
-from megaformer.checkpoint.hf.llama import Llama
+from megaformer.checkpoint.hf.llama import Llama, LlamaFamily
+from megaformer.checkpoint.hf.mistral import Mistral
+from megaformer.checkpoint.hf.moe import Mixtral, Qwen3Moe
+from megaformer.checkpoint.hf.qwen import Qwen2, Qwen3
 from megaformer.checkpoint.hf.stream import (DTYPE_NAMES, TensorSource, check_inputs, output_specs,
                                               run_plan)
 from megaformer.checkpoint.hf.tokenizer_files import read_hf_tokenizer, write_hf_tokenizer
+from megaformer.checkpoint.hf.verify import DEFAULT_TOLERANCE
+from megaformer.checkpoint.hf.verify import verify as verify_logits
+from megaformer.checkpoint.sharded import ShardedWeights
 from megaformer.config import Config, ConfigError, config_from_dict, validate
+from megaformer.data.tokenizer import NONE as NO_TOKENIZER
 from megaformer.data.tokenizer import load_tokenizer
 from megaformer.errors import CheckpointError, ConversionError
 from megaformer.runtime.run_lock import check_not_owned
@@ -47,9 +54,13 @@ MAX_TOKENIZER_BYTES = 1 << 30
 
 log = logging.getLogger("megaformer")
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (Llama(), GPT2(), GPTNeoX())}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a for a in (Llama(), GPT2(), GPTNeoX(), Mistral(), Qwen2(), Qwen3(), Mixtral(),
+                        Qwen3Moe())}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 _DTYPE_LABEL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# a sharded checkpoint holds fp32 master weights: exported in the precision the model trained in
+_TRAINED_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
@@ -90,35 +101,44 @@ def _read_megaformer(src: Path) -> tuple[Path, Config]:
 
 def choose_architecture(cfg: Config, arch: Optional[str]) -> Architecture:
     """The requested architecture if it can express the model (else every reason, by name), or the
-    first of llama, gpt2, gpt-neox that can."""
+    first of llama, gpt2, gpt-neox, mistral, qwen2, qwen3, mixtral, qwen3_moe that can."""
     m = cfg.model
     if arch is not None:
         if arch not in ARCHITECTURES:
             raise ConversionError(f"--arch {arch}: expected one of {', '.join(ARCHITECTURES)}")
-        reasons = ARCHITECTURES[arch].refusals(m)
+        reasons = ARCHITECTURES[arch].all_refusals(m)
         if reasons:
             raise ConversionError("; ".join(reasons))
         return ARCHITECTURES[arch]
     for a in ARCHITECTURES.values():
-        if not a.refusals(m):
+        if not a.all_refusals(m):
             return a
-    firsts = "; ".join(a.refusals(m)[0] for a in ARCHITECTURES.values())
+    firsts = "; ".join(a.all_refusals(m)[0] for a in ARCHITECTURES.values())
     raise ConversionError(f"no Hugging Face class can express this model: {firsts}")
 
 
 def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Optional[str] = None,
-                 max_shard_size: Optional[int] = None) -> Path:
-    """megaformer checkpoint (or run directory: its latest) -> Hugging Face folder ``dst``."""
+                 max_shard_size: Optional[int] = None, verify: bool = False,
+                 tolerance: float = DEFAULT_TOLERANCE) -> Path:
+    """megaformer checkpoint (or run directory: its latest) -> Hugging Face folder ``dst``;
+    with ``verify``, both run one batch in fp32 first (:mod:`.verify`) and a logit difference
+    above ``tolerance`` leaves nothing behind."""
     ckpt, cfg = _read_megaformer(src)
     adapter = choose_architecture(cfg, arch)
     m = cfg.model
-    if m.dropout and adapter.name == "llama":
-        log.warning("model.dropout=%s is a training-time setting LlamaForCausalLM has no key for; "
-                    "it does not change the exported function", m.dropout)
+    if m.dropout and isinstance(adapter, LlamaFamily):
+        log.warning("model.dropout=%s is a training-time setting %s has no key for; "
+                    "it does not change the exported function", m.dropout, adapter.hf_class)
     ckpt_io.check_weights(ckpt, m)  # shapes against config.yaml, before anything is allocated
-    check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
-    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
-    source = TensorSource(ckpt)
+    tokenizer = None
+    if (ckpt / "tokenizer.json").exists() or (ckpt / "tokenizer.json").is_symlink():
+        check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
+        tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    else:
+        log.warning("%s has no tokenizer.json (converted without one): the export has no "
+                    "tokenizer files", ckpt)
+    source = (TensorSource(ckpt) if (ckpt / ckpt_io.WEIGHTS).exists()
+              else ShardedWeights(ckpt, _TRAINED_DTYPE.get(cfg.train.precision, torch.float32)))
     plan = adapter.export_plan(m)
     out_dtype = _dtype(dtype)
     label = _DTYPE_LABEL.get(out_dtype or source.meta(plan[0].inputs[0]).dtype, "float32")
@@ -126,12 +146,14 @@ def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Option
         run_plan(plan, source, tmp, out_dtype, max_shard_size,
                  metadata={"megaformer_version": __version__},
                  ignore=lambda name: m.tie_embeddings and name == "lm_head.weight")
-        special = write_hf_tokenizer(tokenizer, tmp, m.max_seq_len)
+        special = write_hf_tokenizer(tokenizer, tmp, m.max_seq_len) if tokenizer else {}
         config = {"architectures": [adapter.hf_class], "model_type": adapter.model_type,
                   "vocab_size": m.vocab_size, **adapter.hf_config(m), **special, "dtype": label,
                   "use_cache": True}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({**special}, indent=2) + "\n")
+        if verify:
+            verify_logits(ckpt, tmp, tolerance)
     log.info("exported %s as %s to %s", ckpt, adapter.hf_class, dst)
     return dst
 
@@ -153,15 +175,41 @@ def _read_hf_config(src: Path, arch: Optional[str]) -> tuple[dict, Architecture]
     adapter = BY_MODEL_TYPE[model_type]
     if arch is not None and arch != adapter.name:
         raise ConversionError(f"--arch {arch}: {path} describes a {adapter.hf_class} ({adapter.name})")
-    return hf, adapter
+    return with_transformers_defaults(hf, model_type, path), adapter
 
 
-def import_config(hf: dict, adapter: Architecture, tensor: int, pipeline: int, tokenizer_path: Path,
-                  name: str) -> Config:
-    """megaformer config of the HF model at TP=tensor, PP=pipeline (validated: one-line errors)."""
+def with_transformers_defaults(hf: dict, model_type: str, path: Path) -> dict:
+    """The config as transformers reads it: through the model type's own config class
+    (``from_dict``, local, no remote code), so keys the file leaves out take transformers'
+    defaults and legacy keys their current form (e.g. ``rope_scaling`` -> ``rope_parameters``)."""
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise ConversionError(f"{path}: reading a Hugging Face config needs transformers "
+                              "(pip install 'megaformer[hf]')") from None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes on odd but valid values are not errors here
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(
+            {k: v for k, v in hf.items() if k not in ("auto_map", "trust_remote_code")})
+        full = config.to_dict()
+    except Exception as e:  # transformers' validation raises ValueError, TypeError, StrictDataclass...
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ConversionError(f"{path}: transformers cannot read this {model_type} config "
+                              f"({first})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return full
+
+
+def import_config(hf: dict, adapter: Architecture, tensor: int, pipeline: int,
+                  tokenizer_path: Optional[Path], name: str) -> Config:
+    """megaformer config of the HF model at TP=tensor, PP=pipeline (validated: one-line errors);
+    without a tokenizer, ``data.tokenizer: none`` (training asks for one by name)."""
     fields = {**adapter.model_fields(hf), "vocab_size": hf["vocab_size"]}
     raw = {"model": fields, "parallel": {"tensor": tensor, "pipeline": pipeline},
-           "data": {"tokenizer": str(tokenizer_path)}}
+           "data": {"tokenizer": str(tokenizer_path) if tokenizer_path else NO_TOKENIZER}}
     try:
         cfg = config_from_dict(raw, name=name)
         validate(cfg)
@@ -171,19 +219,29 @@ def import_config(hf: dict, adapter: Architecture, tensor: int, pipeline: int, t
 
 
 def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
-                   arch: Optional[str] = None, dtype: Optional[str] = None) -> Path:
-    """Hugging Face folder -> a megaformer run directory ``dst`` with a weights-only checkpoint."""
+                   arch: Optional[str] = None, dtype: Optional[str] = None,
+                   tokenizer: Optional[Path] = None, verify: bool = False,
+                   tolerance: float = DEFAULT_TOLERANCE) -> Path:
+    """Hugging Face folder -> a megaformer run directory ``dst`` with a weights-only checkpoint.
+
+    ``tokenizer``: a tokenizer.json or SentencePiece tokenizer.model to use instead of the
+    folder's; a folder with neither converts with a warning (``data.tokenizer: none``).
+    ``verify``: as in :func:`export_to_hf`."""
     if not src.is_dir():
         raise ConversionError(f"{src}: no such Hugging Face model folder")
     hf, adapter = _read_hf_config(src, arch)
     dst = dst.resolve()
-    cfg = import_config(hf, adapter, tensor, pipeline, dst / "tokenizer.json", dst.name)
     if (src / "tokenizer.json").exists() or (src / "tokenizer.json").is_symlink():
         check_file(src / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
-    tokenizer = read_hf_tokenizer(src)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConversionError(f"{src / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than "
-                              f"the model's vocab_size {cfg.model.vocab_size}")
+    tok = read_hf_tokenizer(src, tokenizer)
+    if tok is None:
+        log.warning("%s has no tokenizer.json or tokenizer.model: converting the weights only "
+                    "(give one with --tokenizer PATH, or set data.tokenizer before training)", src)
+    cfg = import_config(hf, adapter, tensor, pipeline, dst / "tokenizer.json" if tok else None,
+                        dst.name)
+    if tok is not None and tok.vocab_size > cfg.model.vocab_size:
+        raise ConversionError(f"{tok.name}: {tok.vocab_size} tokens, more than the model's "
+                              f"vocab_size {cfg.model.vocab_size}")
     source = TensorSource(src)  # headers only
     names = set(source.keys())
     if cfg.model.n_layers > len(names):  # every block has tensors: bounds the plan and meta model
@@ -206,13 +264,24 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
                  ignore=ignore, expected_out=expected)
 
     with staged_output(dst) as tmp:
-        ckpt_io.save_weights_checkpoint(tmp, 0, write_weights, cfg.to_yaml(), tokenizer,
+        ckpt_io.save_weights_checkpoint(tmp, 0, write_weights, cfg.to_yaml(),
+                                        tok if tok is not None else _NoTokenizer(),
                                         {"converted_from": adapter.hf_class, "source": str(src)})
         (tmp / ckpt_io.CONFIG).write_text(cfg.to_yaml())
-        tokenizer.save(tmp / "tokenizer.json")
+        if tok is not None:
+            tok.save(tmp / "tokenizer.json")
+        if verify:
+            verify_logits(tmp, src, tolerance)
     log.info("imported %s (%s) into %s at tensor=%d pipeline=%d", src, adapter.hf_class, dst,
              tensor, pipeline)
     return dst
+
+
+class _NoTokenizer:
+    """Stands for the tokenizer of a weights-only conversion: saves nothing."""
+
+    def save(self, path: Path) -> None:
+        pass
 
 
 def is_hf_folder(path: Path) -> bool:

@@ -57,7 +57,10 @@ class GPT2(Architecture):
         if m.kv_heads != m.n_heads:
             out.append(f"model.n_kv_heads={m.n_kv_heads} cannot be expressed by {self.hf_class} "
                        "(it has multi-head attention only)")
-        return out
+        if m.attn_bias != m.bias:
+            out.append(f"model.qkv_bias={m.qkv_bias} cannot be expressed by {self.hf_class} (its "
+                       "attention biases follow model.bias)")
+        return out + self.attention_refusals(m)
 
     def hf_config(self, m: ModelConfig) -> dict[str, Any]:
         return {"n_embd": m.d_model, "n_layer": m.n_layers, "n_head": m.n_heads,

@@ -58,7 +58,10 @@ class GPTNeoX(Architecture):
         if m.kv_heads != m.n_heads:
             out.append(f"model.n_kv_heads={m.n_kv_heads} cannot be expressed by {self.hf_class} "
                        "(it has multi-head attention only)")
-        return out
+        if m.attn_bias != m.bias:
+            out.append(f"model.qkv_bias={m.qkv_bias} cannot be expressed by {self.hf_class} (its "
+                       "attention biases follow model.bias)")
+        return out + self.attention_refusals(m)
 
     def hf_config(self, m: ModelConfig) -> dict[str, Any]:
         return {"hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
@@ -75,7 +78,7 @@ class GPTNeoX(Architecture):
     def model_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
         act = hf.get("hidden_act", "gelu")
         self.refuse_hf(_ACT_FROM_HF.get(act) is None, f"hidden_act={act}", "supported: gelu, gelu_new")
-        theta, fraction = rope_params(hf, self, 0.25)
+        theta, fraction, _ = rope_params(hf, self, 0.25)
         return {"d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
                 "n_heads": hf["num_attention_heads"], "n_kv_heads": None,
                 "d_ffn": hf["intermediate_size"], "max_seq_len": hf["max_position_embeddings"],

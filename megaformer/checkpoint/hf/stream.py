@@ -188,16 +188,24 @@ def shard_name_ok(name: object) -> bool:
             and name not in (".", "..") and not name.startswith("."))
 
 
+def _where(source: object) -> str:
+    """How errors name a tensor source (any object with ``keys``/``meta``/``get``)."""
+    return str(getattr(source, "folder", "the source checkpoint"))
+
+
 def check_inputs(plan: list[Entry], source: TensorSource, ignore: Callable[[str], bool]) -> None:
     """Every input the plan reads exists; every source tensor is read (or known to be ignorable):
-    a tensor nobody maps would otherwise be silently dropped."""
+    a tensor nobody maps would otherwise be silently dropped. ``source``: a
+    :class:`TensorSource` or any object with its ``keys``/``meta``/``get``."""
     used = {name for e in plan for name in e.inputs}
-    for name in sorted(used):
-        source.file_of(name)
-    extra = [k for k in source.keys() if k not in used and not ignore(k)]
+    names = set(source.keys())
+    missing = sorted(used - names)
+    if missing:
+        raise ConversionError(f"{_where(source)}: missing tensor {missing[0]}")
+    extra = [k for k in sorted(names) if k not in used and not ignore(k)]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise ConversionError(f"{source.folder}: tensor {extra[0]}{more} has no counterpart in the "
+        raise ConversionError(f"{_where(source)}: tensor {extra[0]}{more} has no counterpart in the "
                               "target format; refusing to drop it")
 
 
@@ -309,7 +317,7 @@ def run_plan(plan: list[Entry], source: TensorSource, folder: Path, dtype: Optio
     check_inputs(plan, source, ignore)
     specs = output_specs(plan, source, dtype)
     if expected_out is not None:
-        check_shapes([(n, s) for n, s, _ in specs], expected_out, str(source.folder),
+        check_shapes([(n, s) for n, s, _ in specs], expected_out, _where(source),
                      ConversionError)
     writer = SafetensorsShardWriter(folder, specs, max_bytes, metadata)
     for e in plan:

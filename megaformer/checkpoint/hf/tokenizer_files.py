@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from megaformer.data.tokenizer import EOD_TOKEN, ByteTokenizer, Tokenizer
 
@@ -45,24 +45,41 @@ def byte_tokenizer_as_hf() -> Any:
 
 
 def write_hf_tokenizer(tokenizer: Tokenizer, folder: Path, max_len: int) -> dict[str, Any]:
-    """tokenizer.json + tokenizer_config.json in ``folder``; returns the special ids for config.json."""
-    tok = byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else tokenizer.tok
-    tok.save(str(folder / "tokenizer.json"))
-    eod = tok.id_to_token(tokenizer.eod_id)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
+    """tokenizer.json (or a SentencePiece tokenizer.model) + tokenizer_config.json in ``folder``;
+    returns the special ids for config.json."""
+    from megaformer.data.tokenizer import SentencePieceTokenizer
+
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        (folder / "tokenizer.model").write_bytes(tokenizer.model)
+        eod, cls = tokenizer.sp.IdToPiece(tokenizer.eod_id), "LlamaTokenizer"
+    else:
+        tok = byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else tokenizer.tok
+        tok.save(str(folder / "tokenizer.json"))
+        eod, cls = tok.id_to_token(tokenizer.eod_id), "PreTrainedTokenizerFast"
+    config = {"tokenizer_class": cls, "bos_token": eod, "eos_token": eod,
               "model_max_length": max_len, "clean_up_tokenization_spaces": False,
               "add_bos_token": False, "add_eos_token": False}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"bos_token_id": tokenizer.eod_id, "eos_token_id": tokenizer.eod_id}
 
 
-def read_hf_tokenizer(folder: Path) -> Tokenizer:
-    """The tokenizer.json of a Hugging Face model folder (the only tokenizer format read)."""
-    from megaformer.data.tokenizer import load_tokenizer
-    from megaformer.errors import ConversionError
+def read_hf_tokenizer(folder: Path, explicit: Optional[Path] = None) -> Optional[Tokenizer]:
+    """The tokenizer of a Hugging Face model folder: ``explicit`` (--tokenizer: a tokenizer.json,
+    a SentencePiece tokenizer.model, or a folder with either) when given, else the folder's
+    tokenizer.json, else its tokenizer.model; None when it has neither (weights only). The
+    end-of-document token follows the tokenizer's own configuration (eos_token) where it has one."""
+    from megaformer.data.tokenizer import SENTENCEPIECE_FILE, TOKENIZER_FILE, load_tokenizer
+    from megaformer.errors import ConversionError, DataError
 
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise ConversionError(f"{folder}: no tokenizer.json (save the tokenizer as a fast tokenizer "
-                              "first: AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
-    return load_tokenizer(path)
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.exists():
+            raise ConversionError(f"--tokenizer {explicit}: no such file or folder")
+    elif (folder / TOKENIZER_FILE).exists() or (folder / SENTENCEPIECE_FILE).exists():
+        path = folder
+    else:
+        return None
+    try:
+        return load_tokenizer(path)
+    except DataError as e:
+        raise ConversionError(str(e)) from None

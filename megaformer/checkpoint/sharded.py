@@ -1,0 +1,476 @@
+"""Sharded, layout-free training state: every rank writes what it owns; any layout reads it back.
+
+The training state of a parameter with whole (unsharded, vocabulary-unpadded) shape ``S`` is three
+fp32 tensors of shape ``S``: the master weight theta, Adam's first moment m and second moment v.
+No rank ever holds a whole one. Rank r owns, of each of its parameters, one flat range [s, e) of
+its tensor-parallel shard (row-major order):
+
+* ZeRO 1/2 and the bf16 optimizer: the fragment of DeepSpeed's flat fp32 partition that maps onto
+  this parameter (``_hp_mapping.lp_fragment_address``);
+* ZeRO-3: its partition, elements [r_dp * n_part, (r_dp + 1) * n_part) of the flattened shard;
+* ZeRO-0 (torch's AdamW, replicated over data parallelism): the data-parallel ranks split each
+  shard evenly, [r_dp * n / dp, (r_dp + 1) * n / dp), so that each byte is written once.
+
+A parameter replicated over tensor parallelism (a norm's gain) is split the same way over the TP
+ranks; a pipeline-tied weight is written by the first stage only. A flat range of a row-major array is a
+union of at most 2 ndim - 1 boxes (a partial row, whole rows, a partial row; recursively), so a
+rank stores its range as boxes placed in whole-tensor coordinates::
+
+    CKPT/state/
+      rank_00000.safetensors   "NAME/KEY/i": box i of KEY (master | exp_avg | exp_avg_sq) of NAME
+      ...                      one file per rank, written by that rank, in parallel
+      index.json               rank 0: every box's file, offsets and sizes; whole shapes; file
+                               sizes; Adam's step count; the layout and precision it came from
+
+Reading at any layout is the same decomposition run backwards: each rank splits the flat range it
+owns now (whole shards for ZeRO-0) into boxes, and for each reads the intersection with every saved
+box that overlaps it: safetensors slices, so only those bytes. Memory: one parameter's fragment at
+a time (the staging buffer), nothing whole. Nothing here unpickles; files are checked against the
+index's sizes and their own headers before a byte of data is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megaformer.checkpoint.safetensors_check import read_header
+from megaformer.deepspeed_attrs import pipe_replicated, zero3_partitioned
+from megaformer.errors import CheckpointError
+from megaformer.safe_files import read_text_bounded
+
+STATE_DIR = "state"
+INDEX = "index.json"
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+VOCAB_TABLES = ("tok_embeddings.weight", "lm_head.weight")
+FORMAT = 1
+MAX_INDEX_BYTES = 256 << 20
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def has_sharded_state(ckpt: Path) -> bool:
+    return (ckpt / STATE_DIR / INDEX).is_file()
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+# ----------------------------------------------------------------------------- geometry
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...],
+                                                                        tuple[int, ...], int]]:
+    """Elements [start, stop) of a row-major array of ``shape`` as boxes
+    ``(offsets, sizes, flat_start)``, in order; each box is a contiguous flat run."""
+    if stop <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,), start)]
+    inner = math.prod(shape[1:])
+    out: list = []
+    row = start // inner
+    if start % inner:  # partial first row
+        end = min(stop, (row + 1) * inner)
+        out += [((row, *off), (1, *size), row * inner + flat)
+                for off, size, flat in flat_boxes(shape[1:], start - row * inner, end - row * inner)]
+        start, row = end, row + 1
+    full = stop // inner - row
+    if full > 0:  # whole rows
+        out.append(((row, *([0] * (len(shape) - 1))), (full, *shape[1:]), start))
+        start, row = start + full * inner, row + full
+    if start < stop:  # partial last row
+        out += [((row, *off), (1, *size), row * inner + flat)
+                for off, size, flat in flat_boxes(shape[1:], 0, stop - start)]
+    return out
+
+
+def intersect(a: Box, b: Box) -> Optional[Box]:
+    lo = [max(x, y) for x, y in zip(a[0], b[0])]
+    hi = [min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1])]
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return tuple(lo), tuple(h - low for low, h in zip(lo, hi))
+
+
+def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o - g, o - g + s) for o, s, g in zip(box[0], box[1], origin))
+
+
+# ----------------------------------------------------------------------------- ownership
+
+@dataclass
+class Owned:
+    """A parameter's shard on this rank and the flat range of it this rank owns."""
+
+    name: str
+    param: torch.nn.Parameter
+    local_shape: tuple[int, ...]   # the tensor-parallel shard (vocabulary rows padded)
+    start: int                     # owned flat range of the shard
+    stop: int
+    dim: Optional[int]             # the tensor-parallel split dimension, or None
+    tp_offset: int                 # where the shard starts along ``dim`` in the whole tensor
+    rows: Optional[int]            # vocabulary tables: the real rows (padding beyond is dropped)
+    base: int = 0                  # the flat index where the optimizer's local tensor starts
+
+    def boxes(self) -> list[tuple[Box, tuple[int, ...], int]]:
+        """The owned range as (box in whole-tensor coordinates, the box's size in the shard,
+        its flat start in the owned range). A box reaching into the vocabulary padding is cut
+        to the real rows (its shard size stays uncut: that is its flat run); one wholly in the
+        padding is dropped."""
+        out = []
+        for off, size, flat in flat_boxes(self.local_shape, self.start, self.stop):
+            g = list(off)
+            if self.dim is not None:
+                g[self.dim] += self.tp_offset
+            cut = list(size)
+            if self.rows is not None:
+                cut[0] = max(0, min(g[0] + size[0], self.rows) - g[0])
+                if cut[0] == 0:
+                    continue
+            out.append(((tuple(g), tuple(cut)), size, flat - self.start))
+        return out
+
+    def whole_shape(self, tp: int) -> tuple[int, ...]:
+        shape = list(self.local_shape)
+        if self.dim is not None:
+            shape[self.dim] *= tp
+        if self.rows is not None:
+            shape[0] = self.rows
+        return tuple(shape)
+
+
+class StateAccess:
+    """This rank's fp32 master weight and Adam moments of each parameter, whatever optimizer
+    DeepSpeed wrapped around torch's AdamW (None: one these accessors do not cover, fp16's)."""
+
+    def __init__(self, engine: Any, topo: Any) -> None:
+        from megaformer.checkpoint.portable import OptimizerAccess
+
+        self.access = OptimizerAccess(engine)
+        self.topo = topo
+        self.zero3 = False
+
+    def covered(self, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
+        return self.access.inner is not None and all(self.access.supports(p) for _, p in params)
+
+    def owned(self, params: list[tuple[str, torch.nn.Parameter]], vocab_size: int,
+              for_save: bool) -> list[Owned]:
+        """The flat range of each parameter's shard this rank owns: for saving (every byte once)
+        or for loading (what this rank's optimizer holds: whole shards for ZeRO-0)."""
+        topo, out = self.topo, []
+        for name, p in params:
+            if for_save and topo.pp > 1 and pipe_replicated(p):
+                continue  # a tied weight's second copy: the first stage writes it
+            shape = tuple(p.ds_shape) if zero3_partitioned(p) else tuple(p.shape)
+            n = math.prod(shape)
+            if self.access.plain:
+                if for_save:
+                    start, stop = topo.dp_rank * n // topo.dp, (topo.dp_rank + 1) * n // topo.dp
+                else:
+                    start, stop = 0, n
+                base = 0  # the whole shard
+            elif zero3_partitioned(p):
+                part = p.ds_tensor.ds_numel
+                rank = p._z3_optimizer._get_param_partition_rank(p)
+                start, stop = min(rank * part, n), min((rank + 1) * part, n)
+                base = start
+            else:
+                mapping = p._hp_mapping
+                if mapping is None:
+                    start = stop = 0
+                else:
+                    start = mapping.lp_fragment_address.start
+                    stop = start + mapping.lp_fragment_address.numel
+                base = start
+            split = getattr(p, "tensor_model_parallel", False) and topo.tp > 1
+            dim = p.partition_dim if split else None
+            if for_save and not split and topo.tp > 1:  # replicated over TP: each writes 1/tp
+                lo, hi = topo.tp_rank * n // topo.tp, (topo.tp_rank + 1) * n // topo.tp
+                start, stop = max(start, lo), max(min(stop, hi), max(start, lo))
+            out.append(Owned(name, p, shape, start, stop, dim,
+                             topo.tp_rank * shape[dim] if split else 0,
+                             vocab_size if name in VOCAB_TABLES else None, base))
+        return out
+
+    def get(self, o: Owned, key: str) -> torch.Tensor:
+        """The owned range of ``key``, flat fp32 (a view of the optimizer's tensor where it can)."""
+        p, n = o.param, o.stop - o.start
+        if n == 0:
+            return torch.empty(0)
+        if self.access.plain:
+            if key == "master":
+                src = p.detach()
+            else:
+                state = self.access.inner.state.get(p, {})
+                if key not in state:
+                    return torch.zeros(n)
+                src = state[key].detach()
+            return src.reshape(-1)[o.start:o.stop].float()
+        if zero3_partitioned(p):
+            from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+            t = (safe_get_local_fp32_param(p) if key == "master"
+                 else safe_get_local_optimizer_state(p, key))
+            return t.reshape(-1)[o.start - o.base:o.stop - o.base].float()
+        frag = p._hp_mapping.get_hp_fragment(None if key == "master" else key)
+        return frag.reshape(-1)[o.start - o.base:o.stop - o.base].float()
+
+    def set(self, o: Owned, key: str, value: torch.Tensor) -> None:
+        p = o.param
+        if o.stop == o.start:
+            return
+        if self.access.plain:
+            value = value.reshape(o.local_shape).to(p.device)
+            if key == "master":
+                p.data.copy_(value.to(p.dtype))
+            else:
+                self.access.inner.state[p][key] = value.clone()
+            return
+        if zero3_partitioned(p):
+            from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+            full = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=value.device)
+            full[:value.numel()] = value
+            if key == "master":
+                safe_set_local_fp32_param(p, full)
+            else:
+                safe_set_local_optimizer_state(p, full, key)
+            return
+        frag = p._hp_mapping.get_hp_fragment(None if key == "master" else key)
+        frag.data.reshape(-1)[o.start - o.base:o.stop - o.base].copy_(value.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- save
+
+def snapshot(access: StateAccess, owned: list[Owned], copy: bool) -> tuple[dict[str, torch.Tensor],
+                                                                          dict[str, list]]:
+    """This rank's boxes on the host: ({"NAME/KEY/i": tensor}, {"NAME/KEY/i": offsets}).
+    ``copy``: own the memory (an asynchronous save: training goes on and changes the state)."""
+    access.access.link()  # DeepSpeed links parameters to their Adam-state fragments lazily
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, list] = {}
+    for o in owned:
+        boxes = o.boxes()
+        if not boxes:
+            continue
+        for key in KEYS:
+            flat = access.get(o, key)
+            for i, ((off, cut), uncut, pos) in enumerate(boxes):
+                box = flat[pos:pos + math.prod(uncut)].view(uncut)[:cut[0]]
+                tensors[f"{o.name}/{key}/{i}"] = _to_host(box, copy)
+                where[f"{o.name}/{key}/{i}"] = list(off)
+    if any(t.is_pinned() for t in tensors.values()):
+        torch.cuda.synchronize()  # the device-to-host copies were queued without waiting
+    return tensors, where
+
+
+def _to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A host tensor with ``t``'s values: from an accelerator, a copy into pinned memory (queued,
+    not waited for); on the host, ``t`` itself unless ``copy`` (then a copy of it)."""
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+    return t.clone(memory_format=torch.contiguous_format) if copy else t.contiguous()
+
+
+def RankFile(tensors: dict[str, torch.Tensor], where: dict[str, list]) -> tuple[dict, dict]:
+    """A rank's file as (tensors, safetensors metadata): each box's offsets travel with it, so a
+    shard file describes itself even without the index."""
+    return tensors, {"megaformer_boxes": json.dumps(where, sort_keys=True)}
+
+
+def write_index(tmp: Path, pieces: list[dict], info: dict) -> None:
+    """Rank 0, once every rank's file exists: ``index.json`` with each file's size."""
+    from megaformer.checkpoint.io import write_payload
+
+    for piece in pieces:
+        piece["bytes"] = (tmp / STATE_DIR / piece["file"]).stat().st_size
+    write_payload(tmp / STATE_DIR / INDEX, build_index(pieces, info))
+
+
+def build_index(pieces: list[dict], info: dict) -> str:
+    """``index.json`` from every rank's piece description ({"file", "bytes", "boxes": {key:
+    [offsets, sizes]}, "shapes": {name: whole shape}}) and ``info`` (step, layout, Adam's step)."""
+    shapes: dict[str, list[int]] = {}
+    boxes: dict[str, list] = {}
+    for piece in pieces:
+        shapes.update(piece["shapes"])
+        for tkey, (off, size) in piece["boxes"].items():
+            name, key, _ = tkey.rsplit("/", 2)
+            boxes.setdefault(f"{name}/{key}", []).append([piece["file"], tkey, off, size])
+    files = {piece["file"]: piece["bytes"] for piece in pieces}
+    for name, shape in shapes.items():  # every element of every tensor saved exactly once
+        for key in KEYS:
+            got = sum(math.prod(b[3]) for b in boxes.get(f"{name}/{key}", []))
+            if got != math.prod(shape):
+                raise CheckpointError(f"sharded save: {name}/{key} has {got} of "
+                                      f"{math.prod(shape)} elements (a rank's ownership is wrong)")
+    return json.dumps({"format": FORMAT, **info, "shapes": shapes, "files": files,
+                       "boxes": boxes}, indent=1, sort_keys=True)
+
+
+def piece_description(rank: int, tensors: dict[str, torch.Tensor], where: dict[str, list],
+                      owned: list[Owned], tp: int) -> dict:
+    """What rank 0 needs to know of this rank's file for the index (small: no tensor data)."""
+    boxes = {k: [where[k], list(t.shape)] for k, t in tensors.items()}
+    return {"file": rank_file(rank), "boxes": boxes, "bytes": None,
+            "shapes": {o.name: list(o.whole_shape(tp)) for o in owned}}
+
+
+# ----------------------------------------------------------------------------- load
+
+class ShardedState:
+    """Reads a checkpoint's sharded state: index checked, each file's header checked (size
+    against the index, tensors against the header) when first used."""
+
+    def __init__(self, ckpt: Path) -> None:
+        self.folder = ckpt / STATE_DIR
+        path = self.folder / INDEX
+        try:
+            self.index = json.loads(read_text_bounded(path, MAX_INDEX_BYTES))
+            self.shapes = {k: tuple(v) for k, v in self.index["shapes"].items()}
+            self.boxes: dict[str, list] = self.index["boxes"]
+            self.files: dict[str, int] = self.index["files"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
+            raise CheckpointError(f"{path}: missing or corrupt") from None
+        if self.index.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: format {self.index.get('format')!r}; this megaformer "
+                                  f"reads format {FORMAT}")
+        for name in self.files:
+            if Path(name).name != name or not name.endswith(".safetensors"):
+                raise CheckpointError(f"{path}: names file {name[:80]!r} outside {self.folder}")
+        # every box inside its tensor, in a listed file: checked against each file's header
+        self._expect: dict[str, dict[str, list[int]]] = {f: {} for f in self.files}
+        try:
+            for pkey, boxes in self.boxes.items():
+                shape = self.shapes[pkey.rsplit("/", 1)[0]]
+                for file, tkey, off, size in boxes:
+                    if (len(off) != len(shape) or len(size) != len(shape)
+                            or any(o < 0 or z < 1 or o + z > d
+                                   for o, z, d in zip(off, size, shape))):
+                        raise ValueError(tkey)
+                    self._expect[file][tkey] = list(size)
+        except (KeyError, ValueError, TypeError, AttributeError):
+            raise CheckpointError(f"{path}: corrupt (a box outside its tensor, or in a file "
+                                  "it does not list)") from None
+        self._open: dict[str, Any] = {}
+
+    @property
+    def adam_step(self) -> float:
+        return float(self.index.get("adam_step", 0.0))
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def _handle(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._open:
+            path = self.folder / file
+            if path.is_symlink() or not path.is_file():
+                raise CheckpointError(f"{path}: missing shard of the checkpoint")
+            size = path.stat().st_size
+            if size != self.files[file]:
+                raise CheckpointError(f"{path}: {size} bytes, the checkpoint's index says "
+                                      f"{self.files[file]} (truncated or replaced)")
+            header = read_header(path)  # every tensor's byte range against the file
+            for tkey, size in self._expect[file].items():
+                entry = header.get(tkey)
+                if not isinstance(entry, dict) or entry.get("dtype") != "F32" \
+                        or entry.get("shape") != size:
+                    raise CheckpointError(f"{path}: {tkey} is missing or does not match "
+                                          f"{self.folder / INDEX}")
+            self._open[file] = safe_open(str(path), framework="pt")
+        return self._open[file]
+
+    def read(self, name: str, key: str, target: Box, out: torch.Tensor) -> int:
+        """Fill ``out`` (a tensor of ``target``'s size) with the saved values inside ``target``;
+        returns how many elements were found."""
+        found = 0
+        for file, tkey, off, size in self.boxes.get(f"{name}/{key}", []):
+            common = intersect(target, (tuple(off), tuple(size)))
+            if common is None:
+                continue
+            try:
+                part = self._handle(file).get_slice(tkey)[_slices(common, tuple(off))]
+            except CheckpointError:
+                raise
+            except Exception as e:  # safetensors' own errors
+                raise CheckpointError(f"{self.folder / file}: cannot read {tkey} "
+                                      f"({str(e)[:200]})") from None
+            out[_slices(common, target[0])] = part.to(out.dtype)
+            found += math.prod(common[1])
+        return found
+
+    def whole(self, name: str, key: str = "master") -> torch.Tensor:
+        """One whole tensor (generation, export: one process reads the whole model)."""
+        if name not in self.shapes:
+            raise CheckpointError(f"{self.folder}: no parameter {name}")
+        shape = self.shapes[name]
+        out = torch.empty(shape, dtype=torch.float32)
+        box = (tuple([0] * len(shape)), shape)
+        if self.read(name, key, box, out) != math.prod(shape):
+            raise CheckpointError(f"{self.folder}: {name}/{key} is incomplete")
+        return out
+
+    def fill(self, o: Owned, key: str) -> torch.Tensor:
+        """The flat range ``o`` owns of ``key``, fp32 (vocabulary padding rows: zeros)."""
+        flat = torch.zeros(o.stop - o.start, dtype=torch.float32)
+        for box, uncut, pos in o.boxes():
+            target = flat[pos:pos + math.prod(uncut)].view(uncut)[:box[1][0]]
+            if self.read(o.name, key, box, target) != math.prod(box[1]):
+                raise CheckpointError(f"{self.folder}: {o.name}/{key} does not cover this "
+                                      "layout's shard (saved for another model?)")
+        return flat
+
+    def shard(self, name: str, shape: tuple[int, ...], dim: Optional[int], tp_offset: int,
+              key: str = "master") -> torch.Tensor:
+        """A parameter's tensor-parallel shard of ``key`` (``shape``, starting at ``tp_offset``
+        along ``dim``; the weights a rank builds its model from), vocabulary padding rows zero."""
+        if name not in self.shapes:
+            raise CheckpointError(f"{self.folder}: no parameter {name}")
+        rows = self.shapes[name][0] if name in VOCAB_TABLES else None
+        o = Owned(name, None, shape, 0, math.prod(shape), dim, tp_offset, rows)  # type: ignore
+        return self.fill(o, key).view(shape)
+
+    def check_model(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """The saved parameters are the model's (names and whole shapes)."""
+        tied_extra = set(expected) - set(self.shapes) - {"lm_head.weight"}
+        extra = set(self.shapes) - set(expected)
+        if tied_extra or extra:
+            raise CheckpointError(f"{self.folder}: parameters do not fit the configured model "
+                                  f"(missing {sorted(tied_extra)[:3]}, unexpected {sorted(extra)[:3]})")
+        for name, shape in self.shapes.items():
+            if tuple(expected[name]) != shape:
+                raise CheckpointError(f"{self.folder}: {name} has shape {list(shape)}, the "
+                                      f"configured model needs {list(expected[name])}")
+
+
+class ShardedWeights:
+    """The master weights of a sharded checkpoint as a tensor source (``keys``/``meta``/``get``,
+    like :class:`megaformer.checkpoint.hf.stream.TensorSource`), one whole tensor at a time, in
+    the precision the model trained in."""
+
+    def __init__(self, ckpt: Path, dtype: torch.dtype = torch.float32) -> None:
+        self.state = ShardedState(ckpt)
+        self.dtype = dtype
+
+    def keys(self) -> list[str]:
+        return self.state.names()
+
+    def meta(self, name: str) -> torch.Tensor:
+        return torch.empty(self.state.shapes[name], dtype=self.dtype, device="meta")
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.state.whole(name).to(self.dtype)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.keys():
+            yield name, self.get(name)

@@ -1,0 +1,363 @@
+"""Mixture-of-Experts FFN: token-choice top-k routing over E expert FFNs (+ shared experts).
+
+For the N tokens x_n of a micro-batch (Shazeer et al. 2017; Switch, Fedus et al. 2021; Mixtral;
+DeepSeek-V3):
+
+    logits  z_n = x_n W_r^T                                  router, [N, E], fp32
+    scores  s_n = softmax(z_n)  or  sigmoid(z_n)             ``model.moe.score``
+    experts T_n = top-k_e (s_ne + b_e)                       b: aux-loss-free bias, selection only
+    weights g_ne = s_ne (/ sum_{e' in T_n} s_ne')            ``model.moe.renormalize``
+    y_n     = sum_{e in T_n} g_ne FFN_e(x_n)  (+ FFN_shared(x_n))
+
+Dispatch sorts the N k (token, expert) assignments by expert (a stable sort: within an expert,
+token order), so each expert reads one contiguous block of rows; the experts run as a loop over
+experts (a grouped GEMM, ``torch._grouped_mm``, on CUDA sm90+ in bf16 where torch has it); the combine
+scatters the weighted rows back with an index-add. Dropless (the default), every assignment is
+computed, so a token's output depends on that token alone. With a capacity factor, expert e keeps
+its first C = ceil(capacity_factor N k / E) assignments; the rest are dropped (counted).
+
+Load balancing (added to the training loss by the Transformer, per MoE block):
+
+    aux  = alpha E sum_e f_e P_e,  f_e = |{(n, e)}| / (N k),  P_e = mean_n p_ne      (1 if balanced)
+    z    = beta mean_n (logsumexp_e z_ne)^2                                             (ST-MoE)
+
+with p the router probabilities (softmax; for sigmoid scores the scores normalised per token).
+The aux-loss-free bias b (DeepSeek-V3) is no gradient: after each optimizer step,
+b_e += rate * sign(mean_e' load_e' - load_e), the load counted over the step's tokens summed over
+the data-parallel group (:func:`end_of_step`), so every rank keeps the same b.
+
+Tensor parallelism (:mod:`megaformer.parallel.plan`): each expert is split like the dense FFN (W1
+and W3 by output columns, W2 by input rows) and the router is replicated. The input arrives
+through the column-parallel region (copy, or sequence gather); the combined routed output is a
+partial sum that one all-reduce (reduce-scatter with sequence parallelism) completes. The gradient
+reaching the router through the combine is then partial per rank (summed over the TP group by the
+plan); that of the router losses, computed on replicated logits, is scaled by 1/tp before it joins
+it, so the sum is the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megaformer.config import ModelConfig
+from megaformer.model.mlp import MLP
+
+ROUTER_DIR = "moe_router"  # in a checkpoint: the aux-loss-free biases, one file per pipeline stage
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation recomputation re-running a block)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch's grouped GEMM applies: CUDA sm90+, bf16 operands, rows 16-byte aligned (d, f
+    multiples of 8)."""
+    return (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+class Experts(nn.Module):
+    """E FFNs as stacked weights: w1 [E, f, d] (SwiGLU gate / GELU up), w3 [E, f, d] (SwiGLU up),
+    w2 [E, d, f]; no biases. ``forward(x, counts)``: rows of ``x`` sorted by expert, ``counts[e]``
+    rows for expert e, in that order."""
+
+    def __init__(self, n: int, d: int, f: int, activation: str) -> None:
+        super().__init__()
+        if activation not in ("gelu", "gelu_tanh", "swiglu"):
+            raise ValueError(f"model.activation={activation!r}: must be gelu or swiglu")
+        self.activation = activation
+        self.w1 = nn.Parameter(torch.empty(n, f, d))
+        self.w3 = nn.Parameter(torch.empty(n, f, d)) if activation == "swiglu" else None
+        self.w2 = nn.Parameter(torch.empty(n, d, f))
+
+    def _act(self, h1: torch.Tensor, h3: Optional[torch.Tensor]) -> torch.Tensor:
+        if h3 is not None:
+            return F.silu(h1) * h3
+        return F.gelu(h1, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if _grouped_mm_ok(x, self.w1):
+            return self.grouped(x, counts)
+        return self.loop(x, counts)
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM per matrix over all experts (bf16; no host synchronisation)."""
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h1 = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offs)
+        h3 = (torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offs)
+              if self.w3 is not None else None)
+        return torch._grouped_mm(self._act(h1, h3), self.w2.transpose(1, 2), offs=offs)
+
+    def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """A loop over experts, each on its block of rows."""
+        outs = []
+        # every expert runs, also on zero rows, so each has a gradient (zeros) every step
+        for e, xe in enumerate(x.split(counts.tolist())):
+            h3 = xe @ self.w3[e].t() if self.w3 is not None else None
+            outs.append(self._act(xe @ self.w1[e].t(), h3) @ self.w2[e].t())
+        return torch.cat(outs)
+
+    def extra_repr(self) -> str:
+        n, f, d = self.w1.shape
+        return f"experts={n}, d_model={d}, d_ffn={f}, activation={self.activation}"
+
+
+class MoE(nn.Module):
+    """The MoE FFN of block ``layer``: router -> top-k -> dispatch -> experts -> weighted combine
+    (+ shared experts). Same call as :class:`megaformer.model.mlp.MLP`: [B, T, d] -> [B, T, d].
+
+    After a training forward, ``aux_loss`` holds this block's weighted router losses (taken by
+    the Transformer's loss); the step's load, dropped assignments and loss values accumulate in
+    the ``step_*`` buffers until :func:`end_of_step`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        m = cfg.moe
+        self.layer = layer
+        self.num_experts, self.top_k = m.num_experts, m.top_k
+        self.score, self.renormalize = m.score, m.renormalize
+        self.capacity_factor = None if m.dropless else m.capacity_factor
+        self.aux_coef, self.z_coef, self.bias_rate = m.aux_loss_coef, m.z_loss_coef, m.bias_update_rate
+        self.router = nn.Linear(cfg.d_model, m.num_experts, bias=False)
+        self.experts = Experts(m.num_experts, cfg.d_model, cfg.expert_dim, cfg.activation)
+        self.shared = (MLP(cfg, d_ffn=cfg.shared_dim, bias=False) if cfg.shared_dim > 0 else None)
+        # not parameters: the bias moves by its own rule, not by the optimizer; checkpoints carry
+        # it through router_state()/load_router_state()
+        self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=False)
+        self.register_buffer("step_load", torch.zeros(m.num_experts, dtype=torch.long),
+                             persistent=False)
+        # dropped assignments, sum of aux, sum of z, forwards (this step, this rank)
+        self.register_buffer("step_sums", torch.zeros(4, dtype=torch.float64), persistent=False)
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.tp_group: Any = None  # set by the tensor-parallel plan
+        self.tp_size, self.sequence_parallel = 1, False
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "MoE":
+        # A cast of the module (bf16 training) leaves the bias fp32 and the counters float64:
+        # an update of rate 1e-3 is below bf16's spacing once |b_e| >= 0.5.
+        super()._apply(fn, recurse)
+        self.expert_bias = self.expert_bias.float()
+        self.step_sums = self.step_sums.double()
+        return self
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Zero the aux-loss-free bias and the step's counters (buffers made on the meta device
+        hold no values until this runs)."""
+        for t in (self.expert_bias, self.step_load, self.step_sums):
+            t.zero_()
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [N, E] fp32, selected experts [N, k], their weights [N, k] fp32) of x [N, d]."""
+        with torch.autocast(x.device.type, enabled=False):  # fp32 under bf16 autocast too
+            logits = F.linear(x.float(), self.router.weight.float())
+        scores = torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
+        with torch.no_grad():
+            chooser = scores + self.expert_bias.float() if self.bias_rate > 0 else scores
+            idx = chooser.topk(self.top_k, dim=-1).indices
+        gates = scores.gather(1, idx)
+        if self.renormalize:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return logits, idx, gates
+
+    def router_losses(self, logits: torch.Tensor, counts: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(load-balancing loss E sum_e f_e P_e, z-loss mean_n logsumexp(z_n)^2), unweighted."""
+        if self.tp_size > 1:  # replicated logits: each rank's share of the gradient is 1/tp
+            logits = _ScaleGrad.apply(logits, 1.0 / self.tp_size)
+        n, E = logits.shape
+        if self.score == "softmax":
+            probs = torch.softmax(logits, -1)
+        else:
+            s = torch.sigmoid(logits)
+            probs = s / s.sum(-1, keepdim=True)
+        f = counts.to(probs.dtype) / (n * self.top_k)
+        aux = E * (f * probs.mean(0)).sum()
+        z = torch.logsumexp(logits, -1).square().mean()
+        return aux, z
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        n, k, E = x2.shape[0], self.top_k, self.num_experts
+        logits, idx, gates = self.route(x2)
+        flat = idx.reshape(-1)                                   # assignment a = n k + j
+        order = torch.argsort(flat, stable=True)                 # sorted by expert, then token
+        counts = torch.bincount(flat, minlength=E)
+        kept = counts
+        if self.capacity_factor is not None:
+            cap = math.ceil(self.capacity_factor * n * k / E)
+            start = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(n * k, device=x.device) - start[flat[order]]
+            order = order[pos < cap]
+            kept = counts.clamp(max=cap)
+        token = order // k
+        y = self.experts(x2[token], kept)
+        w = gates.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+        out = x2.new_zeros(x2.shape, dtype=y.dtype).index_add(0, token, y * w).view(shape)
+        if self.tp_group is not None:
+            from megaformer.comm import reduce_from_tp, reduce_scatter_to_seq
+
+            out = (reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel
+                   else reduce_from_tp(out, self.tp_group))
+        if self.shared is not None:
+            out = out + self.shared(x)
+
+        # a training forward counts the load once: not again when activation recomputation
+        # re-runs the block in backward (which must save exactly what the first run saved: the
+        # router losses are built with autograd only when they enter the loss)
+        record = self.training and torch.is_grad_enabled() and not _in_backward()
+        in_loss = self.training and (self.aux_coef > 0 or self.z_coef > 0)
+        self.aux_loss = None
+        if in_loss:
+            aux, z = self.router_losses(logits, counts)
+            self.aux_loss = self.aux_coef * aux + self.z_coef * z
+        elif record:
+            with torch.no_grad():
+                aux, z = self.router_losses(logits, counts)
+        if record:
+            with torch.no_grad():
+                self.step_load += counts
+                self.step_sums += torch.stack([
+                    (counts - kept).sum().double(), aux.detach().double(), z.detach().double(),
+                    torch.ones((), dtype=torch.float64, device=x.device)])
+        return out
+
+    def extra_repr(self) -> str:
+        cap = ("dropless" if self.capacity_factor is None
+               else f"capacity_factor={self.capacity_factor}")
+        return f"layer={self.layer}, top_k={self.top_k}, score={self.score}, {cap}"
+
+
+# ---------------------------------------------------------------------- the model's MoE blocks
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The MoE FFNs in ``module`` (this rank's pipeline stage when ``module`` is the pipeline)."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def take_router_losses(module: nn.Module) -> Optional[torch.Tensor]:
+    """Sum of the weighted router losses of the last training forward (None: there are none);
+    each block's is taken once."""
+    total = None
+    for m in moe_layers(module):
+        if m.aux_loss is not None:
+            total = m.aux_loss if total is None else total + m.aux_loss
+            m.aux_loss = None
+    return total
+
+
+@torch.no_grad()
+def end_of_step(module: nn.Module, group: Any = None, update_bias: bool = True) -> dict[str, float]:
+    """Collective over ``group`` (the data-parallel group; None: this process alone), once per
+    optimizer step: sum every MoE block's step load over the group, nudge the aux-loss-free
+    biases (``update_bias``: the step was applied) and reset the step's counters.
+
+    Returns the step's metrics: ``moe/aux_loss`` and ``moe/z_loss`` (unweighted, mean over blocks
+    and micro-batches), ``moe/dropped`` (assignments dropped by the capacity), and per block i
+    ``moe/load_min/i``, ``moe/load_max/i`` (tokens routed to the least and most loaded expert),
+    ``moe/load_cv/i`` (std / mean of the per-expert load)."""
+    import torch.distributed as dist
+
+    layers = moe_layers(module)
+    if not layers:
+        return {}
+    load = torch.stack([m.step_load for m in layers]).double()
+    sums = torch.stack([m.step_sums for m in layers])
+    both = torch.cat([load, sums], dim=1)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(both, group=group)
+    E = load.shape[1]
+    load, sums = both[:, :E], both[:, E:]
+    out: dict[str, float] = {}
+    forwards = sums[:, 3].clamp(min=1)
+    out["moe/aux_loss"] = float((sums[:, 1] / forwards).mean())
+    out["moe/z_loss"] = float((sums[:, 2] / forwards).mean())
+    out["moe/dropped"] = float(sums[:, 0].sum())
+    for m, row in zip(layers, load):
+        mean = row.mean()
+        out[f"moe/load_min/{m.layer}"] = float(row.min())
+        out[f"moe/load_max/{m.layer}"] = float(row.max())
+        out[f"moe/load_cv/{m.layer}"] = float(row.std(unbiased=False) / mean) if mean > 0 else 0.0
+        if update_bias and m.bias_rate > 0 and mean > 0:
+            delta = m.bias_rate * torch.sign(mean - row)
+            m.expert_bias.copy_((m.expert_bias.double() + delta).to(m.expert_bias.dtype))
+        m.step_load.zero_()
+        m.step_sums.zero_()
+    return out
+
+
+def router_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The aux-loss-free biases of ``module``'s MoE blocks, by plain-model name."""
+    return {f"layers.{m.layer}.mlp.expert_bias": m.expert_bias.detach().float().cpu().clone()
+            for m in moe_layers(module)}
+
+
+def checkpoint_files(module: nn.Module, topo: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's share of a checkpoint's router state: the first TP and DP rank of each
+    pipeline stage writes ``moe_router/stage_<pp>.safetensors`` (the biases are the same on every
+    TP and DP rank); nothing without MoE blocks."""
+    state = router_state(module)
+    if not state or topo.tp_rank != 0 or topo.dp_rank != 0:
+        return {}
+    return {f"{ROUTER_DIR}/stage_{topo.pp_rank:03d}.safetensors": state}
+
+
+@torch.no_grad()
+def load_router_state(module: nn.Module, ckpt: Path) -> int:
+    """Set ``module``'s aux-loss-free biases from checkpoint ``ckpt`` (any layout wrote it: keyed
+    by block). Returns how many blocks were set; a checkpoint without router state (written
+    before, or by ``megaformer convert``) leaves them at zero."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from megaformer.errors import CheckpointError
+
+    layers = moe_layers(module)
+    folder = Path(ckpt) / ROUTER_DIR
+    if not layers or not folder.is_dir():
+        return 0
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("stage_*.safetensors")):
+        if f.is_symlink() or not f.is_file():
+            raise CheckpointError(f"{f}: not a regular file")
+        try:
+            saved.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable router state ({str(e)[:200]})") from None
+    n = 0
+    for m in layers:
+        t = saved.get(f"layers.{m.layer}.mlp.expert_bias")
+        if t is None:
+            continue
+        if tuple(t.shape) != tuple(m.expert_bias.shape):
+            raise CheckpointError(f"{folder}: layers.{m.layer}.mlp.expert_bias has shape "
+                                  f"{list(t.shape)}, the model needs {list(m.expert_bias.shape)}")
+        m.expert_bias.copy_(t.to(m.expert_bias.dtype))
+        n += 1
+    return n

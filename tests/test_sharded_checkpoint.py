@@ -1,0 +1,242 @@
+"""Sharded checkpoints: every rank writes its own share, any layout resumes from the shards.
+
+Three 4-rank layouts: A = TP2 x DP2 (ZeRO-1), B = DP4 (ZeRO-3), C = PP2 x DP2 (ZeRO-1). A trains
+steps 1-14 with a checkpoint every 2 steps: the reference. Then a chain of resumes visits every
+ordered pair of distinct layouts once (A -> B -> C -> A -> C -> B -> A): each run resumes from the
+checkpoint the previous one wrote (at its own layout), trains two steps and saves, so every layout
+both reads and writes every other's shards; its two losses equal A's within 1e-5 (a constant LR
+after warmup: the schedule does not depend on how many steps a run was told to take). A resume of A
+at A's own layout is bitwise; one process (DP 1, ZeRO-0) reads the 4-rank shards too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import sharded
+from megaformer.checkpoint.sharded import Owned, ShardedState, flat_boxes
+from tests.helpers import assert_one_line_error, cli_main, run_torchrun, tiny_overrides
+
+LAYOUTS = {
+    "A": ("parallel.tensor=2", "parallel.zero_stage=1"),
+    "B": ("parallel.zero_stage=3",),
+    "C": ("parallel.pipeline=2", "parallel.zero_stage=1", "parallel.pipeline_partition=parameters"),
+}
+COMMON = ("checkpoint.interval=2", "eval.interval=0", "eval.at_end=false", "model.dropout=0.0",
+          "model.attention_dropout=0.0", "train.micro_batch_size=2", "parallel.vocab_multiple=1",
+          "checkpoint.keep_last=null", "train.lr_schedule=constant")
+CHAIN = ["A", "B", "C", "A", "C", "B", "A"]
+
+
+def losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def keep_only(run: Path, step: int) -> None:
+    """Keep only the checkpoint of ``step``, as if the run had stopped there."""
+    tag = ckpt_io.tag_for(step)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        if ckpt.name != tag:
+            shutil.rmtree(ckpt)
+    (run / "checkpoints" / "latest").write_text(tag + "\n")
+
+
+def train4(run: Path, layout: str, steps: int) -> str:
+    proc = run_torchrun(4, "train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
+                        *LAYOUTS[layout], f"train.steps={steps}", "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+# ----------------------------------------------------------------------------- geometry (fast)
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (3, 4, 5)])
+def test_flat_ranges_are_unions_of_boxes(shape):
+    n = math.prod(shape)
+    a = torch.arange(n).view(shape)
+    for start in range(n + 1):
+        for stop in range(start, n + 1):
+            boxes = flat_boxes(shape, start, stop)
+            assert len(boxes) <= 2 * len(shape) - 1
+            pieces = []
+            for off, size, flat in boxes:
+                vals = a[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1)
+                assert torch.equal(vals, torch.arange(flat, flat + vals.numel()))  # contiguous
+                pieces.append(vals)
+            got = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+            assert torch.equal(got, torch.arange(start, stop))
+
+
+def test_vocabulary_padding_is_cut_from_the_boxes():
+    # a TP rank's half of a 10-row table padded to 12: rows 6..11, of which 6..9 are real
+    o = Owned("tok_embeddings.weight", None, (6, 4), 3, 24, 0, 6, 10)
+    boxes = o.boxes()
+    assert [b[0] for b in boxes] == [((6, 3), (1, 1)), ((7, 0), (3, 4))]
+    assert sum(math.prod(b[0][1]) for b in boxes) == (10 - 6) * 4 - 3
+
+
+# ----------------------------------------------------------------------------- 4 ranks
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("sharded") / "A"
+    train4(run, "A", 2 * len(CHAIN))
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_every_rank_writes_its_own_share(reference):
+    ckpt = reference / "checkpoints" / "step_0000002"
+    index = json.loads((ckpt / "state" / "index.json").read_text())
+    assert sorted(index["files"]) == [sharded.rank_file(r) for r in range(4)]
+    assert not list(ckpt.glob("*.pt")) and not (ckpt / "model.safetensors").exists()
+    per_rank = {f: 0 for f in index["files"]}
+    for boxes in index["boxes"].values():
+        for file, _, _, size in boxes:
+            per_rank[file] += 4 * math.prod(size)
+    total = sum(per_rank.values())
+    state_bytes = 3 * 4 * sum(math.prod(s) for s in index["shapes"].values())
+    assert total == state_bytes  # every element of every tensor exactly once
+    for file, n in per_rank.items():
+        assert 0 < n <= (1 / 4 + 0.10) * total, (file, n / total)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_resume_at_every_other_layout_from_the_shards(reference, tmp_path):
+    ref = losses(reference)
+    prev = reference
+    for i, layout in enumerate(CHAIN[1:], start=1):
+        run = tmp_path / f"{i}-{layout}"
+        shutil.copytree(prev, run)
+        keep_only(run, 2 * i)
+        out = train4(run, layout, 2 * i + 2)
+        assert "at a new layout" in out
+        got = losses(run)
+        for step in (2 * i + 1, 2 * i + 2):
+            assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (CHAIN[i - 1], layout,
+                                                                         step, got[step], ref[step])
+        prev = run
+    assert ref[2 * len(CHAIN)] < ref[2]  # it trains: the comparison is not between constants
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_same_layout_resume_is_bitwise(reference, tmp_path):
+    run = tmp_path / "again"
+    shutil.copytree(reference, run)
+    keep_only(run, 4)
+    out = train4(run, "A", 6)
+    assert "at a new layout" not in out and "resumed from" in out
+    a, b = losses(reference), losses(run)
+    assert [b[s] for s in (5, 6)] == [a[s] for s in (5, 6)]
+    for key in sharded.KEYS:  # the state it wrote equals the uninterrupted run's, bit for bit
+        x = ShardedState(run / "checkpoints" / "step_0000006")
+        y = ShardedState(reference / "checkpoints" / "step_0000006")
+        for name in y.names():
+            assert torch.equal(x.whole(name, key), y.whole(name, key)), (name, key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_one_process_reads_four_ranks_shards_and_generates(reference, tmp_path):
+    run = tmp_path / "one"
+    shutil.copytree(reference, run)
+    keep_only(run, 2)
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
+                    "parallel.zero_stage=0", "train.steps=4", "train.micro_batch_size=4",
+                    "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = losses(reference), losses(run)
+    for step in (3, 4):
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+    gen = cli_main("generate", str(reference / "checkpoints" / "step_0000002"), "--prompt", "def ",
+                   "--max-new-tokens", "8", "--temperature", "0")
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_truncated_or_missing_shard_is_one_line(reference, tmp_path):
+    for damage in ("truncate", "delete"):
+        run = tmp_path / damage
+        shutil.copytree(reference, run)
+        keep_only(run, 2)
+        shard = run / "checkpoints" / "step_0000002" / "state" / "rank_00002.safetensors"
+        if damage == "truncate":
+            shard.write_bytes(shard.read_bytes()[:-100])
+        else:
+            shard.unlink()
+        before = sorted(p.name for p in (run / "checkpoints").iterdir())
+        proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
+                        "parallel.zero_stage=0", "train.steps=4", "train.micro_batch_size=4",
+                        "--run-dir", str(run))
+        assert_one_line_error(proc, "rank_00002.safetensors",
+                              "truncated" if damage == "truncate" else "missing")
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+# ----------------------------------------------------------------------------- previous release
+
+PREVIOUS = Path(__file__).parent / "data" / "previous_release_run"
+PREVIOUS_MODEL = ("model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+                  "model.max_seq_len=16", "data.max_bytes=20000", "train.micro_batch_size=2",
+                  "train.global_batch_size=4", "train.lr=3e-3", "train.warmup_steps=1",
+                  "eval.interval=0", "eval.at_end=false", "checkpoint.interval=2", "log.interval=1",
+                  "log.progress_bar=false", "log.tensorboard=false", "log.sample_tokens=0",
+                  "model.dropout=0.0", "model.attention_dropout=0.0", "train.steps=4")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_previous_release_checkpoint_still_resumes(tmp_path, zero_stage):
+    """A checkpoint of the first release (DeepSpeed's files, model.safetensors, optimizer/):
+    resumed at its own layout through DeepSpeed's files, at another (ZeRO-1) through its
+    layout-free state; either way steps 3-4 equal the losses that release logged, and the new
+    checkpoint it writes is sharded."""
+    run = tmp_path / "run"
+    shutil.copytree(PREVIOUS, run)
+    proc = cli_main("train", "configs/quickstart.yaml", "data.source=stdlib", *PREVIOUS_MODEL,
+                    f"parallel.zero_stage={zero_stage}", "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    old = {r["step"]: r["loss"] for r in map(json.loads,
+                                              (PREVIOUS / "metrics.jsonl").read_text().splitlines())
+           if "loss" in r}
+    new = losses(run)
+    for step in (3, 4):
+        assert abs(old[step] - new[step]) <= 1e-5 * abs(old[step]), (step, old[step], new[step])
+    assert sharded.has_sharded_state(run / "checkpoints" / "step_0000004")
+
+
+@pytest.mark.slow
+def test_bf16_resumes_at_another_zero_stage_and_in_fp32(tmp_path):
+    """bf16 keeps fp32 masters in the shards: ZeRO-1 -> ZeRO-2 in bf16 continues the run; the
+    same shards also start an fp32 run (whose losses then follow fp32 arithmetic)."""
+    common = (*COMMON, "train.precision=bf16", "train.micro_batch_size=4")
+    ref = tmp_path / "ref"
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *common,
+                    "parallel.zero_stage=1", "train.steps=4", "--run-dir", str(ref))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    index = json.loads((ref / "checkpoints" / "step_0000002" / "state" / "index.json").read_text())
+    assert index["precision"] == "bf16"
+    for overrides in (("train.precision=bf16", "parallel.zero_stage=2"),
+                      ("train.precision=fp32", "parallel.zero_stage=0")):
+        run = tmp_path / overrides[0].split("=")[1]
+        shutil.copytree(ref, run)
+        keep_only(run, 2)
+        proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *common,
+                        *overrides, "train.steps=4", "--run-dir", str(run))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        a, b = losses(ref), losses(run)
+        tol = 1e-5 if "bf16" in overrides[0] else 2e-2  # fp32 arithmetic vs bf16's
+        for step in (3, 4):
+            assert abs(a[step] - b[step]) <= tol * abs(a[step]), (overrides, step, a[step], b[step])
