@@ -64,7 +64,7 @@ def _check_sharded(ckpt: Path) -> list[Path]:
     state = sharded.ShardedState(ckpt)
     files = [state.folder / sharded.INDEX]
     for name in state.files:
-        state._handle(name)  # size against the index, header against the file
+        state.open_file(name)  # size against the index, header against the file
         files.append(state.folder / name)
     return files
 

@@ -280,7 +280,7 @@ def _to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format) if copy else t.contiguous()
 
 
-def RankFile(tensors: dict[str, torch.Tensor], where: dict[str, list]) -> tuple[dict, dict]:
+def rank_payload(tensors: dict[str, torch.Tensor], where: dict[str, list]) -> tuple[dict, dict]:
     """A rank's file as (tensors, safetensors metadata): each box's offsets travel with it, so a
     shard file describes itself even without the index."""
     return tensors, {"megaformer_boxes": json.dumps(where, sort_keys=True)}
@@ -369,7 +369,9 @@ class ShardedState:
     def names(self) -> list[str]:
         return list(self.shapes)
 
-    def _handle(self, file: str) -> Any:
+    def open_file(self, file: str) -> Any:
+        """The shard ``file`` (a name from the index), opened once: a regular file whose size is
+        the index's and whose header matches the boxes the index places in it."""
         from safetensors import safe_open
 
         if file not in self._open:
@@ -399,7 +401,7 @@ class ShardedState:
             if common is None:
                 continue
             try:
-                part = self._handle(file).get_slice(tkey)[_slices(common, tuple(off))]
+                part = self.open_file(file).get_slice(tkey)[_slices(common, tuple(off))]
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors' own errors

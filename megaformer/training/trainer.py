@@ -464,7 +464,7 @@ class Trainer:
             owned = access.owned(self._local_params(), self.cfg.model.vocab_size, for_save=True)
             tensors, where = sharded.snapshot(access, owned, copy=memo is not None)
             files[f"{sharded.STATE_DIR}/{sharded.rank_file(self.rank)}"] = \
-                sharded.RankFile(tensors, where)
+                sharded.rank_payload(tensors, where)
             pieces.extend(dist.gather_to_main(
                 sharded.piece_description(self.rank, tensors, where, owned, self.topo.tp)))
         files.update(moe_checkpoint_files(self.engine.module, self.topo))  # aux-loss-free biases
