@@ -19,6 +19,11 @@ def load_model_weights(path: str | Path, device: str = "cpu") -> tuple[Any, Conf
     cfg = ckpt_io.read_config(ckpt)
     # weights checked against the config (headers only) before anything is allocated or built
     ckpt_io.check_weights(ckpt, cfg.model)
+    if not (ckpt / ckpt_io.WEIGHTS).exists():  # sharded: each tensor read into the model in turn
+        from megaformer.checkpoint.sharded import ShardedState
+
+        model = build_model(cfg, device=device, weights=ShardedState(ckpt), training=False).model
+        return model.float().eval(), cfg, ckpt
     weights = ckpt_io.load_weights(ckpt)
     model = build_model(cfg, device=device, training=False).model
     if cfg.model.tie_embeddings:

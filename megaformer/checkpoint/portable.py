@@ -73,6 +73,10 @@ class OptimizerAccess:
         self.wrapper = opt
         self.inner: torch.optim.Optimizer = opt if self.plain else getattr(opt, "optimizer", None)
 
+    def covered(self, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
+        """Whether these accessors reach the state of every one of ``params``."""
+        return self.inner is not None and all(self.supports(p) for _, p in params)
+
     def supports(self, p: torch.nn.Parameter) -> bool:
         return self.plain or has_hp_mapping(p) or zero3_partitioned(p)
 
@@ -157,8 +161,7 @@ def _gather_tp(t: torch.Tensor, p: torch.nn.Parameter, topo: Any) -> torch.Tenso
 
 def covered(engine: Any, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
     """Whether the accessors reach this optimizer's state (not fp16's FP16_Optimizer)."""
-    access = OptimizerAccess(engine)
-    return access.inner is not None and all(access.supports(p) for _, p in params)
+    return OptimizerAccess(engine).covered(params)
 
 
 def stage_file(pp_rank: int) -> str:

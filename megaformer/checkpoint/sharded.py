@@ -35,10 +35,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
+from megaformer.checkpoint.portable import OptimizerAccess
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.deepspeed_attrs import pipe_replicated, zero3_partitioned
 from megaformer.errors import CheckpointError
@@ -145,19 +146,13 @@ class Owned:
         return tuple(shape)
 
 
-class StateAccess:
-    """This rank's fp32 master weight and Adam moments of each parameter, whatever optimizer
-    DeepSpeed wrapped around torch's AdamW (None: one these accessors do not cover, fp16's)."""
+class StateAccess(OptimizerAccess):
+    """This rank's own range of each parameter's fp32 master weight and Adam moments, whatever
+    optimizer DeepSpeed wrapped around torch's AdamW (:meth:`covered`: not fp16's)."""
 
     def __init__(self, engine: Any, topo: Any) -> None:
-        from megaformer.checkpoint.portable import OptimizerAccess
-
-        self.access = OptimizerAccess(engine)
+        super().__init__(engine)
         self.topo = topo
-        self.zero3 = False
-
-    def covered(self, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
-        return self.access.inner is not None and all(self.access.supports(p) for _, p in params)
 
     def owned(self, params: list[tuple[str, torch.nn.Parameter]], vocab_size: int,
               for_save: bool) -> list[Owned]:
@@ -169,7 +164,7 @@ class StateAccess:
                 continue  # a tied weight's second copy: the first stage writes it
             shape = tuple(p.ds_shape) if zero3_partitioned(p) else tuple(p.shape)
             n = math.prod(shape)
-            if self.access.plain:
+            if self.plain:
                 if for_save:
                     start, stop = topo.dp_rank * n // topo.dp, (topo.dp_rank + 1) * n // topo.dp
                 else:
@@ -198,16 +193,16 @@ class StateAccess:
                              vocab_size if name in VOCAB_TABLES else None, base))
         return out
 
-    def get(self, o: Owned, key: str) -> torch.Tensor:
+    def get_owned(self, o: Owned, key: str) -> torch.Tensor:
         """The owned range of ``key``, flat fp32 (a view of the optimizer's tensor where it can)."""
         p, n = o.param, o.stop - o.start
         if n == 0:
             return torch.empty(0)
-        if self.access.plain:
+        if self.plain:
             if key == "master":
                 src = p.detach()
             else:
-                state = self.access.inner.state.get(p, {})
+                state = self.inner.state.get(p, {})
                 if key not in state:
                     return torch.zeros(n)
                 src = state[key].detach()
@@ -221,16 +216,16 @@ class StateAccess:
         frag = p._hp_mapping.get_hp_fragment(None if key == "master" else key)
         return frag.reshape(-1)[o.start - o.base:o.stop - o.base].float()
 
-    def set(self, o: Owned, key: str, value: torch.Tensor) -> None:
+    def set_owned(self, o: Owned, key: str, value: torch.Tensor) -> None:
         p = o.param
         if o.stop == o.start:
             return
-        if self.access.plain:
+        if self.plain:
             value = value.reshape(o.local_shape).to(p.device)
             if key == "master":
                 p.data.copy_(value.to(p.dtype))
             else:
-                self.access.inner.state[p][key] = value.clone()
+                self.inner.state[p][key] = value.clone()
             return
         if zero3_partitioned(p):
             from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
@@ -252,7 +247,7 @@ def snapshot(access: StateAccess, owned: list[Owned], copy: bool) -> tuple[dict[
                                                                           dict[str, list]]:
     """This rank's boxes on the host: ({"NAME/KEY/i": tensor}, {"NAME/KEY/i": offsets}).
     ``copy``: own the memory (an asynchronous save: training goes on and changes the state)."""
-    access.access.link()  # DeepSpeed links parameters to their Adam-state fragments lazily
+    access.link()  # DeepSpeed links parameters to their Adam-state fragments lazily
     tensors: dict[str, torch.Tensor] = {}
     where: dict[str, list] = {}
     for o in owned:
@@ -260,7 +255,7 @@ def snapshot(access: StateAccess, owned: list[Owned], copy: bool) -> tuple[dict[
         if not boxes:
             continue
         for key in KEYS:
-            flat = access.get(o, key)
+            flat = access.get_owned(o, key)
             for i, ((off, cut), uncut, pos) in enumerate(boxes):
                 box = flat[pos:pos + math.prod(uncut)].view(uncut)[:cut[0]]
                 tensors[f"{o.name}/{key}/{i}"] = _to_host(box, copy)
@@ -472,7 +467,3 @@ class ShardedWeights:
 
     def get(self, name: str) -> torch.Tensor:
         return self.state.whole(name).to(self.dtype)
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.keys():
-            yield name, self.get(name)

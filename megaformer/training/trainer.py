@@ -264,10 +264,10 @@ class Trainer:
             raise CheckpointError(f"{ckpt}: its sharded state cannot be loaded into this "
                                   f"optimizer ({type(self.engine.optimizer).__name__}); resume "
                                   "with train.precision bf16 or fp32")
-        access.access.prepare(state.adam_step)
+        access.prepare(state.adam_step)
         for o in access.owned(params, self.cfg.model.vocab_size, for_save=False):
             for key in sharded.KEYS:
-                access.set(o, key, state.fill(o, key))
+                access.set_owned(o, key, state.fill(o, key))
         step, consumed = int(meta["step"]), int(meta["consumed_samples"])
         portable.restore_schedule(self.engine, self.scheduler, step,
                                   self.cfg.train.global_batch_size)
@@ -389,7 +389,8 @@ class Trainer:
         # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
         bad = not ds_adapter.step_applied(engine) or not math.isfinite(float(loss))
         # MoE blocks: the step's expert load over DP, the aux-loss-free bias update, the metrics
-        moe = moe_end_of_step(engine.module, self.topo.group("dp"), update_bias=not bad)
+        moe = (moe_end_of_step(engine.module, self.topo.group("dp"), update_bias=not bad)
+               if self.cfg.model.moe.interval > 0 else {})
         return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, "bad": bad,
                 "step_time_s": time.perf_counter() - t0, "moe": moe}
 
@@ -431,6 +432,8 @@ class Trainer:
         access = sharded.StateAccess(self.engine, self.topo)
         # fp16's loss scaler lives in DeepSpeed's files: that optimizer saves through them
         shard = self.cfg.train.precision != "fp16" and access.covered(self._local_params())
+        if shard:  # taken now: an asynchronous save writes the index after training went on
+            info["adam_step"] = access.adam_step()
         pieces: list = []
         t0 = time.perf_counter()
         path = ckpt_io.save_checkpoint(
@@ -443,9 +446,7 @@ class Trainer:
             extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
             background=self.writer, before_commit=lambda: self.faults.in_save(self.step),
             engine_files=not shard,
-            before_seal=(lambda tmp: sharded.write_index(tmp, pieces,
-                                                         {**info, "adam_step": access.access.adam_step()}))
-            if shard else None)
+            before_seal=(lambda tmp: sharded.write_index(tmp, pieces, info)) if shard else None)
         if path is not None and self.writer is None:
             log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
         elif path is not None:
