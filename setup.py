@@ -37,7 +37,7 @@ setup(
         # triton: its interpreter runs the fused kernels on CPU in the tests (TRITON_INTERPRET=1);
         # mkdocs + mkdocs-material: the documentation site, built with --strict by the tests.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.44", "matplotlib>=3.7",
-                 "sentencepiece>=0.2",
+                 "sentencepiece>=0.2", "torchao>=0.13", "lm-eval>=0.4.9", "wandb>=0.19",
                  "triton>=3.5; platform_system == 'Linux'", "mkdocs>=1.6", "mkdocs-material>=9.5"],
         # Optional accelerators: flash-attn (CUDA) and NVIDIA apex (built from source, never the
         # unrelated PyPI package called "apex") are used when importable.
@@ -45,6 +45,12 @@ setup(
         # `megaformer convert` from Hugging Face: config.json read through transformers' config
         # classes, --verify, SentencePiece tokenizer.model files (Llama 2, Mistral)
         "hf": ["transformers>=4.44", "sentencepiece>=0.2"],
+        # train.fp8: torchao's float8 training (Hopper and newer; emulated elsewhere for tests)
+        "fp8": ["torchao>=0.13"],
+        # `megaformer eval` and eval.tasks: EleutherAI's lm-evaluation-harness
+        "eval": ["lm-eval>=0.4.9"],
+        # log.wandb: Weights & Biases
+        "wandb": ["wandb>=0.19"],
     },
     entry_points={"console_scripts": ["megaformer=megaformer.cli:main"]},
 )

@@ -5,7 +5,8 @@ import, including those inside functions)::
 
     cli, __main__        the command line
     training             the DeepSpeed engine, the loop, resume, schedules, signals
-    analysis             FLOPs, memory, planner, throughput, bench (never an engine)
+    analysis, evaluation FLOPs, memory, planner, throughput, bench (never an engine) |
+                         lm-evaluation-harness on megaformer's model (checkpoint or live)
     diagnostics          residual-stream and weight diagnostics, plots
     generation           text generation from a model or a checkpoint
     checkpoint           save / resume / reshard, Hugging Face adapters, resume compatibility
@@ -19,7 +20,7 @@ import, including those inside functions)::
                          user errors, the typed config, the peak table, communication
                          primitives, DeepSpeed's parameter attributes, safe file writes
 
-``parallel`` and ``runtime`` do not import each other.
+``parallel`` and ``runtime`` do not import each other; nor do ``analysis`` and ``evaluation``.
 """
 
 __version__ = "0.2.0"

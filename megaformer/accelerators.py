@@ -3,7 +3,9 @@
 From the vendors' datasheets (dense figures; NVIDIA quotes sparse ones with "*", halved here).
 ``fp32`` is the non-tensor-core (CUDA core / vector) rate, what PyTorch's default fp32 matmul uses
 (TF32 is off by default); ``tf32``, ``bf16``, ``fp16``, ``fp8`` are tensor-core (matrix) rates.
-An accelerator that is not in the table is an error (:class:`UnknownGPUError`) unless the caller
+``fp8`` is the dense FP8 (e4m3/e5m2) tensor-core rate: under ``train.fp8`` MFU stays against the
+bf16 peak and the FP8 peak enters only the mixed peak of the step's dtype mix
+(:func:`megaformer.analysis.flops.mixed_peak`). An accelerator that is not in the table is an error (:class:`UnknownGPUError`) unless the caller
 gives a peak explicitly: megaformer never falls back to an A100 figure silently.
 
 Also per device: memory (GB) and the per-GPU unidirectional bandwidths the planner assumes

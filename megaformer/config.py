@@ -61,6 +61,9 @@ class MoEConfig:
            "they run as one FFN of num_shared_experts * d_shared hidden units.")
     d_shared: Optional[int] = option(
         None, "Hidden width of each shared expert; null = model.moe.d_expert.")
+    shared_gate: bool = option(
+        False, "Scale the shared experts' output per token by sigmoid(x w_g), w_g a learned [1, "
+               "d_model] vector (Qwen2-MoE's shared_expert_gate); needs shared experts.")
     dropless: bool = option(
         True, "Every routed token is computed (no capacity limit, nothing dropped; a token's output "
               "does not depend on the other tokens in the batch). false needs "
@@ -248,7 +251,7 @@ def check_rope_scaling(scaling: Optional[dict]) -> None:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split. Data parallelism is world_size / (tensor * pipeline)."""
+    """How the world is split. Data parallelism is world_size / (tensor * context * pipeline)."""
 
     tensor: int = option(1, "Tensor-parallel degree: each layer's matrices split over this many "
                             "adjacent ranks (Megatron-style); must divide heads, KV heads, d_ffn.")
@@ -258,6 +261,22 @@ class ParallelConfig:
         "layers", "How blocks are split over stages: 'layers' (equal block counts), 'parameters' "
                   "(balanced parameter counts) or an explicit list of blocks per stage, e.g. '3,3,2'. "
                   "The embedding goes with the first stage, the final norm and head with the last.")
+    context: int = option(
+        1, "Context-parallel degree: each sequence split into this many parts over adjacent ranks "
+           "(after the tensor-parallel ranks); attention exchanges keys/values or heads between "
+           "them (parallel.context_mode). Gradients are averaged over data x context ranks.")
+    context_mode: str = option(
+        "ring", "How attention sees the whole sequence under context parallelism: 'ring' (K/V "
+                "blocks passed around the context group, online softmax, two opposite chunks per "
+                "rank so causal work is balanced; sequence divisible by 2 * context) or "
+                "'all_to_all' (DeepSpeed-Ulysses: sequence-sharded to head-sharded around the "
+                "attention core and back; heads per tensor-parallel rank divisible by context).",
+        ("ring", "all_to_all"))
+    expert: int = option(
+        1, "Expert-parallel degree (model.moe): the routed experts split over this many "
+           "data-parallel ranks, tokens sent to their experts' ranks and back with all-to-all; "
+           "expert gradients are averaged over the remaining data-parallel ranks. Must divide "
+           "model.moe.num_experts and the data-parallel size.")
     zero_stage: int = option(0, "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), "
                                 "3 (+parameters).", (0, 1, 2, 3))
     sequence_parallel: bool = option(
@@ -391,16 +410,38 @@ class TrainConfig:
               "with code 3 (0 = no watchdog).")
     watchdog_min_seconds: float = option(
         600.0, "Hang watchdog: the least time a step may take before the watchdog fires.")
+    fp8: str = option(
+        "off", "FP8 training of the blocks' linear layers (q/k/v, attention output, FFN and shared "
+               "experts; not the embedding, output head, router or routed experts) through "
+               "torchao's float8 casts: tensorwise (one dynamic scale per tensor) or rowwise (one "
+               "per row, power-of-two scales). Master weights, optimizer and everything else stay "
+               "in train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) unless "
+               "train.fp8_emulate=true; see docs/fp8.md.", ("off", "tensorwise", "rowwise"))
+    fp8_emulate: bool = option(
+        False, "train.fp8 without FP8 hardware: the same casts and scales, the GEMMs dequantised "
+               "and run in fp32 (same numbers as FP8 GEMMs up to accumulation order, no speed-up; "
+               "for tests and CPU runs). No effect when train.fp8=off.")
 
 
 @dataclass
 class EvalConfig:
-    """Validation loss and perplexity."""
+    """Validation loss and perplexity; downstream tasks through lm-evaluation-harness."""
 
     interval: int = option(50, "Evaluate every N steps (0 = only at the end).")
     iters: int = option(10, "Global batches (train.global_batch_size sequences each) of validation "
                             "data per evaluation.")
     at_end: bool = option(True, "Evaluate after the last step.")
+    tasks: Optional[list[str]] = option(
+        None, "lm-evaluation-harness tasks to score the live model on during training, e.g. "
+              "[hellaswag, arc_easy] (null = off; needs pip install megaformer[eval]); requests "
+              "are split over the data-parallel ranks, scores logged as eval/TASK/METRIC. See "
+              "docs/evaluation.md.")
+    tasks_interval: int = option(
+        0, "Run eval.tasks every N steps (0 = only after the last step, when eval.at_end).")
+    tasks_limit: Optional[int] = option(
+        None, "At most this many documents per task in eval.tasks (null = all).")
+    tasks_include_path: Optional[str] = option(
+        None, "Folder of extra lm-evaluation-harness task YAMLs for eval.tasks (local tasks).")
 
 
 @dataclass
@@ -427,7 +468,7 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    """Console, TensorBoard and metrics.jsonl."""
+    """Console, TensorBoard, metrics.jsonl and Weights & Biases."""
 
     interval: int = option(10, "Log metrics every N steps.")
     tensorboard: bool = option(True, "Write TensorBoard events to RUN_DIR/tensorboard.")
@@ -450,6 +491,16 @@ class LogConfig:
     diagnostics_interval: int = option(
         100, "Steps between diagnostics passes when log.diagnostics is on (one extra no-grad "
              "forward of one micro-batch each).")
+    wandb: bool = option(
+        False, "Also log to Weights & Biases (rank 0): the metrics.jsonl scalars, the resolved "
+               "config, and the report plots found in RUN_DIR/report at the end (needs pip install "
+               "megaformer[wandb]; never imported when off).")
+    wandb_project: str = option("megaformer", "W&B project of the run.")
+    wandb_mode: str = option(
+        "online", "online (sync as it runs) or offline (files only; wandb sync uploads them "
+                  "later).", ("online", "offline"))
+    wandb_dir: Optional[str] = option(
+        None, "Folder under which W&B writes its files (null = the run directory: RUN_DIR/wandb).")
 
 
 SECTIONS = {
@@ -605,6 +656,8 @@ def _coerce(key: str, value: Any, tp: Any, choices: Optional[tuple]) -> Any:
         if ok:
             value = float(value)
     elif tp is str:
+        if value is False and choices is not None and "off" in choices:  # YAML 1.1 reads off as false
+            value = "off"
         ok = isinstance(value, str)
     elif tp is dict:
         ok = isinstance(value, dict)
@@ -788,6 +841,78 @@ def _check_tensor_parallel(cfg: Config) -> None:
              "tensor-parallel shards here; use zero_stage 0, 1 or 2")
 
 
+def _check_context(cfg: Config) -> None:
+    p, m = cfg.parallel, cfg.model
+    cp = p.context
+    if cp == 1:
+        return
+    if p.context_mode == "ring":
+        _require(cfg.seq_len % (2 * cp) == 0,
+                 f"parallel.context={cp} (ring): sequence length {cfg.seq_len} must be divisible by "
+                 f"2 * context = {2 * cp} (each rank holds two opposite chunks)")
+    else:
+        _require(cfg.seq_len % cp == 0, f"parallel.context={cp}: sequence length {cfg.seq_len} must "
+                                        f"be divisible by the context degree")
+        local_heads = m.n_heads // p.tensor
+        _require(local_heads % cp == 0,
+                 f"parallel.context={cp} (all_to_all): the {local_heads} attention heads per "
+                 "tensor-parallel rank must be divisible by the context degree; use "
+                 "parallel.context_mode=ring")
+    _require(m.moe.interval == 0,
+             f"parallel.context={cp} with model.moe: the router's load-balancing losses and expert "
+             "loads are per-sequence statistics that context parallelism would split; use "
+             "parallel.context=1 for mixture-of-experts models")
+    _require(not cfg.train.compile,
+             f"parallel.context={cp} with train.compile=true: the context-parallel attention "
+             "communicates inside the blocks, which are not compiled; set train.compile=false")
+    if p.context_mode == "ring":
+        _require(m.attention_backend in ("auto", "reference"),
+                 f"parallel.context={cp} (ring) with model.attention_backend="
+                 f"{m.attention_backend}: ring attention merges blocks by their log-sum-exp with its "
+                 "own blockwise kernel; set attention_backend=auto or use "
+                 "parallel.context_mode=all_to_all (any backend)")
+        _require(m.attention_dropout == 0,
+                 f"parallel.context={cp} (ring) with model.attention_dropout="
+                 f"{m.attention_dropout}: ring attention has no attention dropout; use "
+                 "parallel.context_mode=all_to_all or attention_dropout=0")
+    if p.sequence_parallel and p.tensor > 1:
+        _require(cfg.seq_len % (cp * p.tensor) == 0,
+                 f"parallel.sequence_parallel=true: sequence length {cfg.seq_len} must be divisible "
+                 f"by context * tensor = {cp * p.tensor}")
+
+
+def _check_expert(cfg: Config) -> None:
+    ep, moe = cfg.parallel.expert, cfg.model.moe
+    if ep == 1:
+        return
+    _require(moe.interval > 0, f"parallel.expert={ep}: needs a mixture-of-experts model "
+                               "(model.moe.interval > 0)")
+    _require(moe.num_experts % ep == 0, f"parallel.expert={ep}: must divide "
+                                        f"model.moe.num_experts={moe.num_experts}")
+    _require(cfg.parallel.context == 1,
+             f"parallel.expert={ep} with parallel.context={cfg.parallel.context}: expert and "
+             "context parallelism are not supported together; use one of them")
+    _require(cfg.train.precision != "fp16",
+             f"parallel.expert={ep} with train.precision=fp16: the fp16 optimizer's checkpoints "
+             "cannot hold split experts; use train.precision=bf16")
+
+
+def _check_fp8(cfg: Config) -> None:
+    """FP8 GEMMs (torch._scaled_mm) need both matrix dimensions of every converted linear layer's
+    tensor-parallel shard to be multiples of 16 (emulation has no such constraint)."""
+    t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor
+    if t.fp8 == "off" or t.fp8_emulate:
+        return
+    dims = {"model.d_model": m.d_model, "query width n_heads*head_dim / TP": m.n_heads * m.head_dim // tp,
+            "key/value width kv_heads*head_dim / TP": m.kv_heads * m.head_dim // tp,
+            "FFN width / TP": m.ffn_dim // tp}
+    if m.moe_layers and m.shared_dim:
+        dims["shared-expert width / TP"] = m.shared_dim // tp
+    for what, n in dims.items():
+        _require(n % 16 == 0, f"train.fp8={t.fp8}: the {what} = {n} is not a multiple of 16, which "
+                              "FP8 GEMMs need; change the model's widths or use train.fp8=off")
+
+
 def _check_moe(cfg: Config) -> None:
     m, moe = cfg.model, cfg.model.moe
     _positive("model.moe.interval", moe.interval, allow_zero=True)
@@ -803,6 +928,9 @@ def _check_moe(cfg: Config) -> None:
         _positive(f"model.moe.{key}", getattr(moe, key))
     for key in ("num_shared_experts", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
         _positive(f"model.moe.{key}", getattr(moe, key), allow_zero=True)
+    _require(not moe.shared_gate or moe.num_shared_experts > 0,
+             "model.moe.shared_gate=true: gates the shared experts; set "
+             "model.moe.num_shared_experts > 0")
     if moe.dropless:
         _require(moe.capacity_factor is None,
                  f"model.moe.capacity_factor={moe.capacity_factor}: a capacity drops tokens; set "
@@ -829,6 +957,20 @@ def _check_moe(cfg: Config) -> None:
     _require(not cfg.log.diagnostics,
              "log.diagnostics=true with model.moe: the residual-stream diagnostics do not cover "
              "MoE blocks yet; switch one of them off")
+
+
+def _check_eval_tasks(cfg: Config) -> None:
+    e = cfg.eval
+    _positive("eval.tasks_interval", e.tasks_interval, allow_zero=True)
+    _positive("eval.tasks_limit", e.tasks_limit)
+    if e.tasks is None:
+        return
+    _require(len(e.tasks) > 0 and all(t.strip() for t in e.tasks),
+             f"eval.tasks={e.tasks!r}: a non-empty list of task names (or null for none)")
+    _require(cfg.parallel.context == 1,
+             f"eval.tasks with parallel.context={cfg.parallel.context}: the task evaluation runs "
+             "whole sequences on each rank; use parallel.context=1 or evaluate the checkpoint "
+             "with megaformer eval")
 
 
 def validate(cfg: Config) -> None:
@@ -875,8 +1017,13 @@ def validate(cfg: Config) -> None:
     _positive("parallel.tensor", p.tensor)
     _positive("parallel.pipeline", p.pipeline)
     _positive("parallel.vocab_multiple", p.vocab_multiple)
+    _positive("parallel.context", p.context)
+    _positive("parallel.expert", p.expert)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
+    _check_context(cfg)
+    _check_expert(cfg)
+    _check_fp8(cfg)
 
     _positive("data.seq_len", d.seq_len)
     _require(cfg.seq_len <= m.max_seq_len,
@@ -906,6 +1053,7 @@ def validate(cfg: Config) -> None:
 
     _positive("eval.interval", cfg.eval.interval, allow_zero=True)
     _positive("eval.iters", cfg.eval.iters)
+    _check_eval_tasks(cfg)
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive("log.interval", cfg.log.interval)
@@ -948,11 +1096,14 @@ def validate_for_training(cfg: Config) -> None:
 def validate_for_world(cfg: Config, world_size: int) -> int:
     """Checks that need the world size; returns the gradient-accumulation steps."""
     p, t = cfg.parallel, cfg.train
-    model_parallel = p.tensor * p.pipeline
+    model_parallel = p.tensor * p.pipeline * p.context
+    what = "parallel.tensor * parallel.pipeline" + (" * parallel.context" if p.context > 1 else "")
     _require(world_size % model_parallel == 0,
-             f"world size {world_size}: not divisible by parallel.tensor * parallel.pipeline = "
-             f"{model_parallel}")
+             f"world size {world_size}: not divisible by {what} = {model_parallel}")
     dp = world_size // model_parallel
+    _require(dp % p.expert == 0,
+             f"parallel.expert={p.expert}: must divide the data-parallel size {dp} (world size "
+             f"{world_size} / {what} = {model_parallel})")
     per_step = t.micro_batch_size * dp
     _require(t.global_batch_size % per_step == 0,
              f"train.global_batch_size={t.global_batch_size}: must be a multiple of "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -49,3 +49,36 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, T
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     model, cfg, ckpt = load_model_weights(ckpt, device)
     return model, tokenizer, cfg, ckpt
+
+
+@torch.no_grad()
+def greedy_tokens(model: Any, prefix: list[int], max_new_tokens: int,
+                  stop: Optional[Callable[[list[int]], bool]] = None,
+                  device: Optional[torch.device] = None) -> list[int]:
+    """Greedy (argmax) continuation of ``prefix`` with the model's KV cache, one token per step,
+    until ``stop(new_tokens)`` is true or ``max_new_tokens`` are made. As ``Transformer.generate``:
+    the model sees at most max_seq_len tokens (a longer prefix is cropped from the left; once the
+    context is full each step recomputes over the last max_seq_len tokens)."""
+    L = model.cfg.max_seq_len
+    device = device or next(model.parameters()).device
+    seq = list(prefix)[-L:]
+    new: list[int] = []
+    if max_new_tokens <= 0:
+        return new
+    cache = model.new_cache()
+    logits, _ = model.forward_cached(torch.tensor([seq], device=device), cache, 0, last_only=True)
+    pos = len(seq)
+    for step in range(max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        seq.append(nxt)
+        new.append(nxt)
+        if step == max_new_tokens - 1 or (stop is not None and stop(new)):
+            break
+        if pos < L:  # room left: feed only the new token
+            logits, _ = model.forward_cached(torch.tensor([[nxt]], device=device), cache, pos,
+                                             last_only=True)
+            pos += 1
+        else:  # context full: positions shift, so recompute over the last L tokens
+            logits, _ = model.forward_cached(torch.tensor([seq[-L:]], device=device), cache, 0,
+                                             last_only=True)
+    return new

@@ -95,34 +95,68 @@ def test_recompute_replays_dropout_exactly(mode):
         torch.testing.assert_close(out[mode][1][n], g, rtol=1e-6, atol=1e-7, msg=n)
 
 
-def _tp_shards(rank: int, world: int) -> dict:
-    from megaformer.parallel.plan import full_state_dict
+def _tp_pp_shards(rank: int, world: int) -> dict:
+    import os
+
+    import deepspeed
+
     from megaformer.parallel.topology import build_topology
 
-    cfg = _cfg(tensor=world)
-    topo = build_topology(world, rank, world, 1)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    cfg = Config(model=tiny_model(n_layers=4, tie_embeddings=False),
+                 parallel=ParallelConfig(tensor=2, pipeline=2, vocab_multiple=128),
+                 train=TrainConfig(seed=7))
+    topo = build_topology(world, rank, 2, 2)
     built = build_model(cfg, topo, device="cpu")
-    local = {n: p.detach().clone() for n, p in built.plain.named_parameters()}
-    return {"local": local, "full": full_state_dict(built.plain, topo)}
+    names = built.param_names
+    local = {names[id(p)]: p.detach().clone() for p in built.model.parameters()}
+    meta = sorted(n for n, p in built.plain.named_parameters() if p.is_meta)
+    return {"local": local, "meta": meta, "stage": topo.pp_rank}
 
 
-def test_tensor_parallel_shards_are_slices_of_the_tp1_model():
-    """TP=2 starts from exactly TP=1's weights: each rank's shard is its slice of them."""
-    ref_cfg = Config(model=tiny_model(), parallel=ParallelConfig(vocab_multiple=256),
-                     train=TrainConfig(seed=7))
-    ref = build_model(ref_cfg, device="cpu").plain  # TP=1, the same padded vocabulary (256 rows)
+def test_split_builds_hold_only_their_shards_of_the_one_process_weights():
+    """TP2 x PP2 starts from exactly one process's weights: each rank's parameters are its
+    tensor-parallel slices of them, and only its own stage's layers hold memory (the rest of the
+    model stays on the meta device: nothing whole is built)."""
+    ref_cfg = Config(model=tiny_model(n_layers=4, tie_embeddings=False),
+                     parallel=ParallelConfig(vocab_multiple=256), train=TrainConfig(seed=7))
+    ref = build_model(ref_cfg, device="cpu").plain  # the same padded vocabulary (256 rows)
     ref_sd = dict(ref.named_parameters())
-    ranks = run_ranks(2, _tp_shards)
+    total = sum(p.numel() for p in ref.parameters())
+    ranks = run_ranks(4, _tp_pp_shards)
     for r, got in enumerate(ranks):
+        tp_rank, stage = r % 2, got["stage"]
+        blocks = {n.split(".")[1] for n in got["local"] if n.startswith("layers.")}
+        assert blocks == ({"0", "1"} if stage == 0 else {"2", "3"})
+        assert ("tok_embeddings.weight" in got["local"]) == (stage == 0)
+        assert ("lm_head.weight" in got["local"]) == (stage == 1)
+        assert all(not n.startswith(f"layers.{b}.") for n in got["local"] for b in
+                   ({"2", "3"} if stage == 0 else {"0", "1"}))
+        assert got["meta"] and not set(got["meta"]) & set(got["local"])
+        assert sum(t.numel() for t in got["local"].values()) < 0.4 * total
         for name, shard in got["local"].items():
             full = ref_sd[name].detach()
             if shard.shape == full.shape:
                 assert torch.equal(shard, full), name
                 continue
             dim = next(d for d in range(full.dim()) if shard.shape[d] != full.shape[d])
-            assert torch.equal(shard, full.chunk(2, dim=dim)[r]), name
-        for name, w in got["full"].items():
-            assert torch.equal(w, ref_sd[name].detach()[:w.shape[0]]), name
+            assert torch.equal(shard, full.chunk(2, dim=dim)[tp_rank]), name
+
+
+def test_each_parameter_has_its_own_stream():
+    """A parameter's initial values depend on the seed, its name and its shape only: the same
+    tensor drawn alone equals the one in the built model, and other parameters differ."""
+    from megaformer.model.transformer import Transformer
+
+    torch.manual_seed(11)
+    model = Transformer(tiny_model())
+    w = model.layers[1].attn.wq.weight
+    alone = model.init_parameter("layers.1.attn.wq.weight", torch.empty_like(w))
+    assert torch.equal(alone, w)
+    assert not torch.equal(model.layers[0].attn.wq.weight, w)
+    torch.manual_seed(12)
+    assert not torch.equal(Transformer(tiny_model()).layers[1].attn.wq.weight, w)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-# Sixteen training steps of a small model in a fresh process; prints the minor page faults of steps
-# 8-15 (after the heap has grown to a step's peak).
+# Twelve training steps of a small model in a fresh process; prints the minor page faults of steps
+# 6-11 (after the heap has grown to a step's peak).
 PROBE = textwrap.dedent("""
     import resource, sys
     import torch
@@ -25,15 +25,15 @@ PROBE = textwrap.dedent("""
     cfg = ModelConfig(d_model=128, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=128)
     model = Transformer(cfg)
     opt = torch.optim.AdamW(model.parameters())
-    x = torch.randint(0, 256, (32, 128))
+    x = torch.randint(0, 256, (16, 128))
     faults = []
-    for _ in range(16):
+    for _ in range(12):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         model(x, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(sum(faults[8:]))
+    print(sum(faults[6:]))
 """)
 
 

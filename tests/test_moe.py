@@ -262,8 +262,9 @@ def _tp_case(rank: int, world: int, moe: dict, sp: bool) -> dict:
 
 
 def _tp_suite(rank: int, world: int) -> dict:
-    cases = {"swiglu-shared-aux-z-bias": dict(num_shared_experts=1, aux_loss_coef=0.1,
-                                              z_loss_coef=0.01, bias_update_rate=0.01),
+    cases = {"swiglu-gated-shared-aux-z-bias": dict(num_shared_experts=1, shared_gate=True,
+                                                    aux_loss_coef=0.1, z_loss_coef=0.01,
+                                                    bias_update_rate=0.01),
              "sigmoid-capacity": dict(score="sigmoid", dropless=False, capacity_factor=1.0,
                                       aux_loss_coef=0.1)}
     return {f"{name}/{sp}": _tp_case(rank, world, moe, sp)
@@ -390,6 +391,12 @@ HF_MOE = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, moe_intermediate_size=32, head_dim=32, decoder_sparse_step=2,
                        norm_topk_prob=True, mlp_only_layers=[]), dict(interval=2, d_expert=32)),
+    # a shared expert behind a sigmoid gate; Qwen2's q/k/v biases; no renormalisation
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=[]),
+                  dict(interval=1, d_expert=32, renormalize=False, num_shared_experts=1,
+                       d_shared=48, shared_gate=True)),
 }
 
 
@@ -415,7 +422,9 @@ def test_mixtral_and_qwen3_moe_import_with_logit_parity_and_export_identically(t
     ours, _, cfg, _ = load_checkpoint_model(run)
     moe = cfg.model.moe
     assert (moe.interval, moe.num_experts, moe.top_k, moe.d_expert, moe.renormalize) == (
-        want["interval"], 4, 2, want["d_expert"], True)
+        want["interval"], 4, 2, want["d_expert"], want.get("renormalize", True))
+    assert (moe.num_shared_experts, moe.d_shared, moe.shared_gate) == (
+        want.get("num_shared_experts", 0), want.get("d_shared"), want.get("shared_gate", False))
     ids = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf(ids).logits
@@ -570,3 +579,21 @@ def test_memory_estimate_matches_measured_cpu_memory(activation, moe):
     layout = Layout(micro_batch=4, device="cpu")
     assert abs(activation_bytes(cfg, 64, layout)["total"] / act - 1) < 0.02
     assert abs(estimate(cfg, 64, layout).total / peak - 1) < 0.08
+
+
+def test_inspect_reports_the_expert_load_of_a_prompt():
+    """megaformer inspect's expert load: every block routes each token to top_k experts."""
+    from megaformer.diagnostics.inspect import _expert_load, format_expert_load
+
+    torch.manual_seed(0)
+    model = Transformer(_cfg(top_k=2)).eval()
+    ids = torch.randint(0, 37, (1, 11), generator=torch.Generator().manual_seed(2))
+    load: dict = {}
+    with torch.no_grad(), _expert_load(model, load):
+        model(ids)
+    assert sorted(load) == [0, 1] and all(sum(row) == 11 * 2 and len(row) == 4
+                                          for row in load.values())
+    text = format_expert_load(load, 11, 2)
+    assert text.splitlines()[0] == "expert load: tokens routed to each expert (11 tokens x top-2)"
+    assert len(text.splitlines()) == 3 and "cv" in text.splitlines()[1]
+    assert not model.layers[0].mlp._forward_pre_hooks  # the hooks are gone afterwards

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megaformer.analysis.planner import Hardware, plan
 from megaformer.config import load_config
 from tests.helpers import assert_one_line_error, cli_main
@@ -41,3 +43,68 @@ def test_plan_cli_json_and_errors():
                           "--peak-tflops")
     assert_one_line_error(cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu", "XPU-9"),
                           "unknown GPU")
+
+
+def test_long_sequences_get_context_parallel_layouts():
+    """At 32K tokens the plan offers CP layouts; CP divides the activations and adds its exchange."""
+    from megaformer.analysis.memory import Layout, activation_bytes, context_comm_bytes
+    from megaformer.analysis.planner import Hardware, plan
+    from megaformer.config import load_config
+
+    cfg = load_config("configs/llama-7b.yaml", ["data.seq_len=32768", "model.max_seq_len=32768",
+                                                "train.global_batch_size=16"])
+    r = plan(cfg, Hardware(16, 8, 80, 989.5, 450, 50, 0.6), micro_batches=(1,))
+    cps = {(x["layout"]["cp"], x["layout"]["cp_mode"]) for x in r["feasible"]}
+    assert (2, "ring") in cps and (2, "all_to_all") in cps
+    m = cfg.model
+    one = activation_bytes(m, 32768, Layout(precision="bf16", tp=1))
+    four = activation_bytes(m, 32768, Layout(precision="bf16", tp=1, cp=4, cp_mode="all_to_all"))
+    assert four["layers"] == pytest.approx(one["layers"] / 4, rel=1e-6)
+    ring = activation_bytes(m, 32768, Layout(precision="bf16", tp=1, cp=4))
+    fp32_out = m.n_layers * 32768 // 4 * m.n_heads * m.head_dim * 2  # the ring keeps O in fp32
+    assert ring["layers"] == pytest.approx(one["layers"] / 4 + fp32_out, rel=1e-6)
+    # ring: K/V (bf16) passed cp - 1 times forward and backward, fp32 dK/dV cp times
+    n, hkv = 32768 // 4, m.kv_heads * m.head_dim
+    assert context_comm_bytes(m, 32768, Layout(precision="bf16", cp=4)) == \
+        3 * n * 2 * hkv * 2 * 2 + 4 * n * 2 * hkv * 4
+    hq = m.n_heads * m.head_dim
+    assert context_comm_bytes(m, 32768, Layout(precision="bf16", cp=4, cp_mode="all_to_all")) == \
+        pytest.approx(2 * 0.75 * n * (2 * hq + 2 * hkv) * 2)
+
+
+def test_moe_models_get_expert_parallel_layouts():
+    from megaformer.analysis.memory import Layout, state_bytes
+    from megaformer.analysis.planner import Hardware, plan
+    from megaformer.config import load_config
+
+    cfg = load_config("configs/moe-tiny.yaml", [])
+    r = plan(cfg, Hardware(8, 8, 80, 989.5, 450, 50, 0.6), micro_batches=(1,))
+    assert {x["layout"]["ep"] for x in r["feasible"]} >= {1, 2}
+    m = cfg.model
+    # ZeRO-1: expert optimizer states split over DP / EP ranks, dense ones over DP
+    one = state_bytes(m, Layout(dp=8, zero=1, precision="bf16"), 384)
+    two = state_bytes(m, Layout(dp=8, zero=1, precision="bf16", ep=2), 384)
+    assert two["params"] < one["params"]
+    assert two["optimizer"] == pytest.approx(one["optimizer"])  # half the experts, twice the copies
+
+
+def test_fp8_gemms_run_at_the_fp8_peak():
+    """train.fp8: the block GEMMs' share of the step at the FP8 peak, the rest at bf16's."""
+    from megaformer.analysis.flops import fp8_forward_flops, step_flops
+    from megaformer.analysis.memory import Layout
+    from megaformer.analysis.planner import Hardware, evaluate
+
+    base = load_config("configs/llama-7b.yaml", ["train.precision=bf16"])
+    fp8 = load_config("configs/llama-7b.yaml", ["train.precision=bf16", "train.fp8=tensorwise"])
+    hw = Hardware(8, 8, 80, 989.5, 450, 50, 0.5, fp8_tflops=1979.0)
+    lay = Layout(tp=1, pp=1, dp=8, zero=1, micro_batch=1, grad_accum=128, precision="bf16")
+    a, b = evaluate(base, hw, lay), evaluate(fp8, hw, lay)
+    m, s, gbs = base.model, base.seq_len, base.train.global_batch_size
+    total = step_flops(m, s, gbs).hardware  # the vocabulary here needs no padding
+    f8 = 3 * fp8_forward_flops(m, s) * gbs
+    assert a["time"]["compute"] == pytest.approx(total / (8 * 989.5e12 * 0.5))
+    assert b["time"]["compute"] == pytest.approx(((total - f8) / 989.5e12 + f8 / 1979e12) / (8 * 0.5))
+    assert b["mfu"] > a["mfu"]  # against the same bf16 peak
+    assert_one_line_error(cli_main("plan", "configs/llama-7b.yaml", "--gpus", "8", "--peak-tflops",
+                                   "900", "--gpu-mem", "80", "--intra-bw", "400", "--inter-bw", "50",
+                                   "train.fp8=rowwise"), "needs a --gpu with an FP8 peak")

@@ -78,3 +78,47 @@ def test_training_logs_throughput_then_report(tmp_path):
 def test_unknown_gpu_in_training_config_is_one_line_error():
     assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "log.gpu=TPU-v9", "--dry-run"),
                           "log.gpu", "unknown GPU")
+
+
+def _fake_diag_run(folder: Path, bump_step: int, bump_layer: int, bump: float) -> Path:
+    """Loss 5/i and per-layer residual RMS / max logit, with layer ``bump_layer`` scaled by
+    (1 + bump) from ``bump_step`` on (and the loss from the step after)."""
+    folder.mkdir(parents=True)
+    lines = []
+    for i in range(1, 9):
+        rec = {"step": i, "loss": 5.0 / i * (1 + bump if i > bump_step else 1.0)}
+        for layer in range(3):
+            f = 1 + bump if (i >= bump_step and layer >= bump_layer) else 1.0
+            rec[f"resid/layer_{layer:02d}/rms"] = (1.0 + layer + 0.1 * i) * f
+            rec[f"attn/layer_{layer:02d}/max_logit"] = 3.0 + layer
+        lines.append(json.dumps(rec))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_report_of_two_runs_names_where_they_diverge(tmp_path):
+    from megaformer.analysis.report import write_comparison
+
+    a = _fake_diag_run(tmp_path / "bf16", 99, 0, 0.0)
+    b = _fake_diag_run(tmp_path / "fp8", 5, 1, 0.08)
+    r = write_comparison(a, b, threshold=0.05)
+    d = r["divergence"]
+    assert d["loss"]["first"]["step"] == 6 and d["loss"]["first"]["rel"] == pytest.approx(0.08)
+    first = d["diag_resid_rms"]["first"]
+    assert (first["step"], first["layer"]) == (5, "layer_01")
+    assert first["a"] == pytest.approx(2.5) and first["b"] == pytest.approx(2.5 * 1.08)
+    assert d["diag_resid_rms"]["points"] == 3 * 8
+    assert d["diag_attn_max_logit"]["first"] is None and d["diag_attn_max_logit"]["largest"] == 0
+    assert write_comparison(a, b, tmp_path / "o", threshold=0.1)["divergence"]["loss"]["first"] is None
+    names = sorted(Path(p).name for p in r["plots"])
+    assert names == ["compare_diag_attn_max_logit.png", "compare_diag_resid_rms.png",
+                     "compare_loss.png"]
+    md = Path(r["summary"]).read_text()
+    assert Path(r["summary"]).parent == a / "compare_fp8"
+    assert "| residual RMS | 24 | step 5, layer_01 | 2.5 | 2.7 | 8.00% | 8.00% |" in md
+    out = cli_main("report", str(a), str(b), "--out", str(tmp_path / "cli"))
+    assert out.returncode == 0, out.stderr
+    assert "residual RMS: first diverges at step 5, layer_01 (A 2.5, B 2.7, 8.00% > 5.0%)" in out.stdout
+    assert "max attention logit: within 5.0% at all 24 points" in out.stdout
+    assert_one_line_error(cli_main("report", str(a), str(tmp_path / "nope")), "not a run directory")
+    assert_one_line_error(cli_main("report", str(a), str(b), "--threshold", "0"), "--threshold")

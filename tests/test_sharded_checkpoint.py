@@ -1,10 +1,10 @@
 """Sharded checkpoints: every rank writes its own share, any layout resumes from the shards.
 
 Three 4-rank layouts: A = TP2 x DP2 (ZeRO-1), B = DP4 (ZeRO-3), C = PP2 x DP2 (ZeRO-1). A trains
-steps 1-14 with a checkpoint every 2 steps: the reference. Then a chain of resumes visits every
-ordered pair of distinct layouts once (A -> B -> C -> A -> C -> B -> A): each run resumes from the
-checkpoint the previous one wrote (at its own layout), trains two steps and saves, so every layout
-both reads and writes every other's shards; its two losses equal A's within 1e-5 (a constant LR
+steps 1-8 with a checkpoint every 2 steps: the reference. Then a chain of resumes goes round the
+three layouts (A -> B -> C -> A): each run resumes from the checkpoint the previous one wrote (at
+its own layout), trains two steps and saves, so every layout reads shards written by another and
+writes shards another reads; its two losses equal A's within 1e-5 (a constant LR
 after warmup: the schedule does not depend on how many steps a run was told to take). A resume of A
 at A's own layout is bitwise; one process (DP 1, ZeRO-0) reads the 4-rank shards too.
 """
@@ -32,7 +32,7 @@ LAYOUTS = {
 COMMON = ("checkpoint.interval=2", "eval.interval=0", "eval.at_end=false", "model.dropout=0.0",
           "model.attention_dropout=0.0", "train.micro_batch_size=2", "parallel.vocab_multiple=1",
           "checkpoint.keep_last=null", "train.lr_schedule=constant")
-CHAIN = ["A", "B", "C", "A", "C", "B", "A"]
+CHAIN = ["A", "B", "C", "A"]
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -112,7 +112,7 @@ def test_every_rank_writes_its_own_share(reference):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_resume_at_every_other_layout_from_the_shards(reference, tmp_path):
+def test_resume_round_the_layouts_from_the_shards(reference, tmp_path):
     ref = losses(reference)
     prev = reference
     for i, layout in enumerate(CHAIN[1:], start=1):

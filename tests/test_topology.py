@@ -64,3 +64,36 @@ def test_padding_changes_nothing_the_model_computes():
     assert plain.num_parameters() == padded.num_parameters()
     out = padded.generate(x[:1, :3], 5, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert int(out.max()) < 50
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,ep", [(8, 1, 1, 2, 2), (16, 2, 1, 2, 2), (16, 1, 2, 2, 1),
+                                               (8, 2, 1, 1, 4), (4, 1, 1, 4, 1)])
+def test_context_and_expert_groups(world, tp, pp, cp, ep):
+    t = layout_groups(world, tp, pp, cp, ep)
+    dp = world // (tp * pp * cp)
+    assert t.dp == dp and t.replicas == dp * cp
+    for groups, size in ((t.tp_groups, tp), (t.cp_groups, cp), (t.dp_groups, dp), (t.pp_groups, pp),
+                         (t.replica_groups, dp * cp), (t.ep_groups, ep), (t.edp_groups, dp // ep)):
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(len(g) == size for g in groups)
+    for rank in range(world):
+        t.rank = rank
+        assert t.rank_of(t.tp_rank, t.dp_rank, t.pp_rank, t.cp_rank) == rank
+        assert t.dp_rank == t.ep_rank + ep * t.edp_rank
+        # DeepSpeed's data-parallel group is DP x CP: the ranks that share (tp, pp)
+        same = [r for r in range(world) if r % tp == t.tp_rank and r // (world // pp) == t.pp_rank]
+        assert t.get_data_parallel_group_ranks() == same
+        assert t.get_data_parallel_world_size() == dp * cp
+    # TP ranks adjacent, then CP: the first TP group's neighbour in its CP group is tp ranks away
+    assert t.cp_groups[0] == [i * tp for i in range(cp)]
+
+
+def test_expert_groups_are_consecutive_data_parallel_ranks():
+    t = layout_groups(8, 1, 1, 1, 4)
+    assert t.ep_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert t.edp_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_expert_degree_must_divide_data_parallel():
+    with pytest.raises(ValueError, match="data-parallel size 3 is not divisible by the expert"):
+        layout_groups(6, 2, 1, 1, 2)

@@ -40,7 +40,9 @@ def add_parsers(sub: Any) -> None:
         "plan", help="feasible parallel layouts with estimated memory and MFU, best first",
         description="Enumerate (TP, PP, DP, ZeRO stage, micro-batch, recompute) layouts of CONFIG on "
                     "N GPUs, estimate memory per GPU and step time from a compute + communication "
-                    "model, and list the feasible ones best first and the rejected ones with reasons.")
+                    "model, and list the feasible ones best first and the rejected ones with reasons. "
+                    "Context parallelism (CP, ring or all-to-all) is considered for sequences of "
+                    "8192 tokens and more, expert parallelism (EP) for MoE models.")
     _config_args(pl)
     pl.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     pl.add_argument("--gpu-mem", type=float, help="memory per GPU in GB (default: the table's, with --gpu)")
@@ -59,7 +61,12 @@ def add_parsers(sub: Any) -> None:
                     "lr, tokens/s, TFLOP/s per GPU, MFU and memory over steps plus summary.md with "
                     "medians. Works on a run still in progress.")
     rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("run_b", metavar="RUN_B", nargs="?",
+                    help="a second run: overlay its loss and per-layer diagnostics on RUN_DIR's and "
+                         "print where they first diverge (RUN_DIR/compare_<RUN_B>/comparison.md)")
     rp.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    rp.add_argument("--threshold", type=float, default=0.05,
+                    help="with RUN_B: relative difference that counts as diverged (0.05)")
 
     bn = sub.add_parser(
         "bench", help="time training steps (optionally against Hugging Face transformers)",
@@ -105,8 +112,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from megaformer.analysis.report import write_report
+    from megaformer.analysis.report import write_comparison, write_report
 
+    if args.run_b is not None:
+        c = write_comparison(args.run_dir, args.run_b, args.out, args.threshold)
+        print("\n".join(c["lines"]))
+        print(f"comparison: {c['summary']} ({len(c['plots'])} plots)")
+        return 0
     r = write_report(args.run_dir, args.out)
     print(f"report: {r['summary']} ({len(r['plots'])} plots, {r['records']} records)")
     return 0

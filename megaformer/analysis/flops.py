@@ -108,7 +108,7 @@ def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = True,
     pairs = attention_pairs(s, causal, cfg.sliding_window)
     n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
-    moe_mlp = (2 * s * d * cfg.moe.num_experts
+    moe_mlp = (2 * s * d * (cfg.moe.num_experts + cfg.moe.shared_gate)
                + n_mats * 2 * s * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim)) if moe else 0
     return ForwardFlops(
         qkv=L * (2 * s * d * hq + 2 * 2 * s * d * hkv),
@@ -190,9 +190,41 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     n_mats = 3 if cfg.activation == "swiglu" else 2
     block = d * hq + 2 * d * hkv + hq * d + n_mats * d * f
     moe = cfg.moe_layers
-    moe_mlp = d * cfg.moe.num_experts + n_mats * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim)
+    moe_mlp = (d * (cfg.moe.num_experts + cfg.moe.shared_gate)
+               + n_mats * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim))
     return (cfg.n_layers * block + moe * (moe_mlp - n_mats * d * f)
             + cfg.vocab_size * d)
+
+
+# ----------------------------------------------------------------------------- FP8 share
+
+def fp8_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs of one sequence in the linear layers ``train.fp8`` runs in FP8: q, k, v and
+    the attention output of every block, the dense FFNs and the MoE blocks' shared experts
+
+        fp8 = L * (2 s d (h_q + 2 h_kv) + 2 s h_q d) + (L - L_moe) * m * 2 s d f
+              + L_moe * m * 2 s d f_s                                   (m = 3 swiglu, 2 gelu)
+
+    The rest (attention scores and values, router, routed experts, logits) stays in the
+    training precision."""
+    s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
+    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    n_mats = 3 if cfg.activation == "swiglu" else 2
+    moe = cfg.moe_layers
+    return (L * (2 * s * d * (hq + 2 * hkv) + 2 * s * hq * d) + (L - moe) * n_mats * 2 * s * d * f
+            + moe * n_mats * 2 * s * d * (cfg.shared_dim if moe else 0))
+
+
+def fp8_share(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """The fraction of the model FLOPs (forward, hence also of 3 x forward) that run in FP8."""
+    return fp8_forward_flops(cfg, seq_len) / forward_flops(cfg, seq_len, causal).total
+
+
+def mixed_peak(share: float, fp8_peak: float, hp_peak: float) -> float:
+    """The peak of a step whose FLOPs run ``share`` in FP8 and the rest in high precision, each at
+    its own dtype's peak: 1 / (share / P_fp8 + (1 - share) / P_hp). What MFU against the bf16
+    peak can at most reach is mixed_peak / P_bf16 (> 1 when FP8 pays)."""
+    return 1.0 / (share / fp8_peak + (1.0 - share) / hp_peak)
 
 
 # ----------------------------------------------------------------------------- closed forms

@@ -12,6 +12,12 @@ P per rank: block matrices and vocabulary tables / TP, norms replicated; PP spli
 output layer on the last (both when tied). MoE blocks hold ALL their experts (total parameters,
 each expert / TP; the router replicated); the worst stage holds ceil(moe blocks / PP) of them.
 
+Expert parallelism (EP) keeps E / EP experts per rank; ZeRO partitions their states over the DP / EP
+ranks that hold the same experts, and the dense states over DP x CP; an MoE block also keeps the
+rows it received and their expert-major copy (2 k d per token, balanced routing). Context parallelism (CP) splits
+each sequence: a rank keeps the activations of its b*s/CP tokens, plus the attention's exchange
+buffers (:func:`context_transient_bytes`).
+
 Activations of one micro-batch of b sequences of s tokens, n = b*s, in elements per layer of this
 implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.py; t = TP):
 
@@ -80,6 +86,19 @@ class Layout:
     sequence_parallel: bool = False
     precision: str = "fp32"
     device: str = "cuda"        # cuda or cpu (which norm and dropout implementations run)
+    cp: int = 1                 # context parallelism: each sequence split over cp ranks
+    cp_mode: str = "ring"       # ring or all_to_all
+    ep: int = 1                 # expert parallelism: routed experts split over ep of the dp ranks
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same dense shard (DP x CP): ZeRO partitions dense states over them."""
+        return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts (DP / EP): ZeRO partitions expert states over them."""
+        return self.dp // self.ep
 
 
 # ----------------------------------------------------------------------------- model states
@@ -93,11 +112,11 @@ def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int
     block = (_attention(cfg) - (d if cfg.bias else 0) + _mlp(cfg) - (d if cfg.bias else 0)) // t \
         + (2 * d if cfg.bias else 0) + 2 * _norm(cfg)              # row-parallel biases replicated
     layers = math.ceil(cfg.n_layers / layout.pp)
-    if cfg.moe_layers:  # the worst stage's MoE blocks: every expert / TP, the router replicated
+    if cfg.moe_layers:  # the worst stage's MoE blocks: its E / EP experts / TP, the router replicated
         from megaformer.analysis.params import _moe_mlp
 
         router = d * cfg.moe.num_experts
-        moe_delta = (_moe_mlp(cfg, cfg.moe.num_experts) - router) // t + router \
+        moe_delta = (_moe_mlp(cfg, cfg.moe.num_experts // layout.ep) - router) // t + router \
             - (_mlp(cfg) - (d if cfg.bias else 0)) // t - (d if cfg.bias else 0)
         block_sum = layers * block + min(layers, math.ceil(cfg.moe_layers / layout.pp)) * moe_delta
     else:
@@ -109,17 +128,34 @@ def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int
     return block_sum + max(emb, head)
 
 
+def expert_params_per_rank(cfg: ModelConfig, layout: Layout) -> int:
+    """Routed-expert parameters on the busiest rank: its stage's MoE blocks x E / EP experts / TP.
+    They are replicated over DP / EP ranks only (the others hold other experts)."""
+    if not cfg.moe_layers:
+        return 0
+    m = 3 if cfg.activation == "swiglu" else 2
+    layers = math.ceil(cfg.n_layers / layout.pp)
+    n_moe = min(layers, math.ceil(cfg.moe_layers / layout.pp))
+    return n_moe * (cfg.moe.num_experts // layout.ep) * m * cfg.d_model * cfg.expert_dim // layout.tp
+
+
 def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> dict:
-    """{'params', 'weights', 'grads', 'optimizer', 'total'} bytes per rank."""
+    """{'params', 'weights', 'grads', 'optimizer', 'total'} bytes per rank. ZeRO partitions the
+    dense parameters' states over DP x CP and the routed experts' over DP / EP."""
     P = params_per_rank(cfg, layout, padded_vocab)
+    X = expert_params_per_rank(cfg, layout)
     if layout.precision == "fp32":
         w, g, o = 4, 4, 8 + (4 if layout.zero >= 1 else 0)
     else:
         w, g, o = 2, 2, 12
-    dp = layout.dp
-    weights = P * w / (dp if layout.zero >= 3 else 1)
-    grads = P * g / (dp if layout.zero >= 2 else 1)
-    optim = P * o / (dp if layout.zero >= 1 else 1)
+
+    def share(bytes_per_param: int, partitioned: bool) -> float:
+        if not partitioned:
+            return P * bytes_per_param
+        return ((P - X) / layout.replicas + X / layout.expert_replicas) * bytes_per_param
+
+    weights, grads, optim = share(w, layout.zero >= 3), share(g, layout.zero >= 2), \
+        share(o, layout.zero >= 1)
     return {"params": P, "weights": weights, "grads": grads, "optimizer": optim,
             "total": weights + grads + optim}
 
@@ -177,7 +213,9 @@ def _moe_mlp_bytes(cfg: ModelConfig, n: int, layout: Layout, e: int) -> float:
     k, d, E, t = cfg.moe.top_k, cfg.d_model, cfg.moe.num_experts, layout.tp
     expert = (4 if cfg.activation == "swiglu" else 2) * cfg.expert_dim
     shared = _mlp_elems(cfg, layout) * cfg.shared_dim // cfg.ffn_dim if cfg.shared_dim else 0
-    return n * (3 * k * d * e + (k * expert + shared) * e / t + (3 * E + 3 * k) * 4 + 3 * k * 8)
+    received = 2 * k * d * e if layout.ep > 1 else 0  # expert parallelism: received + reordered rows
+    return n * (3 * k * d * e + received + (k * expert + shared) * e / t + (3 * E + 3 * k) * 4
+                + 3 * k * 8)
 
 
 def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
@@ -185,7 +223,7 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     """Bytes one block keeps for backward for one micro-batch, by part (fused attention); ``moe``:
     a block with the MoE FFN."""
     e = DTYPE_BYTES[layout.precision]
-    n = layout.micro_batch * seq_len
+    n = layout.micro_batch * seq_len // layout.cp       # the tokens of this context rank
     t = layout.tp
     sp = t if layout.sequence_parallel and t > 1 else 1
     d = cfg.d_model
@@ -196,7 +234,8 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     parts = {
         "norms": n * norms * e / sp,
         "attention": n * (2 * hq + 2 * hkv) * e / t + (0 if layout.recompute == "selective" else lse)
-                     + (n * (hq + hkv) * e / t if cfg.qk_norm else 0),  # q, k before their norms
+                     + (n * (hq + hkv) * e / t if cfg.qk_norm else 0)   # q, k before their norms
+                     + context_saved_bytes(cfg, seq_len, layout),
         "mlp": _moe_mlp_bytes(cfg, n, layout, e) if moe else n * _mlp_elems(cfg, layout) * e / t,
         "dropout_masks": (2 * n * d * _mask_bytes(layout, cfg) / sp) if cfg.dropout > 0 else 0,
     }
@@ -209,7 +248,7 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     """Activation bytes held at the end of a micro-batch's forward on the busiest rank, and the
     extra live during its backward; see the module docstring for the terms."""
     e = DTYPE_BYTES[layout.precision]
-    n = layout.micro_batch * seq_len
+    n = layout.micro_batch * seq_len // layout.cp       # the tokens of this context rank
     t = layout.tp
     sp = t if layout.sequence_parallel and t > 1 else 1
     d, V = cfg.d_model, cfg.vocab_size
@@ -240,9 +279,87 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     swiglu_grad = 2 * cfg.ffn_dim if _native_cpu(cfg, layout) else 3 * cfg.ffn_dim
     mlp_grad = swiglu_grad if cfg.activation == "swiglu" else cfg.ffn_dim
     head_grad = n * Vp * e if native_loss else n * (Vp * e + V * 4) / t
-    transient = max(head_grad, n * mlp_grad * e / t)
+    transient = max(head_grad, n * mlp_grad * e / t, context_transient_bytes(cfg, seq_len, layout))
     return {"per_layer": layer, "layers": kept * in_flight, "output": output + tables + dropout_emb,
             "total": total, "backward_transient": transient, "recompute_live": recompute_live}
+
+
+def _kv_repeat(cfg: ModelConfig, layout: Layout) -> int:
+    """all_to_all: how many times each local KV head is repeated so the context ranks can split
+    them (1 when the local KV heads divide by CP)."""
+    kv = cfg.kv_heads // layout.tp
+    return 1 if kv % layout.cp == 0 else math.lcm(kv, layout.cp) // kv
+
+
+def _context_sizes(cfg: ModelConfig, seq_len: int, layout: Layout) -> tuple[int, int, float, float]:
+    """(bytes per element, local tokens b s / cp, query width and KV width per TP rank)."""
+    return (DTYPE_BYTES[layout.precision], layout.micro_batch * seq_len // layout.cp,
+            cfg.n_heads * cfg.head_dim / layout.tp, cfg.kv_heads * cfg.head_dim / layout.tp)
+
+
+def context_saved_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
+    """Bytes per layer context-parallel attention keeps beyond the plain attention's: the ring keeps
+    its output in fp32 (n h_q (4 - e)); all_to_all keeps k and v with repeated heads when the local
+    KV heads do not divide by CP (2 n h_kv (r - 1) e)."""
+    if layout.cp == 1:
+        return 0.0
+    e, n, hq, hkv = _context_sizes(cfg, seq_len, layout)
+    if layout.cp_mode == "ring":
+        return n * hq * (4 - e)
+    return 2 * n * hkv * (_kv_repeat(cfg, layout) - 1) * e
+
+
+RING_TILE = 512  # the ring's attention tiles: queries x keys
+
+
+def context_transient_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
+    """Bytes the context-parallel attention of one layer holds briefly besides the saved tensors.
+
+    ring: the K/V block being used and the one arriving (2 x 2 h_kv per local token, dtype e) and,
+    in backward, the travelling fp32 dK/dV accumulators (2 x 2 h_kv x 4), the fp32 dq accumulator
+    (h_q x 4), fp32 copies of q and dO under 16-bit precision (2 h_q x 4), and two tiles of scores
+    (2 b heads 512^2 x 4);
+    all_to_all: the head-sharded copies of q, k, v and the output while exchanged (2 h_q + 2 h_kv r
+    per local token)."""
+    if layout.cp == 1:
+        return 0.0
+    e, n, hq, hkv = _context_sizes(cfg, seq_len, layout)
+    if layout.cp_mode == "ring":
+        tiles = 2 * layout.micro_batch * (cfg.n_heads // layout.tp) * RING_TILE ** 2 * 4
+        return (n * 2 * 2 * hkv * e + n * 2 * 2 * hkv * 4 + n * hq * 4
+                + (2 * n * hq * 4 if e < 4 else 0) + tiles)
+    return n * (2 * hq + 2 * hkv * _kv_repeat(cfg, layout)) * e
+
+
+def context_comm_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
+    """Bytes one rank sends for context parallelism per layer per micro-batch (forward + backward).
+
+    ring: the K and V blocks of n_local = b s / cp tokens (2 h_kv elements per token) pass cp - 1
+    times forward and cp - 1 times again in backward; the fp32 dK/dV accumulators travel cp times,
+    back to their owner: (cp - 1) n_local 2 h_kv 2 e + cp n_local 2 h_kv 4.
+    all_to_all: q, k, v go to head-sharded and the output back, each rank keeping 1/cp:
+    (cp - 1)/cp n_local (2 h_q + 2 h_kv r) e forward, the same in backward (r: the KV-head repeat)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    e, n, hq, hkv = _context_sizes(cfg, seq_len, layout)
+    if layout.cp_mode == "ring":
+        return (cp - 1) * n * 2 * hkv * 2 * e + cp * n * 2 * hkv * 4
+    return 2 * (cp - 1) / cp * n * (2 * hq + 2 * hkv * _kv_repeat(cfg, layout)) * e
+
+
+def expert_comm_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
+    """Bytes one rank sends in the expert all-to-alls of one MoE block per micro-batch: the k
+    copies of each local token's d-wide input go out and their outputs come back, forward and
+    backward (4 exchanges), (EP - 1)/EP of them to other ranks when routing is balanced, plus the
+    per-expert counts (two int64 vectors of E). Every TP rank exchanges the whole micro-batch's
+    tokens (under sequence parallelism they are gathered before routing)."""
+    if layout.ep == 1 or not cfg.moe_layers:
+        return 0.0
+    e = DTYPE_BYTES[layout.precision]
+    n = layout.micro_batch * seq_len / layout.cp
+    return 4 * (layout.ep - 1) / layout.ep * n * cfg.moe.top_k * cfg.d_model * e \
+        + 2 * 8 * cfg.moe.num_experts
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,

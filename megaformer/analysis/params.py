@@ -9,6 +9,7 @@ model.head_dim), f = ffn_dim, V = vocab, beta = 1 if biases else 0, beta_qkv = 1
     mlp        = gelu: 2*d*f + beta*(f + d);  swiglu: 3*d*f + beta*(2*f + d)
     moe mlp    = d*E + E*m*d*f_e + m*d*f_s   (router, E experts of width f_e, shared experts of total
                  width f_s; m = 3 for swiglu, 2 for gelu; no biases) in the MoE blocks
+                 (+ d for the shared experts' sigmoid gate, model.moe.shared_gate)
     active     = the same with top_k experts in place of E: what one token's forward multiplies
     norm       = d (+ d for a LayerNorm with bias)
     block      = attention + (mlp or moe mlp) + 2 * norm
@@ -40,7 +41,8 @@ def _mlp(cfg: ModelConfig) -> int:
 def _moe_mlp(cfg: ModelConfig, experts: int) -> int:
     """An MoE block's FFN with ``experts`` routed experts counted (all E, or the top_k a token uses)."""
     d, m = cfg.d_model, (3 if cfg.activation == "swiglu" else 2)
-    return d * cfg.moe.num_experts + experts * m * d * cfg.expert_dim + m * d * cfg.shared_dim
+    gate = d if cfg.moe.shared_gate else 0
+    return d * cfg.moe.num_experts + experts * m * d * cfg.expert_dim + m * d * cfg.shared_dim + gate
 
 
 def _norm(cfg: ModelConfig) -> int:

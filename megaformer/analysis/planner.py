@@ -1,4 +1,4 @@
-"""``megaformer plan``: feasible (TP, PP, DP, ZeRO, micro-batch, recompute) layouts, best first.
+"""``megaformer plan``: feasible (TP, PP, DP, CP, EP, ZeRO, micro-batch, recompute) layouts, best first.
 
 Memory per GPU from :mod:`megaformer.analysis.memory` (+ ``RESERVE_GB`` for the CUDA context,
 NCCL buffers and allocator fragmentation). Step time from a compute + communication model with
@@ -11,13 +11,27 @@ stated bandwidths and nothing overlapped (so it is a pessimistic, comparable ran
                 same volume; ZeRO 3: x1.5 for the parameter all-gathers); BW = intra if TP*DP fits a
                 node, else inter
     PP        = 2 m (PP-1) point-to-point sends of b*s*h*e bytes at the inter/intra bandwidth
+    CP        = per layer and micro-batch the ring's K/V (+ dK/dV) passes or the all-to-all's q/k/v/out
+                exchange (:func:`megaformer.analysis.memory.context_comm_bytes`) / BW; intra if TP*CP
+                fits a node. Dense gradients are averaged over DP x CP
+    EP        = per MoE block and micro-batch four all-to-alls of the routed tokens
+                (:func:`megaformer.analysis.memory.expert_comm_bytes`) / BW; intra if TP*CP*EP fits a
+                node. Expert gradients are averaged over DP / EP
 
     MFU = model FLOPs / (step time * GPUs * peak)
+
+With ``train.fp8`` the FP8 GEMMs' FLOPs (:func:`megaformer.analysis.flops.fp8_forward_flops`, x3,
+and their share of the recomputed forward) run at the accelerator's FP8 peak and the rest at the
+training precision's; MFU stays against the bf16 peak.
 
 Checkpoints are sharded: the state is 12 bytes per parameter (fp32 master weight and Adam's two
 moments), and every rank writes its own share in parallel: the busiest rank's TP x PP shard / DP
 (its ZeRO partition; under ZeRO-0 the DP ranks split the replicated shard). An asynchronous save
 stages exactly that share in host memory.
+
+Context parallelism is proposed for sequences of 8192 tokens and more (CP in 1, 2, 4, 8, 16; ring
+and, where the heads allow, all-to-all); expert parallelism for MoE models (EP dividing the experts
+and DP).
 
 Rules that reject a layout: TP must divide heads, KV heads and the FFN width and stay within a node
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
@@ -34,7 +48,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from megaformer.analysis.flops import step_flops
+from megaformer.analysis.flops import fp8_forward_flops, fp8_share, step_flops
 from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate
 from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
@@ -56,6 +70,7 @@ class Hardware:
     intra_gbps: float
     inter_gbps: float
     efficiency: float
+    fp8_tflops: Optional[float] = None  # the FP8 peak, for train.fp8 (FP8 GEMMs at their own rate)
 
 
 def _divisors(n: int) -> list[int]:
@@ -77,36 +92,61 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
                     padded_vocab=padded)
     peak = hw.peak_tflops * 1e12
     micro = lay.grad_accum
-    compute = fl.hardware / (hw.gpus * peak * hw.efficiency) * (1 + (lay.pp - 1) / micro)
-    act = lay.micro_batch * s * m.d_model * e
-    tp_bw = hw.intra_gbps if lay.tp <= hw.gpus_per_node else hw.inter_gbps
+    work = fl.hardware / peak  # GPU-seconds at full peak
+    if cfg.train.fp8 != "off" and hw.fp8_tflops:
+        # the FP8 GEMMs' share of the work (the recomputed forward included) at the FP8 peak
+        share = fp8_share(m, s)
+        f8 = 3 * fp8_forward_flops(m, s) * gbs + share * fl.recompute
+        work = (fl.hardware - f8) / peak + f8 / (hw.fp8_tflops * 1e12)
+    compute = work / (hw.gpus * hw.efficiency) * (1 + (lay.pp - 1) / micro)
+    act = lay.micro_batch * s // lay.cp * m.d_model * e      # one context rank's part
+    node = hw.gpus_per_node
+
+    def bw(span: int) -> float:  # a group of `span` adjacent ranks: NVLink if it fits a node
+        return hw.intra_gbps if span <= node else hw.inter_gbps
+
     layers = math.ceil(m.n_layers / lay.pp)
     n_ar = 6 if lay.recompute == "full" else 4
-    tp_time = micro * layers * n_ar * _allreduce_s(act, lay.tp, tp_bw)
-    dp_bw = hw.intra_gbps if lay.tp * lay.dp <= hw.gpus_per_node else hw.inter_gbps
-    from megaformer.analysis.memory import params_per_rank
+    tp_time = micro * layers * n_ar * _allreduce_s(act, lay.tp, bw(lay.tp))
+    from megaformer.analysis.memory import (context_comm_bytes, expert_comm_bytes,
+                                            expert_params_per_rank, params_per_rank)
 
-    grad_bytes = params_per_rank(m, lay, padded) * e
-    dp_time = _allreduce_s(grad_bytes, lay.dp, dp_bw) * (1.5 if lay.zero == 3 else 1.0)
-    pp_bw = hw.inter_gbps if lay.tp * lay.pp > hw.gpus_per_node else hw.intra_gbps
+    P, X = params_per_rank(m, lay, padded), expert_params_per_rank(m, lay)
+    dp_bw = bw(lay.tp * lay.cp * lay.dp)
+    dp_time = (_allreduce_s((P - X) * e, lay.replicas, dp_bw)
+               + _allreduce_s(X * e, lay.expert_replicas, dp_bw)) * (1.5 if lay.zero == 3 else 1.0)
+    pp_bw = hw.inter_gbps if lay.tp * lay.pp > node else hw.intra_gbps
     pp_time = 2 * micro * (lay.pp - 1) * act / (pp_bw * GB) / max(lay.pp, 1) if lay.pp > 1 else 0.0
-    step = compute + tp_time + dp_time + pp_time
+    cp_time = micro * layers * context_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp) * GB)
+    moe_layers = min(layers, math.ceil(m.moe_layers / lay.pp)) if m.moe_layers else 0
+    ep_time = micro * moe_layers * expert_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp * lay.ep) * GB)
+    step = compute + tp_time + dp_time + pp_time + cp_time + ep_time
     from megaformer.analysis.params import count_parameters
 
-    per_rank = CHECKPOINT_BYTES_PER_PARAM * params_per_rank(m, lay, padded) / lay.dp
+    per_rank = CHECKPOINT_BYTES_PER_PARAM * ((P - X) / lay.replicas + X / lay.expert_replicas)
     return {
         "layout": asdict(lay), "memory_gb": mem.total / GB,
         "memory": {k: v / GB for k, v in mem.as_dict().items() if isinstance(v, float)},
         "step_time_s": step,
-        "time": {"compute": compute, "tp_comm": tp_time, "dp_comm": dp_time, "pp_comm": pp_time},
+        "time": {"compute": compute, "tp_comm": tp_time, "dp_comm": dp_time, "pp_comm": pp_time,
+                 "cp_comm": cp_time, "ep_comm": ep_time},
         "mfu": fl.model / (step * hw.gpus * peak), "tokens_per_s": fl.tokens / step,
         "checkpoint": {"total_gb": CHECKPOINT_BYTES_PER_PARAM * count_parameters(m)["total"] / GB,
                        "per_rank_gb": per_rank / GB, "async_staging_gb": per_rank / GB},
     }
 
 
-def _reject_reason(cfg: Config, tp: int, pp: int, dp: int, zero: int, mb: int) -> Optional[str]:
+def _reject_reason(cfg: Config, tp: int, pp: int, dp: int, zero: int, mb: int, cp: int = 1,
+                   cp_mode: str = "ring", ep: int = 1) -> Optional[str]:
     m, gbs = cfg.model, cfg.train.global_batch_size
+    if cp > 1 and cp_mode == "ring" and cfg.seq_len % (2 * cp):
+        return f"CP={cp} (ring) needs the sequence {cfg.seq_len} divisible by {2 * cp}"
+    if cp > 1 and cp_mode == "all_to_all" and (m.n_heads // tp) % cp:
+        return f"CP={cp} (all_to_all) does not divide the {m.n_heads // tp} heads per TP rank"
+    if cp > 1 and m.moe_layers:
+        return "CP with MoE blocks is not supported by megaformer"
+    if ep > 1 and (m.moe.num_experts % ep or dp % ep):
+        return f"EP={ep} does not divide the experts {m.moe.num_experts} / DP {dp}"
     if m.n_heads % tp or m.kv_heads % tp or m.ffn_dim % tp:
         return f"TP={tp} does not divide heads {m.n_heads} / KV heads {m.kv_heads} / FFN {m.ffn_dim}"
     if m.moe_layers and (m.expert_dim % tp or m.shared_dim % tp):
@@ -130,13 +170,24 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
     """{'assumptions', 'feasible' (best first), 'rejected'} for ``cfg`` on ``hw``."""
     cfg = resolve_vocab(cfg)
     feasible, rejected = [], []
+    long = cfg.seq_len >= 8192
+    contexts = [(1, "ring")] + [(c, mode) for c in (2, 4, 8, 16) if long and hw.gpus % c == 0
+                                for mode in ("ring", "all_to_all")]
     for tp in _divisors(hw.gpus):
-        for pp in _divisors(hw.gpus // tp):
-            dp = hw.gpus // (tp * pp)
-            for zero in (0, 1, 2, 3):
-                for mb in micro_batches:
-                    why = _reject_reason(cfg, tp, pp, dp, zero, mb)
+        for cp, cp_mode in contexts:
+            if hw.gpus % (tp * cp):
+                continue
+            for pp in _divisors(hw.gpus // (tp * cp)):
+                dp = hw.gpus // (tp * cp * pp)
+                experts = _divisors(dp) if cfg.model.moe_layers else [1]
+                for ep, zero, mb in ((ep, z, mb) for ep in experts for z in (0, 1, 2, 3)
+                                     for mb in micro_batches):
+                    why = _reject_reason(cfg, tp, pp, dp, zero, mb, cp, cp_mode, ep)
                     key = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "micro_batch": mb}
+                    if cp > 1:
+                        key.update(cp=cp, cp_mode=cp_mode)
+                    if ep > 1:
+                        key["ep"] = ep
                     if why:
                         rejected.append({**key, "reason": why})
                         continue
@@ -144,7 +195,8 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                     for rc in ("none", "selective", "full"):
                         lay = Layout(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb, grad_accum=accum,
                                      recompute=rc, sequence_parallel=tp > 1,
-                                     precision=cfg.train.precision, device="cuda")
+                                     precision=cfg.train.precision, device="cuda", cp=cp,
+                                     cp_mode=cp_mode, ep=ep)
                         r = evaluate(cfg, hw, lay)
                         need = r["memory_gb"] + RESERVE_GB
                         if need > hw.memory_gb:
@@ -156,7 +208,8 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
     return {"config": cfg.name, "assumptions": dict(asdict(hw), reserve_gb=RESERVE_GB,
                                                     overlap="none", seq_len=cfg.seq_len,
                                                     global_batch=cfg.train.global_batch_size,
-                                                    precision=cfg.train.precision),
+                                                    precision=cfg.train.precision,
+                                                    fp8=cfg.train.fp8),
             "feasible": feasible, "rejected": rejected}
 
 
@@ -176,7 +229,13 @@ def plan_from_args(cfg: Config, args: argparse.Namespace) -> dict:
         raise UserError("plan: give --intra-bw and --inter-bw (GB/s per GPU) for an unlisted GPU")
     if not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency {args.efficiency}: must be in (0, 1]")
-    hw = Hardware(args.gpus, args.nodes_of, mem, peak, intra, inter, args.efficiency)
+    fp8 = None
+    if cfg.train.fp8 != "off":
+        if acc is None or "fp8" not in acc.peaks:
+            raise UserError(f"plan: train.fp8={cfg.train.fp8} needs a --gpu with an FP8 peak in the "
+                            "table (see megaformer/accelerators.py)")
+        fp8 = acc.peak("fp8")
+    hw = Hardware(args.gpus, args.nodes_of, mem, peak, intra, inter, args.efficiency, fp8)
     return plan(cfg, hw)
 
 
@@ -189,13 +248,29 @@ def format_plan(r: dict, top: int = 10) -> str:
              f"{'TP':>3s} {'PP':>3s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} {'recompute':>9s} "
              f"{'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "
              "time split (compute/TP/DP/PP)"]
-    for x in r["feasible"][:top]:
+    if a.get("fp8", "off") != "off" and a.get("fp8_tflops"):
+        lines.insert(1, f"train.fp8={a['fp8']}: the block GEMMs at the FP8 peak "
+                        f"{a['fp8_tflops']:g} TFLOP/s; MFU is against the {a['peak_tflops']:g} "
+                        "TFLOP/s peak (above 100% when FP8 pays)")
+    shown = r["feasible"][:top]
+    cp_col = any(x["layout"]["cp"] > 1 for x in shown)
+    ep_col = any(x["layout"]["ep"] > 1 for x in shown)
+    extra = ("/CP" if cp_col else "") + ("/EP" if ep_col else "")
+    lines[-1] = (lines[-1][:-1] + extra + ")").replace(
+        f"{'DP':>4s} ", f"{'DP':>4s} " + (f"{'CP':>13s} " if cp_col else "") +
+        (f"{'EP':>3s} " if ep_col else ""), 1)
+    for x in shown:
         L, t = x["layout"], x["time"]
-        lines.append(f"{L['tp']:>3d} {L['pp']:>3d} {L['dp']:>4d} {L['zero']:>4d} {L['micro_batch']:>3d} "
+        cp = f"{L['cp']} {L['cp_mode']}" if L["cp"] > 1 else "1"
+        lines.append(f"{L['tp']:>3d} {L['pp']:>3d} {L['dp']:>4d} "
+                     + (f"{cp:>13s} " if cp_col else "") + (f"{L['ep']:>3d} " if ep_col else "")
+                     + f"{L['zero']:>4d} {L['micro_batch']:>3d} "
                      f"{L['recompute']:>9s} {x['memory_gb']:>7.1f} {x['step_time_s']:>8.3f} "
                      f"{100 * x['mfu']:>5.1f}% {x['checkpoint']['per_rank_gb']:>12.2f}  "
                      f"{t['compute']:.3f}/{t['tp_comm']:.3f}/"
-                     f"{t['dp_comm']:.3f}/{t['pp_comm']:.3f}")
+                     f"{t['dp_comm']:.3f}/{t['pp_comm']:.3f}"
+                     + (f"/{t['cp_comm']:.3f}" if cp_col else "")
+                     + (f"/{t['ep_comm']:.3f}" if ep_col else ""))
     if r["feasible"]:
         c = r["feasible"][0]["checkpoint"]
         lines.append(f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + Adam "
@@ -210,6 +285,9 @@ def format_plan(r: dict, top: int = 10) -> str:
         if kind in seen:
             continue
         seen.add(kind)
-        lines.append(f"  TP {x['tp']} PP {x['pp']} DP {x['dp']} ZeRO {x['zero']} mb {x['micro_batch']}"
+        lines.append(f"  TP {x['tp']} PP {x['pp']} DP {x['dp']}"
+                     + (f" CP {x['cp']} {x['cp_mode']}" if "cp" in x else "")
+                     + (f" EP {x['ep']}" if "ep" in x else "")
+                     + f" ZeRO {x['zero']} mb {x['micro_batch']}"
                      f"{' ' + x['recompute'] if 'recompute' in x else ''}: {x['reason']}")
     return "\n".join(lines)

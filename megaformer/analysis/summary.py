@@ -49,7 +49,8 @@ def flops_summary(cfg: Config, gpu: Optional[str] = None, gpus: int = 1,
     if step_time_s is not None and step_time_s <= 0:
         raise UserError(f"--step-time {step_time_s}: must be > 0")
     cfg = resolve_vocab(cfg)
-    dtype = dtype or PRECISION_DTYPE[cfg.train.precision]
+    fp8 = cfg.train.fp8 != "off"
+    dtype = dtype or ("bf16" if fp8 else PRECISION_DTYPE[cfg.train.precision])  # MFU vs bf16 under fp8
     peak_value = peak_tflops(gpu, dtype, peak)
     counts = count_parameters(cfg.model)
     flops = config_step_flops(cfg, causal=causal)
@@ -72,6 +73,9 @@ def flops_summary(cfg: Config, gpu: Optional[str] = None, gpus: int = 1,
     if gpu is not None or peak is not None:
         name = find_accelerator(gpu).name if gpu is not None and peak is None else (gpu or "custom")
         out["gpu"] = {"name": name, "dtype": dtype, "peak_tflops": peak_value, "count": gpus}
+    if fp8:
+        out["fp8"] = _fp8_summary(cfg, flops.model, gpu if peak is None else None, peak_value, gpus,
+                                  causal)
     if step_time_s is not None:
         m = utilisation(flops, step_time_s, gpus, peak_value)
         m["step_time_s"] = step_time_s
@@ -80,6 +84,23 @@ def flops_summary(cfg: Config, gpu: Optional[str] = None, gpus: int = 1,
         # the step time at which MFU would be 100% / 50%: a sanity bound for measurements
         ideal = flops.model / (gpus * peak_value * 1e12)
         out["ideal_step_time_s"] = {"mfu_100": ideal, "mfu_50": 2 * ideal}
+    return out
+
+
+def _fp8_summary(cfg: Config, model_flops: int, gpu: Optional[str], peak: Optional[float],
+                 gpus: int, causal: bool) -> dict:
+    """train.fp8: the FP8 share of the model FLOPs and, with a table GPU, its FP8 peak, the
+    mixed peak (:func:`megaformer.analysis.flops.mixed_peak`) and the step time at 100% of it."""
+    from megaformer.analysis.flops import fp8_share, mixed_peak
+
+    share = fp8_share(cfg.model, cfg.seq_len, causal)
+    out: dict = {"recipe": cfg.train.fp8, "share": share, "fp8_flops": share * model_flops,
+                 "fp8_peak_tflops": None, "mixed_peak_tflops": None}
+    fp8_peak = find_accelerator(gpu).peaks.get("fp8") if gpu is not None else None
+    if fp8_peak and peak:
+        mixed = mixed_peak(share, fp8_peak, peak)
+        out.update(fp8_peak_tflops=fp8_peak, mixed_peak_tflops=mixed,
+                   ideal_step_time_s=model_flops / (gpus * mixed * 1e12))
     return out
 
 
@@ -112,12 +133,22 @@ def format_flops_summary(d: dict) -> str:
                      "dense)")
         ideal = d["ideal_step_time_s"]
         lines.append(f"step time at 100% MFU: {ideal['mfu_100']:.4g} s; at 50%: {ideal['mfu_50']:.4g} s")
+    f8 = d.get("fp8")
+    if f8:
+        line = (f"fp8 ({f8['recipe']}): {100 * f8['share']:.1f}% of the model FLOPs in FP8 GEMMs "
+                "(block linears); MFU is against the bf16 peak")
+        if f8["mixed_peak_tflops"]:
+            line += (f"; FP8 peak {f8['fp8_peak_tflops']:g}, mixed peak "
+                     f"{f8['mixed_peak_tflops']:.4g} TFLOP/s (step time at 100% of it: "
+                     f"{f8['ideal_step_time_s']:.4g} s)")
+        lines.append(line)
     m = d.get("measured")
     if m:
         line = (f"measured step {m['step_time_s']:g} s: {m['tokens_per_s']:,.0f} tokens/s | "
                 f"{m['tflops_per_gpu']:.2f} TFLOP/s per GPU (hardware {m['hw_tflops_per_gpu']:.2f})")
         if "mfu" in m:
-            line += f" | MFU {100 * m['mfu']:.1f}% | HFU {100 * m['hfu']:.1f}%"
+            line += (f" | MFU{' vs bf16 peak' if f8 else ''} {100 * m['mfu']:.1f}% | "
+                     f"HFU {100 * m['hfu']:.1f}%")
             if m["hfu"] > 1:
                 line += " (above the peak: check --gpus, --step-time and the dtype)"
         else:

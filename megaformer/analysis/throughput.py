@@ -7,6 +7,14 @@ The peak comes from ``log.peak_tflops``, else from ``log.gpu`` looked up in the 
 unknown name is a config error), else, on CUDA, from the device's own name when the table knows it.
 Without a peak (every CPU, an unlisted GPU) MFU/HFU are not logged: there is no silent default.
 
+FP8 training (``train.fp8``): MFU and HFU stay against the **bf16** peak (the convention: FP8 GEMMs
+do not change the model's FLOPs, they make a step faster, so MFU can pass what bf16 would reach),
+and the log says "MFU vs bf16 peak". The model TFLOP/s are also split by dtype, from the FLOPs
+each does (:func:`megaformer.analysis.flops.fp8_share`; one step time, not per-kernel timings):
+
+    fp8_tflops_per_gpu = share * TFLOPs/GPU,   hp_tflops_per_gpu = (1 - share) * TFLOPs/GPU
+    mfu_mixed          = TFLOPs/GPU / mixed_peak(share, fp8 peak, bf16 peak)   (peak table only)
+
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` since the previous record (the caching
 allocator's tensor bytes; reset after each record). On CPU, where PyTorch keeps no allocator
 statistics, the process's peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``): measured,
@@ -22,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from megaformer.analysis.flops import StepFlops, config_step_flops, utilisation
+from megaformer.analysis.flops import (StepFlops, config_step_flops, fp8_share, mixed_peak,
+                                       utilisation)
 from megaformer.accelerators import UnknownGPUError, find_accelerator
 from megaformer.config import Config
 from megaformer.errors import ConfigError
@@ -41,9 +50,27 @@ def peak_memory_bytes(device: torch.device, reset: bool = True) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
+def mfu_dtype(cfg: Config) -> str:
+    """The peak column MFU is measured against: train.precision, bf16 under train.fp8."""
+    return "bf16" if getattr(cfg.train, "fp8", "off") != "off" else cfg.train.precision
+
+
+def fp8_peak(cfg: Config, device: torch.device) -> Optional[float]:
+    """The FP8 dense peak of log.gpu (or the CUDA device), None when unknown or fp8 is off."""
+    if getattr(cfg.train, "fp8", "off") == "off" or getattr(cfg.log, "peak_tflops", None):
+        return None
+    name = getattr(cfg.log, "gpu", None)
+    if name is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    try:
+        return find_accelerator(name).peaks.get("fp8") if name else None
+    except UnknownGPUError:
+        return None
+
+
 def resolve_peak(cfg: Config, device: torch.device) -> tuple[Optional[float], str]:
-    """(peak TFLOP/s or None, where it came from) for the run's precision."""
-    dtype = cfg.train.precision
+    """(peak TFLOP/s or None, where it came from) for the run's precision (bf16 under fp8)."""
+    dtype = mfu_dtype(cfg)
     explicit = getattr(cfg.log, "peak_tflops", None)
     gpu = getattr(cfg.log, "gpu", None)
     if explicit is not None:
@@ -73,16 +100,28 @@ class TrainingMeter:
     peak_tflops: Optional[float]
     peak_source: str
     device: torch.device
+    fp8_share: float = 0.0              # of the model FLOPs, under train.fp8
+    fp8_peak_tflops: Optional[float] = None
 
     @classmethod
     def for_run(cls, cfg: Config, device: torch.device, world_size: int) -> "TrainingMeter":
         peak, source = resolve_peak(cfg, device)
-        return cls(config_step_flops(cfg), world_size, peak, source, device)
+        share = fp8_share(cfg.model, cfg.seq_len) if getattr(cfg.train, "fp8", "off") != "off" else 0.0
+        return cls(config_step_flops(cfg), world_size, peak, source, device, share,
+                   fp8_peak(cfg, device))
 
     def record(self, mean_step_time_s: float) -> dict:
-        """tflops_per_gpu, hw_tflops_per_gpu, [mfu, hfu], peak_mem_gb for an interval."""
+        """tflops_per_gpu, hw_tflops_per_gpu, [mfu, hfu], peak_mem_gb for an interval; under
+        FP8 also fp8_tflops_per_gpu, hp_tflops_per_gpu [, mfu_mixed]."""
         u = utilisation(self.flops, mean_step_time_s, self.world_size, self.peak_tflops)
         u.pop("tokens_per_s")
+        if self.fp8_share:
+            tf = u["tflops_per_gpu"]
+            u["fp8_tflops_per_gpu"] = self.fp8_share * tf
+            u["hp_tflops_per_gpu"] = (1 - self.fp8_share) * tf
+            if self.peak_tflops and self.fp8_peak_tflops:
+                u["mfu_mixed"] = tf / mixed_peak(self.fp8_share, self.fp8_peak_tflops,
+                                                 self.peak_tflops)
         u["peak_mem_gb"] = peak_memory_bytes(self.device) / GB
         return u
 
@@ -92,4 +131,7 @@ class TrainingMeter:
                 f"{f.hardware_per_token / 1e6:,.2f} hardware (recompute, padded vocabulary) | "
                 f"{f.model / 1e12:,.4g} TFLOP/step | peak: "
                 + (f"{self.peak_tflops:g} TFLOP/s ({self.peak_source})" if self.peak_tflops
-                   else self.peak_source))
+                   else self.peak_source)
+                + (f" | FP8: {100 * self.fp8_share:.1f}% of the FLOPs, MFU vs bf16 peak"
+                   + (f", FP8 peak {self.fp8_peak_tflops:g} TFLOP/s" if self.fp8_peak_tflops else "")
+                   if self.fp8_share else ""))

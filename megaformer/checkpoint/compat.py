@@ -63,10 +63,13 @@ def layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
         return ["resharded offline (no engine state)"]
     saved = dict(meta.get("parallel", {}), zero_stage=meta.get("zero_stage"),
                  precision=meta.get("precision"))
-    dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
-    now = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline, "data": dp,
-           "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision}
-    keys = ["tensor", "pipeline", "zero_stage", "precision"]
+    p = cfg.parallel
+    dp = world_size // (p.tensor * p.pipeline * p.context)
+    now = {"tensor": p.tensor, "pipeline": p.pipeline, "data": dp, "context": p.context,
+           "expert": p.expert, "zero_stage": p.zero_stage, "precision": cfg.train.precision}
+    saved.setdefault("context", 1)  # checkpoints from before context and expert parallelism
+    saved.setdefault("expert", 1)
+    keys = ["tensor", "pipeline", "context", "expert", "zero_stage", "precision"]
     if cfg.parallel.zero_stage > 0 or saved.get("zero_stage", 0) > 0:  # ZeRO files are per DP rank
         keys.append("data")
     return [f"{k} {saved[k]} -> {now[k]}" for k in keys

@@ -12,9 +12,12 @@ its tensor-parallel shard (row-major order):
   shard evenly, [r_dp * n / dp, (r_dp + 1) * n / dp), so that each byte is written once.
 
 A parameter replicated over tensor parallelism (a norm's gain) is split the same way over the TP
-ranks; a pipeline-tied weight is written by the first stage only. A flat range of a row-major array is a
-union of at most 2 ndim - 1 boxes (a partial row, whole rows, a partial row; recursively), so a
-rank stores its range as boxes placed in whole-tensor coordinates::
+ranks; a pipeline-tied weight is written by the first stage only. An expert parameter under
+expert parallelism is this rank's slice of experts along dim 0 (its boxes placed at its first
+expert), owned as above over the expert-data group (the ranks holding the same experts). A flat
+range of a row-major array is a union of at most 2 ndim - 1 boxes (a partial row, whole rows, a
+partial row; recursively), so a rank stores its range as boxes placed in whole-tensor
+coordinates::
 
     CKPT/state/
       rank_00000.safetensors   "NAME/KEY/i": box i of KEY (master | exp_avg | exp_avg_sq) of NAME
@@ -118,6 +121,8 @@ class Owned:
     tp_offset: int                 # where the shard starts along ``dim`` in the whole tensor
     rows: Optional[int]            # vocabulary tables: the real rows (padding beyond is dropped)
     base: int = 0                  # the flat index where the optimizer's local tensor starts
+    ep_offset: int = 0             # expert parameters: this rank's first expert (dim 0)
+    ep: int = 1                    # expert parameters: the expert-parallel degree
 
     def boxes(self) -> list[tuple[Box, tuple[int, ...], int]]:
         """The owned range as (box in whole-tensor coordinates, the box's size in the shard,
@@ -129,6 +134,7 @@ class Owned:
             g = list(off)
             if self.dim is not None:
                 g[self.dim] += self.tp_offset
+            g[0] += self.ep_offset
             cut = list(size)
             if self.rows is not None:
                 cut[0] = max(0, min(g[0] + size[0], self.rows) - g[0])
@@ -143,6 +149,7 @@ class Owned:
             shape[self.dim] *= tp
         if self.rows is not None:
             shape[0] = self.rows
+        shape[0] *= self.ep
         return tuple(shape)
 
 
@@ -164,9 +171,14 @@ class StateAccess(OptimizerAccess):
                 continue  # a tied weight's second copy: the first stage writes it
             shape = tuple(p.ds_shape) if zero3_partitioned(p) else tuple(p.shape)
             n = math.prod(shape)
+            expert = getattr(p, "allreduce", True) is False  # split over expert parallelism
             if self.plain:
-                if for_save:
-                    start, stop = topo.dp_rank * n // topo.dp, (topo.dp_rank + 1) * n // topo.dp
+                if for_save and expert:  # the expert-data ranks hold one copy of these experts
+                    r, k = topo.edp_rank, topo.dp // topo.ep
+                    start, stop = r * n // k, (r + 1) * n // k
+                elif for_save:
+                    r, k = topo.replica_rank, topo.replicas  # DP x CP ranks hold one copy
+                    start, stop = r * n // k, (r + 1) * n // k
                 else:
                     start, stop = 0, n
                 base = 0  # the whole shard
@@ -190,7 +202,8 @@ class StateAccess(OptimizerAccess):
                 start, stop = max(start, lo), max(min(stop, hi), max(start, lo))
             out.append(Owned(name, p, shape, start, stop, dim,
                              topo.tp_rank * shape[dim] if split else 0,
-                             vocab_size if name in VOCAB_TABLES else None, base))
+                             vocab_size if name in VOCAB_TABLES else None, base,
+                             topo.ep_rank * shape[0] if expert else 0, topo.ep if expert else 1))
         return out
 
     def get_owned(self, o: Owned, key: str) -> torch.Tensor:
@@ -428,13 +441,15 @@ class ShardedState:
         return flat
 
     def shard(self, name: str, shape: tuple[int, ...], dim: Optional[int], tp_offset: int,
-              key: str = "master") -> torch.Tensor:
+              key: str = "master", ep_offset: int = 0) -> torch.Tensor:
         """A parameter's tensor-parallel shard of ``key`` (``shape``, starting at ``tp_offset``
-        along ``dim``; the weights a rank builds its model from), vocabulary padding rows zero."""
+        along ``dim`` and at ``ep_offset`` along dim 0 for an expert-parallel slice of experts;
+        the weights a rank builds its model from), vocabulary padding rows zero."""
         if name not in self.shapes:
             raise CheckpointError(f"{self.folder}: no parameter {name}")
         rows = self.shapes[name][0] if name in VOCAB_TABLES else None
-        o = Owned(name, None, shape, 0, math.prod(shape), dim, tp_offset, rows)  # type: ignore
+        o = Owned(name, None, shape, 0, math.prod(shape), dim, tp_offset, rows,  # type: ignore
+                  ep_offset=ep_offset)
         return self.fill(o, key).view(shape)
 
     def check_model(self, expected: dict[str, tuple[int, ...]]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -141,11 +141,16 @@ class TrainLoader:
 
     ``prefetch`` > 0 reads that many steps ahead in one background thread (never past ``stop_at``
     samples); the batches and ``consumed_samples`` are the same as without it.
+
+    ``part`` (context parallelism): the context ranks of a DP rank read the same samples and each
+    keeps its part of every sequence, ``part(t)`` of inputs and labels
+    (:func:`megaformer.parallel.context.split_sequence`).
     """
 
     def __init__(self, dataset: PackedDataset, micro_batch_size: int, grad_accum: int,
                  dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0,
-                 prefetch: int = 0, stop_at: Optional[int] = None) -> None:
+                 prefetch: int = 0, stop_at: Optional[int] = None,
+                 part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self.dataset = dataset
         self.mbs = micro_batch_size
         self.grad_accum = grad_accum
@@ -158,6 +163,7 @@ class TrainLoader:
         self.stop_at = stop_at
         self._pending: deque = deque()
         self._pool: Optional[ThreadPoolExecutor] = None
+        self.part = part
 
     @property
     def global_batch_size(self) -> int:
@@ -168,7 +174,8 @@ class TrainLoader:
         out = []
         for j in range(self.grad_accum):
             start = consumed + (j * self.dp_size + self.dp_rank) * self.mbs
-            out.append(self.dataset.batch(self.order[np.arange(start, start + self.mbs)]))
+            x, y = self.dataset.batch(self.order[np.arange(start, start + self.mbs)])
+            out.append((x, y) if self.part is None else (self.part(x), self.part(y)))
         return out
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -200,18 +207,21 @@ class TrainLoader:
 
 
 def validation_batches(dataset: PackedDataset, micro_batch_size: int, grad_accum: int, iters: int,
-                       dp_rank: int, dp_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                       dp_rank: int, dp_size: int,
+                       part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of ``iters`` global batches of validation windows, in fixed order.
 
     Global batch ``it`` holds windows ``[it*G, (it+1)*G)`` (cycled if the split is small), split into
     micro-batches exactly like training batches, so the mean over all ranks and micro-batches is the
-    same whatever the data-parallel size.
+    same whatever the data-parallel size. ``part``: as in :class:`TrainLoader`.
     """
     G = micro_batch_size * grad_accum * dp_size
     for it in range(iters):
         for j in range(grad_accum):
             start = it * G + (j * dp_size + dp_rank) * micro_batch_size
-            yield dataset.batch(np.arange(start, start + micro_batch_size) % len(dataset))
+            x, y = dataset.batch(np.arange(start, start + micro_batch_size) % len(dataset))
+            yield (x, y) if part is None else (part(x), part(y))
 
 
 def unigram_cross_entropy(train: np.ndarray, valid: np.ndarray, vocab_size: int) -> float:

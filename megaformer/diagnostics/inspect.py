@@ -8,14 +8,17 @@ stream after the embedding and after every block,
 printed as the top-k tokens per position per layer (the last row of each position is the model's
 own prediction), and, with ``--out``, one PNG per layer with a heatmap of every head's attention
 pattern softmax(q k^T / sqrt(d_k) + M) (rows: query positions, columns: key positions), plus the
-table as ``logit_lens.txt``. Runs on the checkpoint's fp32 weights without DeepSpeed or a process group.
+table as ``logit_lens.txt``. For a Mixture-of-Experts model, also the expert load of the prompt:
+how many of its tokens each MoE block routes to each expert (top-k choices, load-balancing bias
+included). Runs on the checkpoint's fp32 weights without DeepSpeed or a process group.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -34,6 +37,7 @@ class Inspection:
     top: list[list[list[tuple[str, float]]]]           # [row][position] -> [(token, p)] * k
     heatmaps: list[Path]
     table: str
+    expert_load: Optional[dict[int, list[int]]] = None  # MoE block -> tokens routed per expert
 
 
 def show_token(tokenizer: Tokenizer, token_id: int) -> str:
@@ -137,7 +141,8 @@ def inspect(checkpoint: str | Path, prompt: str, out: Optional[str | Path] = Non
     model, tokenizer, cfg, _ = load_checkpoint_model(checkpoint, device)
     ids = _prompt_ids(tokenizer, prompt, cfg.model.max_seq_len)
     x = torch.tensor([ids], dtype=torch.long, device=device)
-    with eval_mode(model):
+    load: dict[int, list[int]] = {}
+    with eval_mode(model), _expert_load(model, load):
         x0, rope = model.embed(x)
         traces = list(trace_layers(model, x0, rope))
         streams = [x0] + [t.resid for t in traces]
@@ -146,9 +151,41 @@ def inspect(checkpoint: str | Path, prompt: str, out: Optional[str | Path] = Non
     tokens = [show_token(tokenizer, i) for i in ids]
     rows = ["embed"] + [layer_name(i, n) for i in range(n)]
     table = format_table(tokens, rows, top)
+    if load:
+        table += "\n\n" + format_expert_load(load, len(ids), cfg.model.moe.top_k)
     heatmaps: list[Path] = []
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         heatmaps = [plot_attention(t, tokens, n, out_dir) for t in traces]
         (out_dir / "logit_lens.txt").write_text(table + "\n")
-    return Inspection(tokens, rows, top, heatmaps, table)
+    return Inspection(tokens, rows, top, heatmaps, table, load or None)
+
+
+@contextlib.contextmanager
+def _expert_load(model: Any, load: dict[int, list[int]]) -> Iterator[None]:
+    """While active: each MoE block's routing of its input, as tokens per expert, into ``load``."""
+    from megaformer.model.moe import moe_layers
+
+    def hook(block: Any, args: tuple) -> None:
+        x = args[0]
+        idx = block.route(x.reshape(-1, x.shape[-1]))[1]
+        load[block.layer] = torch.bincount(idx.reshape(-1), minlength=block.num_experts).tolist()
+
+    handles = [m.register_forward_pre_hook(hook) for m in moe_layers(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def format_expert_load(load: dict[int, list[int]], tokens: int, k: int) -> str:
+    """Per MoE block: tokens routed to each expert, and the coefficient of variation (std / mean;
+    0 = balanced) of that load."""
+    lines = [f"expert load: tokens routed to each expert ({tokens} tokens x top-{k})"]
+    for layer, row in sorted(load.items()):
+        t = torch.tensor(row, dtype=torch.float64)
+        cv = float(t.std(unbiased=False) / t.mean()) if t.mean() > 0 else 0.0
+        lines.append(f"  {layer_name(layer, max(load) + 1)}  " + " ".join(f"{c:>4}" for c in row)
+                     + f"   cv {cv:.2f}")
+    return "\n".join(lines)

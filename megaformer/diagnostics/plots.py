@@ -4,6 +4,9 @@ One PNG per family, one line per layer, coloured from shallow (dark) to deep (li
 ``diag_resid_rms.png``, ``diag_attn_write_rms.png``, ``diag_mlp_write_rms.png``,
 ``diag_attn_max_logit.png``, ``diag_logit_lens_loss.png``; and per head, one panel per layer,
 one line per head: ``diag_attn_entropy.png``, ``diag_head_write_norm.png``.
+
+Two runs (``megaformer report RUN_A RUN_B``): :func:`plot_comparison` draws one PNG per layer
+family, ``compare_diag_*.png``, each layer in one colour, run A solid and run B dashed.
 """
 
 from __future__ import annotations
@@ -95,6 +98,43 @@ def plot_diagnostics(records: list[dict], out: Path) -> list[Path]:
         fig.suptitle(f"{title} ({ylabel}) vs step")
         fig.tight_layout()
         written.append(out / f"{stem}.png")
+        fig.savefig(written[-1])
+        plt.close(fig)
+    return written
+
+
+def layer_series(records: list[dict], stem: str) -> dict[str, tuple[list[int], list[float]]]:
+    """{layer name: (steps, values)} of the layer family ``stem`` (e.g. ``diag_resid_rms``)."""
+    pattern = {f[0]: f[3] for f in LAYER_FAMILIES}[stem]
+    return {g[0]: xy for g, xy in _collect(records, pattern).items()}
+
+
+def plot_comparison(a: list[dict], b: list[dict], labels: tuple[str, str], out: Path) -> list[Path]:
+    """``compare_diag_*.png`` for the layer families both runs logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("viridis")
+    written = []
+    for stem, title, ylabel, _ in LAYER_FAMILIES:
+        sa, sb = layer_series(a, stem), layer_series(b, stem)
+        layers = [name for name in sa if name in sb]
+        if not layers:
+            continue
+        fig, ax = plt.subplots(figsize=(7.2, 4.0), dpi=100)
+        for i, name in enumerate(layers):
+            colour = cmap(i / max(1, len(layers) - 1) * 0.9)
+            ax.plot(*sa[name], color=colour, linewidth=1, label=name)
+            ax.plot(*sb[name], color=colour, linewidth=1, linestyle="--")
+        ax.set_title(f"{title}: {labels[0]} (solid) vs {labels[1]} (dashed)", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=1 + len(layers) // 12, loc="best")
+        fig.tight_layout()
+        written.append(out / f"compare_{stem}.png")
         fig.savefig(written[-1])
         plt.close(fig)
     return written

@@ -11,7 +11,7 @@ Layouts:
   final norm and the output layer and computes every layer's logit-lens loss. The stages'
   numbers are then gathered over the pipeline group;
 * data parallelism: every replica computes the same numbers (same weights, same batch); rank 0
-  logs them.
+  logs them. Context parallelism likewise: every context rank runs the whole sequences.
 
 ZeRO-3 partitions the parameters between steps, so the pass has no whole weights to run with;
 the config refuses diagnostics with ``parallel.zero_stage=3``.
@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from megaformer.diagnostics.metrics import layer_metrics, layer_name, residual_diagnostics, rms
 from megaformer.diagnostics.residual import eval_mode, logit_lens_logits
+from megaformer.parallel.context import context_disabled
 
 
 class DiagnosticsHook:
@@ -36,7 +37,8 @@ class DiagnosticsHook:
     def __init__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], interval: int,
                  topo: Any, pipeline_module: Optional[nn.Module] = None) -> None:
         self.model, self.interval, self.topo = model, interval, topo
-        device = next(model.parameters()).device
+        # (under PP the plain model's other stages hold no values: the device of a local one)
+        device = next((pipeline_module or model).parameters()).device
         self.ids, self.labels = (t.to(device) for t in batch)
         self.owned: Optional[list[int]] = None
         if pipeline_module is not None:
@@ -51,18 +53,20 @@ class DiagnosticsHook:
     def __call__(self) -> dict[str, float]:
         t0 = time.perf_counter()
         tp = self.topo.group("tp")
-        if self.owned is None:
-            out = residual_diagnostics(self.model, self.ids, self.labels, tp)
-        else:
-            out = self._pipeline_pass(tp)
+        # under context parallelism every context rank runs the whole batch (exact, no exchange)
+        with context_disabled(self.model):
+            if self.owned is None:
+                out = residual_diagnostics(self.model, self.ids, self.labels, tp)
+            else:
+                out = self._pipeline_pass(tp)
         out["diag_time_s"] = time.perf_counter() - t0
         return out
 
     # ------------------------------------------------------------------ pipeline
 
     def _peer(self, stage: int) -> int:
-        """Global rank of this rank's counterpart (same TP and DP coordinates) on ``stage``."""
-        return self.topo.rank_of(self.topo.tp_rank, self.topo.dp_rank, stage)
+        """Global rank of this rank's counterpart (same TP, CP and DP coordinates) on ``stage``."""
+        return self.topo.rank_of(self.topo.tp_rank, self.topo.dp_rank, stage, self.topo.cp_rank)
 
     def _send(self, x: torch.Tensor, stage: int) -> None:
         dist.send(x.float().contiguous(), self._peer(stage))

@@ -13,12 +13,16 @@ shared by all heads). The q/k/v projections may carry biases while the other lin
 (``view(B, T, -1, d_k)``), so a tensor-parallel plan can shard wq/wk/wv by columns and wo by rows
 without this file knowing the degree. q, k and v come from one GEMM over the concatenated weights
 (:func:`megaformer.model.linear.fused_projections`).
+
+Under context parallelism (``context``, set by :func:`megaformer.parallel.context.apply_context`)
+x holds this rank's part of each sequence: the rotary tables are those of its tokens' global
+positions, and the context group computes the core over the whole sequence (ring or all-to-all).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.nn as nn
@@ -93,6 +97,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
                        if cfg.position == "rope" else None)
+        # the context-parallel group (megaformer.parallel.context.ContextParallel) or None
+        self.context: Optional[Any] = None
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[LayerKVCache] = None, start_pos: int = 0,
@@ -115,14 +121,22 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, d_k], [B, h_kv, T, d_k]
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        cp = self.context if self.context is not None and self.context.active else None
         if self.rotary is not None:
-            if rope is None:
+            if rope is None and cp is not None:  # this rank's tokens at their global positions
+                with torch.no_grad():
+                    rope = self.rotary(cp.positions(T, x.device))
+            elif rope is None:
                 rope = self.rotary.tables(start_pos, T, x.device)
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0
         with self.dropout_rng():
-            y = self.core_attention(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend,
-                                    doc_ids=doc_ids, window=self.window)
+            if cp is not None and cache is None:
+                y = cp.attention(self.core_attention, q, k, v, causal=self.causal, dropout_p=p,
+                                 backend=self.backend, doc_ids=doc_ids, window=self.window)
+            else:
+                y = self.core_attention(q, k, v, causal=self.causal, dropout_p=p,
+                                        backend=self.backend, doc_ids=doc_ids, window=self.window)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

@@ -15,7 +15,7 @@ when that module is called, so there each projection is called on its own.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -26,10 +26,13 @@ from megaformer.kernels.selection import choose_for
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b, W [out, in], through the GEMM dispatch of :mod:`megaformer.kernels.gemm`."""
+    """y = x W^T + b, W [out, in], through the GEMM dispatch of :mod:`megaformer.kernels.gemm`
+    (or ``fp8``'s FP8 GEMMs when set: :mod:`megaformer.parallel.fp8`)."""
+
+    fp8: Optional[Callable[..., torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return (self.fp8 or linear)(x, self.weight, self.bias)
 
 
 def _zero3_partitioned(module: nn.Module) -> bool:
@@ -40,10 +43,11 @@ def fused_product(x: torch.Tensor, projections: Sequence[nn.Module]) -> Optional
     """[p_1(x) | ... | p_n(x)] (concatenated on the last dimension) as one GEMM, or None where the
     projections run one by one: where the rule for ``projections`` says so (CUDA: no weight
     concatenation per call), ZeRO-3 partitioned parameters, a projection applying its own input
-    communication, or a mix of present and absent biases."""
+    communication, FP8 GEMMs (one scale per weight), or a mix of present and absent biases."""
     if (len(projections) == 1 or choose_for("projections", x).impl != "fused"
             or any(_zero3_partitioned(p) for p in projections)
-            or any(getattr(p, "input_comm", False) for p in projections)):
+            or any(getattr(p, "input_comm", False) for p in projections)
+            or any(getattr(p, "fp8", None) is not None for p in projections)):
         return None
     weights = [p.weight for p in projections]
     biases: list[Optional[torch.Tensor]] = [p.bias for p in projections]

@@ -7,7 +7,8 @@ DeepSeek-V3):
     scores  s_n = softmax(z_n)  or  sigmoid(z_n)             ``model.moe.score``
     experts T_n = top-k_e (s_ne + b_e)                       b: aux-loss-free bias, selection only
     weights g_ne = s_ne (/ sum_{e' in T_n} s_ne')            ``model.moe.renormalize``
-    y_n     = sum_{e in T_n} g_ne FFN_e(x_n)  (+ FFN_shared(x_n))
+    y_n     = sum_{e in T_n} g_ne FFN_e(x_n)  (+ FFN_shared(x_n), times sigmoid(x_n w_g) when
+                                                  ``model.moe.shared_gate``: Qwen2-MoE)
 
 Dispatch sorts the N k (token, expert) assignments by expert (a stable sort: within an expert,
 token order), so each expert reads one contiguous block of rows; the experts run as a loop over
@@ -26,6 +27,10 @@ The aux-loss-free bias b (DeepSeek-V3) is no gradient: after each optimizer step
 b_e += rate * sign(mean_e' load_e' - load_e), the load counted over the step's tokens summed over
 the data-parallel group (:func:`end_of_step`), so every rank keeps the same b.
 
+Expert parallelism (:mod:`megaformer.parallel.experts`): each rank of the expert-parallel group
+holds E / P of the experts; the sorted rows travel to their experts' ranks and back by all-to-all
+(``expert_dispatch``, set by the plan), everything else above is unchanged.
+
 Tensor parallelism (:mod:`megaformer.parallel.plan`): each expert is split like the dense FFN (W1
 and W3 by output columns, W2 by input rows) and the router is replicated. The input arrives
 through the column-parallel region (copy, or sequence gather); the combined routed output is a
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -90,6 +95,7 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, f, d))
         self.w3 = nn.Parameter(torch.empty(n, f, d)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(n, d, f))
+        self.first_expert = 0  # the global id of w1[0] (expert parallelism holds a slice)
 
     def _act(self, h1: torch.Tensor, h3: Optional[torch.Tensor]) -> torch.Tensor:
         if h3 is not None:
@@ -120,7 +126,8 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         n, f, d = self.w1.shape
-        return f"experts={n}, d_model={d}, d_ffn={f}, activation={self.activation}"
+        held = f" (ids {self.first_expert}..{self.first_expert + n - 1})" if self.first_expert else ""
+        return f"experts={n}{held}, d_model={d}, d_ffn={f}, activation={self.activation}"
 
 
 class MoE(nn.Module):
@@ -142,6 +149,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, m.num_experts, bias=False)
         self.experts = Experts(m.num_experts, cfg.d_model, cfg.expert_dim, cfg.activation)
         self.shared = (MLP(cfg, d_ffn=cfg.shared_dim, bias=False) if cfg.shared_dim > 0 else None)
+        self.shared_gate = (nn.Linear(cfg.d_model, 1, bias=False)
+                            if self.shared is not None and m.shared_gate else None)
         # not parameters: the bias moves by its own rule, not by the optimizer; checkpoints carry
         # it through router_state()/load_router_state()
         self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=False)
@@ -152,6 +161,11 @@ class MoE(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.tp_group: Any = None  # set by the tensor-parallel plan
         self.tp_size, self.sequence_parallel = 1, False
+        # expert parallelism: (rows sorted by global expert, counts [E], local experts) -> their
+        # outputs, the rows sent to the experts' ranks and back (megaformer.parallel.experts)
+        self.expert_dispatch: Optional[Callable[..., torch.Tensor]] = None
+        self.ep_group: Any = None
+        self.ep_size = 1
 
     def _apply(self, fn: Any, recurse: bool = True) -> "MoE":
         # A cast of the module (bf16 training) leaves the bias fp32 and the counters float64:
@@ -217,7 +231,10 @@ class MoE(nn.Module):
             order = order[pos < cap]
             kept = counts.clamp(max=cap)
         token = order // k
-        y = self.experts(x2[token], kept)
+        if self.expert_dispatch is None:
+            y = self.experts(x2[token], kept)
+        else:
+            y = self.expert_dispatch(x2[token], kept, self.experts)
         w = gates.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         out = x2.new_zeros(x2.shape, dtype=y.dtype).index_add(0, token, y * w).view(shape)
         if self.tp_group is not None:
@@ -226,7 +243,7 @@ class MoE(nn.Module):
             out = (reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel
                    else reduce_from_tp(out, self.tp_group))
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self._gated(x, self.shared(x))
 
         # a training forward counts the load once: not again when activation recomputation
         # re-runs the block in backward (which must save exactly what the first run saved: the
@@ -247,6 +264,21 @@ class MoE(nn.Module):
                     (counts - kept).sum().double(), aux.detach().double(), z.detach().double(),
                     torch.ones((), dtype=torch.float64, device=x.device)])
         return out
+
+    def _gated(self, x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x w_g) * shared (``shared`` as is without the gate). Under TP the gate logits
+        are replicated: each rank's gradient share is 1/tp (w_g's gradient summed over the group
+        by the plan); under SP this rank's positions of them are kept."""
+        if self.shared_gate is None:
+            return shared
+        z = self.shared_gate(x)
+        if self.tp_size > 1:
+            from megaformer.comm import scatter_seq
+
+            z = _ScaleGrad.apply(z, 1.0 / self.tp_size)
+            if self.sequence_parallel:
+                z = scatter_seq(z, self.tp_group)
+        return torch.sigmoid(z) * shared
 
     def extra_repr(self) -> str:
         cap = ("dropless" if self.capacity_factor is None

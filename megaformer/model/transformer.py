@@ -15,16 +15,24 @@ linears, without this file knowing the degree. With ``model.loss_chunk_tokens`` 
 the output projection fused with the cross-entropy over chunks of tokens (the full logits never
 exist). With ``model.document_mask`` the training forward computes the documents' boundaries once
 (``eod_id`` set by the trainer from the tokenizer) so packed documents do not attend to each other.
+Under context parallelism (``context``: :mod:`megaformer.parallel.context`) input_ids hold this
+rank's part of each sequence: positions are the tokens' global positions, the document ids those
+of the whole sequences, and the loss is weighted so that its mean over the group is the mean over
+the whole sequences.
 
 Initialisation: every Linear/Embedding weight ~ N(0, init_std), biases 0, norm gains 1; the
 residual-output projections (attn.wo, mlp.w2; every expert's w2) ~ N(0, init_std / sqrt(2 L))
-(GPT-2 / Megatron); the aux-loss-free expert biases start at 0.
+(GPT-2 / Megatron); the aux-loss-free expert biases start at 0. Each weight has its own random
+stream, seeded by the seed the model was built under and the parameter's name, so any rank can
+draw any one parameter alone (:meth:`Transformer.init_parameter`): a tensor- or pipeline-parallel
+build initialises one whole parameter at a time and keeps its shard, never the whole model.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+import zlib
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -81,6 +89,7 @@ class Transformer(nn.Module):
             raise ValueError(f"model.position={cfg.position!r}: must be sinusoidal, learned, rope or none")
         self.cfg = cfg
         self.eod_id: Optional[int] = None  # end-of-document token, for model.document_mask
+        self.context: Optional[Any] = None  # the context-parallel group (ContextParallel)
         self.vocab_size = cfg.vocab_size
         self.padded_vocab_size = padded_vocab_size or cfg.vocab_size
         if self.padded_vocab_size < self.vocab_size:
@@ -88,6 +97,7 @@ class Transformer(nn.Module):
         # Submodules are created on the meta device and initialised once by reset_parameters, so
         # the random draws depend only on the seed and the real shapes (not on vocabulary padding
         # or on PyTorch's per-layer default initialisers).
+        self.init_seed = torch.initial_seed()  # the seed the weights are drawn from
         target = torch.get_default_device()
         with torch.device("meta"):
             self._build(cfg)
@@ -126,46 +136,59 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         """N(0, init_std) weights, zero biases, unit norm gains; wo and w2 use init_std / sqrt(2 L).
 
-        Also re-ties the embeddings and refills the sinusoidal table, so ``to_empty(device=...)``
-        after meta construction followed by ``reset_parameters()`` gives a complete model.
+        Each parameter is drawn from its own stream (:meth:`init_parameter`), so its values depend
+        only on the default generator's seed (``torch.manual_seed``), its name and its shape. Also re-ties the embeddings and refills the
+        buffers, so ``to_empty(device=...)`` after meta construction followed by
+        ``reset_parameters()`` gives a complete model.
         """
         self.tie_weights()
         if self.tok_embeddings.weight.is_meta:
             return  # shapes only (e.g. counting a 70B model): there are no values to initialise
-        if self.pos_table is not None:
+        self.init_seed = torch.initial_seed()  # the seed of the default generator, now
+        self.reset_buffers()
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def reset_buffers(self, module: Optional[nn.Module] = None) -> None:
+        """Fill the buffers of ``module`` (default: the whole model) that hold no values after
+        meta construction: the sinusoidal table, the MoE blocks' bias and counters."""
+        module = self if module is None else module
+        if module is self and self.pos_table is not None:
             self.pos_table.copy_(sinusoidal_table(self.cfg.max_seq_len, self.cfg.d_model))
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                if module is self.lm_head and self.cfg.tie_embeddings:
-                    continue  # the same Parameter as tok_embeddings.weight, initialised once
-                if module is self.lm_head or module is self.tok_embeddings:
-                    # real rows drawn exactly as without padding; padding rows zero
-                    nn.init.normal_(module.weight[:self.vocab_size], mean=0.0, std=std)
-                    nn.init.zeros_(module.weight[self.vocab_size:])
-                    continue
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                if module.weight is not None:
-                    nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for block in self.layers:
-            nn.init.normal_(block.attn.wo.weight, mean=0.0, std=out_std)
-            if isinstance(block.mlp, MoE):  # every expert's w2 (and the shared experts') alike
-                experts = block.mlp.experts
-                nn.init.normal_(experts.w1, mean=0.0, std=std)
-                if experts.w3 is not None:
-                    nn.init.normal_(experts.w3, mean=0.0, std=std)
-                nn.init.normal_(experts.w2, mean=0.0, std=out_std)
-                block.mlp.reset_state()
-                if block.mlp.shared is not None:
-                    nn.init.normal_(block.mlp.shared.w2.weight, mean=0.0, std=out_std)
-            else:
-                nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=out_std)
+        for m in module.modules():
+            if isinstance(m, MoE):
+                m.reset_state()
+
+    def init_std_of(self, name: str) -> Optional[float]:
+        """The standard deviation parameter ``name`` is drawn with; None for biases (zeros) and
+        norm gains (ones)."""
+        leaf = name.rsplit(".", 1)[-1]
+        owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+        if leaf == "bias" or isinstance(owner, (nn.LayerNorm, RMSNorm)):
+            return None
+        out = (name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.shared.w2.weight"))
+               or (name.endswith("experts.w2")))
+        return self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if out else self.cfg.init_std
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Fill ``t``, the whole (unsharded) tensor of parameter ``name``, with its initial values.
+
+        Weights ~ N(0, std) from a generator seeded by (seed, name), so every rank of every
+        layout computes the same tensor for a parameter without drawing any other; a
+        vocabulary table's padding rows are zero. Biases 0, norm gains 1."""
+        std = self.init_std_of(name)
+        if std is None:
+            return t.fill_(0.0 if name.endswith("bias") else 1.0)
+        g = torch.Generator(device=t.device)
+        g.manual_seed((self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+        if name in ("tok_embeddings.weight", "lm_head.weight"):
+            # real rows drawn exactly as without padding; padding rows zero
+            t[:self.vocab_size].normal_(0.0, std, generator=g)
+            t[self.vocab_size:].zero_()
+            return t
+        return t.normal_(0.0, std, generator=g)
 
     # ------------------------------------------------------------------ forward
 
@@ -179,18 +202,35 @@ class Transformer(nn.Module):
         if start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds model.max_seq_len="
                              f"{self.cfg.max_seq_len}")
-        positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
+        cp = self._context()
+        if cp is not None:  # this rank's part of each sequence, at its global positions
+            positions = cp.positions(T, input_ids.device)
+        else:
+            positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
         x = self.tok_embeddings(input_ids)
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings(positions)
         elif self.pos_table is not None:
-            x = x + self.pos_table[start_pos:start_pos + T].to(x.dtype)
+            x = x + (self.pos_table[positions] if cp is not None
+                     else self.pos_table[start_pos:start_pos + T]).to(x.dtype)
         x = self.drop(x)
-        rope = self.rotary.tables(start_pos, T, x.device) if self.rotary is not None else None
-        return x, rope
+        if self.rotary is None:
+            return x, None
+        if cp is not None:
+            with torch.no_grad():
+                return x, self.rotary(positions)
+        return x, self.rotary.tables(start_pos, T, x.device)
+
+    def _context(self) -> Optional[Any]:
+        """The context-parallel group when this forward is split over it."""
+        cp = self.context
+        return cp if cp is not None and cp.active else None
 
     def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int) -> torch.Tensor:
         """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1."""
+        if cache is not None and self._context() is not None:  # decoding: whole sequences
+            with self.context.disabled():
+                return self._hidden(input_ids, cache, start_pos)
         x, rope = self.embed(input_ids, start_pos)
         docs = {}
         if self.cfg.document_mask and cache is None:
@@ -207,6 +247,10 @@ class Transformer(nn.Module):
                              "model's eod_id (the trainer sets it from the tokenizer)")
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        cp = self._context()
+        if cp is not None:  # the documents of the whole sequences
+            return cp.documents(input_ids, self.eod_id, backend=self.cfg.attention_backend,
+                                head_dim=self.cfg.head_dim, dtype=dtype, window=self.cfg.sliding_window)
         return document_mask(input_ids, self.eod_id, backend=self.cfg.attention_backend,
                              head_dim=self.cfg.head_dim, dtype=dtype, window=self.cfg.sliding_window)
 
@@ -219,6 +263,9 @@ class Transformer(nn.Module):
             loss = self.lm_head.hidden_loss(hidden, labels)
         else:
             loss = self.lm_head.loss(self.lm_head(hidden), labels)
+        cp = self._context()
+        if cp is not None:
+            loss = cp.scale_loss(loss, labels, IGNORE_INDEX)
         if self.cfg.moe.interval > 0:  # + the MoE blocks' router losses, in training
             router = take_router_losses(self)
             if router is not None:
@@ -230,8 +277,11 @@ class Transformer(nn.Module):
         return self.lm_head.output_logits(logits)
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (fp32) over labels != -100 of lm_head output, over the real vocabulary."""
-        return self.lm_head.loss(logits, labels)
+        """Mean cross-entropy (fp32) over labels != -100 of lm_head output, over the real vocabulary
+        (under context parallelism weighted as in :meth:`forward`)."""
+        loss = self.lm_head.loss(logits, labels)
+        cp = self._context()
+        return cp.scale_loss(loss, labels, IGNORE_INDEX) if cp is not None else loss
 
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
         """An empty KV cache for up to ``max_len`` (default max_seq_len) positions; storage is

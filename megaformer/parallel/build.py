@@ -1,13 +1,16 @@
 """One way to build the model, for training, ``megaformer bench``, generation and the tools.
 
-    seed -> Transformer (on the target device) -> [full weights] -> tensor-parallel plan
-         -> activation recomputation -> torch.compile -> device -> [pipeline stages]
+    seed -> Transformer (meta) -> tensor-parallel plan, each block given its values just before
+         it is split -> [FP8 GEMMs] -> activation recomputation -> torch.compile -> [pipeline stages]
 
-Every rank builds the whole model from ``train.seed`` and the plan then keeps this rank's shards,
-so TP=N starts from exactly TP=1's weights (on the same device type: CPU and CUDA draw different
-numbers from the same seed). The model is created directly on ``device`` (the Transformer makes
-its submodules on the meta device and materialises them on the default device, which the build
-sets): no rank holds an fp32 copy of the model in host memory on the way to its accelerator.
+Each weight is drawn from its own stream, seeded by ``train.seed`` and its name
+(:meth:`~megaformer.model.transformer.Transformer.init_parameter`), so TP=N and PP=N start from
+exactly TP=1's weights (on the same device type: CPU and CUDA draw different numbers from the same
+seed) while a rank allocates only what it keeps: under tensor or pipeline parallelism the model is
+built on the meta device, and the blocks of this rank's pipeline stage, its embedding and its
+output layer are allocated on ``device`` one at a time, initialised whole and split (at most one
+unsplit block or vocabulary table is alive at once). Other stages' layers never hold memory.
+One process (or weights given whole) builds the model directly on ``device``.
 ``device="meta"`` gives shapes only (no values, nothing allocated).
 
 After the weights, the default RNG is reseeded with ``train.seed + 1``: the dropout stream is
@@ -31,7 +34,11 @@ from megaformer.config import Config
 from megaformer.kernels.selection import set_mode
 from megaformer.model.block import compile_blocks
 from megaformer.model.transformer import Transformer
-from megaformer.parallel.pipeline import build_pipeline, original_names
+from megaformer.parallel.fp8 import apply_fp8, check_fp8_device
+from megaformer.parallel.experts import distribute_experts, expert_offset
+from megaformer.parallel.context import apply_context
+from megaformer.parallel.pipeline import (StagePieces, build_pipeline, original_names, stage_parts,
+                                          stage_pieces)
 from megaformer.parallel.plan import load_full_weights, padded_vocab_size, parallelize
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.recompute import apply_recompute
@@ -68,30 +75,44 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     tp = topology.tp if topology is not None else 1
     pp = topology.pp if topology is not None else 1
     device = torch.device(device)
+    if training:
+        check_fp8_device(t, device)  # before anything is built
     # the vocabulary is padded for training (TP splits, GEMM shapes); a model for generation
     # holds exactly the checkpoint's tables
     padded = (padded_vocab_size(m.vocab_size, tp, p.vocab_multiple) if training or tp > 1
               else None)
     set_mode(m.fused_kernels)  # the kernel mode of this process (megaformer.kernels.selection)
+    reader = weights if weights is not None and hasattr(weights, "shard") else None
+    # split layouts build on the meta device and give values one block at a time, to this rank's
+    # shards and pipeline stage only (unless whole weights are to be copied in first)
+    lazy = topology is not None and (tp > 1 or pp > 1) and (weights is None or reader is not None)
     torch.manual_seed(t.seed)
-    with torch.device(device):
+    with torch.device("meta" if lazy else device):
         model = Transformer(m, padded_vocab_size=padded)
     model.eod_id = eod_id
-    reader = weights if weights is not None and hasattr(weights, "shard") else None
+    fill: Optional[Materializer] = None
+    if lazy:
+        pieces = (stage_pieces(_stage_parts(cfg, topology, padded), topology.pp_rank, m.n_layers,
+                               m.tie_embeddings) if pp > 1 else None)
+        fill = Materializer(model, device, pieces, init=reader is None)
     if weights is not None and reader is None:
         load_full_weights(model, weights, weights_source)
     torch.manual_seed(t.seed + 1)  # dropout stream, independent of init
     tp_rng = TensorParallelRNG(t.seed, topology.tp_rank) if topology is not None and tp > 1 else None
     if topology is not None:
-        parallelize(model, topology, p.sequence_parallel, tp_rng)
+        parallelize(model, topology, p.sequence_parallel, tp_rng, materialize=fill)
+        apply_context(model, topology, p.context_mode)  # a no-op without context parallelism
+        distribute_experts(model, topology)  # this rank's experts (expert parallelism)
     if not training:
         if reader is not None:
             load_shards(model, None, topology, reader)
-        return BuiltModel(model.to(device).eval(), model, tp_rng)
+        return BuiltModel((model if lazy else model.to(device)).eval(), model, tp_rng)
+    apply_fp8(model, t.fp8, t.fp8_emulate, topology.group("tp") if tp > 1 else None)
     apply_recompute(model.layers, t.recompute, t.recompute_every, tp_rng)
     if t.compile:
         compile_blocks(model.layers)
-    model = model.to(device)
+    if not lazy:  # (a lazy build's values are on the device already; other stages' are not)
+        model = model.to(device)
     if pp == 1:
         if reader is not None:
             load_shards(model, None, topology, reader)
@@ -103,11 +124,71 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     return BuiltModel(pipe, model, tp_rng, names)
 
 
+def _stage_parts(cfg: Config, topology: Topology, padded: Optional[int]) -> list[int]:
+    """The pipeline's stage boundaries, from a model of shapes only laid out as this one."""
+    p = cfg.parallel
+    with torch.device("meta"):
+        probe = Transformer(cfg.model, padded_vocab_size=padded)
+    parallelize(probe, topology, p.sequence_parallel, None)
+    distribute_experts(probe, topology)
+    return stage_parts(probe, topology.pp, p.pipeline_partition)
+
+
+class Materializer:
+    """Gives the parts of a meta-built model this rank keeps their values, one module at a time.
+
+    Called on each block, the embedding and the output layer just before the tensor-parallel plan
+    splits them (:func:`megaformer.parallel.plan.parallelize`): the module is allocated on
+    ``device`` whole and initialised parameter by parameter (:meth:`Transformer.init_parameter`:
+    the same values as a one-process build), and the plan then keeps this rank's shards. Modules
+    of other pipeline stages stay on the meta device. With ``init=False`` (a checkpoint's shards
+    follow) the values are left for the loader. The small rest of the model (final norm,
+    positions, buffers) is materialised at once."""
+
+    def __init__(self, model: Transformer, device: torch.device, pieces: Optional[StagePieces],
+                 init: bool) -> None:
+        self.model, self.device, self.pieces, self.init = model, device, pieces, init
+        self.names = {id(mod): name for name, mod in model.named_modules()}
+        self.blocks = {id(b): i for i, b in enumerate(model.layers)}
+        for name, buf in list(model.named_buffers(recurse=False)):
+            model.register_buffer(name, torch.empty_like(buf, device=device), persistent=False)
+        for mod in (model.final_norm, model.pos_embeddings):
+            if mod is not None:
+                self._fill(mod)
+        model.reset_buffers()  # the sinusoidal table (meta blocks' buffers stay meta)
+
+    def wanted(self, module: nn.Module) -> bool:
+        pieces = self.pieces
+        if pieces is None:
+            return True
+        if id(module) in self.blocks:
+            return self.blocks[id(module)] in pieces.blocks
+        if module is self.model.tok_embeddings:
+            return pieces.embedding
+        return pieces.head  # the output layer
+
+    @torch.no_grad()
+    def __call__(self, module: nn.Module) -> None:
+        if not self.wanted(module) or not any(p.is_meta for p in module.parameters()):
+            return  # another stage's, or done (the tied output layer is the embedding)
+        self._fill(module)
+        self.model.reset_buffers(module)
+
+    def _fill(self, module: nn.Module) -> None:
+        module.to_empty(device=self.device)
+        self.model.tie_weights()
+        if self.init:
+            prefix = self.names[id(module)]
+            for name, p in module.named_parameters():
+                self.model.init_parameter(f"{prefix}.{name}", p)
+
+
 @torch.no_grad()
 def load_shards(module: nn.Module, names: Optional[dict[int, str]], topology: Optional[Topology],
                 reader: object) -> None:
-    """Copy each parameter's tensor-parallel shard (vocabulary padding rows zero) from ``reader``
-    into ``module`` (``names``: id(parameter) -> its plain-model name, under PP)."""
+    """Copy each parameter's tensor-parallel shard (vocabulary padding rows zero; an expert
+    parameter's rows of this rank's experts) from ``reader`` into ``module`` (``names``:
+    id(parameter) -> its plain-model name, under PP)."""
     tp = topology.tp if topology is not None else 1
     rank = topology.tp_rank if topology is not None else 0
     for name, p in module.named_parameters():
@@ -115,5 +196,6 @@ def load_shards(module: nn.Module, names: Optional[dict[int, str]], topology: Op
         split = getattr(p, "tensor_model_parallel", False) and tp > 1
         dim = p.partition_dim if split else None
         shard = reader.shard(name, tuple(p.shape), dim,  # type: ignore[attr-defined]
-                             rank * p.shape[dim] if split else 0)
+                             rank * p.shape[dim] if split else 0,
+                             ep_offset=expert_offset(p, topology))
         p.copy_(shard.to(p.dtype))

@@ -4,7 +4,8 @@
 
 Shards of tensor-parallel parameters are summed over the TP group, replicated parameters counted
 once, pipeline stages summed over the PP group (the copy of a tied weight on the last stage
-skipped). Gradients are already averaged over the data-parallel group when this runs. Clipping:
+skipped); under expert parallelism each rank's experts (their TP shards summed first) are summed
+over the EP group, so every expert counts once. Gradients are already averaged over the data-parallel group when this runs. Clipping:
 
     g <- g * min(1, c / (||g|| + 1e-6))
 """
@@ -20,22 +21,28 @@ from megaformer.comm import all_reduce, no_counting
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Any,
-                     pp_group: Any = None) -> float:
-    """||g||_2 over the whole model (collective over ``tp_group`` and ``pp_group``)."""
-    parts: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # sharded? -> squared norms
+                     pp_group: Any = None, ep_group: Any = None) -> float:
+    """||g||_2 over the whole model (collective over ``tp_group``, ``pp_group`` and, with expert
+    parallelism, ``ep_group``)."""
+    # (expert-parallel?, TP-sharded?) -> squared norms
+    parts: dict[tuple[bool, bool], list[torch.Tensor]] = {
+        (e, s): [] for e in (False, True) for s in (False, True)}
     device = torch.device("cpu")
     for p in params:
         if p.grad is None or pipe_replicated(p):
             continue
         device = p.grad.device
-        parts[bool(getattr(p, "tensor_model_parallel", False))].append(
+        expert = ep_group is not None and getattr(p, "allreduce", True) is False
+        parts[expert, bool(getattr(p, "tensor_model_parallel", False))].append(
             p.grad.detach().double().pow(2).sum())
     # summed where the gradients live: no host sync per parameter on the training step
-    sharded, replicated = (torch.stack(v).sum() if v else torch.zeros((), dtype=torch.float64,
-                                                                        device=device)
-                           for v in (parts[True], parts[False]))
+    s = {k: torch.stack(v).sum() if v else torch.zeros((), dtype=torch.float64, device=device)
+         for k, v in parts.items()}
     with no_counting():
-        total = all_reduce(sharded, tp_group) + replicated
+        total = all_reduce(s[False, True], tp_group) + s[False, False]
+        if ep_group is not None:
+            total = total + all_reduce(all_reduce(s[True, True], tp_group) + s[True, False],
+                                       ep_group)
         if pp_group is not None:
             total = all_reduce(total, pp_group)
     return float(total.sqrt())
@@ -58,8 +65,8 @@ class GradNormClipper:
     ``norm_for_step()`` is the norm of the step being taken (measured now when not clipping)."""
 
     def __init__(self, params: Callable[[], Iterable[torch.nn.Parameter]], tp_group: Any,
-                 pp_group: Any, max_norm: float) -> None:
-        self.params, self.groups, self.max_norm = params, (tp_group, pp_group), max_norm
+                 pp_group: Any, max_norm: float, ep_group: Any = None) -> None:
+        self.params, self.groups, self.max_norm = params, (tp_group, pp_group, ep_group), max_norm
         self.norm: Optional[float] = None
 
     def measure(self) -> float:

@@ -19,7 +19,7 @@ DeepSpeed reads to count each shard once in the global gradient norm.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,10 +68,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_sharded(nn.Parameter(shard(full.bias.data, 0, rank, world)), 0)
                      if full.bias is not None else None)
 
+    fp8: Optional[Callable[..., torch.Tensor]] = None  # FP8 GEMMs (megaformer.parallel.fp8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_comm:
             x = tp_region_input(x, self.group, self.sequence_parallel)
-        return linear(x, self.weight, self.bias)
+        return (self.fp8 or linear)(x, self.weight, self.bias)
 
 
 def tp_region_input(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -89,8 +91,10 @@ class RowParallelLinear(nn.Module):
         self.weight = mark_sharded(nn.Parameter(shard(full.weight.data, 1, rank, world)), 1)
         self.bias = nn.Parameter(full.bias.data.clone()) if full.bias is not None else None
 
+    fp8: Optional[Callable[..., torch.Tensor]] = None  # FP8 GEMMs (megaformer.parallel.fp8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None)
+        y = (self.fp8 or linear)(x, self.weight, None)
         y = reduce_scatter_to_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 

@@ -17,6 +17,7 @@ Partitioning (``parallel.pipeline_partition``): ``layers`` (the same number of b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,14 +37,17 @@ class EmbeddingStage(nn.Module):
             self.pos_table = None
         self.drop = model.drop
         self.lm_head = model.lm_head if model.cfg.tie_embeddings else None
+        self.context = getattr(model, "context", None)  # context parallelism: global positions
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(ids)
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        cp = self.context
+        positions = (cp.positions(ids.shape[1], ids.device) if cp is not None and cp.active
+                     else torch.arange(ids.shape[1], device=ids.device))
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings(positions)
         elif self.pos_table is not None:
-            x = x + self.pos_table[:ids.shape[1]].to(x.dtype)
+            x = x + self.pos_table[positions].to(x.dtype)
         return self.drop(x)
 
 
@@ -53,8 +57,8 @@ def _tied_head(stage: EmbeddingStage, x: torch.Tensor) -> torch.Tensor:
 
 class TiedEmbedding(nn.Module):
     """A LayerSpec "class" that hands back an already built module: DeepSpeed's specs build
-    modules from classes, while megaformer builds the whole model first (so every layout starts
-    from the same weights) and then distributes it."""
+    modules from classes, while megaformer builds the model's layers itself (each stage
+    materialises only its own, :func:`megaformer.parallel.build.build_model`)."""
 
     def __new__(cls, module: nn.Module) -> nn.Module:  # type: ignore[misc]
         return module
@@ -70,6 +74,53 @@ def _explicit_parts(spec: str, n_blocks: int, stages: int) -> Optional[list[int]
         parts.append(parts[-1] + c + (1 if i == 0 else 0))
     parts[-1] += 2  # final norm and head on the last stage
     return parts
+
+
+def _param_count(*modules: Optional[nn.Module]) -> int:
+    """Trainable parameters of ``modules`` (a shared Parameter once), as DeepSpeed counts a layer."""
+    params = {id(p): p for m in modules if m is not None for p in m.parameters() if p.requires_grad}
+    return sum(p.numel() for p in params.values())
+
+
+def stage_parts(model: nn.Module, stages: int, partition: str) -> list[int]:
+    """Stage boundaries over the layer list [embedding, block 0..L-1, final norm, head]: stage s
+    runs layers parts[s] <= i < parts[s+1]. Shapes only (works on a model on the meta device):
+    ``layers`` balances block counts, ``parameters`` parameter counts (DeepSpeed's
+    ``partition_balanced``), or an explicit 'n1,n2,...' of blocks per stage."""
+    from deepspeed.runtime import utils as ds_utils
+
+    n_blocks = len(model.layers)
+    if "," in partition or partition.isdigit():
+        return _explicit_parts(partition, n_blocks, stages)
+    if partition == "layers":
+        weights = [0] + [1] * n_blocks + [0, 0]
+    elif partition == "parameters":
+        tied = model.cfg.tie_embeddings
+        emb = _param_count(model.tok_embeddings, model.pos_embeddings, model.lm_head if tied else None)
+        weights = [emb] + [_param_count(b) for b in model.layers] + [_param_count(model.final_norm),
+                                                                      emb if tied else _param_count(model.lm_head)]
+    else:
+        raise ValueError(f"pipeline partition {partition!r}: expected 'layers', 'parameters' or "
+                         "block counts")
+    return ds_utils.partition_balanced(weights=weights, num_parts=stages)
+
+
+@dataclass(frozen=True)
+class StagePieces:
+    """What pipeline stage ``stage`` holds of the plain model: its blocks, and whether the
+    embedding (first stage, and the last with tied embeddings) and the final norm and output head
+    (last stage) are there."""
+
+    blocks: frozenset
+    embedding: bool
+    head: bool
+
+
+def stage_pieces(parts: list[int], stage: int, n_blocks: int, tied: bool) -> StagePieces:
+    lo, hi = parts[stage], parts[stage + 1]
+    head = hi == n_blocks + 3  # the last stage: final norm and head
+    return StagePieces(frozenset(i for i in range(n_blocks) if lo <= i + 1 < hi),
+                       lo == 0 or (tied and head), head)
 
 
 def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callable) -> nn.Module:
@@ -92,19 +143,15 @@ def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callabl
                                     tied_weight_attr=["tok_embeddings.weight"]))
     else:
         layers.append(model.lm_head)
-    grid = PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.dp)
-    n_blocks = len(model.layers)
+    # DeepSpeed's data axis is the replica group (DP x CP): the same rank order as the topology
+    grid = PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.replicas)
+    parts = stage_parts(model, topo.pp, partition)
 
     class MegaformerPipeline(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:
-            if "," in method or method.isdigit():
-                self.parts = _explicit_parts(method, n_blocks, self.num_stages)
-                stage = self._topo.get_coord(self.global_rank).pipe
-                self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-                return
-            if method == "layers":
-                method = "type:Block"
-            super()._partition_layers(method)
+            self.parts = parts  # the boundaries the build materialised this stage's layers for
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     return MegaformerPipeline(layers=layers, topology=grid, loss_fn=loss_fn,
                               partition_method=partition, activation_checkpoint_interval=0)
@@ -125,6 +172,8 @@ def pipeline_state_dict(pipe: nn.Module, names: dict[int, str], topo: Any,
     """
     import torch.distributed as dist
 
+    from megaformer.parallel.plan import gather_experts
+
     local: dict[str, torch.Tensor] = {}
     for p in dict.fromkeys(pipe.parameters()):  # unique, in order
         t = p.detach()
@@ -132,6 +181,7 @@ def pipeline_state_dict(pipe: nn.Module, names: dict[int, str], topo: Any,
             parts = [torch.empty_like(t) for _ in range(topo.tp)]
             dist.all_gather(parts, t.contiguous(), group=topo.group("tp"))
             t = torch.cat(parts, dim=p.partition_dim)
+        t = gather_experts(p, t, topo)  # expert parallelism: every rank's experts
         name = names[id(p)]
         if name in ("tok_embeddings.weight", "lm_head.weight"):
             t = t[:vocab_size]

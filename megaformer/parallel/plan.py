@@ -18,6 +18,7 @@ seed, so TP=N starts from exactly the weights of TP=1) and :func:`parallelize` t
                                 combined routed output (not one per expert)
     layers.*.mlp.router      -> replicated (gradient summed over TP: see megaformer.model.moe)
     layers.*.mlp.shared.*    -> as the dense mlp
+    layers.*.mlp.shared_gate -> replicated (as the router)
     lm_head                  -> vocab-parallel output head (column parallel over the vocabulary,
                                 vocab-parallel cross-entropy, gathered logits)
     norms                    -> replicated
@@ -80,6 +81,8 @@ def shard_experts(moe: MoE, group: ProcessGroup, sequence_parallel: bool) -> Non
         if full is not None:
             setattr(ex, name, mark_sharded(nn.Parameter(shard(full.data, dim, rank, world)), dim))
     sum_grad_over_tp(moe.router.weight, group)
+    if moe.shared_gate is not None:  # replicated too, its gradient share scaled inside the block
+        sum_grad_over_tp(moe.shared_gate.weight, group)
     moe.tp_group, moe.tp_size, moe.sequence_parallel = group, world, sequence_parallel
 
 
@@ -161,13 +164,24 @@ def _gather_output(group: ProcessGroup) -> Callable:
 
 
 def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
-                rng: Optional[TensorParallelRNG]) -> nn.Module:
-    """Apply the tensor-parallel plan to ``model`` in place (a no-op for TP = 1)."""
+                rng: Optional[TensorParallelRNG],
+                materialize: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+    """Apply the tensor-parallel plan to ``model`` in place (a no-op for TP = 1).
+
+    ``materialize(module)``, when given, is called on each block and on the embedding and output
+    layer just before they are split: a model built on the meta device gets its values one block
+    at a time, so no rank holds more than one unsplit block (:func:`megaformer.parallel.build
+    .build_model`)."""
     if topo.tp == 1:
+        if materialize is not None:
+            for module in (*model.layers, model.tok_embeddings, model.lm_head):
+                materialize(module)
         return model
     group = topo.group("tp")
     sp = sequence_parallel
     for block in model.layers:
+        if materialize is not None:
+            materialize(block)
         if isinstance(block.mlp, MoE):
             shard_experts(block.mlp, group, sp)
         for name, style in {**BLOCK_PLAN, **MOE_PLAN}.items():
@@ -195,6 +209,9 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
         model.layers[0].register_forward_pre_hook(_scatter_input(group), with_kwargs=True)
         model.layers[-1].register_forward_hook(_gather_output(group))
 
+    if materialize is not None:
+        materialize(model.tok_embeddings)
+        materialize(model.lm_head)
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group)
     vocab_start = topo.tp_rank * (model.padded_vocab_size // topo.tp)
     head = VocabParallelOutputHead(model.lm_head, group, vocab_start, model.vocab_size,
@@ -207,7 +224,8 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-    """Unsharded, unpadded weights (collective over the TP group; every rank gets them).
+    """Unsharded, unpadded weights (collective over the TP group, and the EP group for
+    experts; every rank gets them).
 
     Tied output weights appear once, as ``tok_embeddings.weight``.
     """
@@ -221,10 +239,23 @@ def full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]
             parts = [torch.empty_like(t) for _ in range(topo.tp)]
             dist.all_gather(parts, t.contiguous(), group=group)
             t = torch.cat(parts, dim=p.partition_dim)
+        t = gather_experts(p, t, topo)
         if name in ("tok_embeddings.weight", "lm_head.weight"):
             t = t[:model.vocab_size]
         out[name] = t.clone()
     return out
+
+
+def gather_experts(p: nn.Parameter, t: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """``t`` (``p``'s value, TP-gathered) with every rank's experts of ``p`` under expert
+    parallelism: all-gathered over the EP group along dim 0 (collective there); else ``t``."""
+    import torch.distributed as dist
+
+    if getattr(p, "allreduce", True) is not False or topo.ep == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(topo.ep)]
+    dist.all_gather(parts, t.contiguous(), group=topo.group("ep"))
+    return torch.cat(parts, dim=0)
 
 
 

@@ -1,19 +1,26 @@
-"""The TP x PP x DP process grid and DeepSpeed's ``mpu`` interface.
+"""The TP x CP x DP x PP process grid and DeepSpeed's ``mpu`` interface.
 
-Ranks are laid out with tensor-parallel ranks adjacent (fastest-varying), then data-parallel, then
-pipeline stages, as in Megatron-LM, so a TP group stays inside a node::
+Ranks are laid out with tensor-parallel ranks adjacent (fastest-varying), then context-parallel,
+then data-parallel, then pipeline stages, as in Megatron-LM, so a TP group stays inside a node::
 
-    rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 
 Groups (each a list of global ranks):
-  * TP group: the TP ranks of one (dp, pp) position — they split each layer's matrices;
-  * DP group: the DP ranks of one (tp, pp) position — they hold identical shards and average
-    gradients (ZeRO partitions over this group only);
-  * PP group: the stages of one (tp, dp) position;
-  * model-parallel group: the TP x PP ranks of one data-parallel replica.
+  * TP group: the TP ranks of one (cp, dp, pp) position — they split each layer's matrices;
+  * CP group: the context ranks of one (tp, dp, pp) position — they split each sequence;
+  * DP group: the DP ranks of one (tp, cp, pp) position — they read different samples;
+  * replica group (DP x CP): the ranks of one (tp, pp) position — they hold identical shards and
+    average gradients; ZeRO partitions over this group. Without context parallelism it is the DP
+    group;
+  * PP group: the stages of one (tp, cp, dp) position;
+  * model-parallel group: the TP x PP ranks of one (cp, dp) position;
+  * expert groups, when experts are split over ``EP`` ranks carved out of data parallelism: the EP
+    group is ``EP`` consecutive DP ranks (they hold different experts and exchange tokens), the
+    expert-data group is the DP ranks holding the same experts (they average those experts'
+    gradients): ``dp_rank = ep_rank + EP * edp_rank``.
 
 The object is also DeepSpeed's ``mpu``: it answers ``get_{tensor_model,pipeline_model,model,data}
-_parallel_{rank,world_size,group}``.
+_parallel_{rank,world_size,group}``; its data-parallel group is the replica group.
 """
 
 from __future__ import annotations
@@ -31,10 +38,16 @@ class Topology:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
+    ep: int = 1
     tp_groups: list[list[int]] = field(default_factory=list)
     dp_groups: list[list[int]] = field(default_factory=list)
     pp_groups: list[list[int]] = field(default_factory=list)
     mp_groups: list[list[int]] = field(default_factory=list)
+    cp_groups: list[list[int]] = field(default_factory=list)
+    replica_groups: list[list[int]] = field(default_factory=list)
+    ep_groups: list[list[int]] = field(default_factory=list)
+    edp_groups: list[list[int]] = field(default_factory=list)
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # -------------------------------------------------------------- coordinates
@@ -44,15 +57,37 @@ class Topology:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // (self.tp * self.cp)) % self.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    @property
+    def replica_rank(self) -> int:
+        """Rank in the replica (DP x CP) group."""
+        return self.cp_rank + self.cp * self.dp_rank
+
+    @property
+    def replicas(self) -> int:
+        """Size of the replica (DP x CP) group."""
+        return self.dp * self.cp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
     # -------------------------------------------------------------- groups
 
@@ -67,7 +102,12 @@ class Topology:
     def dp_group_ranks(self) -> list[int]:
         return self._mine(self.dp_groups)
 
+    @property
+    def replica_group_ranks(self) -> list[int]:
+        return self._mine(self.replica_groups)
+
     def group(self, kind: str) -> Optional[dist.ProcessGroup]:
+        """This rank's process group of ``kind``: tp, cp, dp, replica, pp, mp, ep or edp."""
         return self._handles.get(kind)
 
     # -------------------------------------------------------------- DeepSpeed mpu interface
@@ -102,17 +142,18 @@ class Topology:
     def get_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.group("mp")
 
+    # DeepSpeed's "data parallel" is the gradient-averaging group: DP x CP.
     def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
+        return self.replica_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.dp
+        return self.replicas
 
     def get_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
-        return self.group("dp")
+        return self.group("replica")
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return self.dp_group_ranks
+        return self.replica_group_ranks
 
     # -------------------------------------------------------------- summary
 
@@ -122,36 +163,60 @@ class Topology:
             shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
             return shown + (f" ... ({len(groups)} groups)" if len(groups) > 8 else "")
 
-        lines = [f"topology: world {self.world_size} = TP {self.tp} x PP {self.pp} x DP {self.dp} "
-                 "(TP ranks adjacent)",
-                 f"  tensor-parallel groups:   {fmt(self.tp_groups)}",
-                 f"  data-parallel groups:     {fmt(self.dp_groups)}",
-                 f"  pipeline groups:          {fmt(self.pp_groups)}"]
+        cp = f" x CP {self.cp}" if self.cp > 1 else ""
+        ep = f" (EP {self.ep} inside DP)" if self.ep > 1 else ""
+        lines = [f"topology: world {self.world_size} = TP {self.tp}{cp} x PP {self.pp} x "
+                 f"DP {self.dp}{ep} (TP ranks adjacent)",
+                 f"  tensor-parallel groups:   {fmt(self.tp_groups)}"]
+        if self.cp > 1:
+            lines.append(f"  context-parallel groups:  {fmt(self.cp_groups)}")
+        lines.append(f"  data-parallel groups:     {fmt(self.dp_groups)}")
+        if self.ep > 1:
+            lines.append(f"  expert-parallel groups:   {fmt(self.ep_groups)}")
+            lines.append(f"  expert-data groups:       {fmt(self.edp_groups)}")
+        lines.append(f"  pipeline groups:          {fmt(self.pp_groups)}")
         return "\n".join(lines)
 
 
-def layout_groups(world_size: int, tp: int, pp: int) -> Topology:
+def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> Topology:
     """The rank lists of every group (no process groups created; usable without torch.distributed)."""
-    if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by TP*PP = {tp * pp}")
-    dp = world_size // (tp * pp)
-    topo = Topology(world_size, 0, tp, pp, dp)
+    if world_size % (tp * pp * cp):
+        what = "TP*PP" if cp == 1 else "TP*CP*PP"
+        raise ValueError(f"world size {world_size} is not divisible by {what} = {tp * pp * cp}")
+    dp = world_size // (tp * pp * cp)
+    if dp % ep:
+        raise ValueError(f"data-parallel size {dp} is not divisible by the expert-parallel size {ep}")
+    topo = Topology(world_size, 0, tp, pp, dp, cp, ep)
     r = topo.rank_of
-    topo.tp_groups = [[r(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    topo.dp_groups = [[r(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    topo.pp_groups = [[r(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    topo.mp_groups = [[r(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+    topo.tp_groups = [[r(t, d, p, c) for t in T] for p in P for d in D for c in C]
+    topo.cp_groups = [[r(t, d, p, c) for c in C] for p in P for d in D for t in T]
+    topo.dp_groups = [[r(t, d, p, c) for d in D] for p in P for c in C for t in T]
+    topo.replica_groups = [[r(t, d, p, c) for d in D for c in C] for p in P for t in T]
+    topo.pp_groups = [[r(t, d, p, c) for p in P] for d in D for c in C for t in T]
+    topo.mp_groups = [[r(t, d, p, c) for p in P for t in T] for d in D for c in C]
+    E, G = range(ep), range(dp // ep)
+    topo.ep_groups = [[r(t, e + ep * g, p, c) for e in E] for p in P for g in G for c in C for t in T]
+    topo.edp_groups = [[r(t, e + ep * g, p, c) for g in G] for p in P for e in E for c in C for t in T]
     return topo
 
 
-def build_topology(world_size: int, rank: int, tp: int, pp: int) -> Topology:
+def build_topology(world_size: int, rank: int, tp: int, pp: int, cp: int = 1,
+                   ep: int = 1) -> Topology:
     """Create every group (collectively: all ranks call this, in the same order)."""
-    topo = layout_groups(world_size, tp, pp)
+    topo = layout_groups(world_size, tp, pp, cp, ep)
     topo.rank = rank
-    for kind, groups in (("tp", topo.tp_groups), ("dp", topo.dp_groups), ("pp", topo.pp_groups),
-                         ("mp", topo.mp_groups)):
+    kinds = [("tp", topo.tp_groups), ("dp", topo.dp_groups), ("pp", topo.pp_groups),
+             ("mp", topo.mp_groups)]
+    if cp > 1:
+        kinds += [("cp", topo.cp_groups), ("replica", topo.replica_groups)]
+    if ep > 1:
+        kinds += [("ep", topo.ep_groups), ("edp", topo.edp_groups)]
+    for kind, groups in kinds:
         for ranks in groups:
             handle = dist.new_group(ranks) if dist.is_initialized() else None
             if rank in ranks:
                 topo._handles[kind] = handle
+    if cp == 1:  # the replica group is the DP group: one communicator, not two
+        topo._handles["replica"] = topo._handles.get("dp")
     return topo

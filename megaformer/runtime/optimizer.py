@@ -9,6 +9,9 @@ traffic. foreach runs one multi-tensor operation per term of
     m <- b1 m + (1-b1) g,   v <- b2 v + (1-b2) g^2,   p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
 
 so p, g, m, v cross memory about six times per step; fused reads each once and writes p, m, v once.
+
+Under expert parallelism the experts' parameters form groups of their own (DeepSpeed's MoE groups:
+``moe: True``, named by their expert-data-parallel group), with the same hyperparameters.
 """
 
 from __future__ import annotations
@@ -30,8 +33,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (no_decay if no_weight_decay(name, p) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+    if any(getattr(p, "allreduce", True) is False for p in decay + no_decay):
+        # expert-parallel parameters in groups of their own, marked for DeepSpeed (reduced and,
+        # under ZeRO, partitioned over their expert-data-parallel group)
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = [g for g in split_params_into_different_moe_groups_for_optimizer(groups)
+                  if g["params"]]
+    return groups
 
 
 def use_fused_adam(params: list[torch.Tensor], impl: str) -> bool:

@@ -16,7 +16,16 @@ it, so the predicates live in a module at the bottom of the package (beside ``er
 and ``comm``) that imports nothing; this module is where they are listed for an audit.
 
 Also part of the audit: :func:`megaformer.checkpoint.safe_load.install_safe_checkpoint_engine`
-subclasses DeepSpeed's ``TorchCheckpointEngine`` (through the accessors above).
+subclasses DeepSpeed's ``TorchCheckpointEngine`` (through the accessors above), and expert
+parallelism (:mod:`megaformer.parallel.experts`) relies on two internals:
+
+* ``deepspeed.utils.groups._EXPERT_PARALLEL_GROUP`` / ``_EXPERT_DATA_PARALLEL_GROUP`` (and their
+  ``_RANKS`` dicts), filled with megaformer's own EP / expert-data groups after
+  ``groups._get_expert_parallel_ranks`` confirms DeepSpeed would build the same ones
+  (``deepspeed_groups``);
+* ``deepspeed.runtime.engine.MoE``, the name the engine's ``isinstance`` check for MoE layers
+  reads, widened to megaformer's MoE block while ``deepspeed.initialize`` runs
+  (``recognised_by_deepspeed``).
 """
 
 from __future__ import annotations

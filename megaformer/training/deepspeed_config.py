@@ -22,7 +22,9 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
     keys only) merged on top; universal-checkpoint loading forced off."""
     t = cfg.train
     ds = {
-        "train_batch_size": t.global_batch_size,
+        # DeepSpeed counts every context-parallel rank as a data-parallel replica (they average
+        # gradients together), so its batch holds each sequence once per context rank
+        "train_batch_size": t.global_batch_size * cfg.parallel.context,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": t.grad_clip,

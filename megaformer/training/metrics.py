@@ -1,4 +1,5 @@
-"""Where numbers go: ``metrics.jsonl``, TensorBoard and the console (rank 0 only)."""
+"""Where numbers go: ``metrics.jsonl``, TensorBoard, Weights & Biases (``log.wandb``) and the
+console (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,15 @@ def tensorboard_tag(key: str) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per logged step and mirrors scalars to TensorBoard and to a W&B
+    sink (:class:`megaformer.training.wandb_log.WandbSink`, when given)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool,
+                 wandb: Optional[Any] = None) -> None:
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.tb: Optional[Any] = None
+        self.wandb = wandb if enabled else None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -67,10 +71,15 @@ class MetricsWriter:
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.tb.add_scalar(tensorboard_tag(key), value, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -12,6 +12,7 @@ loss is the mean over the step's micro-batches and the data-parallel ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from megaformer.checkpoint.compat import check_resume_compatible, layout_changes
 from megaformer.config import Config, validate_for_training, validate_for_world
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.data.setup import setup_data
+from megaformer.evaluation.training import TaskEvaluator
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.kernels import native
 from megaformer.training import distributed as dist
@@ -43,6 +45,7 @@ from megaformer.training.preemption import REASONS, StopRequest, agree_max
 from megaformer.training.watchdog import StepWatchdog
 from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
+from megaformer.training import wandb_log
 from megaformer.runtime.optimizer import build_optimizer
 from megaformer.training.intervals import LoopIntervals
 from megaformer.training.schedule import lr_lambda
@@ -50,7 +53,10 @@ from megaformer.analysis.params import count_parameters
 from megaformer.model.moe import checkpoint_files as moe_checkpoint_files
 from megaformer.model.moe import end_of_step as moe_end_of_step
 from megaformer.model.moe import load_router_state
+from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
+from megaformer.parallel.context import split_sequence
+from megaformer.parallel.fp8 import check_fp8_device
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.pipeline import pipeline_state_dict
 from megaformer.parallel.plan import full_state_dict
@@ -106,6 +112,7 @@ def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
 def _precision_checks(cfg: Config, device: torch.device) -> None:
     if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("train.precision=fp16: needs a CUDA device; use bf16 or fp32 on CPU")
+    check_fp8_device(cfg.train, device)
     validate_for_training(cfg)
 
 
@@ -143,6 +150,10 @@ class Trainer:
         # another layout from its layout-free state, not from DeepSpeed's per-rank files.
         resuming = self.resume_from is not None and not self.init_only
         self.sharded_resume = resuming and sharded.has_sharded_state(self.resume_from)
+        if resuming and not self.sharded_resume and cfg.parallel.expert > 1:
+            raise CheckpointError(f"{self.resume_from}: parallel.expert={cfg.parallel.expert} "
+                                  "resumes from a sharded checkpoint only (this one holds "
+                                  "DeepSpeed's per-rank files); resume with parallel.expert=1")
         self.relayout = ([] if not resuming else
                          layout_changes(cfg, self.resume_from, self.proc.world_size)
                          if self.sharded_resume else
@@ -159,9 +170,14 @@ class Trainer:
         self.rank = self.proc.rank
         self.is_main = self.proc.is_main
         # Data-parallel coordinates: which slice of each global batch this rank reads.
-        self.layout = layout_groups(self.proc.world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
+        self.layout = layout_groups(self.proc.world_size, cfg.parallel.tensor, cfg.parallel.pipeline,
+                                    cfg.parallel.context, cfg.parallel.expert)
         self.layout.rank = self.proc.rank
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp
+        # Context parallelism: this rank's part of every sequence it reads (None: the whole).
+        self.part = (functools.partial(split_sequence, rank=self.layout.cp_rank,
+                                       size=self.layout.cp, mode=cfg.parallel.context_mode)
+                     if cfg.parallel.context > 1 else None)
 
     # ------------------------------------------------------------------------- setup
 
@@ -172,10 +188,12 @@ class Trainer:
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.run_lock = acquire_on_rank0(self.run_dir, self.rank)  # one job per run directory
         self.topo = build_topology(self.proc.world_size, self.rank, cfg.parallel.tensor,
-                                   cfg.parallel.pipeline)
+                                   cfg.parallel.pipeline, cfg.parallel.context, cfg.parallel.expert)
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
+        self.task_eval = TaskEvaluator.from_config(cfg)  # eval.tasks: checked before any work
+        wandb_log.check_available(cfg)
         configure_host_allocator(cfg.train.cpu_malloc, self.proc.device)  # before anything allocates
         if self.proc.device.type == "cpu" and cfg.model.fused_kernels == "auto":
             log.info("%s", native.status())  # built on first use (cached), before step 1
@@ -210,11 +228,13 @@ class Trainer:
         self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
                                   self.dp_rank, self.dp_size, cfg.train.seed, consumed,
                                   prefetch=cfg.data.prefetch,
-                                  stop_at=cfg.train.steps * cfg.train.global_batch_size)
+                                  stop_at=cfg.train.steps * cfg.train.global_batch_size,
+                                  part=self.part)
         if self.is_main:
             ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
-        self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard)
+        self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard,
+                                     wandb_log.open_run(cfg, self.run_dir) if self.is_main else None)
         self.diagnostics = self._build_diagnostics() if cfg.log.diagnostics else None
         self.writer = ckpt_io.BackgroundWriter() if cfg.checkpoint.async_save else None
         self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, skipped)
@@ -305,13 +325,17 @@ class Trainer:
 
         from megaformer.checkpoint.safe_load import install_safe_checkpoint_engine
 
+        ep = self.cfg.parallel.expert
+        experts.deepspeed_groups(self.topo)  # expert parallelism: DeepSpeed's expert groups
         optimizer = build_optimizer(self.model, self.cfg.train)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg.train))
         ds_config = build_deepspeed_config(self.cfg, self.grad_accum)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-            # a PipelineModule brings its own grid (same rank order as self.topo)
-            mpu=self.topo if self.cfg.parallel.pipeline == 1 else None, dist_init_required=False)
+        with experts.recognised_by_deepspeed(ep > 1):  # expert grads over expert-data groups
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+                # a PipelineModule brings its own grid (same rank order as self.topo)
+                mpu=self.topo if self.cfg.parallel.pipeline == 1 else None,
+                dist_init_required=False)
         install_safe_checkpoint_engine(self.engine)
         self.clipper: Optional[GradNormClipper] = None
         if not ds_adapter.reports_grad_norm(self.engine):
@@ -323,7 +347,8 @@ class Trainer:
         itself (:class:`megaformer.parallel.grad_norm.GradNormClipper`) and clips with it."""
         engine = self.engine
         self.clipper = GradNormClipper(engine.module.parameters, self.topo.group("tp"),
-                                       self.topo.group("pp"), self.cfg.train.grad_clip)
+                                       self.topo.group("pp"), self.cfg.train.grad_clip,
+                                       self.topo.group("ep"))
         if self.cfg.train.grad_clip > 0:
             ds_adapter.replace_fp32_clipping(engine, self.clipper.measure_and_clip)
         # DeepSpeed steps this torch optimizer directly: megaformer skips a non-finite step itself
@@ -335,6 +360,8 @@ class Trainer:
         dp, tp, pp = self.dp_size, cfg.parallel.tensor, cfg.parallel.pipeline
         name, reason = self.attention_backend
         sp = " + sequence parallel" if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1 else ""
+        if cfg.parallel.context > 1:
+            sp += f" x CP {cfg.parallel.context} ({cfg.parallel.context_mode})"
         log.info("megaformer: %s parameters (%s non-embedding; vocabulary %d padded to %d) | "
                  "world %d = DP %d x TP %d%s x PP %d | ZeRO %d | %s %s | attention %s (%s)",
                  f"{counts['total']:,}", f"{counts['non_embedding']:,}", cfg.model.vocab_size,
@@ -357,6 +384,12 @@ class Trainer:
 
         self.meter = TrainingMeter.for_run(cfg, p.device, p.world_size)
         log.info(self.meter.summary())
+        if "active" in counts:  # MoE: FLOPs, TFLOP/s and MFU count the active parameters
+            log.info("MoE: %s parameters held, %s active per token: FLOPs, TFLOP/s and MFU count "
+                     "the active ones (router, top-%d routed and the shared experts)%s",
+                     f"{counts['total']:,}", f"{counts['active']:,}", cfg.model.moe.top_k,
+                     f"; experts split over EP {cfg.parallel.expert}" if cfg.parallel.expert > 1
+                     else "")
 
     # ------------------------------------------------------------------------- steps
 
@@ -378,7 +411,8 @@ class Trainer:
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.detach().float())
-            loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp"))
+            # over DP x CP: the context ranks' weighted losses average to the sequences' mean
+            loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("replica"))
         self.faults.mid_step(step)
         gn = (self.clipper.norm if self.clipper is not None and self.clipper.norm is not None
               else ds_adapter.grad_norm(engine))
@@ -402,19 +436,26 @@ class Trainer:
         losses = [self.engine(x.to(self.proc.device), y.to(self.proc.device)).float()
                   for x, y in validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
                                                  self.grad_accum, self.cfg.eval.iters, self.dp_rank,
-                                                 self.dp_size)]
+                                                 self.dp_size, self.part)]
         self.engine.train()
-        return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("dp")))
+        return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("replica")))
 
     def _evaluate_pipeline(self) -> float:
         batches = list(validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
                                           self.grad_accum, self.cfg.eval.iters, self.dp_rank,
-                                          self.dp_size))
+                                          self.dp_size, self.part))
         losses = []
         for it in range(self.cfg.eval.iters):
             chunk = batches[it * self.grad_accum:(it + 1) * self.grad_accum]
             losses.append(float(self.engine.eval_batch(iter(chunk))))  # mean over micro & DP
         return sum(losses) / len(losses)
+
+    def _evaluate_tasks(self, bar: Any) -> dict:
+        """eval.tasks on the live model (:mod:`megaformer.evaluation.training`): eval/TASK/METRIC."""
+        scores, table = self.task_eval.run(self.engine, self.plain_model, self.topo,
+                                           self.tokenizer, self.proc.device)
+        self._console(f"step {self.step}: lm-eval tasks\n{table}", bar)
+        return scores
 
     def save(self) -> Optional[Path]:
         """Collective. With ``checkpoint.async_save`` the files are written on a background
@@ -424,7 +465,8 @@ class Trainer:
         consumed = self.loader.consumed_samples
         meta = {"consumed_samples": consumed, "consumed_tokens": consumed * self.cfg.seq_len,
                 "parallel": {"tensor": self.cfg.parallel.tensor, "pipeline": self.cfg.parallel.pipeline,
-                             "data": self.dp_size,
+                             "data": self.dp_size, "expert": self.cfg.parallel.expert,
+                             "context": self.cfg.parallel.context,
                              "sequence_parallel": self.cfg.parallel.sequence_parallel},
                 "zero_stage": self.cfg.parallel.zero_stage, "precision": self.cfg.train.precision}
         info = {"step": self.step, "consumed_samples": consumed, "layout": meta["parallel"],
@@ -550,6 +592,8 @@ class Trainer:
                     record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
                     self._console(f"step {self.step}: val loss {val_loss:.4f} | val ppl "
                                   f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}", bar)
+                if self.task_eval is not None and self.task_eval.due(self.step, bool(stop_code)):
+                    record = {**(record or {"step": self.step}), **self._evaluate_tasks(bar)}
                 if record:
                     self.metrics.write(record)
                     if bar is None and "loss" in record:
@@ -617,7 +661,10 @@ class Trainer:
                 f"{r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tokens/s | "
                 f"{r['step_time_s'] * 1000:.0f} ms/step"
                 + (f" | {r['tflops_per_gpu']:.3g} TFLOP/s/GPU" if "tflops_per_gpu" in r else "")
-                + (f" | MFU {100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%" if "mfu" in r else "")
+                + (f" | MFU{' vs bf16 peak' if 'fp8_tflops_per_gpu' in r else ''} "
+                   f"{100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%" if "mfu" in r else "")
+                + (f" (FP8 {r['fp8_tflops_per_gpu']:.3g} TFLOP/s/GPU)" if "fp8_tflops_per_gpu" in r
+                   else "")
                 + (f" | mem {r['peak_mem_gb']:.2f} GB" if "peak_mem_gb" in r else ""))
 
     def _progress_bar(self) -> Any:
@@ -638,12 +685,12 @@ class Trainer:
 
     def sample(self) -> Optional[str]:
         """A short text sample from the trained weights, generated on rank 0 when it holds them
-        whole (TP = PP = 1, ZeRO below 3); a sharded model is never gathered for it."""
+        whole (TP = PP = EP = 1, ZeRO below 3); a sharded model is never gathered for it."""
         n = self.cfg.log.sample_tokens
         p = self.cfg.parallel
         if n == 0 or not self.is_main:
             return None
-        if p.tensor > 1 or p.pipeline > 1 or p.zero_stage == 3:
+        if p.tensor > 1 or p.pipeline > 1 or p.zero_stage == 3 or p.expert > 1:
             log.info("text sample skipped: the model is sharded over ranks (megaformer generate "
                      "RUN_DIR reads the checkpoint)")
             return None

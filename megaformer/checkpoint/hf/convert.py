@@ -34,7 +34,7 @@ from megaformer.checkpoint.hf.gpt2 import GPT2
 from megaformer.checkpoint.hf.gpt_neox import OUT_NAMES, GPTNeoX
 from megaformer.checkpoint.hf.llama import Llama, LlamaFamily
 from megaformer.checkpoint.hf.mistral import Mistral
-from megaformer.checkpoint.hf.moe import Mixtral, Qwen3Moe
+from megaformer.checkpoint.hf.moe import Mixtral, Qwen2Moe, Qwen3Moe
 from megaformer.checkpoint.hf.qwen import Qwen2, Qwen3
 from megaformer.checkpoint.hf.stream import (DTYPE_NAMES, TensorSource, check_inputs, output_specs,
                                               run_plan)
@@ -56,7 +56,7 @@ log = logging.getLogger("megaformer")
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a for a in (Llama(), GPT2(), GPTNeoX(), Mistral(), Qwen2(), Qwen3(), Mixtral(),
-                        Qwen3Moe())}
+                        Qwen3Moe(), Qwen2Moe())}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 _DTYPE_LABEL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # a sharded checkpoint holds fp32 master weights: exported in the precision the model trained in
@@ -101,7 +101,8 @@ def _read_megaformer(src: Path) -> tuple[Path, Config]:
 
 def choose_architecture(cfg: Config, arch: Optional[str]) -> Architecture:
     """The requested architecture if it can express the model (else every reason, by name), or the
-    first of llama, gpt2, gpt-neox, mistral, qwen2, qwen3, mixtral, qwen3_moe that can."""
+    first of llama, gpt2, gpt-neox, mistral, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe that
+    can."""
     m = cfg.model
     if arch is not None:
         if arch not in ARCHITECTURES:

@@ -1,19 +1,26 @@
-"""MixtralForCausalLM and Qwen3MoeForCausalLM <-> megaformer's MoE blocks (:mod:`megaformer.model.moe`).
+"""MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM <-> megaformer's MoE blocks
+(:mod:`megaformer.model.moe`).
 
-Both are the Llama layout (:mod:`.llama`) whose FFN is, in the MoE blocks, a softmax top-k router
-and E SwiGLU experts without shared experts. Hugging Face stores each expert's matrices as separate
+All are the Llama layout (:mod:`.llama`) whose FFN is, in the MoE blocks, a softmax top-k router
+and E SwiGLU experts (Qwen2-MoE: plus one shared expert scaled by a sigmoid gate). Hugging Face stores each expert's matrices as separate
 tensors; megaformer stacks them per block ([E, f, d] for w1 and w3, [E, d, f] for w2):
 
     Mixtral     block_sparse_moe.gate              <-> mlp.router
                 block_sparse_moe.experts.{e}.w1/w3/w2  <-> mlp.experts.w1/w3/w2 [e]
     Qwen3-MoE   mlp.gate                           <-> mlp.router
                 mlp.experts.{e}.gate/up/down_proj  <-> mlp.experts.w1/w3/w2 [e]
+    Qwen2-MoE   as Qwen3-MoE, and
+                mlp.shared_expert.gate/up/down_proj <-> mlp.shared.w1/w3/w2
+                mlp.shared_expert_gate             <-> mlp.shared_gate  (y += sigmoid(x w_g) FFN_s(x))
 
 Mixtral: every block MoE, the k weights renormalised (softmax over the top-k logits), the expert
 width ``intermediate_size``, a sliding window as Mistral's. Qwen3-MoE: Qwen3's attention (q/k
 norms, explicit head width), MoE in block i when (i + 1) % ``decoder_sparse_step`` == 0 (dense
 ``intermediate_size`` FFNs elsewhere, as megaformer's ``model.moe.interval``), expert width
-``moe_intermediate_size``, renormalisation ``norm_topk_prob``. The router's training-only settings
+``moe_intermediate_size``, renormalisation ``norm_topk_prob``. Qwen2-MoE: Qwen2's attention (q/k/v
+biases), the sparse-step rule of Qwen3-MoE, and in every MoE block one shared expert of width
+``shared_expert_intermediate_size`` with its gate (``model.moe.num_shared_experts: 1``,
+``d_shared``, ``shared_gate: true``). The router's training-only settings
 (auxiliary loss coefficient, jitter) do not change the function and are not carried over.
 """
 
@@ -26,7 +33,7 @@ import torch
 from megaformer.checkpoint.hf.arch import hf_get
 from megaformer.checkpoint.hf.llama import LlamaFamily
 from megaformer.checkpoint.hf.mistral import Mistral
-from megaformer.checkpoint.hf.qwen import Qwen3
+from megaformer.checkpoint.hf.qwen import Qwen2, Qwen3
 from megaformer.checkpoint.hf.stream import Entry, rename
 from megaformer.config import ModelConfig
 
@@ -159,3 +166,44 @@ class Qwen3Moe(_MoEFamily, Qwen3):
                 "top_k": hf.get("num_experts_per_tok", 2),
                 "renormalize": bool(hf.get("norm_topk_prob", False)),
                 "d_expert": hf["moe_intermediate_size"]}
+
+
+class Qwen2Moe(_MoEFamily, Qwen2):
+    name, hf_class, model_type = "qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe"
+    router = "mlp.gate"
+    experts = "mlp.experts.{e}"
+    names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+    def moe_refusals(self, m: ModelConfig) -> list[str]:
+        out = [r for r in super().moe_refusals(m) if "num_shared_experts" not in r]
+        moe = m.moe
+        if moe.interval and (moe.num_shared_experts != 1 or not moe.shared_gate):
+            out.append(f"model.moe.num_shared_experts={moe.num_shared_experts} with shared_gate="
+                       f"{str(moe.shared_gate).lower()} cannot be expressed by {self.hf_class} "
+                       "(each MoE block has one shared expert behind a sigmoid gate)")
+        return out
+
+    def moe_config(self, m: ModelConfig) -> dict[str, Any]:
+        return {"intermediate_size": m.ffn_dim, "moe_intermediate_size": m.expert_dim,
+                "shared_expert_intermediate_size": m.shared_dim,
+                "num_experts": m.moe.num_experts, "num_experts_per_tok": m.moe.top_k,
+                "norm_topk_prob": m.moe.renormalize, "decoder_sparse_step": m.moe.interval,
+                "mlp_only_layers": [], "qkv_bias": m.qkv_bias}
+
+    def moe_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
+        fields = Qwen3Moe.moe_fields(self, hf)  # type: ignore[arg-type]
+        shared = hf.get("shared_expert_intermediate_size") or 0
+        self.refuse_hf(shared < 1, f"shared_expert_intermediate_size={shared}",
+                       "its MoE blocks always hold a shared expert")
+        return {**fields, "num_shared_experts": 1, "d_shared": shared, "shared_gate": True}
+
+    def bias_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return {"bias": False, "qkv_bias": bool(hf.get("qkv_bias", True))}
+
+    def _moe_entries(self, m: ModelConfig, i: int, export: bool) -> list[Entry]:
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        pairs = [(f"{hf}shared_expert.{name}.weight", f"{ours}shared.{w}.weight")
+                 for w, name in self.names.items()]
+        pairs.append((f"{hf}shared_expert_gate.weight", f"{ours}shared_gate.weight"))
+        return super()._moe_entries(m, i, export) + [
+            rename(theirs, mine) if export else rename(mine, theirs) for theirs, mine in pairs]

@@ -1,0 +1,118 @@
+"""``megaformer eval``: lm-evaluation-harness tasks on a checkpoint, at any TP x PP x DP layout.
+
+The model is built as training builds it (:func:`megaformer.parallel.build.build_model`) for the
+layout of the launch (tensor x pipeline from the command line, data parallelism from the rest of
+the world): each rank reads only its tensor-parallel shards of the layers its pipeline stage holds
+(a sharded checkpoint's state), or the consolidated weights when the checkpoint has them. No
+Hugging Face conversion, no DeepSpeed engine. The results go beside the weights, into
+``CKPT/eval/<tasks>.json`` (written atomically by rank 0), unless another path is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megaformer import __version__
+from megaformer.checkpoint import io as ckpt_io
+from megaformer.config import Config
+from megaformer.errors import CheckpointError, UserError
+from megaformer.evaluation import tasks as task_lib
+from megaformer.evaluation.forward import PipelineRunner, PlainRunner
+from megaformer.evaluation.harness import make_lm
+from megaformer.parallel.build import build_model
+from megaformer.safe_files import check_file
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_TOKENIZER_BYTES = 1 << 30
+
+
+@dataclass
+class EvalOutput:
+    results: dict          # lm-eval's results dict
+    scores: dict           # {'eval/TASK/METRIC': value}
+    table: str
+    path: Optional[Path]   # the JSON written (rank 0), else None
+    seconds: float
+
+
+def eval_layout(cfg: Config, topo: Any) -> Config:
+    """``cfg`` with the launch's layout and nothing that only training needs (no recomputation,
+    compilation or sequence parallelism)."""
+    tp, pp = (topo.tp, topo.pp) if topo is not None else (1, 1)
+    parallel = dataclasses.replace(cfg.parallel, tensor=tp, pipeline=pp, context=1, expert=1,
+                                   sequence_parallel=False)
+    train = dataclasses.replace(cfg.train, recompute="none", compile=False)
+    return dataclasses.replace(cfg, parallel=parallel, train=train)
+
+
+def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
+                ) -> tuple[Any, Any, Config]:
+    """(runner, tokenizer, config) of checkpoint ``ckpt`` for this rank of ``topo`` (None: one
+    process)."""
+    from megaformer.data.tokenizer import load_tokenizer
+
+    cfg = ckpt_io.read_config(ckpt)
+    ckpt_io.check_weights(ckpt, cfg.model)  # headers only, before anything is built
+    tok_file = ckpt / "tokenizer.json"
+    if not tok_file.exists():
+        raise CheckpointError(f"{ckpt}: no tokenizer.json (a model converted without its "
+                              "tokenizer: convert it again with --tokenizer PATH)")
+    check_file(tok_file, MAX_TOKENIZER_BYTES)
+    tokenizer = load_tokenizer(tok_file)
+    cfg = eval_layout(cfg, topo)
+    if (ckpt / ckpt_io.WEIGHTS).exists():
+        weights: Any = ckpt_io.load_weights(ckpt)
+    else:  # each rank reads its own shards
+        from megaformer.checkpoint.sharded import ShardedState
+
+        weights = ShardedState(ckpt)
+        weights.check_model(ckpt_io.expected_shapes(cfg.model))
+    pipeline = topo is not None and topo.pp > 1
+    built = build_model(cfg, topo, device=device, weights=weights, weights_source=ckpt,
+                        eod_id=tokenizer.eod_id, training=pipeline)
+    built.model.to(DTYPES[dtype]).eval()
+    if pipeline:
+        return PipelineRunner(built.model, built.plain, topo, device), tokenizer, cfg
+    return PlainRunner(built.model, device=device), tokenizer, cfg
+
+
+def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None, *,
+                        topo: Any = None,
+                        device: torch.device = torch.device("cpu"), is_main: bool = True,
+                        limit: Optional[int] = None, batch_size: int = 8,
+                        include_path: Optional[str] = None, output: Optional[str | Path] = None,
+                        dtype: str = "fp32", bootstrap_iters: int = 0) -> EvalOutput:
+    """Run ``tasks`` on the checkpoint at ``path`` (collective over every rank of ``topo``);
+    ``manager``: an lm-eval TaskManager that knows them (default: one built here)."""
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit {limit}: must be >= 1")
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size}: must be >= 1")
+    ckpt = ckpt_io.resolve_checkpoint(path)
+    out_path = Path(output) if output else ckpt / "eval" / task_lib.results_name(tasks)
+    manager = manager or task_lib.task_manager(tasks, include_path)
+    runner, tokenizer, cfg = load_runner(ckpt, topo, device, dtype)
+    dp_group = topo.group("dp") if topo is not None and topo.dp > 1 else None
+    lm = make_lm(runner, tokenizer, batch_size=batch_size, dp_group=dp_group)
+    t0 = time.perf_counter()
+    results = task_lib.run_tasks(lm, tasks, manager, limit=limit, bootstrap_iters=bootstrap_iters)
+    seconds = time.perf_counter() - t0
+    scores = task_lib.flat_scores(results)
+    written = None
+    if is_main:
+        payload = {"checkpoint": str(ckpt), "step": ckpt_io.step_of(ckpt), "tasks": tasks,
+                   "limit": limit, "scores": scores, "megaformer_version": __version__,
+                   "layout": {"tensor": topo.tp if topo else 1, "pipeline": topo.pp if topo else 1,
+                              "data": topo.dp if topo else 1},
+                   "dtype": dtype, "seconds": round(seconds, 3),
+                   "lm_eval": {k: results[k] for k in ("results", "versions", "n-shot",
+                                                       "higher_is_better", "n-samples")
+                               if k in results}}
+        written = task_lib.write_results(out_path, payload)
+    return EvalOutput(results, scores, task_lib.format_table(results), written, seconds)

@@ -1,0 +1,466 @@
+"""Context parallelism: every sequence split over the CP group, attention exact over all of it.
+
+Only attention mixes positions, so every other layer runs on this rank's tokens unchanged; the
+attention core sees the whole sequence in one of two ways (``parallel.context_mode``).
+
+Layout of a sequence of T tokens over N context ranks (the data loader hands each rank its part):
+
+    ring:        2N chunks of C = T / 2N tokens; rank r holds chunks r and 2N-1-r
+    all_to_all:  N contiguous parts; rank r holds tokens [r T/N, (r+1) T/N)
+
+**Ring attention** (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): the key/value
+blocks travel around the group (N-1 point-to-point passes per forward); each rank attends its
+queries to every block it receives and merges the partial results by their log-sum-exp:
+
+    S_j = Q K_j^T * scale + M_j,  l_j = logsumexp_rows(S_j),  O_j = exp(S_j - l_j) V_j
+    l'  = log(e^l + e^{l_j}),     O' = e^{l - l'} O + e^{l_j - l'} O_j
+
+so after N blocks O = softmax(Q K^T * scale + M) V and l = logsumexp of the whole row, exactly.
+M_j is built from the *global* positions (and document ids) of the query and key tokens: causal,
+sliding window, packed-document boundaries, whatever each block pair sees. The backward pass is
+written out with the saved l (FlashAttention-2's): with D = rowsum(dO o O) and
+P_j = exp(S_j - l),
+
+    dV_j = P_j^T dO,   dS_j = P_j o (dO V_j^T - D),   dQ += dS_j K_j scale,   dK_j = dS_j^T Q scale,
+
+and the blocks travel around the ring again, each carrying its dK_j, dV_j accumulators home
+(N-1 passes of K, V, dK, dV and a last one of dK, dV). Under a causal mask a contiguous split
+would leave rank 0 one block of work and rank N-1 N blocks; with chunks r and 2N-1-r every rank
+multiplies 2N+1 chunk pairs (chunk pairs wholly above the diagonal are skipped).
+
+**All-to-all** (DeepSpeed-Ulysses, Jacobs et al. 2023): q, k, v go from sequence-sharded
+[B, h, T/N, d] to head-sharded [B, h/N, T, d] with one all-to-all each, the usual attention core
+(any backend, document masks included) runs on whole sequences of h/N heads, and one all-to-all
+brings the output back. Key/value heads fewer than (or not a multiple of) N are repeated first
+(grouped-query attention: every rank gets the key/value heads its query heads read).
+
+Communication per layer per step, per rank (b bytes per element, h_kv key/value heads, local
+sequence T/N): ring forward (N-1) * 2 B h_kv (T/N) d b, backward twice that plus one more pass of
+dK, dV; all-to-all: each of q, k, v, o (and their gradients) sends (N-1)/N of its local tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megaformer import comm
+from megaformer.kernels.attention import DocumentMask, document_ids, document_mask
+
+MODES = ("ring", "all_to_all")
+
+
+# ----------------------------------------------------------------------------- layout
+
+def chunk_starts(rank: int, size: int, mode: str, t_local: int) -> list[tuple[int, int]]:
+    """(global start position, length) of each contiguous piece of the sequence this rank holds
+    (``t_local`` tokens in all), in local order."""
+    if mode == "ring":
+        c = t_local // 2
+        return [(rank * c, c), ((2 * size - 1 - rank) * c, c)]
+    return [(rank * t_local, t_local)]
+
+
+def local_positions(rank: int, size: int, mode: str, t_local: int,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions of this rank's ``t_local`` tokens, in local order (int64 [t_local])."""
+    return torch.cat([torch.arange(s, s + n, device=device)
+                      for s, n in chunk_starts(rank, size, mode, t_local)])
+
+
+def split_sequence(t: torch.Tensor, rank: int, size: int, mode: str, dim: int = 1) -> torch.Tensor:
+    """This rank's part of a whole sequence ``t`` (length divisible by 2N for ring, N else)."""
+    if size == 1:
+        return t
+    T = t.shape[dim]
+    parts = 2 * size if mode == "ring" else size
+    if T % parts:
+        raise ValueError(f"sequence of {T} tokens cannot be split into {parts} equal chunks")
+    idx = local_positions(rank, size, mode, T // size, t.device)
+    return t.index_select(dim, idx).contiguous()
+
+
+def _count(kind: str, nbytes: int) -> None:
+    """Record bytes this rank sends with the communication counters of :mod:`megaformer.comm`."""
+    for c in comm._COUNTERS:
+        c.bytes[kind] += int(nbytes)
+        c.calls[kind] += 1
+
+
+#: chunk-pair products of the ring's forward pass, per process (a benchmark/test reads and resets it)
+RING_WORK: Counter = Counter()
+
+
+@dataclass
+class ContextParallel:
+    """This rank's place in its context-parallel group and how attention spans the group.
+
+    ``active`` is False inside :meth:`disabled`: the model then runs on whole sequences on every
+    rank (diagnostics, which are exact that way)."""
+
+    group: Any
+    size: int
+    rank: int
+    mode: str
+    ranks: list[int] = field(default_factory=list)
+    active: bool = True
+    tile: int = 512  # ring: chunk pairs are computed in tiles of at most tile x tile positions
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"context mode {self.mode!r}: choose from {MODES}")
+        if not self.ranks:
+            self.ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
+                          else list(range(self.size)))
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        saved, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = saved
+
+    # ------------------------------------------------------------ sequences
+
+    def positions(self, t_local: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of this rank's ``t_local`` tokens."""
+        return local_positions(self.rank, self.size, self.mode, t_local, device)
+
+    def split(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return split_sequence(t, self.rank, self.size, self.mode, dim)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole sequences [B, T] from every rank's part [B, T/N] (no gradient)."""
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        B, tl = t.shape[:2]
+        full = t.new_empty((B, tl * self.size, *t.shape[2:]))
+        for r, part in enumerate(parts):
+            full[:, local_positions(r, self.size, self.mode, tl, t.device)] = part
+        return full
+
+    def documents(self, input_ids: torch.Tensor, eod_id: int, *, backend: str, head_dim: int,
+                  dtype: torch.dtype, window: Optional[int]) -> DocumentMask:
+        """The document boundaries of the whole sequences (ids gathered over the group): the
+        ring reads the document ids; all-to-all the mask of its attention backend."""
+        full = self.gather(input_ids)
+        if self.mode == "ring":
+            return DocumentMask(document_ids(full, eod_id))
+        return document_mask(full, eod_id, backend=backend, head_dim=head_dim, dtype=dtype,
+                             window=window)
+
+    def scale_loss(self, loss: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+                   ) -> torch.Tensor:
+        """loss (the mean over this rank's n_r counted labels) * N n_r / sum_r n_r: the gradients
+        averaged over the group (DeepSpeed averages over data x context ranks) are those of the
+        mean over the whole sequences, and so is the loss averaged over the group."""
+        n_local = (labels != ignore_index).sum().to(torch.float32)
+        n = n_local.detach().clone()
+        dist.all_reduce(n, group=self.group)
+        return loss * (n_local * self.size / n).to(loss.dtype)
+
+    # ------------------------------------------------------------ attention
+
+    def attention(self, core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, *, causal: bool, dropout_p: float, backend: str,
+                  doc_ids: Optional[DocumentMask], window: Optional[int]) -> torch.Tensor:
+        """softmax(Q K^T / sqrt(d) + M) V over the whole sequence for this rank's queries:
+        q [B, h, T/N, d], k, v [B, h_kv, T/N, d] -> [B, h, T/N, d]."""
+        if self.mode == "ring":
+            if dropout_p > 0:
+                raise ValueError("ring attention has no attention dropout")
+            docs = doc_ids.doc_ids if doc_ids is not None else None
+            return ring_attention(q, k, v, self, causal=causal, doc_ids=docs, window=window)
+        return ulysses_attention(core, q, k, v, self, causal=causal, dropout_p=dropout_p,
+                                 backend=backend, doc_ids=doc_ids, window=window)
+
+
+def context_disabled(model: Any) -> contextlib.AbstractContextManager:
+    """Run ``model`` on whole sequences on every rank for the duration (a no-op without CP)."""
+    cp = getattr(model, "context", None)
+    return cp.disabled() if cp is not None else contextlib.nullcontext()
+
+
+def apply_context(model: Any, topo: Any, mode: str) -> Optional[ContextParallel]:
+    """Attach the context-parallel group to ``model`` (its embedding, attention and loss)."""
+    if topo.cp == 1:
+        return None
+    cp = ContextParallel(topo.group("cp"), topo.cp, topo.cp_rank, mode)
+    model.context = cp
+    for block in model.layers:
+        block.attn.context = cp
+    return cp
+
+
+# ----------------------------------------------------------------------------- ring attention
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, T, X] -> [B, Hkv, g T, X]: the g query heads of each key/value head stacked."""
+    B, H, T, X = x.shape
+    return x.reshape(B, kv_heads, (H // kv_heads) * T, X)
+
+
+def _pair_mask(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: Optional[int],
+               qdoc: Optional[torch.Tensor], kdoc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Boolean [B|1, 1, Tq, Tk], True where a query may see a key; None: it sees all."""
+    diff = qpos[:, None] - kpos[None, :]
+    mask = None
+    if causal:
+        mask = diff >= 0
+        if window is not None:
+            mask = mask & (diff < window)
+    if qdoc is not None:
+        same = qdoc[:, :, None] == kdoc[:, None, :]
+        return (same if mask is None else same & mask).unsqueeze(1)
+    return None if mask is None else mask[None, None]
+
+
+def _visible(q0: int, qn: int, k0: int, kn: int, causal: bool, window: Optional[int]) -> bool:
+    """Whether any query of [q0, q0+qn) may see a key of [k0, k0+kn) (else the pair is skipped)."""
+    if not causal:
+        return True
+    if q0 + qn - 1 < k0:
+        return False
+    return window is None or q0 - (k0 + kn - 1) < window
+
+
+def _pairs(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int]):
+    """The (query slice, key slice, query start, key start) chunk pairs to compute between this
+    rank's queries and the keys/values of rank ``src``."""
+    mine = chunk_starts(cp.rank, cp.size, cp.mode, tl)
+    theirs = chunk_starts(src, cp.size, cp.mode, tl)
+    qoff = koff = 0
+    out = []
+    for q0, qn in mine:
+        koff = 0
+        for k0, kn in theirs:
+            if _visible(q0, qn, k0, kn, causal, window):
+                out.append((slice(qoff, qoff + qn), slice(koff, koff + kn), q0, k0))
+            koff += kn
+        qoff += qn
+    return out
+
+
+def _tiles(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int],
+           count: bool):
+    """The chunk pairs of :func:`_pairs` cut into tiles of at most ``cp.tile`` queries and keys
+    (the scores of one tile are what lives at a time), tiles nobody sees skipped. ``count``:
+    add the chunk pairs and tiles to :data:`RING_WORK`."""
+    t = cp.tile
+    for qs, ks, q0, k0 in _pairs(cp, src, tl, causal, window):
+        RING_WORK["pairs"] += count
+        for i in range(0, qs.stop - qs.start, t):
+            qn = min(t, qs.stop - qs.start - i)
+            for j in range(0, ks.stop - ks.start, t):
+                kn = min(t, ks.stop - ks.start - j)
+                if _visible(q0 + i, qn, k0 + j, kn, causal, window):
+                    RING_WORK["tiles"] += count
+                    yield (slice(qs.start + i, qs.start + i + qn),
+                           slice(ks.start + j, ks.start + j + kn), q0 + i, k0 + j)
+
+
+def _masks(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int],
+           doc_ids: Optional[torch.Tensor], device: torch.device, count: bool = False):
+    """Each tile with its mask (None where every query sees every key)."""
+    for qs, ks, q0, k0 in _tiles(cp, src, tl, causal, window, count):
+        qn, kn = qs.stop - qs.start, ks.stop - ks.start
+        full_view = (not causal or (q0 >= k0 + kn - 1 and (window is None or q0 + qn - 1 - k0 < window)))
+        qpos = torch.arange(q0, q0 + qn, device=device)
+        kpos = torch.arange(k0, k0 + kn, device=device)
+        if doc_ids is not None:
+            mask = _pair_mask(qpos, kpos, causal, window, doc_ids[:, q0:q0 + qn], doc_ids[:, k0:k0 + kn])
+        else:
+            mask = None if full_view else _pair_mask(qpos, kpos, causal, window, None, None)
+        yield qs, ks, mask
+
+
+def _tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
+                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """S = Q K^T * scale (+ mask: -inf where hidden), fp32 [B, H, Tq, Tk]; one buffer, in place."""
+    B, H, tq, _ = q.shape
+    s = torch.matmul(_grouped(q, k.shape[1]), k.transpose(-2, -1)).view(B, H, tq, -1).mul_(scale)
+    return s.masked_fill_(~mask, float("-inf")) if mask is not None else s
+
+
+class _RingPass:
+    """One asynchronous pass: send ``t`` to the next rank of the ring, receive the previous one's."""
+
+    def __init__(self, t: torch.Tensor, cp: ContextParallel, kind: str) -> None:
+        self.recv = torch.empty_like(t)
+        nxt, prv = cp.ranks[(cp.rank + 1) % cp.size], cp.ranks[(cp.rank - 1) % cp.size]
+        ops = [dist.P2POp(dist.isend, t, nxt, cp.group), dist.P2POp(dist.irecv, self.recv, prv, cp.group)]
+        self.reqs = dist.batch_isend_irecv(ops)
+        _count(kind, t.numel() * t.element_size())
+
+    def wait(self) -> torch.Tensor:
+        for r in self.reqs:
+            r.wait()
+        return self.recv
+
+
+class RingAttention(torch.autograd.Function):
+    """Exact attention over the context group by passing K/V blocks around it (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,  # type: ignore[override]
+                causal: bool, doc_ids: Optional[torch.Tensor], window: Optional[int],
+                scale: float) -> torch.Tensor:
+        B, H, tl, D = q.shape
+        hkv = k.shape[1]
+        qf = q.float()
+        o = torch.zeros(B, H, tl, D, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, H, tl), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v)).contiguous()
+        src = cp.rank
+        for step in range(cp.size):
+            pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
+            kf, vf = kv[0].float(), kv[1].float()
+            for qs, ks, mask in _masks(cp, src, tl, causal, window, doc_ids, q.device, True):
+                qn = qs.stop - qs.start
+                s = _tile_scores(qf[:, :, qs], kf[:, :, ks], scale, mask)
+                l_b = torch.logsumexp(s, dim=-1)
+                p = s.sub_(torch.where(torch.isinf(l_b), 0.0, l_b).unsqueeze(-1)).exp_()
+                o_b = torch.matmul(_grouped(p, hkv), vf[:, :, ks]).view(B, H, qn, D)
+                l_old = lse[:, :, qs]
+                l_new = torch.logaddexp(l_old, l_b)
+                safe = torch.where(torch.isinf(l_new), 0.0, l_new)
+                o[:, :, qs] = (o[:, :, qs] * torch.exp(l_old - safe).unsqueeze(-1)
+                               + o_b * torch.exp(l_b - safe).unsqueeze(-1))
+                lse[:, :, qs] = l_new
+            if pending is not None:
+                kv = pending.wait()
+            src = (src - 1) % cp.size
+        ctx.save_for_backward(q, k, v, o, lse, doc_ids if doc_ids is not None else torch.empty(0))
+        ctx.cp, ctx.causal, ctx.window, ctx.scale = cp, causal, window, scale
+        ctx.has_docs = doc_ids is not None
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):  # type: ignore[override]
+        q, k, v, o, lse, doc_ids = ctx.saved_tensors
+        doc_ids = doc_ids if ctx.has_docs else None
+        cp, causal, window, scale = ctx.cp, ctx.causal, ctx.window, ctx.scale
+        B, H, tl, D = q.shape
+        hkv = k.shape[1]
+        qf, dof = q.float(), do.float()
+        delta = (dof * o).sum(-1)  # D_i = rowsum(dO o O)
+        dq = torch.zeros_like(qf)
+        kv = torch.stack((k, v)).contiguous()
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        src = cp.rank
+        for step in range(cp.size):
+            pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
+            kf, vf = kv[0].float(), kv[1].float()
+            for qs, ks, mask in _masks(cp, src, tl, causal, window, doc_ids, q.device):
+                qn = qs.stop - qs.start
+                p = _tile_scores(qf[:, :, qs], kf[:, :, ks], scale, mask)
+                p = p.sub_(lse[:, :, qs].unsqueeze(-1)).exp_()  # P = exp(S - l)
+                do_g = _grouped(dof[:, :, qs], hkv)
+                dkv[1][:, :, ks] += torch.matmul(_grouped(p, hkv).transpose(-2, -1), do_g)
+                dp = torch.matmul(do_g, vf[:, :, ks].transpose(-2, -1)).view(B, H, qn, -1)
+                ds = dp.sub_(delta[:, :, qs].unsqueeze(-1)).mul_(p).mul_(scale)  # dS * scale
+                dq[:, :, qs] += torch.matmul(_grouped(ds, hkv), kf[:, :, ks]).view(B, H, qn, D)
+                dkv[0][:, :, ks] += torch.matmul(_grouped(ds, hkv).transpose(-2, -1),
+                                                 _grouped(qf[:, :, qs], hkv))
+            # the accumulators follow their block: after N passes they are back with its owner
+            dkv = _RingPass(dkv, cp, "cp_ring_dkv").wait()
+            if pending is not None:
+                kv = pending.wait()
+            src = (src - 1) % cp.size
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None, None, None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
+                   causal: bool = True, doc_ids: Optional[torch.Tensor] = None,
+                   window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(Q K^T * scale + M) V over the whole sequence, q [B, H, T/N, d] and k, v
+    [B, Hkv, T/N, d] this rank's tokens in the ring layout; ``doc_ids`` [B, T]: the document id
+    of every position of the *whole* sequences (None: no document mask)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring attention: {q.shape[1]} query heads not a multiple of {k.shape[1]} "
+                         "key/value heads")
+    T = q.shape[2] * cp.size
+    if window is not None and window >= T:
+        window = None
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return RingAttention.apply(q, k, v, cp, causal, doc_ids, window, scale)
+
+
+# ----------------------------------------------------------------------------- all-to-all
+
+def _all_to_all(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """all_to_all_single over dim 0 (N equal blocks): block j goes to rank j."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=cp.group)
+    _count("cp_all_to_all", x.numel() * x.element_size() * (cp.size - 1) // cp.size)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """[B, H, T/N, d] (this rank's positions, all heads) -> [B, H/N, T, d] (all positions)."""
+    B, H, tl, D = x.shape
+    n = cp.size
+    blocks = x.reshape(B, n, H // n, tl, D).transpose(0, 1).contiguous()  # [N, B, H/N, T/N, d]
+    got = _all_to_all(blocks, cp)  # got[j]: rank j's positions of this rank's heads
+    return got.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * tl, D)
+
+
+def _heads_to_seq(y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """[B, H/N, T, d] -> [B, H, T/N, d]: the inverse of :func:`_seq_to_heads`."""
+    B, hl, T, D = y.shape
+    n = cp.size
+    blocks = y.reshape(B, hl, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()  # [N, B, H/N, T/N, d]
+    got = _all_to_all(blocks, cp)  # got[j]: this rank's positions of rank j's heads
+    return got.transpose(0, 1).reshape(B, n * hl, T // n, D)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:  # type: ignore[override]
+        ctx.cp = cp
+        return _seq_to_heads(x, cp)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return _heads_to_seq(g.contiguous(), ctx.cp), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:  # type: ignore[override]
+        ctx.cp = cp
+        return _heads_to_seq(y.contiguous(), cp)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return _seq_to_heads(g.contiguous(), ctx.cp), None
+
+
+def ulysses_attention(core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cp: ContextParallel, *, causal: bool, dropout_p: float,
+                      backend: str, doc_ids: Optional[DocumentMask], window: Optional[int]
+                      ) -> torch.Tensor:
+    """``core`` (the attention core) on whole sequences of H/N heads, between two all-to-alls.
+
+    Key/value heads are repeated to a multiple of N first when there are fewer (or not a
+    multiple): query head i still reads key/value head i // (H / Hkv)."""
+    n, hkv = cp.size, k.shape[1]
+    if q.shape[1] % n:
+        raise ValueError(f"all-to-all context parallelism: {q.shape[1]} local heads not divisible "
+                         f"by the context degree {n}")
+    if hkv % n:
+        reps = (hkv * n // math.gcd(hkv, n)) // hkv
+        k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
+    qh, kh, vh = (_SeqToHeads.apply(t, cp) for t in (q, k, v))
+    y = core(qh, kh, vh, causal=causal, dropout_p=dropout_p, backend=backend, doc_ids=doc_ids,
+             window=window)
+    return _HeadsToSeq.apply(y, cp)

@@ -1,0 +1,310 @@
+"""FP8 training (train.fp8, emulated on CPU): the FP8 linear equals a hand-written
+quantise -> matmul -> dequantise reference (tensorwise and rowwise, forward and backward), TP=2
+equals TP=1, a tiny model trains as well as in fp32, and a device without FP8 GEMMs is refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megaformer.errors import ConfigError
+from tests.dist_harness import run_ranks
+from tests.helpers import assert_one_line_error, cli_main, tiny_model, tiny_overrides
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _qdq(t: torch.Tensor, dtype: torch.dtype, dim=None, pow2: bool = False) -> torch.Tensor:
+    """deq(q(t)): scale s = fp8_max / amax (over ``dim``, keeping it, or the whole tensor),
+    optionally rounded down to a power of two; saturate, round to ``dtype``, divide by s."""
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    fmax = torch.finfo(dtype).max
+    s = (fmax / amax.double().clamp(min=1e-12)).float()
+    if pow2:
+        s = torch.exp2(torch.floor(torch.log2(s)))
+    return (t.float() * s).clamp(-fmax, fmax).to(dtype).float() / s
+
+
+def _reference(x, w, dy, recipe):
+    """(y, dx, dw) of y = x w^T with every GEMM operand quantised as the recipe says."""
+    if recipe == "tensorwise":
+        y = _qdq(x, E4M3) @ _qdq(w, E4M3).t()
+        dx = _qdq(dy, E5M2) @ _qdq(w, E4M3)
+        dw = _qdq(dy, E5M2).t() @ _qdq(x, E4M3)
+    else:  # one scale per row of the contraction: X, W over K; dY, W over N; dY, X over M
+        y = _qdq(x, E4M3, 1, True) @ _qdq(w, E4M3, 1, True).t()
+        dx = _qdq(dy, E4M3, 1, True) @ _qdq(w, E4M3, 0, True)
+        dw = _qdq(dy, E4M3, 0, True).t() @ _qdq(x, E4M3, 0, True)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_equals_quantise_matmul_dequantise(recipe):
+    from megaformer.parallel.fp8 import Fp8Matmul
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 32, generator=g) * torch.linspace(0.1, 3, 24)[:, None]  # rows differ
+    w = torch.randn(48, 32, generator=g) * 0.2
+    b = torch.randn(48, generator=g)
+    dy = torch.randn(24, 48, generator=g) * 1e-3
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y = Fp8Matmul(recipe, emulate=True)(xr.view(2, 12, 32), wr, br)
+    y.backward(dy.view(2, 12, 48))
+    ry, rdx, rdw = _reference(x, w, dy, recipe)
+    torch.testing.assert_close(y.view(24, 48), ry + b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(xr.grad, rdx, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(wr.grad, rdw, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(br.grad, dy.sum(0))
+    # and it is a quantisation: not the high-precision product, but close to it
+    err = float((y.detach().view(24, 48) - b - x @ w.t()).norm() / (x @ w.t()).norm())
+    assert 1e-4 < err < 0.1
+
+
+def _tp_fp8(rank: int, world: int, recipe: str, sp: bool) -> dict:
+    from megaformer.parallel.fp8 import apply_fp8
+    from tests.helpers import reference_and_tensor_parallel
+
+    cfg = tiny_model(vocab_size=64, n_heads=4, n_kv_heads=2, d_model=32, d_ffn=64, max_seq_len=16)
+    ref, tp, topo, _ = reference_and_tensor_parallel(cfg, world, rank, sp)
+    assert apply_fp8(ref, recipe, True) == 2 * 7
+    apply_fp8(tp, recipe, True, topo.group("tp"))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (2, 16), generator=gen)
+    y = torch.randint(0, 64, (2, 16), generator=gen)
+    losses = []
+    for m in (ref, tp):
+        loss = m(x, y)
+        loss.backward()
+        losses.append(loss.item())
+    errs = {}
+    for (name, p_ref), (_, p_tp) in zip(ref.named_parameters(), tp.named_parameters()):
+        g = p_tp.grad
+        if getattr(p_tp, "tensor_model_parallel", False):
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
+            g = torch.cat(parts, dim=p_tp.partition_dim)
+        r = p_ref.grad
+        if "emb" in name or "lm_head" in name:
+            g, r = g[:64], r[:64]
+        errs[name] = float((g - r).norm() / r.norm().clamp(min=1e-30))
+    return {"losses": losses, "errs": errs}
+
+
+def _tp_layers(rank: int, world: int, recipe: str) -> float:
+    """Column- and row-parallel FP8 layers against one process's FP8 layer: the worst relative
+    error of y, dx and dw over both layers. The split dimension's halves differ 4096x in size in
+    X and dY, and inversely in W, so both halves contribute alike to every product: a scale taken
+    from one shard alone would quantise the small half differently (rowwise scales are powers of
+    two, so only through e4m3's subnormal range, which 4096x reaches)."""
+    import torch.nn as nn
+
+    from megaformer.parallel.fp8 import Fp8Matmul
+    from megaformer.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    g = torch.Generator().manual_seed(2)
+    big = torch.ones(32)
+    big[:16] = 4096.0
+    x = torch.randn(8, 32, generator=g) * big                  # over K
+    w = torch.randn(32, 32, generator=g) / big[:, None] / big  # over N and K
+    dy = torch.randn(8, 32, generator=g) * big                 # over N
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = Fp8Matmul(recipe, True)(xr, wr)
+    y.backward(dy)
+    full = nn.Linear(32, 32, bias=False)
+    full.weight.data.copy_(w)
+    part = slice(rank * 32 // world, (rank + 1) * 32 // world)
+    group = dist.group.WORLD
+    errs = []
+    for layer, split in ((ColumnParallelLinear(full, group, False), "N"),
+                         (RowParallelLinear(full, group, False), "K")):
+        layer.fp8 = Fp8Matmul(recipe, True, split, group)
+        xi = (x if split == "N" else x[:, part]).clone().requires_grad_()
+        yi = layer(xi)
+        yi.backward(dy[:, part] if split == "N" else dy)
+        pairs = [(yi, y[:, part] if split == "N" else y),
+                 (xi.grad, xr.grad if split == "N" else xr.grad[:, part]),
+                 (layer.weight.grad, wr.grad[part] if split == "N" else wr.grad[:, part])]
+        errs += [float((a - b).norm() / b.norm()) for a, b in pairs]
+    return max(errs)
+
+
+def _tp_fp8_cases(rank: int, world: int, cases: list) -> list[dict]:
+    out = [_tp_fp8(rank, world, recipe, sp) for recipe, sp in cases]
+    return out + [{recipe: _tp_layers(rank, world, recipe) for recipe in ("tensorwise", "rowwise")}]
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_fp8_equals_one_process():
+    """Shards quantised with the scales one process uses (amax all-reduced where a scale spans
+    a split dimension): losses and every gradient agree within 1e-5, with and without SP."""
+    cases = [(recipe, sp) for recipe in ("tensorwise", "rowwise") for sp in (False, True)]
+    results = run_ranks(2, _tp_fp8_cases, cases)
+    for case, (recipe, sp) in enumerate(cases):
+        for r in (rank[case] for rank in results):
+            ref_loss, tp_loss = r["losses"]
+            assert abs(tp_loss - ref_loss) <= 1e-5 * abs(ref_loss), (recipe, sp, r["losses"])
+            worst = max(r["errs"], key=r["errs"].get)
+            assert r["errs"][worst] < 1e-5, (recipe, sp, worst, r["errs"][worst])
+    for r in results:
+        assert max(r[-1].values()) < 1e-6, r[-1]
+
+
+def _train_losses(fp8: str, steps: int = 50) -> list[float]:
+    """A tiny model (d 64, 2 layers) trained from the same seed on the same byte batches."""
+    from megaformer.config import load_config
+    from megaformer.parallel.build import build_model
+
+    cfg = load_config("configs/quickstart.yaml", [
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.max_seq_len=64", "model.vocab_size=257", f"train.fp8={fp8}",
+        "train.fp8_emulate=true"])
+    model = build_model(cfg, device="cpu").model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    with open(os.__file__, "rb") as f:  # the standard library's os.py: some real text
+        text = f.read()
+    data = torch.tensor(list(text[:200_000]), dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 65, (8,), generator=gen)
+        batch = torch.stack([data[s:s + 65] for s in starts])
+        opt.zero_grad()
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+def test_tiny_model_trains_in_fp8_as_in_fp32():
+    """50 steps, fp32 master weights and non-FP8 ops: the final loss (mean of the last 5 steps)
+    of each FP8 recipe is within 2% of the fp32 run's, and FP8 did change the numbers."""
+    base = _train_losses("off")
+    assert base[-1] < 0.8 * base[0]  # it learns
+    for recipe in ("tensorwise", "rowwise"):
+        fp8 = _train_losses(recipe)
+        assert fp8 != base
+        final, ref = sum(fp8[-5:]) / 5, sum(base[-5:]) / 5
+        assert abs(final - ref) <= 0.02 * ref, (recipe, final, ref)
+
+
+def test_fp8_refused_without_fp8_gemms(tmp_path):
+    from megaformer.config import load_config
+    from megaformer.parallel.build import build_model
+    from megaformer.parallel.fp8 import check_fp8_device, fp8_gemm_support
+
+    assert fp8_gemm_support("cpu")[0] is False
+    cfg = load_config("configs/quickstart.yaml", ["train.fp8=rowwise"])
+    with pytest.raises(ConfigError, match="train.fp8=rowwise: the CPU has no FP8 GEMMs"):
+        build_model(cfg, device="cpu")
+    check_fp8_device(load_config("configs/quickstart.yaml", ["train.fp8=off"]).train, "cpu")
+    check_fp8_device(load_config("configs/quickstart.yaml",
+                                 ["train.fp8=rowwise", "train.fp8_emulate=true"]).train, "cpu")
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", *tiny_overrides(),
+                                   "train.fp8=tensorwise", "train.device=cpu",
+                                   "--run-dir", str(tmp_path / "run")),
+                          "train.fp8=tensorwise", "no FP8 GEMMs", "fp8_emulate")
+    assert not (tmp_path / "run").exists()  # refused before anything was built or written
+
+
+def test_fp8_shapes_need_multiples_of_16_without_emulation():
+    from megaformer.config import load_config
+
+    odd = ["model.d_model=200", "model.n_heads=10", "model.n_kv_heads=5"]  # d_k 20: width 200
+    with pytest.raises(ConfigError, match="d_model = 200 is not a multiple of 16"):
+        load_config("configs/quickstart.yaml", ["train.fp8=tensorwise", *odd])
+    with pytest.raises(ConfigError, match="key/value width kv_heads.head_dim / TP = 72 is not"):
+        load_config("configs/quickstart.yaml", ["train.fp8=rowwise", "model.head_dim=18"])
+    load_config("configs/quickstart.yaml", ["train.fp8=tensorwise", "train.fp8_emulate=true", *odd])
+    load_config("configs/quickstart.yaml", ["train.fp8=off", *odd])
+
+
+def test_fp8_converts_only_the_block_linears():
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.fp8 import apply_fp8
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_model(), padded_vocab_size=40)
+    assert apply_fp8(model, "tensorwise", True) == 2 * 7  # q k v o, w1 w3 w2 per block
+    converted = {n for n, m in model.named_modules() if getattr(m, "fp8", None) is not None}
+    assert converted == {f"layers.{i}.{n}" for i in range(2) for n in
+                         ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")}
+    assert apply_fp8(Transformer(tiny_model(), padded_vocab_size=40), "off", True) == 0
+
+
+@pytest.mark.slow
+def test_fp8_training_run_logs_dtype_split_and_compares_with_fp32(tmp_path):
+    """`megaformer train` with train.fp8 (emulated): MFU against the bf16 peak, TFLOP/s split by
+    the FP8 share of the FLOPs; `megaformer report FP32_RUN FP8_RUN` names the divergence."""
+    import json
+
+    from megaformer.analysis.flops import fp8_share
+    from megaformer.analysis.summary import resolve_vocab
+    from megaformer.config import load_config
+    from tests.helpers import run_cli
+
+    runs = {}
+    for name, fp8 in (("fp32", "off"), ("fp8", "tensorwise")):
+        overrides = tiny_overrides(**{"train.steps": 4, "eval.interval": 0, "eval.at_end": "false",
+                                      "log.peak_tflops": 0.5, "log.diagnostics": "true",
+                                      "log.diagnostics_interval": 2, "train.fp8": fp8,
+                                      "train.fp8_emulate": "true", "checkpoint.save_at_end": "false"})
+        runs[name] = tmp_path / name
+        r = run_cli("train", "configs/quickstart.yaml", *overrides, "--run-dir", str(runs[name]))
+        assert r.returncode == 0, r.stderr[-3000:]
+        recs = [json.loads(x) for x in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+        train = [x for x in recs if "tflops_per_gpu" in x]
+        assert train
+        if fp8 == "off":
+            assert "MFU vs bf16 peak" not in r.stdout and "fp8_tflops_per_gpu" not in train[0]
+            continue
+        assert "MFU vs bf16 peak" in r.stdout and "FP8:" in r.stdout
+        cfg = resolve_vocab(load_config("configs/quickstart.yaml", overrides))
+        share = fp8_share(cfg.model, 32)
+        assert 0.3 < share < 1
+        for x in train:
+            assert x["fp8_tflops_per_gpu"] == pytest.approx(share * x["tflops_per_gpu"])
+            assert x["hp_tflops_per_gpu"] == pytest.approx((1 - share) * x["tflops_per_gpu"])
+            assert x["mfu"] == pytest.approx(x["tflops_per_gpu"] / 0.5)
+    out = cli_main("report", str(runs["fp32"]), str(runs["fp8"]), "--threshold", "1e-9")
+    assert out.returncode == 0, out.stderr
+    assert "train loss: first diverges at step 1" in out.stdout  # FP8 rounding from the start
+    assert "residual RMS: first diverges at step 2, " in out.stdout
+    assert (runs["fp32"] / "compare_fp8" / "compare_diag_resid_rms.png").is_file()
+
+
+def test_fp8_share_of_the_flops_and_mixed_peak():
+    """The FP8 layers' FLOPs by hand for a GQA SwiGLU model; the peak of the mix; `megaformer
+    flops` under train.fp8 reports MFU against the bf16 peak and the FP8/mixed peaks."""
+    from megaformer.accelerators import find_accelerator
+    from megaformer.analysis.flops import forward_flops, fp8_forward_flops, fp8_share, mixed_peak
+    from megaformer.analysis.summary import flops_summary
+    from megaformer.config import ModelConfig, load_config
+
+    m = ModelConfig(vocab_size=1000, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, d_ffn=160,
+                    activation="swiglu", max_seq_len=128)
+    s = 128  # d_k 8: q 64, k and v 16 each
+    by_hand = 3 * (2 * s * 64 * (64 + 16 + 16) + 2 * s * 64 * 64 + 3 * 2 * s * 64 * 160)
+    assert fp8_forward_flops(m, s) == by_hand
+    total = forward_flops(m, s)
+    assert by_hand == total.qkv + total.attn_out + total.mlp
+    assert fp8_share(m, s) == pytest.approx(by_hand / total.total)
+    h100 = find_accelerator("H100-SXM")
+    assert mixed_peak(1.0, h100.peak("fp8"), h100.peak("bf16")) == pytest.approx(1979)
+    assert mixed_peak(0.5, 2000, 1000) == pytest.approx(1000 / 0.75)
+
+    cfg = load_config("configs/quickstart.yaml", ["train.fp8=tensorwise", "model.vocab_size=257"])
+    d = flops_summary(cfg, gpu="H100-SXM", step_time_s=0.01)
+    assert d["gpu"]["dtype"] == "bf16" and d["gpu"]["peak_tflops"] == 989.5
+    f = d["fp8"]
+    assert f["fp8_peak_tflops"] == 1979 and f["share"] == pytest.approx(fp8_share(cfg.model, 256))
+    assert f["mixed_peak_tflops"] == pytest.approx(mixed_peak(f["share"], 1979, 989.5))
+    assert d["measured"]["mfu"] == pytest.approx(d["measured"]["tflops_per_gpu"] / 989.5)
+    out = cli_main("flops", "configs/quickstart.yaml", "train.fp8=rowwise", "--gpu", "H200",
+                   "--step-time", "0.01")
+    assert out.returncode == 0 and "MFU vs bf16 peak" in out.stdout and "mixed peak" in out.stdout

@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""FP8 training against high precision: loss curves and step times, printed as tables.
+
+CPU (default): the quickstart-sized model (d 256, 8 layers, GQA, SwiGLU, byte vocabulary) trains
+``--steps`` steps from the same seed on the same batches of the standard library's source, once in
+high precision and once per FP8 recipe (emulated: the same quantisation, GEMMs dequantised to
+fp32, so *slower* than high precision; the time ratio is the cost of the emulated casts, not a
+speed-up). The three runs take their steps in turn on the same batches. Prints the loss every
+``--every`` steps, the final-loss ratio (mean of the last 5 steps) and the step-time ratio.
+
+    python tools/bench_fp8.py [--steps 50] [--precision fp32|bf16]
+
+GPU (``--gpu``, needs CUDA capability >= 8.9): times one 8B-shaped block's linear layers
+(Llama 3 8B: d 4096, q 4096, k/v 1024 each, SwiGLU FFN 14336), forward + backward over
+``--tokens`` tokens, in bf16 and in FP8 (tensorwise and rowwise, real torch._scaled_mm GEMMs),
+and prints ms per iteration, TFLOP/s and the speed-up over bf16.
+
+    python tools/bench_fp8.py --gpu [--tokens 8192] [--iters 20] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+# ----------------------------------------------------------------------------- CPU: losses
+
+def build(fp8: str, precision: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The quickstart model (same seed, same weights for every ``fp8``) and its AdamW."""
+    from megaformer.config import load_config
+    from megaformer.parallel.build import build_model
+
+    cfg = load_config("configs/quickstart.yaml", [
+        "model.vocab_size=257", f"model.max_seq_len={seq}", f"train.fp8={fp8}",
+        "train.fp8_emulate=true"])
+    model = build_model(cfg, device="cpu").model
+    model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    return model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+
+
+def train_side_by_side(steps: int, precision: str, seq: int = 128, batch: int = 8,
+                       seed: int = 0) -> dict[str, tuple[list[float], float]]:
+    """{fp8 mode: (loss per step, median step seconds after the first 3)}: the runs take their
+    steps in turn on the same batches, so a machine's changing load reaches all alike."""
+    runs = {mode: build(mode, precision, seq) for mode in ("off", *RECIPES)}
+    text = b"".join(p.read_bytes() for p in sorted(Path(os.__file__).parent.glob("*.py"))[:40])
+    data = torch.tensor(list(text), dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    losses: dict[str, list[float]] = {mode: [] for mode in runs}
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        tokens = torch.stack([data[s:s + seq + 1] for s in starts])
+        for mode, (model, opt) in runs.items():
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            times[mode].append(time.perf_counter() - t0)
+            losses[mode].append(loss.item())
+        if (step + 1) % 10 == 0:
+            print(f"# step {step + 1}/{steps}", file=sys.stderr, flush=True)
+    return {mode: (losses[mode], sorted(times[mode][3:])[(len(times[mode]) - 3) // 2])
+            for mode in runs}
+
+
+def cpu_report(steps: int, every: int, precision: str) -> None:
+    runs = train_side_by_side(steps, precision)
+    names = [precision] + [f"fp8 {r}" for r in RECIPES]
+    print(f"loss per step (quickstart model, batch 8 x 128 tokens, {precision} master weights; "
+          "FP8 emulated on CPU; the three runs step in turn on the same batches)")
+    print("| step | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for i in list(range(0, steps, every)) + ([steps - 1] if (steps - 1) % every else []):
+        print(f"| {i + 1} | " + " | ".join(f"{runs[k][0][i]:.4f}" for k in runs) + " |")
+    base_final = sum(runs["off"][0][-5:]) / 5
+    base_time = runs["off"][1]
+    print()
+    print("| run | final loss (mean of last 5) | ratio to " + precision
+          + " | median step (s) | step-time ratio (emulated: slower) |")
+    print("|---|---|---|---|---|")
+    for key, name in zip(runs, names):
+        final = sum(runs[key][0][-5:]) / 5
+        print(f"| {name} | {final:.4f} | {final / base_final:.4f} | {runs[key][1]:.3f} | "
+              f"{runs[key][1] / base_time:.2f} |")
+
+
+# ----------------------------------------------------------------------------- GPU: GEMMs
+
+def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
+    """bf16 vs FP8 forward + backward of an 8B-shaped block's linear layers on CUDA."""
+    from megaformer.parallel.fp8 import Fp8Matmul, check_fp8_device
+
+    class _Train:
+        fp8, fp8_emulate = "tensorwise", False
+
+    check_fp8_device(_Train, "cuda")
+    d, q, kv, f = 4096, 4096, 1024, 14336
+    shapes = {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "w1": (f, d),
+              "w3": (f, d), "w2": (d, f)}
+    dev = torch.device("cuda")
+    weights = {n: (torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+               for n, s in shapes.items()}
+    x_d = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    x_q = torch.randn(tokens, q, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    x_f = torch.randn(tokens, f, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    inputs = {"wq": x_d, "wk": x_d, "wv": x_d, "wo": x_q, "w1": x_d, "w3": x_d, "w2": x_f}
+    flops = sum(6 * tokens * s[0] * s[1] for s in shapes.values())  # forward + 2x backward
+
+    def step(mm) -> None:
+        for n, w in weights.items():
+            y = mm(inputs[n], w)
+            y.backward(torch.ones_like(y))
+
+    results = {}
+    for name, mm in [("bf16", torch.nn.functional.linear)] + [
+            (f"fp8 {r}", Fp8Matmul(r, emulate=False)) for r in RECIPES]:
+        fn = torch.compile(step) if compile_ else step
+        for _ in range(3):
+            fn(mm)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(mm)
+        torch.cuda.synchronize()
+        results[name] = (time.perf_counter() - t0) / iters
+    print(f"8B-shaped block linears, {tokens} tokens, forward + backward, "
+          f"{torch.cuda.get_device_name(dev)}{' (compiled)' if compile_ else ''}")
+    print("| GEMMs | ms/iter | TFLOP/s | speed-up vs bf16 |")
+    print("|---|---|---|---|")
+    for name, t in results.items():
+        print(f"| {name} | {1e3 * t:.2f} | {flops / t / 1e12:.0f} | {results['bf16'] / t:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--every", type=int, default=10, help="print the loss every N steps")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--gpu", action="store_true", help="time 8B-shaped GEMMs on CUDA instead")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compile", action="store_true", help="with --gpu: torch.compile the step")
+    args = ap.parse_args()
+    if args.gpu:
+        from megaformer.errors import UserError
+
+        try:
+            gpu_report(args.tokens, args.iters, args.compile)
+        except UserError as e:
+            sys.exit(f"bench_fp8: error: {e}")
+    else:
+        cpu_report(args.steps, args.every, args.precision)
+
+
+if __name__ == "__main__":
+    main()
