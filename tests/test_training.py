@@ -64,10 +64,13 @@ def test_run_dir_layout_and_metrics(trained):
 
 
 def test_loss_falls_below_unigram_baseline(tmp_path, text_corpus):
-    proc = train(tmp_path / "run", "train.steps=40", "eval.interval=0", "train.lr=1e-2",
+    # 80 steps: the tiny model sits at the unigram level for a while before it breaks through,
+    # and by step 40 only some seeds have (val loss 1.9-2.7 over seeds); by 80 every seed tried
+    # is >= 0.5 nats below the baseline
+    proc = train(tmp_path / "run", "train.steps=80", "eval.interval=0", "train.lr=1e-2",
                  "train.warmup_steps=4", corpus=text_corpus)
     ls = losses(tmp_path / "run")
-    assert sum(ls[s] for s in range(36, 41)) / 5 < ls[1] - 1.0
+    assert sum(ls[s] for s in range(76, 81)) / 5 < ls[1] - 1.0
     final = [line for line in proc.stdout.splitlines() if line.startswith("final:")][0]
     val = float(final.split("val loss ")[1].split()[0])
     unigram = float(final.split("unigram baseline ")[1].split()[0])
