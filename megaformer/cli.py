@@ -313,6 +313,10 @@ def _print_result(r) -> None:
         print(f"\nstopped at step {r.step} ({r.stopped}); checkpoint: {r.checkpoint}\n"
               "run the same command to resume from it")
         return
+    if math.isnan(r.train_loss) and r.val_loss is None:  # resumed at train.steps: no step ran
+        print(f"\nnothing to train: {r.run_dir} is already at step {r.step} (train.steps); raise "
+              "train.steps to continue, or give another --run-dir")
+        return
     print(f"\ndone: step {r.step} in {r.wall_s:.1f}s | {r.tokens_per_s:,.0f} tokens/s (training)")
     val = (f"val loss {r.val_loss:.4f} (ppl {math.exp(min(r.val_loss, 50)):.2f})"
            if r.val_loss is not None else "val loss not evaluated")

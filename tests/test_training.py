@@ -230,3 +230,14 @@ def test_half_written_checkpoint_is_ignored(trained, tmp_path):
     from megaformer.checkpoint.io import latest_checkpoint
 
     assert latest_checkpoint(run / "checkpoints").name == "step_0000003"
+
+
+def test_rerun_of_a_finished_run_says_there_is_nothing_to_train(trained, tmp_path):
+    run = tmp_path / "again"
+    shutil.copytree(trained, run)
+    before = (run / "metrics.jsonl").read_text()
+    proc = train(run, "checkpoint.interval=3", "model.dropout=0.1", "log.tensorboard=true",
+                 "train.steps=6")
+    assert "nothing to train" in proc.stdout and "is already at step 6" in proc.stdout
+    assert "nan" not in proc.stdout
+    assert (run / "metrics.jsonl").read_text() == before
