@@ -511,6 +511,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+CONFIG_ERROR_GRACE_S = 15.0  # how long ranks > 0 wait for rank 0 to print a shared config error
+
+
 def _report(error: UserError) -> None:
     """One line on stderr. Under a launcher, config errors (the same on every rank) are printed by
     rank 0 only; other errors may be rank-specific and name their rank."""
@@ -519,6 +522,12 @@ def _report(error: UserError) -> None:
         print(f"megaformer: error: {error}", file=sys.stderr)
     elif not isinstance(error, ConfigError):
         print(f"megaformer: error (rank {rank}): {error}", file=sys.stderr)
+    else:
+        # rank 0 meets the same error and prints it; the launcher stops the other ranks when the
+        # first one exits, so give rank 0 the moment it needs (it ends this wait when it exits)
+        import time
+
+        time.sleep(CONFIG_ERROR_GRACE_S)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
