@@ -92,7 +92,7 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     model.eod_id = eod_id
     fill: Optional[Materializer] = None
     if lazy:
-        pieces = (stage_pieces(_stage_parts(cfg, topology, padded), topology.pp_rank, m.n_layers,
+        pieces = (stage_pieces(_stage_parts(cfg, topology, padded, model), topology.pp_rank, m.n_layers,
                                m.tie_embeddings) if pp > 1 else None)
         fill = Materializer(model, device, pieces, init=reader is None)
     if weights is not None and reader is None:
@@ -124,9 +124,13 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     return BuiltModel(pipe, model, tp_rng, names)
 
 
-def _stage_parts(cfg: Config, topology: Topology, padded: Optional[int]) -> list[int]:
-    """The pipeline's stage boundaries, from a model of shapes only laid out as this one."""
+def _stage_parts(cfg: Config, topology: Topology, padded: Optional[int],
+                 model: Transformer) -> list[int]:
+    """The pipeline's stage boundaries. Only ``parameters`` needs the split layout's parameter
+    counts: from a second model of shapes only, laid out as this one."""
     p = cfg.parallel
+    if p.pipeline_partition != "parameters":  # block counts: the unsplit model's blocks suffice
+        return stage_parts(model, topology.pp, p.pipeline_partition)
     with torch.device("meta"):
         probe = Transformer(cfg.model, padded_vocab_size=padded)
     parallelize(probe, topology, p.sequence_parallel, None)
