@@ -39,6 +39,15 @@ def test_plan_cli_json_and_errors():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["feasible"] and out["assumptions"]["memory_gb"] == 40
+    for x in out["feasible"]:   # ZeRO's memory table: model states per rank, each part named
+        m, zero = x["memory"], x["layout"]["zero"]
+        assert {"weights", "grads", "optimizer", "activations", "total"} <= set(m), sorted(m)
+        assert m["weights"] > 0 and m["grads"] > 0 and m["optimizer"] > 0
+        if zero == 0:   # bf16: 2 + 2 bytes/param, then fp32 master + Adam's two moments: 12
+            assert x["layout"]["precision"] == "bf16"
+            assert m["grads"] == pytest.approx(m["weights"])
+            assert m["optimizer"] == pytest.approx(6 * m["weights"])
+        assert m["total"] == pytest.approx(x["memory_gb"])
     assert_one_line_error(cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40"),
                           "--peak-tflops")
     assert_one_line_error(cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu", "XPU-9"),

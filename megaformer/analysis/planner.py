@@ -126,7 +126,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
     per_rank = CHECKPOINT_BYTES_PER_PARAM * ((P - X) / lay.replicas + X / lay.expert_replicas)
     return {
         "layout": asdict(lay), "memory_gb": mem.total / GB,
-        "memory": {k: v / GB for k, v in mem.as_dict().items() if isinstance(v, float)},
+        "memory": {k: float(v) / GB for k, v in mem.as_dict().items() if not isinstance(v, bool)},
         "step_time_s": step,
         "time": {"compute": compute, "tp_comm": tp_time, "dp_comm": dp_time, "pp_comm": pp_time,
                  "cp_comm": cp_time, "ep_comm": ep_time},
