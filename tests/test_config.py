@@ -224,13 +224,15 @@ def test_the_old_kernels_key_is_read_with_one_warning(caplog):
 
     loading._warned.clear()
     with caplog.at_level("WARNING", logger="megaformer"):
-        first = config_from_dict({"model": {"fused_kernels": "torch"}})
+        saved = config_from_dict({"model": {"fused_kernels": "torch"}})  # e.g. a checkpoint's
+        assert caplog.records == []
+        first = load_config(ROOT / "configs" / "quickstart.yaml", ["model.fused_kernels=torch"])
         again = load_config(ROOT / "configs" / "quickstart.yaml", ["model.fused_kernels=torch"])
-    assert first.model.kernels == again.model.kernels == "torch"
+    assert saved.model.kernels == first.model.kernels == again.model.kernels == "torch"
     warnings = [r.getMessage() for r in caplog.records if "fused_kernels" in r.getMessage()]
     assert warnings == ["model.fused_kernels is now called model.kernels; the old name will stop "
                         "working in a later release"]
-    assert "fused_kernels" not in first.to_yaml() and "kernels: torch" in first.to_yaml()
+    assert "fused_kernels" not in saved.to_yaml() and "kernels: torch" in saved.to_yaml()
     with pytest.raises(ConfigError, match="model.fused_kernels and model.kernels: the same key"):
         config_from_dict({"model": {"fused_kernels": "torch", "kernels": "auto"}})
     with pytest.raises(ConfigError, match=r"^model.fused_kernels='cuda': must be one of auto, torch"):

@@ -21,28 +21,30 @@ from megaformer.errors import ConfigError
 
 log = logging.getLogger("megaformer")
 
-# Keys that were renamed: (section, old name) -> new name. The old name is still read, with a
-# warning once per process that names the new one.
+# Keys that were renamed: (section, old name) -> new name. The old name is still read; in a config
+# a user wrote (load_config: the YAML file and the overrides) with a warning, once per process, that
+# names the new one. Configs saved in checkpoints are read without it.
 RENAMED_KEYS = {("model", "fused_kernels"): "kernels"}
 _warned: set[tuple[str, str]] = set()
 
 
-def _current_name(section: str, key: str, values: dict) -> str:
-    """``key`` as declared today: a renamed key's new name (warned about once), else ``key``."""
+def _current_name(section: str, key: str, values: dict, warn: bool) -> str:
+    """``key`` as declared today: a renamed key's new name (with ``warn``, warned about once),
+    else ``key``."""
     new = RENAMED_KEYS.get((section, key))
     if new is None:
         return key
     if new in values:
         raise ConfigError(f"{section}.{key} and {section}.{new}: the same key ({key} is its old "
                           f"name); keep {section}.{new}")
-    if (section, key) not in _warned:
+    if warn and (section, key) not in _warned:
         _warned.add((section, key))
         log.warning("%s.%s is now called %s.%s; the old name will stop working in a later "
                     "release", section, key, section, new)
     return new
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
+def _coerce(key: str, value: Any, tp: Any, warn: bool = False) -> Any:
     """Check ``value`` against the declared type ``tp`` (ints are accepted for floats; a
     ``Literal`` accepts only its values)."""
     origin = typing.get_origin(tp)
@@ -50,12 +52,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None:
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        return _coerce(key, value, inner)
+        return _coerce(key, value, inner, warn)
     if origin is list:  # a single scalar is a one-element list
         items = value if isinstance(value, list) else [value]
         return [_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(items)]
     if dataclasses.is_dataclass(tp):  # a nested section, e.g. model.moe
-        return _build_section(key, tp, value)
+        return _build_section(key, tp, value, warn)
     allowed = choices(tp)
     if allowed is not None:
         tp = type(allowed[0])
@@ -95,9 +97,9 @@ def _did_you_mean(word: str, candidates: Any, prefix: str = "") -> str:
     return f", did you mean '{prefix}{close[0]}'?" if close else ""
 
 
-def _build_section(name: str, cls: type, values: Any) -> Any:
+def _build_section(name: str, cls: type, values: Any, warn: bool = False) -> Any:
     """The section ``name`` of class ``cls`` from its mapping of keys, each checked against its
-    declared type (old names of renamed keys accepted, with a warning)."""
+    declared type (old names of renamed keys accepted; with ``warn``, warned about)."""
     if values is None:
         values = {}
     if not isinstance(values, dict):
@@ -106,17 +108,18 @@ def _build_section(name: str, cls: type, values: Any) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for written, value in values.items():
-        key = _current_name(name, written, values)
+        key = _current_name(name, written, values, warn)
         if key not in fields:
             raise ConfigError(f"unknown config key '{name}.{key}'"
                               f"{_did_you_mean(key, fields, name + '.')} "
                               f"(known keys in '{name}': {', '.join(fields)})")
-        kwargs[key] = _coerce(f"{name}.{written}", value, hints[key])
+        kwargs[key] = _coerce(f"{name}.{written}", value, hints[key], warn)
     return cls(**kwargs)
 
 
-def config_from_dict(raw: dict, name: str = "megaformer") -> Config:
-    """Build and validate a :class:`Config` from a nested dict."""
+def config_from_dict(raw: dict, name: str = "megaformer", *, warn_renamed: bool = False) -> Config:
+    """Build and validate a :class:`Config` from a nested dict; ``warn_renamed``: warn about the
+    old names of renamed keys (:data:`RENAMED_KEYS`)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
     known = list(SECTIONS) + ["deepspeed"]
@@ -124,7 +127,7 @@ def config_from_dict(raw: dict, name: str = "megaformer") -> Config:
         if key not in known:
             raise ConfigError(f"unknown config section '{key}'{_did_you_mean(key, known)} "
                               f"(known sections: {', '.join(known)})")
-    sections = {n: _build_section(n, cls, raw.get(n)) for n, cls in SECTIONS.items()}
+    sections = {n: _build_section(n, cls, raw.get(n), warn_renamed) for n, cls in SECTIONS.items()}
     ds = raw.get("deepspeed") or {}
     if not isinstance(ds, dict):
         raise ConfigError(f"deepspeed: expected a mapping, got {type(ds).__name__}")
@@ -148,4 +151,4 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping of sections at the top level")
     raw = apply_overrides(raw, list(overrides or []))
-    return config_from_dict(raw, name=p.stem)
+    return config_from_dict(raw, name=p.stem, warn_renamed=True)
