@@ -147,3 +147,126 @@ def test_help_lists_config_keys():
     assert out.returncode == 0
     for key, *_ in describe_keys():
         assert key in out.stdout
+
+
+# ----------------------------------------------------------------------------- the package's shape
+
+def test_a_misspelled_choice_is_one_line_naming_the_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"position": "ropes"}})
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg == ("model.position='ropes': must be one of sinusoidal, learned, rope, none, "
+                   "did you mean 'rope'?")
+    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=4: must be one of 0, 1, 2, 3$"):
+        config_from_dict({"parallel": {"zero_stage": 4}})
+    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "train.precision=bf61",
+                                   "--dry-run"),
+                          "train.precision='bf61'", "must be one of fp32, bf16, fp16",
+                          "did you mean 'bf16'?")
+
+
+def test_choices_are_declared_once_as_literal_types():
+    import typing
+
+    from megaformer.config.fields import choices
+
+    declared = {}
+    moe = typing.get_type_hints(SECTIONS["model"])["moe"]
+    for section, cls in {**SECTIONS, "model.moe": moe}.items():
+        for f in dataclasses.fields(cls):
+            assert "choices" not in f.metadata  # the annotation is the one declaration
+            allowed = choices(typing.get_type_hints(cls)[f.name])
+            if allowed:
+                declared[f"{section}.{f.name}"] = allowed
+    assert len(declared) == 17
+    assert declared["train.precision"] == ("fp32", "bf16", "fp16")
+    assert declared["parallel.zero_stage"] == (0, 1, 2, 3)
+    reference = {key: doc for key, _, _, doc in describe_keys()}
+    for key, allowed in declared.items():  # the reference (and --help-config) lists them
+        assert reference[key].endswith(" One of: " + ", ".join(map(str, allowed)) + ".")
+
+
+def test_head_dim_is_a_property_of_the_class():
+    from megaformer.config import ModelConfig
+
+    prop = vars(ModelConfig)["head_dim"]
+    assert isinstance(prop, property) and prop.fget.__qualname__ == "ModelConfig.head_dim"
+    m = ModelConfig(d_model=64, n_heads=4)
+    assert (m.head_dim, m.configured_head_dim) == (16, None)
+    wide = ModelConfig(d_model=64, n_heads=4, head_dim=32)
+    assert (wide.head_dim, wide.configured_head_dim) == (32, 32)
+    assert ModelConfig(**m.__dict__) == m and ModelConfig(**m.__dict__).configured_head_dim is None
+    assert Config(model=m).to_dict()["model"]["head_dim"] is None
+
+
+def test_one_map_from_precision_to_dtype():
+    import ast
+
+    import torch
+
+    from megaformer.config import precision_dtype
+
+    assert [precision_dtype(p) for p in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16,
+                                                                      torch.float16]
+    maps = []
+    for path in sorted((ROOT / "megaformer").rglob("*.py")) + sorted((ROOT / "tools").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict) and any(
+                    isinstance(k, ast.Constant) and k.value == "bf16" for k in node.keys) and any(
+                    isinstance(v, ast.Attribute) and v.attr == "bfloat16" for v in node.values):
+                maps.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert maps == ["megaformer/config/train.py:24"]
+
+
+def test_the_old_kernels_key_is_read_with_one_warning(caplog):
+    import megaformer.config.loading as loading
+
+    loading._warned.clear()
+    with caplog.at_level("WARNING", logger="megaformer"):
+        saved = config_from_dict({"model": {"fused_kernels": "torch"}})  # e.g. a checkpoint's
+        assert caplog.records == []
+        first = load_config(ROOT / "configs" / "quickstart.yaml", ["model.fused_kernels=torch"])
+        again = load_config(ROOT / "configs" / "quickstart.yaml", ["model.fused_kernels=torch"])
+    assert saved.model.kernels == first.model.kernels == again.model.kernels == "torch"
+    warnings = [r.getMessage() for r in caplog.records if "fused_kernels" in r.getMessage()]
+    assert warnings == ["model.fused_kernels is now called model.kernels; the old name will stop "
+                        "working in a later release"]
+    assert "fused_kernels" not in saved.to_yaml() and "kernels: torch" in saved.to_yaml()
+    with pytest.raises(ConfigError, match="model.fused_kernels and model.kernels: the same key"):
+        config_from_dict({"model": {"fused_kernels": "torch", "kernels": "auto"}})
+    with pytest.raises(ConfigError, match=r"^model.fused_kernels='cuda': must be one of auto, torch"):
+        config_from_dict({"model": {"fused_kernels": "cuda"}})
+
+
+def test_preflight_runs_once_per_train(tmp_path, monkeypatch):
+    """``megaformer train`` checks the world and the device once: preflight, and inside it the
+    DeepSpeed rule and the FP8 device check, each exactly once (wherever a module imported them)."""
+    import sys
+
+    import megaformer.config.preflight as pf
+    from megaformer.parallel import fp8
+    from tests.helpers import tiny_overrides
+
+    calls = {"preflight": 0, "validate_for_training": 0, "validate_for_world": 0,
+             "check_fp8_device": 0, "model_plan": 0}
+    originals = {"preflight": pf.preflight, "validate_for_training": pf.validate_for_training,
+                 "validate_for_world": pf.validate_for_world, "check_fp8_device": fp8.check_fp8_device,
+                 "model_plan": pf.model_plan}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("megaformer")]:
+        for name, original in originals.items():
+            if getattr(module, name, None) is original:
+                monkeypatch.setattr(module, name, counting(name))
+    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=1",
+                    "eval.at_end=false", "checkpoint.save_at_end=false", "train.device=cpu",
+                    "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert calls == {"preflight": 1, "validate_for_training": 1, "validate_for_world": 1,
+                     "check_fp8_device": 1, "model_plan": 1}

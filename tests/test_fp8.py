@@ -195,13 +195,13 @@ def test_tiny_model_trains_in_fp8_as_in_fp32():
 
 def test_fp8_refused_without_fp8_gemms(tmp_path):
     from megaformer.config import load_config
-    from megaformer.parallel.build import build_model
+    from megaformer.config.preflight import preflight
     from megaformer.parallel.fp8 import check_fp8_device, fp8_gemm_support
 
     assert fp8_gemm_support("cpu")[0] is False
     cfg = load_config("configs/quickstart.yaml", ["train.fp8=rowwise"])
     with pytest.raises(ConfigError, match="train.fp8=rowwise: the CPU has no FP8 GEMMs"):
-        build_model(cfg, device="cpu")
+        preflight(cfg, 1, "cpu")
     check_fp8_device(load_config("configs/quickstart.yaml", ["train.fp8=off"]).train, "cpu")
     check_fp8_device(load_config("configs/quickstart.yaml",
                                  ["train.fp8=rowwise", "train.fp8_emulate=true"]).train, "cpu")

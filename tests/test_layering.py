@@ -1,6 +1,6 @@
 """Dependencies flow one way: every import of every module in megaformer/ points down the layering
-written in megaformer/__init__.py (read from the source with ``ast``, imports inside functions
-included)."""
+written in megaformer/__init__.py, and inside a package no two modules import each other, directly or
+through others (read from the source with ``ast``, imports inside functions included)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ RANK = {
     "kernels": 1,
     "model": 2,
     "parallel": 3, "runtime": 3,
+    # the one module of config that asks the device (kernel selection, FP8): a layer of its own
+    "config.preflight": 3.5,
     "data": 4,
     "checkpoint": 5,
     "generation": 6,
@@ -32,12 +34,16 @@ PEERS_APART = {("parallel", "runtime"), ("runtime", "parallel"), ("analysis", "e
                ("evaluation", "analysis")}
 # (importing module, imported module) -> why an upward import is there for now. Keep it empty.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
+# Import cycles inside a package that are there for now (each a set of modules). Keep it empty.
+CYCLES: list[frozenset[str]] = [
+    frozenset({"megaformer.checkpoint.io", "megaformer.checkpoint.sharded"}),
+]
 
 
-def _modules() -> list[tuple[str, Path]]:
+def _modules(package: Path = PACKAGE) -> list[tuple[str, Path]]:
     out = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out.append((".".join(parts), path))
@@ -46,11 +52,14 @@ def _modules() -> list[tuple[str, Path]]:
 
 def _unit(module: str) -> str:
     parts = module.split(".")
+    if parts[1:3] == ["config", "preflight"]:
+        return "config.preflight"
     return parts[1] if len(parts) > 1 else "megaformer"
 
 
-def _imports(module: str, path: Path) -> list[tuple[str, int]]:
-    """(imported megaformer module, line) for every import statement, at any depth."""
+def _imports(module: str, path: Path, root: str = "megaformer") -> list[tuple[str, int]]:
+    """(imported module of ``root``, line) for every import statement, at any depth; ``from P
+    import m`` of a submodule ``m`` names ``P.m``."""
     found = []
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -63,7 +72,76 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
             else:
                 name = node.module or ""
             found.append((name, node.lineno))
-    return [(n, line) for n, line in found if n == "megaformer" or n.startswith("megaformer.")]
+            found += [(f"{name}.{a.name}", node.lineno) for a in node.names
+                      if _is_submodule(path, module, name, a.name)]
+    return [(n, line) for n, line in found if n == root or n.startswith(root + ".")]
+
+
+def _is_submodule(path: Path, module: str, package: str, name: str) -> bool:
+    """Whether ``package.name`` is a module file or folder next to ``module``'s tree."""
+    top = path.parents[len(module.split(".")) - (1 if path.name == "__init__.py" else 2)]
+    where = top.parent.joinpath(*package.split("."), name)
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
+
+
+def _cycles(package: Path = PACKAGE) -> list[frozenset[str]]:
+    """The sets of modules of one unit (a subpackage or top-level module) that import each other,
+    directly or round a longer loop (strongly connected components of the import graph)."""
+    modules = dict(_modules(package))
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets = {_known(t, modules) for t, _ in _imports(module, path, package.name)}
+        graph[module] = {t for t in targets if t and t != module and _unit(t) == _unit(module)
+                         and _unit(module) != package.name}
+    return [c for c in _components(graph) if len(c) > 1]
+
+
+def _known(name: str, modules: dict[str, Path]) -> str:
+    """``name``, or its nearest enclosing module (``from m import function`` names ``m.function``)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _components(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Tarjan's strongly connected components, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[frozenset[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                out.append(frozenset(component))
+    return out
 
 
 def test_every_unit_has_a_rank():
@@ -102,3 +180,22 @@ def test_the_package_docstring_names_every_unit():
     doc = megaformer.__doc__ or ""
     missing = [u for u in RANK if u not in ("megaformer", "__main__") and u not in doc]
     assert missing == []
+
+
+def test_no_import_cycle_inside_a_package():
+    found = _cycles()
+    assert [sorted(c) for c in found if c not in CYCLES] == []
+    assert [sorted(c) for c in CYCLES if c not in found] == [], "remove the cycles that are gone"
+
+
+def test_the_cycle_check_sees_an_intra_package_cycle(tmp_path):
+    root = tmp_path / "megaformer"
+    (root / "store").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "store" / "__init__.py").write_text("")
+    (root / "store" / "io.py").write_text("from megaformer.store import sharded\n")
+    (root / "store" / "sharded.py").write_text("def f():\n    from megaformer.store.io import g\n")
+    (root / "store" / "layout.py").write_text("from megaformer.store.io import g\n")
+    assert _cycles(root) == [frozenset({"megaformer.store.io", "megaformer.store.sharded"})]
+    (root / "store" / "sharded.py").write_text("def f():\n    return 1\n")
+    assert _cycles(root) == []

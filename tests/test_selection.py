@@ -82,7 +82,7 @@ def test_cuda_rules_for_the_other_ops(gpu_capabilities):
 
 
 def test_unknown_mode_and_op_are_refused():
-    with pytest.raises(ConfigError, match="fused_kernels='cuda'"):
+    with pytest.raises(ConfigError, match="kernels='cuda'"):
         set_mode("cuda")
     with pytest.raises(ValueError, match="unknown op"):
         choose("softmax2", "cpu", torch.float32)
@@ -95,7 +95,7 @@ def test_model_plan_names_every_op_of_the_model():
     assert set(plan) == {"linear", "projections", "attention", "rms_norm", "swiglu", "rope",
                          "dropout", "cross_entropy"}
     assert all(c.reason for c in plan.values())
-    torch_plan = dict(model_plan(ModelConfig(**{**cfg.__dict__, "fused_kernels": "torch"}),
+    torch_plan = dict(model_plan(ModelConfig(**{**cfg.__dict__, "kernels": "torch"}),
                                  torch.device("cpu"), torch.float32))
     assert {c.impl for op, c in torch_plan.items() if op != "attention"} == {"torch"}
     assert selection.get_mode() == "auto"  # the plan did not change this process's mode

@@ -51,7 +51,7 @@ def size_config(size: str, seq: int, batch: int, args: argparse.Namespace):
 
     model = dict(SIZES[size], vocab_size=32000 if size != "tiny" else 512, max_seq_len=seq,
                  position="rope", norm="rmsnorm", activation="swiglu", tie_embeddings=False,
-                 loss_chunk_tokens=args.loss_chunk_tokens, fused_kernels=args.fused_kernels,
+                 loss_chunk_tokens=args.loss_chunk_tokens, kernels=args.model_kernels,
                  attention_backend=args.attention_backend)
     train = dict(micro_batch_size=batch, global_batch_size=batch, precision=args.precision,
                  compile=args.compile, grad_clip=1.0)
@@ -68,7 +68,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--loss-chunk-tokens", type=int, default=4096)
-    p.add_argument("--fused-kernels", default="auto", choices=("auto", "torch"))
+    p.add_argument("--model-kernels", default="auto", choices=("auto", "torch"),
+                   help="model.kernels: auto (fast paths) or torch (plain torch ops)")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "flash", "sdpa", "reference"))
     p.add_argument("--compile", action="store_true", help="train.compile=true for megaformer")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers model")

@@ -139,7 +139,9 @@ def main() -> None:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_kernels: --device cuda but no CUDA device is available")
     dtype_name = args.dtype or ("bf16" if dev.type == "cuda" else "fp32")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    from megaformer.config import precision_dtype
+
+    dtype = precision_dtype(dtype_name)
     tflops_ceiling = gbps_ceiling = None
     label = f"{dev.type} ({torch.get_num_threads()} threads)"
     if dev.type == "cuda":

@@ -46,10 +46,11 @@ import torch
 from megaformer.analysis.flops import step_flops
 from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
-from megaformer.config import Config, ModelConfig
+from megaformer.config import Config, ModelConfig, precision_dtype
 from megaformer.errors import UserError
 from megaformer.kernels import native
 from megaformer.parallel.build import build_model
+from megaformer.parallel.fp8 import check_fp8_device
 from megaformer.runtime.host_allocator import configure_host_allocator
 from megaformer.runtime.optimizer import build_optimizer
 
@@ -148,7 +149,7 @@ def _kernel_plan(cfg: Config, dev: torch.device) -> list[list[str]]:
     from megaformer.kernels.selection import model_plan
 
     autocast = cfg.train.precision in ("bf16", "fp16")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+    dtype = precision_dtype(cfg.train.precision)
     plan = model_plan(cfg.model, dev, dtype, compiled=cfg.train.compile, autocast=autocast)
     return [[op, c.impl, c.reason] for op, c in plan]
 
@@ -158,7 +159,7 @@ def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> li
     t = cfg.train
     if t.precision == "fp16" and device.type != "cuda":
         raise UserError("bench: fp16 needs CUDA; use fp32 or bf16 on CPU")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+    dtype = precision_dtype(t.precision) if t.precision != "fp32" else None  # autocast
 
     def autocast() -> Any:
         return (torch.autocast(device.type, dtype=dtype) if dtype is not None
@@ -291,6 +292,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
     if want == "cuda" and not torch.cuda.is_available():
         raise UserError("bench --device cuda: no CUDA device is available")
     dev = torch.device(want)
+    check_fp8_device(cfg.train, dev)  # before anything is built
     if gpu is None and dev.type == "cuda" and peak is None:
         name = torch.cuda.get_device_name(dev)
         try:

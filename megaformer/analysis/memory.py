@@ -22,13 +22,13 @@ Activations of one micro-batch of b sequences of s tokens, n = b*s, in elements 
 implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.py; t = TP):
 
     norm (each of 2)      input, output = 2d (+ the normalised x = 3d for torch's unfused RMSNorm:
-                          model.fused_kernels=torch, or bf16 autocast on CPU)
+                          model.kernels=torch, or bf16 autocast on CPU)
     attention (fused)     q, k, v, out (= the output projection's input) = 2 h_q + 2 h_kv,
                           + log-sum-exp: a heads in fp32 (FlashAttention / SDPA's fused kernels)
     mlp                   GELU: 2f (pre-activation, activation);  SwiGLU: 4f (gate, silu, up, product),
-                          3f on fp32 CPU with fused_kernels=auto (gate, up, product: SiLU recomputed)
+                          3f on fp32 CPU with kernels=auto (gate, up, product: SiLU recomputed)
     dropout (p > 0)       a 1-byte mask per residual write (2d bytes per layer; dtype-sized with
-                          torch's CPU dropout, model.fused_kernels=torch)
+                          torch's CPU dropout, model.kernels=torch)
     output                final norm + log-probabilities n*V in fp32 (the native CPU loss,
                           megaformer/kernels/native.py: the padded logits n*Vp + one lse per token)
     backward transient    the larger of the output layer's (logits grad + fp32 log-prob grad; the
@@ -65,10 +65,9 @@ from typing import Optional
 
 import torch
 
-from megaformer.config import ModelConfig
+from megaformer.config import ModelConfig, precision_dtype
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DTYPE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -168,7 +167,7 @@ def _plan(cfg: ModelConfig, layout: Layout) -> dict:
     from megaformer.kernels.selection import model_plan
 
     autocast = layout.precision != "fp32"
-    dtype = DTYPE_TORCH[layout.precision] if layout.device == "cuda" or not autocast else torch.float32
+    dtype = precision_dtype(layout.precision) if layout.device == "cuda" or not autocast else torch.float32
     return {op: c.impl for op, c in model_plan(cfg, layout.device, dtype, autocast=autocast)}
 
 
@@ -204,7 +203,7 @@ def _native_cpu(cfg: ModelConfig, layout: Layout) -> bool:
 
     if layout.device != "cpu" or layout.precision != "fp32":
         return False
-    with kernel_mode(cfg.fused_kernels):
+    with kernel_mode(cfg.kernels):
         return choose("cross_entropy", "cpu", torch.float32, chunked=False).impl == "native"
 
 

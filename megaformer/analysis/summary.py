@@ -18,7 +18,6 @@ from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.config import Config
 from megaformer.errors import UserError
 
-PRECISION_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def resolve_vocab(cfg: Config) -> Config:
@@ -50,7 +49,7 @@ def flops_summary(cfg: Config, gpu: Optional[str] = None, gpus: int = 1,
         raise UserError(f"--step-time {step_time_s}: must be > 0")
     cfg = resolve_vocab(cfg)
     fp8 = cfg.train.fp8 != "off"
-    dtype = dtype or ("bf16" if fp8 else PRECISION_DTYPE[cfg.train.precision])  # MFU vs bf16 under fp8
+    dtype = dtype or ("bf16" if fp8 else cfg.train.precision)  # MFU vs bf16 under fp8
     peak_value = peak_tflops(gpu, dtype, peak)
     counts = count_parameters(cfg.model)
     flops = config_step_flops(cfg, causal=causal)

@@ -20,7 +20,7 @@ import torch
 
 from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
-from megaformer.config import Config
+from megaformer.config import Config, precision_dtype
 from megaformer.errors import CheckpointError, UserError
 from megaformer.evaluation import tasks as task_lib
 from megaformer.evaluation.forward import PipelineRunner, PlainRunner
@@ -28,7 +28,6 @@ from megaformer.evaluation.harness import make_lm
 from megaformer.parallel.build import build_model
 from megaformer.safe_files import check_file
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_TOKENIZER_BYTES = 1 << 30
 
 
@@ -76,7 +75,7 @@ def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
     pipeline = topo is not None and topo.pp > 1
     built = build_model(cfg, topo, device=device, weights=weights, weights_source=ckpt,
                         eod_id=tokenizer.eod_id, training=pipeline)
-    built.model.to(DTYPES[dtype]).eval()
+    built.model.to(precision_dtype(dtype)).eval()
     if pipeline:
         return PipelineRunner(built.model, built.plain, topo, device), tokenizer, cfg
     return PlainRunner(built.model, device=device), tokenizer, cfg

@@ -29,7 +29,7 @@ It saves y alone (torch's silu and mul keep g, u and SiLU(g): 3F per token inste
 recomputes SiLU(g) in backward; dy is the input gradient of the fused GEMM as is, where splitting y
 into g and u would concatenate dg and du (a copy of 2F per token).
 
-Used on fp32 CPU tensors in eager mode with ``model.fused_kernels=auto`` (implementations ``native``
+Used on fp32 CPU tensors in eager mode with ``model.kernels=auto`` (implementations ``native``
 and ``cpu`` of :mod:`megaformer.kernels.selection`): each function takes ``use_native``, one native
 kernel each way (:mod:`megaformer.kernels.native`), else the torch ops above. Tested equal to the
 references (tests/test_fast_paths.py).

@@ -11,7 +11,7 @@ generator, so ``torch.manual_seed`` and the tensor-parallel RNG forks govern it 
 saved mask is a bool. Where the native CPU kernels load (:mod:`megaformer.kernels.native`, fp32
 eager) one pass draws the mask from a counter-based hash (drop probability p to 2^-32) and writes
 the product. On CUDA torch's fused dropout kernel runs (``F.dropout``), and everywhere with
-``model.fused_kernels=torch`` (op ``dropout`` of :mod:`megaformer.kernels.selection`).
+``model.kernels=torch`` (op ``dropout`` of :mod:`megaformer.kernels.selection`).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ depends on the product: oneDNN for Y = X W^T, for dX = dY W only while W is smal
 the strided operand per call), MKL for dW = dY^T X (oneDNN needs both operands transposed in
 memory); the timings behind this rule are in docs/benchmarks.md.
 
-So, with ``model.fused_kernels=auto`` on fp32 CPU tensors outside autocast: Y on oneDNN; dX on
+So, with ``model.kernels=auto`` on fp32 CPU tensors outside autocast: Y on oneDNN; dX on
 oneDNN for weights of at most 2^20 elements (a strided operand oneDNN repacks per call: cheap for
-small weights, not for large ones), else ``torch.mm``; dW on ``torch.mm``. ``model.fused_kernels=torch``
+small weights, not for large ones), else ``torch.mm``; dW on ``torch.mm``. ``model.kernels=torch``
 keeps ``F.linear`` throughout. The choice is a rule on shapes, never a timing, so two runs on one
 machine compute the same bits (a resumed run equals the uninterrupted one).
 

@@ -35,7 +35,7 @@ created 0700; a cached library is loaded only when it and every folder up to the
 to this user and are not writable by group or others, and its sha256 matches the digest recorded at
 build time; otherwise it is rebuilt (into a private temporary folder when the cache is not
 private). No compiler, a failed build or ``MEGAFORMER_NATIVE=0``: the torch ops run instead, and :func:`status` says why (logged
-once by the trainer and the bench). ``model.fused_kernels=torch`` never uses them.
+once by the trainer and the bench). ``model.kernels=torch`` never uses them.
 """
 
 from __future__ import annotations

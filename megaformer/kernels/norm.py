@@ -13,7 +13,7 @@ extension, same dtypes, not under autocast, not a bias-less LayerNorm), else tor
 op for same dtypes, else the Triton kernel (bf16 activations with an fp32 gain); on fp32 CPU
 tensors in eager mode RMSNorm runs the native kernel or the fewer-pass autograd function of
 :mod:`megaformer.kernels.cpu_eager`; under Triton's interpreter the Triton kernel runs on CPU
-(tests); elsewhere (and with ``model.fused_kernels=torch``) the torch reference.
+(tests); elsewhere (and with ``model.kernels=torch``) the torch reference.
 
 The Triton kernels keep a row in registers: the warps per program grow with the row width
 (``_num_warps``), so wide rows (4096-8192 and more) do not spill, and the backward gives each

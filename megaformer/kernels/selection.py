@@ -23,7 +23,7 @@ resumed run and two tensor-parallel ranks always run the same kernels. Inside ``
 the torch implementations run (inductor fuses them into its own kernels) and the decision is a
 trace-time constant (no graph break).
 
-The kernel mode is set once per process (:func:`set_mode`, from ``model.fused_kernels``): ``auto``
+The kernel mode is set once per process (:func:`set_mode`, from ``model.kernels``): ``auto``
 takes the fastest implementation the rule allows, ``torch`` plain torch ops everywhere.
 """
 
@@ -60,7 +60,7 @@ def set_mode(mode: str) -> None:
     """Set the kernel mode of this process: ``auto`` (fastest allowed) or ``torch`` (plain torch)."""
     global _mode
     if mode not in MODES:
-        raise ConfigError(f"model.fused_kernels={mode!r}: must be one of {', '.join(MODES)}")
+        raise ConfigError(f"model.kernels={mode!r}: must be one of {', '.join(MODES)}")
     _mode = mode
 
 
@@ -241,7 +241,7 @@ def _decide(op: str, device: str, dtype: torch.dtype, mode: str, compiling: bool
     if op == "cross_entropy" and f.get("chunked"):
         return tuple(_cross_entropy(device, dtype, autocast, True))
     if mode == "torch":
-        return "torch", "model.fused_kernels=torch"
+        return "torch", "model.kernels=torch"
     if compiling:
         if op == "linear":
             return tuple(_linear(device, dtype, autocast))
@@ -339,7 +339,7 @@ def model_plan(model_cfg: object, device: torch.device | str, dtype: torch.dtype
     """(op, choice) for every op a model of ``model_cfg`` (a ModelConfig) runs in a training step
     on ``device`` with activations of ``dtype`` -- the trainer's summary and the bench print this.
     Under ``compiled`` the blocks' ops are traced (torch ops), the loss outside them is not."""
-    with kernel_mode(model_cfg.fused_kernels):
+    with kernel_mode(model_cfg.kernels):
         return _model_plan(model_cfg, device, dtype, compiled, autocast, training)
 
 

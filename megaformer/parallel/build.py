@@ -34,7 +34,7 @@ from megaformer.config import Config
 from megaformer.kernels.selection import set_mode
 from megaformer.model.block import compile_blocks
 from megaformer.model.transformer import Transformer
-from megaformer.parallel.fp8 import apply_fp8, check_fp8_device
+from megaformer.parallel.fp8 import apply_fp8
 from megaformer.parallel.experts import distribute_experts, expert_offset
 from megaformer.parallel.context import apply_context
 from megaformer.parallel.pipeline import (StagePieces, build_pipeline, original_names, stage_parts,
@@ -75,13 +75,11 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     tp = topology.tp if topology is not None else 1
     pp = topology.pp if topology is not None else 1
     device = torch.device(device)
-    if training:
-        check_fp8_device(t, device)  # before anything is built
     # the vocabulary is padded for training (TP splits, GEMM shapes); a model for generation
     # holds exactly the checkpoint's tables
     padded = (padded_vocab_size(m.vocab_size, tp, p.vocab_multiple) if training or tp > 1
               else None)
-    set_mode(m.fused_kernels)  # the kernel mode of this process (megaformer.kernels.selection)
+    set_mode(m.kernels)  # the kernel mode of this process (megaformer.kernels.selection)
     reader = weights if weights is not None and hasattr(weights, "shard") else None
     # split layouts build on the meta device and give values one block at a time, to this rank's
     # shards and pipeline stage only (unless whole weights are to be copied in first)

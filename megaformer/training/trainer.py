@@ -29,7 +29,8 @@ from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.checkpoint import portable, sharded
 from megaformer.checkpoint.compat import check_resume_compatible, layout_changes, relayout_changes
-from megaformer.config import Config, validate_for_training, validate_for_world
+from megaformer.config import Config
+from megaformer.config.preflight import preflight
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.data.setup import setup_data
 from megaformer.evaluation.training import TaskEvaluator
@@ -56,7 +57,6 @@ from megaformer.model.moe import load_router_state
 from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import split_sequence
-from megaformer.parallel.fp8 import check_fp8_device
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.pipeline import pipeline_state_dict
 from megaformer.parallel.plan import full_state_dict
@@ -109,13 +109,6 @@ def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
         pass
 
 
-def _precision_checks(cfg: Config, device: torch.device) -> None:
-    if cfg.train.precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision=fp16: needs a CUDA device; use bf16 or fp32 on CPU")
-    check_fp8_device(cfg.train, device)
-    validate_for_training(cfg)
-
-
 def _resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
     v = cfg.model.vocab_size
     if v is None:
@@ -131,8 +124,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.proc = dist.detect_process(cfg.train.device)
-        self.grad_accum = validate_for_world(cfg, self.proc.world_size)
-        _precision_checks(cfg, self.proc.device)
+        # every world- and device-dependent check, once; the op implementations it settled on
+        checked = preflight(cfg, self.proc.world_size, self.proc.device)
+        self.grad_accum = checked.grad_accum
         if run_dir.exists() and not run_dir.is_dir():
             raise CheckpointError(f"--run-dir {run_dir}: exists and is not a directory")
         self.run_dir = run_dir
@@ -158,13 +152,7 @@ class Trainer:
                          layout_changes(cfg, self.resume_from, self.proc.world_size)
                          if self.sharded_resume else
                          relayout_changes(cfg, self.resume_from, self.proc.world_size))
-        from megaformer.kernels.selection import model_plan
-
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        # which implementation runs for each op (also refuses a forced attention backend that
-        # cannot run here, before anything is built)
-        self.kernel_plan = model_plan(cfg.model, self.proc.device, dtype[cfg.train.precision],
-                                      compiled=cfg.train.compile)
+        self.kernel_plan = checked.kernel_plan
         self.attention_backend = dict(self.kernel_plan)["attention"]
         self.cfg = cfg
         self.rank = self.proc.rank
@@ -193,9 +181,8 @@ class Trainer:
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
         self.task_eval = TaskEvaluator.from_config(cfg)  # eval.tasks: checked before any work
-        wandb_log.check_available(cfg)
         configure_host_allocator(cfg.train.cpu_malloc, self.proc.device)  # before anything allocates
-        if self.proc.device.type == "cpu" and cfg.model.fused_kernels == "auto":
+        if self.proc.device.type == "cpu" and cfg.model.kernels == "auto":
             log.info("%s", native.status())  # built on first use (cached), before step 1
         if self.is_main:
             for tmp in ckpt_io.half_written(self.run_dir / ckpt_io.CHECKPOINTS):

@@ -35,12 +35,6 @@ def _import_wandb() -> Any:
     return wandb
 
 
-def check_available(cfg: Config) -> None:
-    """ConfigError (one line) when ``log.wandb`` is on and the package is missing."""
-    if cfg.log.wandb:
-        _import_wandb()
-
-
 def _run_id(run_dir: Path) -> str:
     path = run_dir / RUN_ID_FILE
     if path.is_file():

@@ -36,13 +36,14 @@ from megaformer.checkpoint.hf.llama import Llama, LlamaFamily
 from megaformer.checkpoint.hf.mistral import Mistral
 from megaformer.checkpoint.hf.moe import Mixtral, Qwen2Moe, Qwen3Moe
 from megaformer.checkpoint.hf.qwen import Qwen2, Qwen3
-from megaformer.checkpoint.hf.stream import (DTYPE_NAMES, TensorSource, check_inputs, output_specs,
+from megaformer.checkpoint.hf.stream import (TensorSource, check_inputs, output_specs,
                                               run_plan)
 from megaformer.checkpoint.hf.tokenizer_files import read_hf_tokenizer, write_hf_tokenizer
 from megaformer.checkpoint.hf.verify import DEFAULT_TOLERANCE
 from megaformer.checkpoint.hf.verify import verify as verify_logits
 from megaformer.checkpoint.sharded import ShardedWeights
-from megaformer.config import Config, ConfigError, config_from_dict, validate
+from megaformer.config import (PRECISIONS, Config, ConfigError, config_from_dict, precision_dtype,
+                               validate)
 from megaformer.data.tokenizer import NONE as NO_TOKENIZER
 from megaformer.data.tokenizer import load_tokenizer
 from megaformer.errors import CheckpointError, ConversionError
@@ -60,7 +61,6 @@ ARCHITECTURES: dict[str, Architecture] = {
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 _DTYPE_LABEL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # a sharded checkpoint holds fp32 master weights: exported in the precision the model trained in
-_TRAINED_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
@@ -86,9 +86,9 @@ def staged_output(dst: Path) -> Iterator[Path]:
 def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
     if name is None:
         return None
-    if name not in DTYPE_NAMES:
-        raise ConversionError(f"--dtype {name}: expected one of {', '.join(DTYPE_NAMES)}")
-    return DTYPE_NAMES[name]
+    if name not in PRECISIONS:
+        raise ConversionError(f"--dtype {name}: expected one of {', '.join(PRECISIONS)}")
+    return precision_dtype(name)
 
 
 def _read_megaformer(src: Path) -> tuple[Path, Config]:
@@ -139,7 +139,7 @@ def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Option
         log.warning("%s has no tokenizer.json (converted without one): the export has no "
                     "tokenizer files", ckpt)
     source = (TensorSource(ckpt) if (ckpt / ckpt_io.WEIGHTS).exists()
-              else ShardedWeights(ckpt, _TRAINED_DTYPE.get(cfg.train.precision, torch.float32)))
+              else ShardedWeights(ckpt, precision_dtype(cfg.train.precision)))
     plan = adapter.export_plan(m)
     out_dtype = _dtype(dtype)
     label = _DTYPE_LABEL.get(out_dtype or source.meta(plan[0].inputs[0]).dtype, "float32")

@@ -1,0 +1,103 @@
+"""``megaformer eval``: lm-evaluation-harness tasks on a checkpoint, at any layout."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from typing import Any
+
+from megaformer.errors import UserError
+
+NAME = "eval"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    ev = sub.add_parser(
+        "eval", help="score a checkpoint on lm-evaluation-harness tasks",
+        description="\n\n".join(textwrap.fill(p, 88) for p in (
+            "Run EleutherAI's lm-evaluation-harness tasks on a megaformer checkpoint (the latest "
+            "one of a run directory) with megaformer's own model and tokenizer: no conversion to "
+            "Hugging Face. Log-likelihood tasks (multiple choice), rolling log-likelihood "
+            "(perplexity, in windows of model.max_seq_len) and greedy generation (with the KV "
+            "cache) are supported.",
+            "Under torchrun/srun the model is laid out as in training: --tp/--pp split it, the "
+            "remaining ranks are data-parallel and share the requests; rank 0 gathers the scores, "
+            "prints a table and writes them as JSON (default CKPT/eval/TASKS.json, replaced "
+            "atomically).",
+            "Tasks come from lm-eval's registry or from --include-path (a folder of task YAMLs). "
+            "Needs pip install megaformer[eval]; set HF_DATASETS_OFFLINE=1 to keep dataset "
+            "loading off the network.")),
+        epilog="examples:\n"
+               "  megaformer eval runs/quickstart --tasks hellaswag,arc_easy --limit 100\n"
+               "  megaformer eval runs/quickstart --tasks my_task --include-path my_tasks/\n"
+               "  torchrun --nproc_per_node 8 -m megaformer eval runs/big --tasks mmlu --tp 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT")
+    ev.add_argument("--tasks", required=True, metavar="T1,T2",
+                    help="comma-separated lm-eval task (or group) names")
+    ev.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="at most N documents per task (default: all)")
+    ev.add_argument("--batch-size", type=int, default=8, metavar="B",
+                    help="sequences per forward pass (8)")
+    ev.add_argument("--include-path", metavar="DIR", help="folder of extra task YAMLs")
+    ev.add_argument("--output", metavar="PATH",
+                    help="results JSON (default: CKPT/eval/TASKS.json)")
+    ev.add_argument("--tp", type=int, default=1, help="tensor-parallel size under a launcher (1)")
+    ev.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
+    ev.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="weights and activations (fp32)")
+    ev.add_argument("--bootstrap-iters", type=int, default=0, metavar="N",
+                    help="standard errors: 0 = none (default); N > 0 = the exact one for mean "
+                         "metrics (accuracy) and N bootstrap resamples for the others "
+                         "(perplexity)")
+    ev.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="cuda (this rank's GPU) or cpu (default: cuda when available)")
+    return ev
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megaformer.checkpoint.io import resolve_checkpoint
+    from megaformer.evaluation import tasks as task_lib
+    from megaformer.training.distributed import detect_process, init_distributed
+
+    tasks = task_lib.parse_tasks(args.tasks)
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit {args.limit}: must be >= 1")
+    resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
+    proc = detect_process(args.device)
+    if proc.world_size % (args.tp * args.pp):
+        raise UserError(f"--tp {args.tp} x --pp {args.pp} does not divide the world size "
+                        f"{proc.world_size}")
+    manager = task_lib.task_manager(tasks, args.include_path)  # unknown task, or no lm-eval
+    topo = None
+    created = False
+    if proc.world_size > 1:
+        from megaformer.parallel.topology import build_topology
+
+        created = not torch.distributed.is_initialized()
+        if created:
+            init_distributed(proc)
+        topo = build_topology(proc.world_size, proc.rank, args.tp, args.pp)
+    elif args.tp * args.pp > 1:
+        raise UserError(f"--tp {args.tp} --pp {args.pp}: launch {args.tp * args.pp} or more "
+                        "processes (torchrun --nproc_per_node N -m megaformer eval ...)")
+    from megaformer.evaluation.checkpoint import evaluate_checkpoint
+
+    try:
+        out = evaluate_checkpoint(args.checkpoint, tasks, manager, topo=topo, device=proc.device,
+                                  is_main=proc.is_main, limit=args.limit,
+                                  batch_size=args.batch_size, include_path=args.include_path,
+                                  output=args.output, dtype=args.dtype,
+                                  bootstrap_iters=args.bootstrap_iters)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+    if proc.is_main:
+        print(out.table)
+        print(f"\nresults: {out.path} ({out.seconds:.1f}s)")
+    return 0

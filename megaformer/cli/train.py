@@ -1,0 +1,120 @@
+"""``megaformer train``: pretrain a model from a YAML config (``--dry-run``: check and print it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from megaformer.errors import UserError
+
+NAME = "train"
+
+
+def _config_help() -> str:
+    from megaformer.config import describe_keys
+
+    lines = ["config keys (YAML sections; override any as SECTION.KEY=VALUE):", ""]
+    for key, tp, default, doc in describe_keys():
+        lines.append(f"  {key}  ({tp}, default {default})")
+        lines.extend(textwrap.wrap(doc, 88, initial_indent="      ", subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    tr = sub.add_parser(
+        "train", help="pretrain a model from a YAML config",
+        description="Pretrain a model described by CONFIG. Resumes from the run directory's latest "
+                    "complete checkpoint when there is one; SIGTERM or SIGUSR1 saves a checkpoint "
+                    "and exits 0. Launch several processes with torchrun, srun, mpirun or the "
+                    "DeepSpeed launcher (scripts in launch/); "
+                    "parallel.tensor / parallel.context / parallel.pipeline split them into "
+                    "tensor, context, pipeline and data parallelism (DP = world / (TP*CP*PP)), "
+                    "parallel.expert splits the experts over data-parallel ranks and "
+                    "parallel.zero_stage the optimizer state.",
+        epilog="example: megaformer train configs/quickstart.yaml train.steps=50 model.n_layers=2\n"
+               "run `megaformer train --help-config` for every config key.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr.add_argument("config", nargs="?", help="YAML config file (see configs/)")
+    tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="dotted overrides, e.g. train.steps=50 parallel.zero_stage=1")
+    tr.add_argument("--run-dir", help="run directory (default: runs/<config name>)")
+    tr.add_argument("--dry-run", action="store_true",
+                    help="validate the config, print the resolved config and parameter counts, exit")
+    tr.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    tr.add_argument("--world-size", type=int, default=None,
+                    help="with --dry-run: also check the parallel layout for this many processes")
+    return tr
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.help_config:
+        print(_config_help())
+        return 0
+    if not args.config:
+        raise UserError("train: missing CONFIG (a YAML file, e.g. configs/quickstart.yaml)")
+    from megaformer.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.name
+    if args.world_size is not None:
+        from megaformer.config import validate_for_world
+
+        if args.world_size < 1:
+            raise UserError(f"--world-size {args.world_size}: must be >= 1")
+        accum = validate_for_world(cfg, args.world_size)
+        print(f"# layout: world {args.world_size}, gradient accumulation {accum}")
+    if args.dry_run:
+        return _dry_run(cfg, run_dir)
+    from megaformer.training.trainer import train  # its preflight checks the world and device
+
+    result = train(cfg, run_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _print_result(result)
+    return 0
+
+
+def _dry_run(cfg: Any, run_dir: Path) -> int:
+    """Check what can be checked without the world and the device, print the resolved config."""
+    from megaformer.analysis.params import count_parameters
+    from megaformer.analysis.summary import resolve_vocab
+    from megaformer.config import validate_for_training
+
+    validate_for_training(cfg)
+
+    model = resolve_vocab(cfg).model
+    counts = count_parameters(model)
+    print(cfg.to_yaml().rstrip())
+    print(f"# run dir: {run_dir}")
+    print(f"# parameters: {counts['total']:,} total | {counts['non_embedding']:,} non-embedding | "
+          f"{counts['embedding']:,} embedding"
+          + (f" | {counts['active']:,} active per token (MoE)" if "active" in counts else ""))
+    return 0
+
+
+def _print_result(r: Any) -> None:
+    import math
+
+    if r.stopped is not None:
+        print(f"\nstopped at step {r.step} ({r.stopped}); checkpoint: {r.checkpoint}\n"
+              "run the same command to resume from it")
+        return
+    if math.isnan(r.train_loss) and r.val_loss is None:  # resumed at train.steps: no step ran
+        print(f"\nnothing to train: {r.run_dir} is already at step {r.step} (train.steps); raise "
+              "train.steps to continue, or give another --run-dir")
+        return
+    print(f"\ndone: step {r.step} in {r.wall_s:.1f}s | {r.tokens_per_s:,.0f} tokens/s (training)")
+    val = (f"val loss {r.val_loss:.4f} (ppl {math.exp(min(r.val_loss, 50)):.2f})"
+           if r.val_loss is not None else "val loss not evaluated")
+    print(f"final: train loss {r.train_loss:.4f} | {val} | unigram baseline {r.unigram_loss:.4f} "
+          "nats/token")
+    if r.checkpoint is not None:
+        print(f"checkpoint: {r.checkpoint}")
+    print(f"tensorboard: tensorboard --logdir {r.run_dir / 'tensorboard'}")
+    if r.sample is not None:
+        print("sample (temperature 0.8, top-k 40):")
+        print("-" * 72)
+        print(r.sample)
+        print("-" * 72)
