@@ -1,4 +1,4 @@
-"""The training loop: DeepSpeed engine, periodic evaluation, logging, checkpoints, exact resume.
+"""A training run: builds the DeepSpeed engine and its train step, resumes, then runs the loop.
 
 One optimizer step = ``grad_accum`` micro-batches per data-parallel rank::
 
@@ -6,7 +6,11 @@ One optimizer step = ``grad_accum`` micro-batches per data-parallel rank::
 
 ``engine.step()`` applies the update only at the accumulation boundary (DeepSpeed averages the
 gradients over micro-batches and ranks, clips the global norm and steps the LR schedule). The logged
-loss is the mean over the step's micro-batches and the data-parallel ranks.
+loss is the mean over the step's micro-batches and the data-parallel ranks. The step itself is the
+schedule's :class:`~megaformer.training.train_step.TrainStep`; the loop
+(:class:`~megaformer.training.loop.TrainLoop`) runs it with one hook per side job
+(:mod:`megaformer.training.hooks`: metrics, validation, task evaluation, checkpoints, stop
+requests, the watchdog), and :meth:`Trainer.add_hook` adds more without touching the loop.
 """
 
 from __future__ import annotations
