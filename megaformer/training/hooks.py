@@ -24,7 +24,6 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megaformer.checkpoint import io as ckpt_io
 from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.console import Console
 from megaformer.training.intervals import LoopIntervals
@@ -43,8 +42,8 @@ def _open(record: dict, state: StepState) -> dict:
 class BackgroundWriteCheck(StepHook):
     """A failed background checkpoint write stops the run at the step boundary after it."""
 
-    def __init__(self, writer: ckpt_io.BackgroundWriter) -> None:
-        self.writer = writer
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer  # check(): raises the error of a failed write
 
     def after_step(self, state: StepState, record: dict) -> None:
         self.writer.check()
@@ -128,12 +127,13 @@ class IntervalMetrics(StepHook):
 
 
 class BadSteps(StepHook):
-    """Reports a skipped step; ``train.max_bad_steps`` in a row end the run (TrainingError, this
-    step's record written first)."""
+    """Reports a skipped step; ``train.max_bad_steps`` in a row end the run (TrainingError naming
+    ``latest_checkpoint()``, this step's record written first)."""
 
     def __init__(self, counter: BadStepCounter, console: Console, metrics: Any,
-                 run_dir: Path) -> None:
-        self.counter, self.console, self.metrics, self.run_dir = counter, console, metrics, run_dir
+                 latest_checkpoint: Callable[[], Optional[Path]]) -> None:
+        self.counter, self.console, self.metrics = counter, console, metrics
+        self.latest_checkpoint = latest_checkpoint
 
     def after_step(self, state: StepState, record: dict) -> None:
         r, c = state.result, self.counter
@@ -142,7 +142,7 @@ class BadSteps(StepHook):
                 f"step {state.step}: non-finite loss or gradient norm on some rank (loss "
                 f"{r['loss']:.4g}, grad norm {r['grad_norm']:.4g}): update skipped "
                 f"({c.consecutive + 1} in a row, {c.total + 1} in total)")
-        latest = ckpt_io.latest_checkpoint(self.run_dir / ckpt_io.CHECKPOINTS) if r["bad"] else None
+        latest = self.latest_checkpoint() if r["bad"] else None
         try:
             c.record(state.step, r["bad"], str(latest) if latest else None)
         finally:
@@ -214,10 +214,10 @@ class WriteRecord(StepHook):
 class Checkpoints(StepHook):
     """Saves (``save()``, collective) every ``checkpoint.interval`` steps, at the end with
     ``checkpoint.save_at_end`` and on every stop; after the loop's last step waits for a
-    background write (``writer``) to finish."""
+    background write (``writer.wait()``) to finish."""
 
     def __init__(self, save: Callable[[], Optional[Path]], intervals: LoopIntervals,
-                 console: Console, writer: Optional[ckpt_io.BackgroundWriter] = None) -> None:
+                 console: Console, writer: Any = None) -> None:
         self.save, self.intervals, self.console, self.writer = save, intervals, console, writer
         self.last: Optional[Path] = None
 

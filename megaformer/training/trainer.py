@@ -492,8 +492,9 @@ class Trainer:
                 self.run_dir / "logs" / f"rank_{self.rank}.log", self.rank)))
         metrics = loop.add_hook(hooks.IntervalMetrics(
             console, due, t.global_batch_size * cfg.seq_len,
-            lambda: self.loader.consumed_samples * cfg.seq_len, getattr(self, "meter", None)))
-        loop.add_hook(hooks.BadSteps(self.bad_steps, console, self.metrics, self.run_dir))
+            lambda: self.loader.consumed_samples * cfg.seq_len, self.meter))
+        loop.add_hook(hooks.BadSteps(self.bad_steps, console, self.metrics, lambda: (
+            ckpt_io.latest_checkpoint(self.run_dir / ckpt_io.CHECKPOINTS))))
         if self.diagnostics is not None:
             loop.add_hook(hooks.Diagnostics(self.diagnostics))
         validation = loop.add_hook(hooks.Validation(self.stepper.evaluate, due, console,
