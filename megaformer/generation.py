@@ -12,6 +12,7 @@ from megaformer.checkpoint.model_weights import load_model_weights
 from megaformer.config import Config
 from megaformer.data.tokenizer import Tokenizer, load_tokenizer
 from megaformer.errors import CheckpointError, UserError
+from megaformer.model.decoding import decode, kv_cached
 from megaformer.safe_files import check_file
 
 MAX_TOKENIZER_BYTES = 1 << 30
@@ -56,29 +57,10 @@ def greedy_tokens(model: Any, prefix: list[int], max_new_tokens: int,
                   stop: Optional[Callable[[list[int]], bool]] = None,
                   device: Optional[torch.device] = None) -> list[int]:
     """Greedy (argmax) continuation of ``prefix`` with the model's KV cache, one token per step,
-    until ``stop(new_tokens)`` is true or ``max_new_tokens`` are made. As ``Transformer.generate``:
-    the model sees at most max_seq_len tokens (a longer prefix is cropped from the left; once the
-    context is full each step recomputes over the last max_seq_len tokens)."""
-    L = model.cfg.max_seq_len
+    until ``stop(new_tokens)`` is true or ``max_new_tokens`` are made
+    (:func:`megaformer.model.decoding.decode`, as ``Transformer.generate``: the model sees at most
+    max_seq_len tokens)."""
     device = device or next(model.parameters()).device
-    seq = list(prefix)[-L:]
-    new: list[int] = []
-    if max_new_tokens <= 0:
-        return new
-    cache = model.new_cache()
-    logits, _ = model.forward_cached(torch.tensor([seq], device=device), cache, 0, last_only=True)
-    pos = len(seq)
-    for step in range(max_new_tokens):
-        nxt = int(logits[0, -1].argmax())
-        seq.append(nxt)
-        new.append(nxt)
-        if step == max_new_tokens - 1 or (stop is not None and stop(new)):
-            break
-        if pos < L:  # room left: feed only the new token
-            logits, _ = model.forward_cached(torch.tensor([[nxt]], device=device), cache, pos,
-                                             last_only=True)
-            pos += 1
-        else:  # context full: positions shift, so recompute over the last L tokens
-            logits, _ = model.forward_cached(torch.tensor([seq[-L:]], device=device), cache, 0,
-                                             last_only=True)
-    return new
+    ids = torch.tensor([list(prefix)], dtype=torch.long, device=device)
+    out = decode(kv_cached(model), ids, max_new_tokens, model.cfg.max_seq_len, stop=stop)
+    return out[0, ids.shape[1]:].tolist()

@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megaformer.model.decoding import decode
+
 
 def token_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp [B, T] fp32, greedy [B, T] bool) of ``targets`` under ``logits`` [B, T, V], row by row
@@ -74,7 +76,8 @@ class PlainRunner:
 
         if self.seq_multiple == 1:
             return greedy_tokens(self.model, prefix, max_new_tokens, stop=stop, device=self.device)
-        return _greedy_recompute(self._last_logits, prefix, max_new_tokens, stop, self.max_length)
+        return _greedy_recompute(self._last_logits, prefix, max_new_tokens, stop, self.max_length,
+                                 self.device)
 
     def _last_logits(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -83,16 +86,13 @@ class PlainRunner:
 
 def _greedy_recompute(last_logits: Callable[[list[int]], torch.Tensor], prefix: list[int],
                       max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]],
-                      max_length: int) -> list[int]:
-    """Greedy decoding without a cache: each step runs the last ``max_length`` tokens."""
-    seq, new = list(prefix), []
-    for _ in range(max_new_tokens):
-        nxt = int(last_logits(seq[-max_length:]).argmax())
-        seq.append(nxt)
-        new.append(nxt)
-        if stop is not None and stop(new):
-            break
-    return new
+                      max_length: int, device: torch.device) -> list[int]:
+    """Greedy decoding without a cache (:func:`megaformer.model.decoding.decode`): each step runs
+    the last ``max_length`` tokens through ``last_logits`` (token ids -> logits [V] of the last)."""
+    ids = torch.tensor([list(prefix)], dtype=torch.long, device=device)
+    out = decode(lambda window, start: last_logits(window[0].tolist()).unsqueeze(0), ids,
+                 max_new_tokens, max_length, cached=False, stop=stop)
+    return out[0, ids.shape[1]:].tolist()
 
 
 class PipelineRunner:
@@ -152,7 +152,8 @@ class PipelineRunner:
     @torch.no_grad()
     def greedy(self, prefix: list[int], max_new_tokens: int,
                stop: Optional[Callable[[list[int]], bool]] = None) -> list[int]:
-        return _greedy_recompute(self._last_logits, prefix, max_new_tokens, stop, self.max_length)
+        return _greedy_recompute(self._last_logits, prefix, max_new_tokens, stop, self.max_length,
+                                 self.device)
 
     def _last_logits(self, ids: list[int]) -> torch.Tensor:
         """One-hot of the greedy next token (only its argmax is used), the same on every stage."""

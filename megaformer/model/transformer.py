@@ -43,6 +43,7 @@ from megaformer.kernels.cross_entropy import chunked_cross_entropy, cross_entrop
 from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
+from megaformer.model.decoding import decode, kv_cached
 from megaformer.model.linear import Linear
 from megaformer.model.moe import MoE, take_router_losses
 from megaformer.model.norms import RMSNorm, build_norm
@@ -303,29 +304,17 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ generation
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-        """Next token [B, 1] from logits [B, V]: argmax at temperature 0, else top-k softmax sampling."""
-        if temperature == 0:
-            return logits.argmax(dim=-1, keepdim=True)
-        logits = logits.float() / temperature
-        if top_k is not None and top_k < logits.shape[-1]:
-            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)
-
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  eos_id: Optional[int] = None) -> torch.Tensor:
         """Append up to ``max_new_tokens`` tokens to ``input_ids`` [B, T] -> [B, T + n], with a KV cache.
 
-        Temperature 0 is greedy. Generation stops once every row has produced ``eos_id`` (finished
-        rows are padded with eos_id). The model sees at most max_seq_len tokens: a longer prompt is
-        cropped from the left, and once the context is full each step recomputes over the last
-        max_seq_len tokens (exactly what a cache-free sliding window computes). Runs in eval mode.
+        Temperature 0 is greedy (:func:`megaformer.model.decoding.decode`). Generation stops once
+        every row has produced ``eos_id`` (finished rows are padded with eos_id). The model sees
+        at most max_seq_len tokens: a longer prompt is cropped from the left, and once the context
+        is full each step recomputes over the last max_seq_len tokens (exactly what a cache-free
+        sliding window computes). Runs in eval mode.
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -335,27 +324,8 @@ class Transformer(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            L = self.cfg.max_seq_len
-            out = input_ids
-            done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-            context = out[:, -L:]
-            cache = self.new_cache()
-            logits, _ = self.forward_cached(context, cache, 0, last_only=True)
-            pos = context.shape[1]
-            for step in range(max_new_tokens):
-                nxt = self._sample(logits[:, -1], temperature, top_k, generator)
-                if eos_id is not None:
-                    nxt = nxt.masked_fill(done.unsqueeze(1), eos_id)
-                    done |= nxt.squeeze(1) == eos_id
-                out = torch.cat((out, nxt), dim=1)
-                if step == max_new_tokens - 1 or bool(done.all()):
-                    break
-                if pos < L:  # room left: feed only the new token
-                    logits, _ = self.forward_cached(nxt, cache, pos, last_only=True)
-                    pos += 1
-                else:  # context full: positions shift, so recompute over the last L tokens
-                    logits, _ = self.forward_cached(out[:, -L:], cache, 0, last_only=True)
-            return out
+            return decode(kv_cached(self), input_ids, max_new_tokens, self.cfg.max_seq_len,
+                          temperature=temperature, top_k=top_k, generator=generator, eos_id=eos_id)
         finally:
             self.train(was_training)
 

@@ -1,4 +1,4 @@
-"""The training loop: DeepSpeed engine, periodic evaluation, logging, checkpoints, exact resume.
+"""A training run: builds the DeepSpeed engine and its train step, resumes, then runs the loop.
 
 One optimizer step = ``grad_accum`` micro-batches per data-parallel rank::
 
@@ -6,7 +6,11 @@ One optimizer step = ``grad_accum`` micro-batches per data-parallel rank::
 
 ``engine.step()`` applies the update only at the accumulation boundary (DeepSpeed averages the
 gradients over micro-batches and ranks, clips the global norm and steps the LR schedule). The logged
-loss is the mean over the step's micro-batches and the data-parallel ranks.
+loss is the mean over the step's micro-batches and the data-parallel ranks. The step itself is the
+schedule's :class:`~megaformer.training.train_step.TrainStep`; the loop
+(:class:`~megaformer.training.loop.TrainLoop`) runs it with one hook per side job
+(:mod:`megaformer.training.hooks`: metrics, validation, task evaluation, checkpoints, stop
+requests, the watchdog), and :meth:`Trainer.add_hook` adds more without touching the loop.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import sys
 import time
 import warnings
@@ -42,23 +45,24 @@ from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.faults import FaultPlan
 from megaformer.runtime.host_allocator import configure_host_allocator
 from megaformer.runtime.run_lock import acquire_on_rank0
-from megaformer.training.preemption import REASONS, StopRequest, agree_max
+from megaformer.training.preemption import StopRequest
 from megaformer.training.watchdog import StepWatchdog
 from megaformer.training.deepspeed_config import build_deepspeed_config
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
 from megaformer.training import wandb_log
 from megaformer.runtime.optimizer import build_optimizer
+from megaformer.training import hooks
+from megaformer.training.console import Console, log_summary
 from megaformer.training.intervals import LoopIntervals
+from megaformer.training.loop import TrainLoop
+from megaformer.training.train_step import train_step_class
 from megaformer.training.schedule import lr_lambda
-from megaformer.analysis.params import count_parameters
 from megaformer.model.moe import checkpoint_files as moe_checkpoint_files
-from megaformer.model.moe import end_of_step as moe_end_of_step
 from megaformer.model.moe import load_router_state
 from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
-from megaformer.parallel.pipeline import pipeline_state_dict
 from megaformer.parallel.plan import full_state_dict
 from megaformer.parallel.topology import build_topology, layout_groups
 
@@ -166,6 +170,7 @@ class Trainer:
         self.part = (functools.partial(split_sequence, rank=self.layout.cp_rank,
                                        size=self.layout.cp, mode=cfg.parallel.context_mode)
                      if cfg.parallel.context > 1 else None)
+        self.extra_hooks: list[tuple[Any, Optional[int]]] = []  # see add_hook
 
     # ------------------------------------------------------------------------- setup
 
@@ -234,7 +239,7 @@ class Trainer:
         batch = next(iter(validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
                                              1, 1, 0, 1)))
         return DiagnosticsHook(self.plain_model, batch, self.cfg.log.diagnostics_interval,
-                               self.topo, self.engine.module if self.cfg.parallel.pipeline > 1 else None)
+                               self.topo, self.stepper.pipeline_module)
 
     def _build_model(self) -> torch.nn.Module:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
@@ -256,8 +261,7 @@ class Trainer:
         return built.model
 
     def _local_params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        names = self.param_names if self.cfg.parallel.pipeline > 1 else None
-        return portable.local_parameters(self.engine.module, names)
+        return self.stepper.local_parameters()
 
     def _resume_sharded(self) -> tuple[int, int, int]:
         """Master weights (already in the model), Adam moments and step count from this rank's
@@ -317,16 +321,22 @@ class Trainer:
         optimizer = build_optimizer(self.model, self.cfg.train)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg.train))
         ds_config = build_deepspeed_config(self.cfg, self.grad_accum)
+        step_class = train_step_class(self.cfg)
         with experts.recognised_by_deepspeed(ep > 1):  # expert grads over expert-data groups
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-                # a PipelineModule brings its own grid (same rank order as self.topo)
-                mpu=self.topo if self.cfg.parallel.pipeline == 1 else None,
+                mpu=step_class.engine_mpu(self.topo),
                 dist_init_required=False)
         install_safe_checkpoint_engine(self.engine)
         self.clipper: Optional[GradNormClipper] = None
         if not ds_adapter.reports_grad_norm(self.engine):
             self._measure_grad_norm()
+        # the schedule's step, validation pass and view of the weights
+        self.stepper = step_class(self.cfg, self.engine, self.scheduler, self.topo, self.proc.device,
+                                  grad_accum=self.grad_accum, dp_rank=self.dp_rank,
+                                  dp_size=self.dp_size, valid_set=self.valid_set, part=self.part,
+                                  param_names=self.param_names, clipper=self.clipper,
+                                  faults=self.faults)
 
     def _measure_grad_norm(self) -> None:
         """Without a ZeRO/bf16 optimizer DeepSpeed reports no gradient norm, and its fp32 clipping
@@ -342,107 +352,21 @@ class Trainer:
         ds_adapter.skip_nonfinite_steps(engine, self.clipper.norm_for_step)
 
     def _print_summary(self) -> None:
-        cfg, p = self.cfg, self.proc
-        counts = count_parameters(cfg.model)
-        dp, tp, pp = self.dp_size, cfg.parallel.tensor, cfg.parallel.pipeline
-        name, reason = self.attention_backend
-        sp = " + sequence parallel" if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1 else ""
-        if cfg.parallel.context > 1:
-            sp += f" x CP {cfg.parallel.context} ({cfg.parallel.context_mode})"
-        log.info("megaformer: %s parameters (%s non-embedding; vocabulary %d padded to %d) | "
-                 "world %d = DP %d x TP %d%s x PP %d | ZeRO %d | %s %s | attention %s (%s)",
-                 f"{counts['total']:,}", f"{counts['non_embedding']:,}", cfg.model.vocab_size,
-                 self.plain_model.padded_vocab_size, p.world_size, dp, tp, sp, pp,
-                 cfg.parallel.zero_stage, p.device.type,
-                 cfg.train.precision, name, reason)
-        from megaformer.kernels.selection import format_plan
-
-        log.info("kernels:\n%s", format_plan(self.kernel_plan))
-        log.info("launch: %s, rank %d of %d, local rank %d, collective timeout %g min",
-                 p.launcher, p.rank, p.world_size, p.local_rank,
-                 cfg.parallel.collective_timeout_minutes)
-        if p.world_size > 1:
-            log.info(self.topo.summary())
-        log.info("batch: %d sequences x %d tokens per step (micro %d x accumulation %d x DP %d) | "
-                 "%d steps | run dir %s", cfg.train.global_batch_size, cfg.seq_len,
-                 cfg.train.micro_batch_size, self.grad_accum, self.dp_size, cfg.train.steps,
-                 self.run_dir)
         from megaformer.analysis.throughput import TrainingMeter
 
-        self.meter = TrainingMeter.for_run(cfg, p.device, p.world_size)
-        log.info(self.meter.summary())
-        if "active" in counts:  # MoE: FLOPs, TFLOP/s and MFU count the active parameters
-            log.info("MoE: %s parameters held, %s active per token: FLOPs, TFLOP/s and MFU count "
-                     "the active ones (router, top-%d routed and the shared experts)%s",
-                     f"{counts['total']:,}", f"{counts['active']:,}", cfg.model.moe.top_k,
-                     f"; experts split over EP {cfg.parallel.expert}" if cfg.parallel.expert > 1
-                     else "")
+        self.meter = TrainingMeter.for_run(self.cfg, self.proc.device, self.proc.world_size)
+        log_summary(self.cfg, self.proc, self.topo, dp_size=self.dp_size, grad_accum=self.grad_accum,
+                    padded_vocab=self.plain_model.padded_vocab_size,
+                    attention_backend=self.attention_backend, kernel_plan=self.kernel_plan,
+                    meter=self.meter, run_dir=self.run_dir)
 
     # ------------------------------------------------------------------------- steps
 
     def train_step(self) -> dict[str, Any]:
-        engine, dev = self.engine, self.proc.device
-        lr = self.scheduler.get_last_lr()[0]
-        t0 = time.perf_counter()
-        step = self.step + 1
-        self.faults.step_start(step)
-        micro_batches = self.loader.next_step()
-        if self.cfg.parallel.pipeline > 1:
-            # 1F1B over the micro-batches; the loss comes back averaged over them and over DP
-            loss = engine.train_batch(iter(micro_batches)).detach().float()
-        else:
-            losses = []
-            for i, (x, y) in enumerate(micro_batches):
-                loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
-                loss = self.faults.loss(step, i, loss)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach().float())
-            # over DP x CP: the context ranks' weighted losses average to the sequences' mean
-            loss = dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("replica"))
-        self.faults.mid_step(step)
-        gn = (self.clipper.norm if self.clipper is not None and self.clipper.norm is not None
-              else ds_adapter.grad_norm(engine))
-        grad_norm = gn if gn is not None else float("nan")
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        self.step = step
-        # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
-        bad = not ds_adapter.step_applied(engine) or not math.isfinite(float(loss))
-        # MoE blocks: the step's expert load over DP, the aux-loss-free bias update, the metrics
-        moe = (moe_end_of_step(engine.module, self.topo.group("dp"), update_bias=not bad)
-               if self.cfg.model.moe.interval > 0 else {})
-        return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, "bad": bad,
-                "step_time_s": time.perf_counter() - t0, "moe": moe}
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        if self.cfg.parallel.pipeline > 1:
-            return self._evaluate_pipeline()
-        self.engine.eval()
-        losses = [self.engine(x.to(self.proc.device), y.to(self.proc.device)).float()
-                  for x, y in validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
-                                                 self.grad_accum, self.cfg.eval.iters, self.dp_rank,
-                                                 self.dp_size, self.part)]
-        self.engine.train()
-        return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("replica")))
-
-    def _evaluate_pipeline(self) -> float:
-        batches = list(validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
-                                          self.grad_accum, self.cfg.eval.iters, self.dp_rank,
-                                          self.dp_size, self.part))
-        losses = []
-        for it in range(self.cfg.eval.iters):
-            chunk = batches[it * self.grad_accum:(it + 1) * self.grad_accum]
-            losses.append(float(self.engine.eval_batch(iter(chunk))))  # mean over micro & DP
-        return sum(losses) / len(losses)
-
-    def _evaluate_tasks(self, bar: Any) -> dict:
-        """eval.tasks on the live model (:mod:`megaformer.evaluation.training`): eval/TASK/METRIC."""
-        scores, table = self.task_eval.run(self.engine, self.plain_model, self.topo,
-                                           self.tokenizer, self.proc.device)
-        self._console(f"step {self.step}: lm-eval tasks\n{table}", bar)
-        return scores
+        """One optimizer step (:class:`~megaformer.training.train_step.TrainStep`)."""
+        result = self.stepper(self.step + 1, self.loader)
+        self.step += 1
+        return result
 
     def save(self) -> Optional[Path]:
         """Collective. With ``checkpoint.async_save`` the files are written on a background
@@ -515,160 +439,65 @@ class Trainer:
 
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
-        if self.cfg.parallel.zero_stage == 3:
-            full = ds_adapter.zero3_full_state_dict(self.engine)
-            if full is None:
-                return None
-            V = self.cfg.model.vocab_size
-            return {k: (v[:V] if k in ("tok_embeddings.weight", "lm_head.weight") else v)
-                    for k, v in full.items()
-                    if not (k == "lm_head.weight" and self.cfg.model.tie_embeddings)}
-        if self.cfg.parallel.pipeline > 1:
-            return pipeline_state_dict(self.engine.module, self.param_names, self.topo,
-                                       self.cfg.model.vocab_size)
-        return full_state_dict(self.engine.module, self.topo)
+        return self.stepper.full_weights()
 
     # ------------------------------------------------------------------------- loop
+
+    def add_hook(self, hook: Any, every: Optional[int] = None) -> Any:
+        """Run ``hook`` (a :class:`~megaformer.training.loop.StepHook`) after every ``every`` steps
+        of :meth:`run`, after the built-in hooks that fill the step's record and before it is
+        written and the checkpoint saved."""
+        self.extra_hooks.append((hook, every))
+        return hook
 
     def run(self) -> TrainResult:
         """Train to ``train.steps``; on a stop request (signal, time limit) agreed by all ranks at
         a step boundary, save a checkpoint and return early with ``stopped`` set."""
-        cfg = self.cfg
         t_start = time.perf_counter()
-        tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
-        bar = self._progress_bar()
-        window: list[dict] = []
-        val_loss: Optional[float] = None
-        last_ckpt: Optional[Path] = None
-        last: dict = {}
-        stopped: Optional[str] = None
-        train_time, train_tokens = 0.0, 0
-        stop_request = StopRequest(cfg.train.exit_after_minutes)
-        stop_request.install()
-        watchdog = self._start_watchdog()
-        due = LoopIntervals.from_config(cfg)
-        try:
-            while self.step < cfg.train.steps:
-                if watchdog is not None:
-                    watchdog.step_started(self.step + 1)
-                last = self.train_step()
-                if self.writer is not None:
-                    self.writer.check()  # a failed background save stops the run at a step boundary
-                # one all-reduce per step: any rank asked to stop? any rank's step non-finite?
-                stop_code, bad = agree_max([stop_request.local_code(), int(last["bad"])])
-                if watchdog is not None:
-                    watchdog.step_finished()
-                last["bad"] = bool(bad)
-                window.append(last)
-                train_time += last["step_time_s"]
-                train_tokens += tokens_per_step
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{last['loss']:.3f}",
-                                    tok_s=f"{tokens_per_step / last['step_time_s']:,.0f}")
-                record: dict[str, Any] = {}
-                if due.log_due(self.step, bool(bad)):
-                    record = self._interval_record(window, tokens_per_step)
-                    window = []
-                self._count_bad_step(last, record, bar)
-                if self.diagnostics is not None and self.diagnostics.due(self.step):
-                    record = {**(record or {"step": self.step}), **self.diagnostics()}
-                if due.eval_due(self.step, stopping=bool(stop_code)):
-                    val_loss = self.evaluate()
-                    record = record or {"step": self.step}
-                    record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
-                    self._console(f"step {self.step}: val loss {val_loss:.4f} | val ppl "
-                                  f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}", bar)
-                if self.task_eval is not None and self.task_eval.due(self.step, bool(stop_code)):
-                    record = {**(record or {"step": self.step}), **self._evaluate_tasks(bar)}
-                if record:
-                    self.metrics.write(record)
-                    if bar is None and "loss" in record:
-                        self._console(self._format(record), bar)
-                if due.save_due(self.step, stopping=bool(stop_code)):
-                    last_ckpt = self.save() or last_ckpt
-                if stop_code:
-                    stopped = REASONS[stop_code]
-                    self._console(f"step {self.step}: {stopped}: checkpoint saved, stopping "
-                                  "(run the same command to resume)", bar)
-                    break
-            if self.writer is not None:
-                self.writer.wait()
-        finally:
-            stop_request.uninstall()
-            if watchdog is not None:
-                watchdog.close()
-            if bar is not None:
-                bar.close()
-            self.metrics.close()
+        loop, metrics, validation, checkpoints = self._build_loop()
+        state = loop.run(self.step)
+        stopped = state.stop_reason
         sample = self.sample() if stopped is None else None
-        return TrainResult(self.run_dir, self.step, last.get("loss", float("nan")), val_loss,
-                           self.unigram, train_tokens / train_time if train_time else 0.0,
-                           time.perf_counter() - t_start, last_ckpt, sample, stopped)
+        return TrainResult(self.run_dir, self.step, state.result.get("loss", float("nan")),
+                           validation.val_loss, self.unigram, metrics.tokens_per_s,
+                           time.perf_counter() - t_start, checkpoints.last, sample, stopped)
 
-    def _start_watchdog(self) -> Optional[StepWatchdog]:
-        t = self.cfg.train
-        if t.watchdog_factor == 0:
-            return None
-        return StepWatchdog(t.watchdog_factor, t.watchdog_min_seconds,
-                            self.run_dir / "logs" / f"rank_{self.rank}.log", self.rank)
+    def _build_loop(self) -> tuple[TrainLoop, hooks.IntervalMetrics, hooks.Validation,
+                                   hooks.Checkpoints]:
+        """The loop over :meth:`train_step` with every side job as a hook (in the order of
+        :mod:`megaformer.training.hooks`)."""
+        cfg, t = self.cfg, self.cfg.train
+        console = Console(self.is_main, cfg.log.progress_bar, t.steps, self.step)
+        due = LoopIntervals.from_config(cfg)
+        loop = TrainLoop(lambda n: self.train_step(), t.steps)
+        if self.writer is not None:
+            loop.add_hook(hooks.BackgroundWriteCheck(self.writer))
+        loop.add_hook(hooks.StopAgreement(StopRequest(t.exit_after_minutes)))
+        if t.watchdog_factor > 0:
+            loop.add_hook(hooks.Watchdog(StepWatchdog(
+                t.watchdog_factor, t.watchdog_min_seconds,
+                self.run_dir / "logs" / f"rank_{self.rank}.log", self.rank)))
+        metrics = loop.add_hook(hooks.IntervalMetrics(
+            console, due, t.global_batch_size * cfg.seq_len,
+            lambda: self.loader.consumed_samples * cfg.seq_len, self.meter))
+        loop.add_hook(hooks.BadSteps(self.bad_steps, console, self.metrics, lambda: (
+            ckpt_io.latest_checkpoint(self.run_dir / ckpt_io.CHECKPOINTS))))
+        if self.diagnostics is not None:
+            loop.add_hook(hooks.Diagnostics(self.diagnostics))
+        validation = loop.add_hook(hooks.Validation(self.stepper.evaluate, due, console,
+                                                    self.unigram))
+        if self.task_eval is not None:
+            loop.add_hook(hooks.TaskEvaluation(self.task_eval, self._evaluate_tasks, console))
+        for hook, every in self.extra_hooks:
+            loop.add_hook(hook, every)
+        checkpoints = hooks.Checkpoints(self.save, due, console, self.writer)
+        loop.tail += [hooks.WriteRecord(self.metrics, console), checkpoints]
+        return loop, metrics, validation, checkpoints
 
-    def _count_bad_step(self, last: dict, record: dict, bar: Any) -> None:
-        """Report a skipped step; too many in a row end the run (TrainingError, this step's metrics
-        written first)."""
-        if last["bad"]:
-            self._console(f"step {self.step}: non-finite loss or gradient norm on some rank (loss "
-                          f"{last['loss']:.4g}, grad norm {last['grad_norm']:.4g}): update skipped "
-                          f"({self.bad_steps.consecutive + 1} in a row, {self.bad_steps.total + 1} in "
-                          "total)", bar)
-        latest = ckpt_io.latest_checkpoint(self.run_dir / ckpt_io.CHECKPOINTS) if last["bad"] else None
-        try:
-            self.bad_steps.record(self.step, last["bad"], str(latest) if latest else None)
-        finally:
-            if record:
-                record["skipped_steps"] = self.bad_steps.total
-                if self.bad_steps.consecutive >= self.bad_steps.max_consecutive:
-                    self.metrics.write(record)  # the run ends with the error just raised
-
-    def _interval_record(self, window: list[dict], tokens_per_step: int) -> dict:
-        t = sum(w["step_time_s"] for w in window)
-        good = [w["loss"] for w in window if not w["bad"]]
-        record = {"step": self.step, "loss": sum(good) / len(good) if good else float("nan"),
-                  "lr": window[-1]["lr"], "grad_norm": window[-1]["grad_norm"],
-                  "tokens_per_s": tokens_per_step * len(window) / t, "step_time_s": t / len(window),
-                  "consumed_tokens": self.loader.consumed_samples * self.cfg.seq_len}
-        if getattr(self, "meter", None) is not None:  # tflops_per_gpu, [mfu, hfu], peak_mem_gb
-            record.update(self.meter.record(t / len(window)))
-        record.update(window[-1].get("moe", {}))  # the last step's MoE metrics
-        return record
-
-    @staticmethod
-    def _format(r: dict) -> str:
-        return (f"step {r['step']}: loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm "
-                f"{r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tokens/s | "
-                f"{r['step_time_s'] * 1000:.0f} ms/step"
-                + (f" | {r['tflops_per_gpu']:.3g} TFLOP/s/GPU" if "tflops_per_gpu" in r else "")
-                + (f" | MFU{' vs bf16 peak' if 'fp8_tflops_per_gpu' in r else ''} "
-                   f"{100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%" if "mfu" in r else "")
-                + (f" (FP8 {r['fp8_tflops_per_gpu']:.3g} TFLOP/s/GPU)" if "fp8_tflops_per_gpu" in r
-                   else "")
-                + (f" | mem {r['peak_mem_gb']:.2f} GB" if "peak_mem_gb" in r else ""))
-
-    def _progress_bar(self) -> Any:
-        if not (self.is_main and self.cfg.log.progress_bar):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step",
-                    dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-
-    def _console(self, text: str, bar: Any) -> None:
-        if not self.is_main:
-            return
-        if bar is not None:
-            bar.write(text, file=sys.stdout)
-        else:
-            log.info(text)
+    def _evaluate_tasks(self) -> tuple[dict, str]:
+        """eval.tasks on the live model (:mod:`megaformer.evaluation.training`)."""
+        return self.task_eval.run(self.engine, self.plain_model, self.topo, self.tokenizer,
+                                  self.proc.device)
 
     def sample(self) -> Optional[str]:
         """A short text sample from the trained weights, generated on rank 0 when it holds them
