@@ -328,7 +328,8 @@ class DataConfig:
               "prepared on the fly (keyed by a hash of the settings; share it between runs); "
               "null = RUN_DIR/data_cache.")
     prefetch: int = option(
-        2, "Optimizer steps of batches a background thread reads ahead (0 = read in the loop).")
+        2, "Optimizer steps of batches a background thread reads ahead (0 = read in the loop); "
+           "on CUDA the thread also pins them, so the copies to the GPU are asynchronous.")
 
     def __post_init__(self) -> None:
         if self.paths is not None and any(not p.strip() for p in self.paths):
@@ -415,8 +416,9 @@ class TrainConfig:
                "experts; not the embedding, output head, router or routed experts) through "
                "torchao's float8 casts: tensorwise (one dynamic scale per tensor) or rowwise (one "
                "per row, power-of-two scales). Master weights, optimizer and everything else stay "
-               "in train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) unless "
-               "train.fp8_emulate=true; see docs/fp8.md.", ("off", "tensorwise", "rowwise"))
+               "in train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) and "
+               "train.compile=true unless train.fp8_emulate=true; see docs/fp8.md.",
+        ("off", "tensorwise", "rowwise"))
     fp8_emulate: bool = option(
         False, "train.fp8 without FP8 hardware: the same casts and scales, the GEMMs dequantised "
                "and run in fp32 (same numbers as FP8 GEMMs up to accumulation order, no speed-up; "
@@ -899,7 +901,8 @@ def _check_expert(cfg: Config) -> None:
 
 def _check_fp8(cfg: Config) -> None:
     """FP8 GEMMs (torch._scaled_mm) need both matrix dimensions of every converted linear layer's
-    tensor-parallel shard to be multiples of 16 (emulation has no such constraint)."""
+    tensor-parallel shard, and the tokens each GEMM contracts over in the weight gradient, to be
+    multiples of 16 (emulation has no such constraint)."""
     t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor
     if t.fp8 == "off" or t.fp8_emulate:
         return
@@ -911,6 +914,14 @@ def _check_fp8(cfg: Config) -> None:
     for what, n in dims.items():
         _require(n % 16 == 0, f"train.fp8={t.fp8}: the {what} = {n} is not a multiple of 16, which "
                               "FP8 GEMMs need; change the model's widths or use train.fp8=off")
+    # the weight gradient dW = dY^T X contracts over the micro-batch's tokens on this CP rank
+    cp = cfg.parallel.context
+    tokens = t.micro_batch_size * cfg.seq_len // cp
+    _require(tokens % 16 == 0,
+             f"train.fp8={t.fp8}: the tokens per micro-batch and context rank, micro_batch_size * "
+             f"seq_len / parallel.context = {t.micro_batch_size} * {cfg.seq_len} / {cp} = {tokens}, "
+             "are not a multiple of 16, which the weight-gradient FP8 GEMM needs; change "
+             "train.micro_batch_size or the sequence length")
 
 
 def _check_moe(cfg: Config) -> None:
