@@ -295,6 +295,30 @@ def test_eager_fp8_linear_runs_each_cast_as_a_chain_of_aten_ops(recipe, at_least
     assert sum(eager.values()) >= at_least and eager["aten::amax"] == 6, (recipe, eager)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_blocks_compile_without_graph_breaks(recipe):
+    """train.compile with FP8 (emulated, bf16 autocast): the blocks trace as one graph reused by
+    every block, with no graph break (aot_eager: the trace, without inductor's C++ build)."""
+    from torch._dynamo.utils import counters
+
+    from megaformer.model.block import compile_blocks
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.fp8 import apply_fp8
+
+    counters.clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(tiny_model(n_kv_heads=2, max_seq_len=32), padded_vocab_size=40)
+    apply_fp8(model, recipe, True)
+    compile_blocks(model.layers, backend="aot_eager")
+    x = torch.randint(0, 37, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, x).backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+    assert all(p.grad is not None for p in model.layers.parameters())
+
+
 @pytest.mark.skipif(os.environ.get("MEGAFORMER_TEST_INDUCTOR") != "1",
                     reason="inductor's first CPU compile takes ~1-2 min (C++ build); "
                            "set MEGAFORMER_TEST_INDUCTOR=1 to run it")
