@@ -916,6 +916,9 @@ def _check_fp8(cfg: Config) -> None:
                               "FP8 GEMMs need; change the model's widths or use train.fp8=off")
     # the weight gradient dW = dY^T X contracts over the micro-batch's tokens on this CP rank
     cp = cfg.parallel.context
+    _require(cp == 1, f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs (CUDA) need "
+                      "train.compile=true, which context parallelism does not support; use one of "
+                      "them (or train.fp8_emulate=true)")
     tokens = t.micro_batch_size * cfg.seq_len // cp
     _require(tokens % 16 == 0,
              f"train.fp8={t.fp8}: the tokens per micro-batch and context rank, micro_batch_size * "

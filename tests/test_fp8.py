@@ -233,13 +233,13 @@ def test_fp8_tokens_per_micro_batch_and_context_rank_need_multiples_of_16():
     with pytest.raises(ConfigError, match=r"micro_batch_size \* seq_len / parallel.context = "
                                           r"3 \* 40 / 1 = 120, are not a multiple of 16"):
         load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=3", "data.seq_len=40"])
-    with pytest.raises(ConfigError, match=r"= 1 \* 64 / 8 = 8, are not"):
-        load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=1",
-                                                "parallel.context=8"])
     load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=2", "data.seq_len=40"])
-    load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=1", "parallel.context=4"])
     load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=3", "data.seq_len=40",
                                             "train.fp8_emulate=true"])
+    # (with context parallelism the count divides by CP; real FP8 and CP do not go together on
+    # CUDA, where FP8 needs the compiled blocks context parallelism refuses)
+    with pytest.raises(ConfigError, match="train.fp8=tensorwise with parallel.context=2: FP8 GEMMs"):
+        load_config("configs/quickstart.yaml", [*base, "parallel.context=2"])
 
 
 def test_eager_fp8_refused_on_cuda(tmp_path, monkeypatch):
