@@ -62,8 +62,13 @@ def cluster_overrides(**extra: Any) -> list[str]:
 # ----------------------------------------------------------------------------- running the CLI
 
 def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a CLI subprocess: one thread, the CPU accelerator, no rank
+    variables, and the repository first on ``PYTHONPATH`` -- followed by what ``PYTHONPATH`` held
+    already (where a machine's packages live on it, the subprocess imports them too)."""
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu",
+    paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                           if p and os.path.abspath(p) != str(ROOT)]
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths), "DS_ACCELERATOR": "cpu",
                 "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

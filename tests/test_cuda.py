@@ -5,8 +5,17 @@ on a machine without one every test here is collected and skips with the reason.
 * the attention implementations (flash-attn if installed, each SDPA backend) against the fp32
   reference: MHA/GQA/MQA, KV-cache queries (T < S), packed-document masks;
 * a whole model with megaformer's kernels against plain torch ops;
-* bf16 training through DeepSpeed with each ZeRO stage and recompute mode against fp32;
+* the MoE experts' grouped GEMM, real FP8 GEMMs and one-rank context-parallel attention against
+  their references;
+* bf16 training through DeepSpeed against fp32 (:data:`TRAINING_CASES`: each ZeRO stage and
+  recompute mode, MoE, compiled FP8, context parallelism, asynchronous checkpoints through pinned
+  staging and a resume); every one of those commands passes ``--dry-run`` on CPU
+  (tests/test_cuda_commands.py), so a refused config shows without a GPU;
 * one training step audited for host synchronisations; the compiled blocks without graph breaks.
+
+A test passes only when it tested what it names: the kernel selection tracker
+(:func:`megaformer.kernels.selection.track`) must show the fast implementation ran (a silent
+fallback to the torch reference fails), and a backend that took none of the cases fails.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -83,6 +93,22 @@ def test_kernel_against_reference(kernel, dtype_name):
     fn, ref, inputs = cases[kernel]
     errors, ran = _compare(fn, ref, *inputs, dtype=dtype)
     assert max(errors) < tol, (errors, ran)
+    op = {"swiglu_packed": "swiglu"}.get(kernel, kernel)
+    assert ran.get(op) and ran[op] <= CUDA_IMPLEMENTATIONS[op], (kernel, ran, _why(op, dtype))
+
+
+#: What each op may run on CUDA with same-dtype operands (kernels/selection.py's rules); "torch"
+#: appears only where the torch op is the CUDA implementation, never as a fallback.
+CUDA_IMPLEMENTATIONS = {"swiglu": {"triton"}, "bias_gelu": {"triton"},
+                        "rms_norm": {"apex", "torch-native"}, "layer_norm": {"apex", "torch-native"},
+                        "rope": {"torch"}, "linear": {"torch"}}
+
+
+def _why(op: str, dtype: torch.dtype) -> str:
+    """The selection rule's reason for ``op`` on CUDA (shown when a test finds the wrong one)."""
+    from megaformer.kernels.selection import choose
+
+    return choose(op, "cuda", dtype).reason
 
 
 def _tables(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,16 +159,24 @@ def test_attention_implementations_against_reference(backend, monkeypatch):
     if backend.startswith("sdpa:"):
         monkeypatch.setenv("MEGAFORMER_SDPA_BACKENDS", backend.split(":")[1])
         name = "sdpa"
+    compared, refused = [], []
     for H, Hkv, T, S in _attention_cases():
         q, k, v = _randn(2, H, T, 128), _randn(2, Hkv, S, 128), _randn(2, Hkv, S, 128)
         ref = attention(q, k, v, causal=True, backend="reference")
         try:
-            out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend=name)
+            with track() as ran:
+                out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend=name)
         except RuntimeError as e:  # an SDPA backend that does not take this case says so
             if backend.startswith("sdpa:") and "No available kernel" in str(e):
+                refused.append((H, Hkv, T, S))
                 continue
             raise
         assert _rel(out, ref) < 2e-2, (backend, H, Hkv, T, S)
+        want = {"flash"} if name == "flash" or (name == "auto" and capabilities.flash_status()[0]) \
+            else {"sdpa"}
+        assert ran.get("attention") == want, (backend, ran, (H, Hkv, T, S))
+        compared.append((H, Hkv, T, S))
+    assert compared, f"{backend} took none of the cases (refused: {refused})"
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "reference"])
@@ -155,7 +189,11 @@ def test_document_mask_on_cuda(backend):
     docs = document_ids(ids, 0)
     q, k, v = _randn(2, 8, 256, 64), _randn(2, 2, 256, 64), _randn(2, 2, 256, 64)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    out = attention(q, k, v, causal=True, backend=backend, doc_ids=docs)
+    with track() as ran:
+        out = attention(q, k, v, causal=True, backend=backend, doc_ids=docs)
+    want = {"reference": "reference", "sdpa": "sdpa"}.get(
+        backend, "flash" if capabilities.flash_status()[0] else "sdpa")
+    assert ran.get("attention") == {want}, (backend, ran)
     for row in range(2):
         bounds = [0] + [int(i) + 1 for i in (ids[row] == 0).nonzero().flatten()] + [256]
         for s, e in zip(bounds[:-1], bounds[1:]):
@@ -187,6 +225,11 @@ def test_model_with_kernels_equals_torch_ops(variant):
     assert abs(out[0][0] - out[1][0]) < 1e-2 * out[1][0]
     assert _rel(out[0][1], out[1][1]) < 5e-2
     assert all(v == {"torch"} for op, v in out[1][2].items() if op != "attention")
+    fused = out[0][2]  # under autocast: fp32 gains with bf16 activations (the Triton norms)
+    act = "swiglu" if variant["activation"] == "swiglu" else "bias_gelu"
+    assert fused.get(act) == {"triton"}, fused
+    norm = "rms_norm" if variant["norm"] == "rmsnorm" else "layer_norm"
+    assert fused.get(norm) and "torch" not in fused[norm], fused
 
 
 def test_one_training_step_never_waits_for_the_host():
@@ -234,26 +277,188 @@ def test_compiled_blocks_have_no_graph_breaks():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-@pytest.mark.parametrize("zero,recompute", [(0, "none"), (1, "none"), (2, "none"), (3, "none"),
-                                            (1, "full"), (1, "selective")])
-def test_bf16_training_with_deepspeed_tracks_fp32(tmp_path: Path, zero: int, recompute: str):
-    """megaformer train on the GPU in bf16 (each ZeRO stage; recomputation) against the fp32 run:
-    losses of the first steps within bf16 accuracy, all finite."""
-    from tests.helpers import run_cli, subprocess_env, tiny_overrides
+class TrainingCase(NamedTuple):
+    """One training run of the tier: ``shared`` overrides (beyond the tiny run) for the bf16 run
+    and its fp32 reference, ``measured`` for the bf16 run only; ``processes`` ranks (one GPU each);
+    ``tolerance`` on each step's loss relative to fp32's."""
 
-    env = subprocess_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
-                         DS_ACCELERATOR="cuda")
+    shared: dict[str, Any]
+    measured: dict[str, Any] = {}
+    processes: int = 1
+    tolerance: float = 0.03
+    config: str = "configs/quickstart.yaml"
+
+
+#: The tier's training runs (ids "ZERO-RECOMPUTE" for the DeepSpeed stages). bf16 needs ZeRO 1+.
+TRAINING_CASES: dict[str, TrainingCase] = {
+    "1-none": TrainingCase({"parallel.zero_stage": 1}),
+    "2-none": TrainingCase({"parallel.zero_stage": 2}),
+    "3-none": TrainingCase({"parallel.zero_stage": 3}),
+    "1-full": TrainingCase({"parallel.zero_stage": 1, "train.recompute": "full"}),
+    "1-selective": TrainingCase({"parallel.zero_stage": 1, "train.recompute": "selective"}),
+    # routed experts through torch._grouped_mm (bf16 weights, sm90+), a shared expert
+    "moe-grouped": TrainingCase({"parallel.zero_stage": 1, "model.moe.interval": 1,
+                                 "model.moe.num_experts": 4, "model.moe.top_k": 2,
+                                 "model.moe.d_expert": 64, "model.moe.num_shared_experts": 1},
+                                tolerance=0.05),
+    # real FP8 GEMMs (torch._scaled_mm), casts compiled by inductor; fp32 reference without FP8
+    "fp8-compiled": TrainingCase({"parallel.zero_stage": 1},
+                                 {"train.fp8": "tensorwise", "train.compile": "true"},
+                                 tolerance=0.05),
+    "context-ring-2": TrainingCase({"parallel.zero_stage": 1, "parallel.context": 2,
+                                    "parallel.context_mode": "ring"}, processes=2),
+    # asynchronous sharded checkpoint (pinned host staging, background writer), then a resume
+    "pinned-async-save": TrainingCase({"parallel.zero_stage": 1, "checkpoint.async_save": "true",
+                                       "checkpoint.save_at_end": "true"}),
+}
+
+
+def training_args(case: TrainingCase, precision: str, run_dir: Path, steps: int = 4) -> list[str]:
+    """``megaformer train`` arguments of ``case`` in ``precision`` (the measured keys with bf16)."""
+    from tests.helpers import tiny_overrides
+
+    keys = {"train.steps": steps, "eval.interval": 0, "model.d_model": 64, "train.device": "cuda",
+            "train.precision": precision, **case.shared,
+            **(case.measured if precision == "bf16" else {})}
+    return ["train", case.config, *tiny_overrides(**keys), "--run-dir", str(run_dir)]
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("case", list(TRAINING_CASES))
+def test_bf16_training_with_deepspeed_tracks_fp32(tmp_path: Path, case: str):
+    """megaformer train on the GPU in bf16 (each ZeRO stage, recomputation, MoE, FP8, context
+    parallelism, asynchronous checkpoints) against the fp32 run: losses of the first steps within
+    the case's tolerance, all finite."""
+    from tests.helpers import run_cli, run_process, subprocess_env, torchrun_cmd
+
+    spec = TRAINING_CASES[case]
+    if torch.cuda.device_count() < spec.processes:
+        pytest.skip(f"{case}: needs {spec.processes} CUDA devices, found "
+                    f"{torch.cuda.device_count()} (the one-rank ring and all-to-all attention run "
+                    "in test_context_parallel_attention_on_one_rank)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(spec.processes))))
+    env = subprocess_env(CUDA_VISIBLE_DEVICES=visible, DS_ACCELERATOR="cuda")
+
+    def train(args: list[str]):
+        if spec.processes == 1:
+            return run_cli(*args, env=env)
+        return run_process(torchrun_cmd(spec.processes, *args), env=env)
+
     losses = {}
     for precision in ("fp32", "bf16"):
         run = tmp_path / precision
-        proc = run_cli("train", "configs/quickstart.yaml",
-                       *tiny_overrides(**{"train.steps": 4, "eval.interval": 0, "model.d_model": 64,
-                                          "train.device": "cuda"}),
-                       f"train.precision={precision}", f"parallel.zero_stage={zero}",
-                       f"train.recompute={recompute}", "--run-dir", str(run), env=env)
+        proc = train(training_args(spec, precision, run))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        losses[precision] = [r["loss"] for r in rows if "loss" in r]
-    assert all(math.isfinite(v) for v in losses["bf16"])
+        losses[precision] = _losses(run)
+    assert len(losses["bf16"]) == 4 and all(math.isfinite(v) for v in losses["bf16"]), losses
     for a, b in zip(losses["bf16"], losses["fp32"]):
-        assert abs(a - b) < 0.03 * b, losses
+        assert abs(a - b) < spec.tolerance * b, losses
+    if spec.shared.get("checkpoint.save_at_end") == "true":
+        run = tmp_path / "bf16"
+        proc = train(training_args(spec, "bf16", run, steps=6))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "resumed from" in proc.stdout + proc.stderr and len(_losses(run)) == 6
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank NCCL default group (the collectives of context parallelism on one GPU)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_context_parallel_attention_on_one_rank(one_rank_group, mode, monkeypatch):
+    """Context-parallel attention on a one-rank CUDA group (bf16, GQA) against the fp32 reference,
+    forward and backward; the all-to-all core runs the fast attention kernel."""
+    from megaformer.parallel import context as C
+
+    if mode == "ring":  # one rank: the K/V pass goes to the rank itself
+        class _SelfPass:
+            def __init__(self, t, cp, kind):
+                self.t = t
+
+            def wait(self):
+                return self.t
+
+        monkeypatch.setattr(C, "_RingPass", _SelfPass)
+    cp = C.ContextParallel(one_rank_group, 1, 0, mode)
+    q, k, v = _randn(2, 8, 256, 64), _randn(2, 2, 256, 64), _randn(2, 2, 256, 64)
+
+    def cp_attention(q_, k_, v_):
+        if mode == "ring":
+            return C.ring_attention(q_, k_, v_, cp, causal=True)
+        return C.ulysses_attention(attention, q_, k_, v_, cp, causal=True, dropout_p=0.0,
+                                   backend="auto", doc_ids=None, window=None)
+
+    errors, ran = _compare(cp_attention,
+                           lambda q_, k_, v_: attention(q_, k_, v_, causal=True, backend="reference"),
+                           q, k, v, dtype=torch.bfloat16)
+    assert max(errors) < 2e-2, (mode, errors)
+    if mode == "all_to_all":
+        assert ran.get("attention") and "reference" not in ran["attention"], ran
+
+
+def test_moe_experts_take_the_grouped_gemm(monkeypatch):
+    """The routed experts in bf16 run torch._grouped_mm (sm90+) and match the per-expert loop:
+    output, input gradient and the experts' weight gradient."""
+    from megaformer.config import MoEConfig
+    from megaformer.model import moe as M
+
+    if torch.cuda.get_device_capability() < (9, 0) or not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm needs an sm90+ GPU and torch >= 2.8")
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped_mm(*a, **kw))
+    cfg = ModelConfig(vocab_size=1000, d_model=256, n_layers=2, n_heads=4, max_seq_len=256,
+                      moe=MoEConfig(interval=1, num_experts=8, top_k=2, d_expert=512))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = M.MoE(cfg, 0).to(torch.bfloat16)
+    x = _randn(2, 128, 256).bfloat16()
+    out = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(M, "_grouped_mm_ok", lambda *a: False)
+        layer.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_()
+        y = layer(xi)
+        y.float().square().mean().backward()
+        out.append((y.detach(), xi.grad, layer.experts.w1.grad))
+        if grouped:
+            assert calls, "the grouped GEMM was not taken"
+    assert max(_rel(a, b) for a, b in zip(*out)) < 2e-2
+
+
+def test_real_fp8_gemms_match_their_emulation():
+    """torch._scaled_mm FP8 GEMMs (tensorwise, rowwise) against the emulated casts and scales:
+    forward and both gradients."""
+    from megaformer.parallel.fp8 import Fp8Matmul, fp8_gemm_support
+
+    ok, why = fp8_gemm_support("cuda")
+    if not ok:
+        pytest.skip(why)
+    x0, w0, dy = _randn(512, 1024), _randn(768, 1024, scale=0.02), _randn(512, 768)
+    for recipe in ("tensorwise", "rowwise"):
+        got = []
+        for emulate in (False, True):
+            x = x0.bfloat16().requires_grad_()
+            w = w0.bfloat16().requires_grad_()
+            y = Fp8Matmul(recipe, emulate=emulate)(x, w)
+            y.backward(dy.bfloat16())
+            got.append((y, x.grad, w.grad))
+        errors = [_rel(a, b) for a, b in zip(*got)]
+        assert max(errors) < 3e-2 and all(t.dtype == torch.bfloat16 for t in got[0]), (recipe, errors)

@@ -135,6 +135,39 @@ def test_loader_resumes_at_the_next_sample():
         assert np.array_equal(resumed.next_step()[0][0], expected)
 
 
+def test_prefetch_thread_pins_the_batches_for_a_cuda_device(monkeypatch):
+    """For a CUDA device the prefetch thread copies every batch to page-locked memory (stubbed: a
+    CPU build cannot pin), so the loop's non-blocking copies are asynchronous; never on CPU, and
+    never in the loop itself (prefetch=0)."""
+    import threading
+
+    import torch
+
+    pinned = []
+
+    def pin_memory(self):
+        pinned.append(threading.current_thread().name)
+        out = self.clone()
+        out.was_pinned = True
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    ds = PackedDataset(np.arange(2001, dtype=np.uint16), 10)
+    plain = TrainLoader(ds, 2, 3, 0, 1, seed=0)
+    cuda = TrainLoader(ds, 2, 3, 0, 1, seed=0, prefetch=2, device=torch.device("cuda"))
+    for _ in range(2):
+        got, want = cuda.next_step(), plain.next_step()
+        assert all(getattr(t, "was_pinned", False) for xy in got for t in xy)
+        assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    cuda.close()
+    assert len(pinned) >= 2 * 2 * 3 and set(pinned) == {"megaformer-prefetch_0"}
+    for device, prefetch in (("cpu", 2), ("cuda", 0)):
+        loader = TrainLoader(ds, 2, 3, 0, 1, seed=0, prefetch=prefetch, device=torch.device(device))
+        assert not any(getattr(t, "was_pinned", False) for xy in loader.next_step() for t in xy)
+        loader.close()
+    assert "MainThread" not in pinned
+
+
 def test_validation_set_does_not_depend_on_data_parallel_size():
     ds = PackedDataset(np.arange(1001, dtype=np.uint16), 10)
     one = [int(v) for x, _ in validation_batches(ds, 2, 4, 3, 0, 1) for v in x[:, 0]]

@@ -5,6 +5,7 @@ equals TP=1, a tiny model trains as well as in fp32, and a device without FP8 GE
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -222,6 +223,120 @@ def test_fp8_shapes_need_multiples_of_16_without_emulation():
         load_config("configs/quickstart.yaml", ["train.fp8=rowwise", "model.head_dim=18"])
     load_config("configs/quickstart.yaml", ["train.fp8=tensorwise", "train.fp8_emulate=true", *odd])
     load_config("configs/quickstart.yaml", ["train.fp8=off", *odd])
+
+
+def test_fp8_tokens_per_micro_batch_and_context_rank_need_multiples_of_16():
+    """The weight gradient dW = dY^T X contracts over micro_batch_size * seq_len / CP tokens."""
+    from megaformer.config import load_config
+
+    base = ["train.fp8=tensorwise", "model.max_seq_len=64", "train.global_batch_size=24"]
+    with pytest.raises(ConfigError, match=r"micro_batch_size \* seq_len / parallel.context = "
+                                          r"3 \* 40 / 1 = 120, are not a multiple of 16"):
+        load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=3", "data.seq_len=40"])
+    load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=2", "data.seq_len=40"])
+    load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=3", "data.seq_len=40",
+                                            "train.fp8_emulate=true"])
+    # (with context parallelism the count divides by CP; real FP8 and CP do not go together on
+    # CUDA, where FP8 needs the compiled blocks context parallelism refuses)
+    with pytest.raises(ConfigError, match="train.fp8=tensorwise with parallel.context=2: FP8 GEMMs"):
+        load_config("configs/quickstart.yaml", [*base, "parallel.context=2"])
+
+
+def test_eager_fp8_refused_on_cuda(tmp_path, monkeypatch):
+    """Real FP8 GEMMs on CUDA need train.compile (checked with a stand-in CUDA device that has
+    FP8 GEMMs, and by --dry-run from train.device alone); emulation and CPU are not concerned."""
+    from megaformer.config import load_config
+    from megaformer.parallel import fp8
+
+    monkeypatch.setattr(fp8, "fp8_gemm_support", lambda device: (True, ""))
+    eager = load_config("configs/quickstart.yaml", ["train.fp8=rowwise"]).train
+    with pytest.raises(ConfigError, match="train.fp8=rowwise on CUDA needs train.compile=true"):
+        fp8.check_fp8_device(eager, "cuda")
+    for ok in (["train.fp8=rowwise", "train.compile=true"],
+               ["train.fp8=rowwise", "train.fp8_emulate=true"], ["train.fp8=off"]):
+        fp8.check_fp8_device(load_config("configs/quickstart.yaml", ok).train, "cuda")
+    fp8.check_fp8_device(eager, "cpu")  # (the stand-in says the CPU has FP8 GEMMs)
+    args = ["train", "configs/quickstart.yaml", *tiny_overrides(), "train.device=cuda",
+            "train.fp8=tensorwise", "--dry-run", "--run-dir", str(tmp_path / "run")]
+    assert_one_line_error(cli_main(*args), "train.fp8=tensorwise on CUDA", "train.compile=true")
+    assert cli_main(*args, "train.compile=true").returncode == 0
+
+
+def _aten_ops(fn) -> collections.Counter:
+    """aten ops that ``fn()`` dispatches from Python, autograd or a compiled graph (not the ones
+    an aten op calls itself), by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return collections.Counter(
+        e.name for e in prof.events() if e.name.startswith("aten::")
+        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+
+
+def _fp8_operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+    return x, w, torch.randn(64, 48, generator=gen).bfloat16()
+
+
+@pytest.mark.parametrize("recipe,at_least", [("tensorwise", 80), ("rowwise", 95)])
+def test_eager_fp8_linear_runs_each_cast_as_a_chain_of_aten_ops(recipe, at_least):
+    """Why eager FP8 is refused on CUDA: one linear layer's forward and backward (emulated on
+    CPU: the same casts, fp32 GEMMs) dispatches dozens of aten ops, each a pass over an operand
+    (amax of |t|, scale, multiply, clamp, convert: 6 amax for the 6 casts)."""
+    from megaformer.parallel.fp8 import Fp8Matmul
+
+    mm = Fp8Matmul(recipe, emulate=True)
+    x, w, dy = _fp8_operands()
+    mm(x, w).backward(dy)
+    eager = _aten_ops(lambda: mm(x, w).backward(dy))
+    assert sum(eager.values()) >= at_least and eager["aten::amax"] == 6, (recipe, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_blocks_compile_without_graph_breaks(recipe):
+    """train.compile with FP8 (emulated, bf16 autocast): the blocks trace as one graph reused by
+    every block, with no graph break (aot_eager: the trace, without inductor's C++ build)."""
+    from torch._dynamo.utils import counters
+
+    from megaformer.model.block import compile_blocks
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.fp8 import apply_fp8
+
+    counters.clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(tiny_model(n_kv_heads=2, max_seq_len=32), padded_vocab_size=40)
+    apply_fp8(model, recipe, True)
+    compile_blocks(model.layers, backend="aot_eager")
+    x = torch.randint(0, 37, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, x).backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+    assert all(p.grad is not None for p in model.layers.parameters())
+
+
+@pytest.mark.skipif(os.environ.get("MEGAFORMER_TEST_INDUCTOR") != "1",
+                    reason="inductor's first CPU compile takes ~1-2 min (C++ build); "
+                           "set MEGAFORMER_TEST_INDUCTOR=1 to run it")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_fp8_linear_leaves_only_the_gemms_outside_inductor_kernels(recipe):
+    """train.compile's path for the same layer: inductor fuses the casts into its generated
+    kernels; the aten ops left are the three GEMMs and the gradient accumulation."""
+    from megaformer.parallel.fp8 import Fp8Matmul
+
+    mm = Fp8Matmul(recipe, emulate=True)
+    x, w, dy = _fp8_operands()
+    forward = torch.compile(lambda x_, w_: mm(x_, w_), backend="inductor", fullgraph=True)
+    forward(x, w).backward(dy)  # the compilation
+    compiled = _aten_ops(lambda: forward(x, w).backward(dy))
+    assert compiled["aten::mm"] == 3, compiled
+    others = {k: v for k, v in compiled.items()
+              if k not in ("aten::mm", "aten::add_", "aten::resolve_conj", "aten::empty_strided")}
+    assert not others, (recipe, compiled)
 
 
 def test_fp8_converts_only_the_block_linears():

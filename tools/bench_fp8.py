@@ -99,17 +99,23 @@ def cpu_report(steps: int, every: int, precision: str) -> None:
 # ----------------------------------------------------------------------------- GPU: GEMMs
 
 def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
-    """bf16 vs FP8 forward + backward of an 8B-shaped block's linear layers on CUDA."""
-    from megaformer.parallel.fp8 import Fp8Matmul, check_fp8_device
+    """bf16 vs FP8 forward + backward of an 8B-shaped block's linear layers on CUDA (eager: the
+    casts' cost that makes training refuse eager FP8 on CUDA; ``compile_``: inductor's fused
+    casts). Without CUDA, a dry run of the same code: tiny shapes, emulated FP8 GEMMs, aot_eager."""
+    from megaformer.errors import ConfigError
+    from megaformer.parallel.fp8 import Fp8Matmul, fp8_gemm_support
 
-    class _Train:
-        fp8, fp8_emulate = "tensorwise", False
-
-    check_fp8_device(_Train, "cuda")
-    d, q, kv, f = 4096, 4096, 1024, 14336
+    dry = not torch.cuda.is_available()
+    ok, why = fp8_gemm_support("cuda")
+    if not (ok or dry):
+        raise ConfigError(f"--gpu: {why}")
+    d, q, kv, f = (64, 64, 16, 128) if dry else (4096, 4096, 1024, 14336)
+    tokens, iters = (min(tokens, 64), 1) if dry else (tokens, iters)
     shapes = {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "w1": (f, d),
               "w3": (f, d), "w2": (d, f)}
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if dry else "cuda")
+    if dry:
+        print("no CUDA: a dry run (tiny shapes, emulated FP8 GEMMs, aot_eager); no timings to read")
     weights = {n: (torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
                for n, s in shapes.items()}
     x_d = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -125,18 +131,20 @@ def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
 
     results = {}
     for name, mm in [("bf16", torch.nn.functional.linear)] + [
-            (f"fp8 {r}", Fp8Matmul(r, emulate=False)) for r in RECIPES]:
-        fn = torch.compile(step) if compile_ else step
-        for _ in range(3):
+            (f"fp8 {r}", Fp8Matmul(r, emulate=dry)) for r in RECIPES]:
+        fn = torch.compile(step, backend="aot_eager" if dry else "inductor") if compile_ else step
+        for _ in range(1 if dry else 3):
             fn(mm)
-        torch.cuda.synchronize()
+        sync = (lambda: None) if dry else torch.cuda.synchronize
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn(mm)
-        torch.cuda.synchronize()
+        sync()
         results[name] = (time.perf_counter() - t0) / iters
     print(f"8B-shaped block linears, {tokens} tokens, forward + backward, "
-          f"{torch.cuda.get_device_name(dev)}{' (compiled)' if compile_ else ''}")
+          f"{'CPU (dry run)' if dry else torch.cuda.get_device_name(dev)}"
+          f"{' (compiled)' if compile_ else ''}")
     print("| GEMMs | ms/iter | TFLOP/s | speed-up vs bf16 |")
     print("|---|---|---|---|")
     for name, t in results.items():

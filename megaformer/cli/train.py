@@ -42,7 +42,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     help="dotted overrides, e.g. train.steps=50 parallel.zero_stage=1")
     tr.add_argument("--run-dir", help="run directory (default: runs/<config name>)")
     tr.add_argument("--dry-run", action="store_true",
-                    help="validate the config, print the resolved config and parameter counts, exit")
+                    help="validate the config (with train.device=cuda also the rules that need "
+                         "only the device type, e.g. FP8 needs train.compile), print the resolved "
+                         "config and parameter counts, exit")
     tr.add_argument("--help-config", action="store_true", help="list every config key and exit")
     tr.add_argument("--world-size", type=int, default=None,
                     help="with --dry-run: also check the parallel layout for this many processes")
@@ -83,6 +85,10 @@ def _dry_run(cfg: Any, run_dir: Path) -> int:
     from megaformer.config import validate_for_training
 
     validate_for_training(cfg)
+    if cfg.train.device == "cuda":  # the rules that need only the device type, not the device
+        from megaformer.parallel.fp8 import check_fp8_device_type
+
+        check_fp8_device_type(cfg.train, "cuda")
 
     model = resolve_vocab(cfg).model
     counts = count_parameters(model)

@@ -47,7 +47,8 @@ class DataConfig:
               "prepared on the fly (keyed by a hash of the settings; share it between runs); "
               "null = RUN_DIR/data_cache.")
     prefetch: int = option(
-        2, "Optimizer steps of batches a background thread reads ahead (0 = read in the loop).")
+        2, "Optimizer steps of batches a background thread reads ahead (0 = read in the loop); "
+           "on CUDA the thread also pins them, so the copies to the GPU are asynchronous.")
 
     def __post_init__(self) -> None:
         if self.paths is not None and any(not p.strip() for p in self.paths):

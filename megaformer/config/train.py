@@ -86,8 +86,8 @@ class TrainConfig:
                "experts; not the embedding, output head, router or routed experts) through "
                "torchao's float8 casts: tensorwise (one dynamic scale per tensor) or rowwise (one "
                "per row, power-of-two scales). Master weights, optimizer and everything else stay "
-               "in train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) unless "
-               "train.fp8_emulate=true; see docs/fp8.md.")
+               "in train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) and "
+               "train.compile=true unless train.fp8_emulate=true; see docs/fp8.md.")
     fp8_emulate: bool = option(
         False, "train.fp8 without FP8 hardware: the same casts and scales, the GEMMs dequantised "
                "and run in fp32 (same numbers as FP8 GEMMs up to accumulation order, no speed-up; "

@@ -140,7 +140,10 @@ class TrainLoader:
     batch size or DP degree continues exactly at sample c.
 
     ``prefetch`` > 0 reads that many steps ahead in one background thread (never past ``stop_at``
-    samples); the batches and ``consumed_samples`` are the same as without it.
+    samples); the batches and ``consumed_samples`` are the same as without it. For a CUDA
+    ``device`` (where the batches go) that thread also copies each batch into page-locked memory,
+    so the training loop's ``x.to(device, non_blocking=True)`` is an asynchronous copy instead of
+    one staged through pageable memory that waits for the stream.
 
     ``part`` (context parallelism): the context ranks of a DP rank read the same samples and each
     keeps its part of every sequence, ``part(t)`` of inputs and labels
@@ -150,7 +153,8 @@ class TrainLoader:
     def __init__(self, dataset: PackedDataset, micro_batch_size: int, grad_accum: int,
                  dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0,
                  prefetch: int = 0, stop_at: Optional[int] = None,
-                 part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+                 part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.dataset = dataset
         self.mbs = micro_batch_size
         self.grad_accum = grad_accum
@@ -164,6 +168,8 @@ class TrainLoader:
         self._pending: deque = deque()
         self._pool: Optional[ThreadPoolExecutor] = None
         self.part = part
+        # pinned in the prefetch thread only: pinning in the loop would stall it as long as the copy
+        self.pin = device is not None and device.type == "cuda" and prefetch > 0
 
     @property
     def global_batch_size(self) -> int:
@@ -175,7 +181,9 @@ class TrainLoader:
         for j in range(self.grad_accum):
             start = consumed + (j * self.dp_size + self.dp_rank) * self.mbs
             x, y = self.dataset.batch(self.order[np.arange(start, start + self.mbs)])
-            out.append((x, y) if self.part is None else (self.part(x), self.part(y)))
+            if self.part is not None:
+                x, y = self.part(x), self.part(y)
+            out.append((x.pin_memory(), y.pin_memory()) if self.pin else (x, y))
         return out
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

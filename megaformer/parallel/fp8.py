@@ -116,13 +116,30 @@ def fp8_gemm_support(device: Union[str, torch.device]) -> tuple[bool, str]:
 
 def check_fp8_device(train: Any, device: Union[str, torch.device]) -> None:
     """ConfigError (one line) when ``train.fp8`` asks for FP8 GEMMs ``device`` does not have and
-    emulation is off; nothing when fp8 is off."""
+    emulation is off, or for what :func:`check_fp8_device_type` refuses; nothing when fp8 is off."""
     if train.fp8 == "off" or train.fp8_emulate:
         return
     ok, why = fp8_gemm_support(device)
     if not ok:
         raise ConfigError(f"train.fp8={train.fp8}: {why}; use train.fp8=off, or "
                           "train.fp8_emulate=true for the same arithmetic without FP8 hardware")
+    check_fp8_device_type(train, torch.device(device).type)
+
+
+def check_fp8_device_type(train: Any, device_type: str) -> None:
+    """The FP8 rules that depend on the device type alone (``megaformer train --dry-run`` checks
+    them from ``train.device``, without the device): FP8 GEMMs on CUDA need ``train.compile``.
+
+    Eager, each cast of an operand is 5-7 separate kernels (amax of |t|, the scale, multiply,
+    clamp, convert, each a pass over the tensor: 86 aten ops per linear layer's forward and
+    backward tensorwise, 104 rowwise, besides its 3 GEMMs), and each linear layer casts its input
+    again; the memory traffic costs more than the FP8 GEMMs save. Compiled, inductor fuses the
+    casts' chains into its generated kernels, leaving the GEMMs outside them."""
+    if train.fp8 == "off" or train.fp8_emulate or device_type != "cuda" or train.compile:
+        return
+    raise ConfigError(f"train.fp8={train.fp8} on CUDA needs train.compile=true: eager FP8 casts "
+                      "take 5-7 kernels per operand and are slower than bf16; set "
+                      "train.compile=true, or train.fp8=off")
 
 
 # ----------------------------------------------------------------------------- the GEMM

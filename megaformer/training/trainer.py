@@ -221,7 +221,7 @@ class Trainer:
                                   self.dp_rank, self.dp_size, cfg.train.seed, consumed,
                                   prefetch=cfg.data.prefetch,
                                   stop_at=cfg.train.steps * cfg.train.global_batch_size,
-                                  part=self.part)
+                                  part=self.part, device=self.proc.device)
         if self.is_main:
             ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)

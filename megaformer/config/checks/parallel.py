@@ -124,7 +124,8 @@ def check_expert(cfg: Config) -> None:
 
 def check_fp8(cfg: Config) -> None:
     """FP8 GEMMs (torch._scaled_mm) need both matrix dimensions of every converted linear layer's
-    tensor-parallel shard to be multiples of 16 (emulation has no such constraint)."""
+    tensor-parallel shard, and the tokens each GEMM contracts over in the weight gradient, to be
+    multiples of 16 (emulation has no such constraint)."""
     t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor
     if t.fp8 == "off" or t.fp8_emulate:
         return
@@ -136,3 +137,14 @@ def check_fp8(cfg: Config) -> None:
     for what, n in dims.items():
         require(n % 16 == 0, f"train.fp8={t.fp8}: the {what} = {n} is not a multiple of 16, which "
                               "FP8 GEMMs need; change the model's widths or use train.fp8=off")
+    # the weight gradient dW = dY^T X contracts over the micro-batch's tokens on this CP rank
+    cp = cfg.parallel.context
+    require(cp == 1, f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs (CUDA) need "
+                     "train.compile=true, which context parallelism does not support; use one of "
+                     "them (or train.fp8_emulate=true)")
+    tokens = t.micro_batch_size * cfg.seq_len // cp
+    require(tokens % 16 == 0,
+            f"train.fp8={t.fp8}: the tokens per micro-batch and context rank, micro_batch_size * "
+            f"seq_len / parallel.context = {t.micro_batch_size} * {cfg.seq_len} / {cp} = {tokens}, "
+            "are not a multiple of 16, which the weight-gradient FP8 GEMM needs; change "
+            "train.micro_batch_size or the sequence length")
