@@ -410,7 +410,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.arch is not None:
             raise UserError(f"--arch {args.arch}: SRC {src} is a megaformer checkpoint; resharding "
                             "keeps its model (drop --arch)")
-        from megaformer.checkpoint.io import resolve_checkpoint
+        from megaformer.checkpoint.layout import resolve_checkpoint
         from megaformer.checkpoint.reshard import reshard_checkpoint
 
         out = reshard_checkpoint(resolve_checkpoint(src), dst, args.tp, args.pp)
@@ -466,7 +466,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from megaformer.checkpoint.io import resolve_checkpoint
+    from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation import tasks as task_lib
     from megaformer.training.distributed import detect_process, init_distributed
 
