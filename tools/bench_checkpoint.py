@@ -143,8 +143,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: 
     checkpointer.writer = BackgroundWriter()
     dist.barrier()
     t0 = time.perf_counter()
-    stall, stall_mem, _ = measured(lambda: checkpointer.save(dataclasses.replace(state,
-                                                                                 step=state.step + 1)))
+    later = dataclasses.replace(state, step=state.step + 1)
+    stall, stall_mem, _ = measured(lambda: checkpointer.save(later))
     checkpointer.wait()
     row.update(stall_s=stall, stall_mem=stall_mem, async_total_s=time.perf_counter() - t0)
     checkpointer.writer = None

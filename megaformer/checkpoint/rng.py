@@ -74,6 +74,7 @@ def load_rng_state(ckpt: Path, rank: int) -> dict:
         rng = safe_torch_load(str(path))
         set_rng_state(rng)
     except (RuntimeError, KeyError, ValueError, TypeError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"{path}: corrupt RNG state ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: corrupt RNG state ({why})") from None
     return rng
 

@@ -39,8 +39,9 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
     ``snapshot(tmp_dir, memo)`` -> {relative path: tensors (on the host) or text}, this rank's
     share of the remaining files (``memo``: None for a synchronous save, else the host copies
-    already taken, by tensor view, to share instead of copying twice). Those are then written, flushed and renamed into place; rank 0 seals the
-    checkpoint (fsync, rename, ``latest``, keep-last) once every rank is done.
+    already taken, by tensor view, to share instead of copying twice). Those are then written,
+    flushed and renamed into place; rank 0 seals the checkpoint (fsync, rename, ``latest``,
+    keep-last) once every rank is done.
 
     With ``background`` (a :class:`BackgroundWriter`) the writing runs on its thread and training
     continues: DeepSpeed's files too, when its checkpoint engine is megaformer's (it then keeps a

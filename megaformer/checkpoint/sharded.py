@@ -185,9 +185,10 @@ def snapshot(access: Any, owned: list[Owned], copy: bool,
                     if arena is None:
                         arena = staging.arena(owned_elements(owned) * BYTES_PER_ELEMENT)
                     tensors[f"{o.name}/{key}/{i}"] = arena.put(box)  # queued, not waited for
+                elif copy:
+                    tensors[f"{o.name}/{key}/{i}"] = box.clone(memory_format=torch.contiguous_format)
                 else:
-                    tensors[f"{o.name}/{key}/{i}"] = (box.clone(memory_format=torch.contiguous_format)
-                                                      if copy else box.contiguous())
+                    tensors[f"{o.name}/{key}/{i}"] = box.contiguous()
                 where[f"{o.name}/{key}/{i}"] = list(off)
     if arena is not None:
         arena.synchronize()  # the device-to-host copies were queued without waiting

@@ -4,7 +4,9 @@ Copying device tensors to the host without waiting needs page-locked (pinned) ho
 pinned tensor per box would go through torch's caching host allocator, which rounds every
 request up to a power of two and keeps the blocks for the life of the process: the first save
 pays page-locking for the whole shard and up to twice the shard stays pinned for good. Instead
-each rank allocates one buffer of exactly its staging bytes,
+each rank allocates one ordinary host buffer of exactly its staging bytes and page-locks it in
+place (``cudaHostRegister``, as ``torch.distributed.checkpoint``'s staging does), outside the
+caching allocator,
 
     arena bytes = 12 x (elements of the boxes this rank owns)    (fp32 master, exp_avg, exp_avg_sq)
 
@@ -19,10 +21,24 @@ from typing import Optional
 
 import torch
 
+PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+
 
 def pin_host(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of page-locked host memory (one allocation)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """``nbytes`` of page-locked host memory: one host allocation, registered with CUDA."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes and torch.cuda.is_available():
+        err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, PORTABLE))
+        if err:
+            raise RuntimeError(f"page-locking {nbytes} bytes of host memory for checkpoint "
+                               f"staging failed (cudaError {err})")
+    return buffer
+
+
+def unpin_host(buffer: torch.Tensor) -> None:
+    """Undo :func:`pin_host` (the memory is freed with the tensor)."""
+    if buffer.numel() and torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 class PinnedArena:
@@ -45,6 +61,9 @@ class PinnedArena:
         self.used = stop
         return view
 
+    def release(self) -> None:
+        unpin_host(self.buffer)
+
     def synchronize(self) -> None:
         """Wait for the queued device-to-host copies."""
         if torch.cuda.is_available():
@@ -60,7 +79,9 @@ class HostStaging:
 
     def arena(self, nbytes: int) -> PinnedArena:
         if self._arena is None or self._arena.nbytes < nbytes:
-            self._arena = None  # free the smaller one first
+            if self._arena is not None:  # free the smaller one first
+                self._arena.release()
+                self._arena = None
             self._arena = PinnedArena(nbytes)
         self._arena.used = 0
         return self._arena

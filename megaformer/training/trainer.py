@@ -217,7 +217,7 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
-        the weights of a weights-only checkpoint or of the layout-free state (another layout)."""
+        the weights of the checkpoint the run resumes from (:meth:`Checkpointer.model_weights`)."""
         weights, source = self.checkpointer.model_weights(self.cfg.model)
         built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
                             weights_source=source, eod_id=self.tokenizer.eod_id)
