@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint.model_weights import load_model_weights
 from megaformer.config import Config
 from megaformer.data.tokenizer import Tokenizer, load_tokenizer
@@ -42,7 +42,7 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens:
 
 def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Config, Path]:
     """Model (eval mode, fp32), tokenizer and config from a run directory or checkpoint."""
-    ckpt = ckpt_io.resolve_checkpoint(path)
+    ckpt = ckpt_layout.resolve_checkpoint(path)
     if not (ckpt / "tokenizer.json").exists() and not (ckpt / "tokenizer.json").is_symlink():
         raise CheckpointError(f"{ckpt}: no tokenizer.json (a model converted without its "
                               "tokenizer: convert it again with --tokenizer PATH)")

@@ -2,7 +2,9 @@
 
     results = run_ranks(4, my_test_fn, arg1, arg2)   # -> [rank0_result, ..., rank3_result]
 
-``fn(rank, world_size, *args)`` must be importable at module level (processes are spawned). A rank
+``fn(rank, world_size, *args)`` must be importable at module level (processes are spawned). The
+default group is gloo's, or ``backend`` (``"cuda:gloo"``: gloo serving CUDA tensors only, NCCL's
+device map, so a host tensor on it fails as on NCCL). A rank
 that raises makes ``run_ranks`` raise with that rank's traceback; a hang ends at ``timeout``.
 Later issues (pipeline, checkpoints, diagnostics) reuse this harness.
 """
@@ -21,12 +23,13 @@ import torch.multiprocessing as mp
 from tests.helpers import free_port
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: Any,
+            backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         # plain pickle: tensors travel by value, not as shared memory that dies with this process
         out.put((rank, "ok", pickle.dumps(result)))
@@ -37,11 +40,13 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: An
             torch.distributed.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300,
+              backend: str = "gloo") -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out, backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import files as ckpt_files
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint import save as ckpt_save
+from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.checkpoint.safe_load import install_safe_checkpoint_engine, safe_torch_load
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.errors import CheckpointError
@@ -43,7 +46,7 @@ def snapshot(step: int):
 
 
 def save(run: Path, step: int, background=None, keep_last=None) -> Path:
-    return ckpt_io.save_checkpoint(
+    return ckpt_save.save_checkpoint(
         FakeEngine(), run, step, rank=0, world_size=1, client_state={"step": step},
         snapshot=snapshot(step), keep_last=keep_last, barrier=lambda: None,
         background=background)
@@ -56,7 +59,7 @@ def digest(folder: Path) -> dict[str, str]:
 
 def test_background_save_writes_what_a_synchronous_save_writes(tmp_path):
     sync_ckpt = save(tmp_path / "sync", 3)
-    writer = ckpt_io.BackgroundWriter()
+    writer = ckpt_files.BackgroundWriter()
     bg = [save(tmp_path / "bg", step, background=writer, keep_last=2) for step in (1, 2, 3)]
     writer.wait()
     assert not writer.busy()
@@ -68,13 +71,13 @@ def test_background_save_writes_what_a_synchronous_save_writes(tmp_path):
     assert torch.equal(state["module"]["a"], ref["module"]["a"]) and state["step"] == {"step": 3}
     assert state["module"]["a"].data_ptr() == state["module"]["tied"].data_ptr()  # still tied
     root = tmp_path / "bg" / "checkpoints"
-    assert [p.name for p in ckpt_io.complete_checkpoints(root)] == ["step_0000002", "step_0000003"]
+    assert [p.name for p in ckpt_layout.complete_checkpoints(root)] == ["step_0000002", "step_0000003"]
     assert (root / "latest").read_text().strip() == "step_0000003"
     assert not list(root.glob(".tmp-*")) and not list(root.rglob("*.partial"))
 
 
 def test_background_failure_surfaces_at_the_next_check(tmp_path):
-    writer = ckpt_io.BackgroundWriter()
+    writer = ckpt_files.BackgroundWriter()
 
     def fail() -> None:
         raise OSError(28, "No space left on device")
@@ -88,8 +91,8 @@ def test_background_failure_surfaces_at_the_next_check(tmp_path):
 
 def test_background_seal_waits_for_other_ranks_files(tmp_path):
     """Rank 0 seals only when every rank's thread is done (rank 1 never is here)."""
-    writer = ckpt_io.BackgroundWriter()
-    ckpt = ckpt_io.save_checkpoint(
+    writer = ckpt_files.BackgroundWriter()
+    ckpt = ckpt_save.save_checkpoint(
         FakeEngine(), tmp_path, 5, rank=0, world_size=2, client_state={}, snapshot=snapshot(5),
         keep_last=None, barrier=lambda: None, background=writer, wait_timeout_s=0.3)
     with pytest.raises(CheckpointError, match=r"did not write.*\.rank_1\.done"):
@@ -118,4 +121,4 @@ def test_truncated_and_tampered_files_are_named(tmp_path):
     ckpt.mkdir()
     (ckpt / "model.safetensors").write_bytes(data[:-4])
     with pytest.raises(CheckpointError, match=r"model.safetensors: truncated or tampered"):
-        ckpt_io.load_weights(ckpt)
+        ckpt_weights.load_weights(ckpt)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.checkpoint.hf.convert import export_to_hf, import_from_hf
 from megaformer.checkpoint.hf.tokenizer_files import byte_tokenizer_as_hf
 from megaformer.generation import load_checkpoint_model
@@ -139,7 +140,7 @@ def test_megaformer_models_export_with_equal_logits(tmp_path, kind):
     weights = {k: v for k, v in model.state_dict().items()
                if not (cfg.model.tie_embeddings and k == "lm_head.weight")}
     run = tmp_path / "run"
-    ckpt_io.save_weights_checkpoint(run, 0, weights, cfg.to_yaml(), ByteTokenizer(), {})
+    ckpt_weights.save_weights_checkpoint(run, 0, weights, cfg.to_yaml(), ByteTokenizer(), {})
     dst = export_to_hf(run, tmp_path / "hf", arch=kind)
     ours, theirs = _our_logits(run), _hf_logits(dst)
     assert (ours - theirs).abs().max().item() <= 1e-5 and theirs.std().item() > 0.1
@@ -165,8 +166,8 @@ def test_sharded_bf16_export_through_the_cli(hf_folders, tmp_path):
     for k in ref:
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref[k].to(torch.bfloat16)), k
     back = import_from_hf(dst, tmp_path / "back", dtype="fp32")  # reads the sharded folder
-    w0, w1 = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run)), ckpt_io.load_weights(
-        ckpt_io.resolve_checkpoint(back))
+    w0, w1 = ckpt_weights.load_weights(ckpt_layout.resolve_checkpoint(run)), ckpt_weights.load_weights(
+        ckpt_layout.resolve_checkpoint(back))
     assert sorted(w0) == sorted(w1)
     for k in w0:
         assert w1[k].dtype == torch.float32 and torch.equal(w1[k], w0[k].bfloat16().float()), k
@@ -191,7 +192,7 @@ def test_imported_model_trains_at_tp2_pp2_and_exports_with_equal_logits_and_gene
     proc = cli_main("convert", str(hf_folders["gpt-neox"]), str(run), "--to", "megaformer",
                     "--tp", "2", "--pp", "2")
     assert proc.returncode == 0, proc.stderr
-    before = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run))
+    before = ckpt_weights.load_weights(ckpt_layout.resolve_checkpoint(run))
     args = [a for a in tiny_overrides() if not a.startswith("model.")]
     lr = 1e-3
     proc = run_torchrun(4, "train", str(run / "config.yaml"), *args, "train.steps=3",
@@ -199,10 +200,10 @@ def test_imported_model_trains_at_tp2_pp2_and_exports_with_equal_logits_and_gene
                         "--run-dir", str(run))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "starting from the weights of" in proc.stdout + proc.stderr
-    after_ckpt = ckpt_io.resolve_checkpoint(run)
+    after_ckpt = ckpt_layout.resolve_checkpoint(run)
     assert after_ckpt.name == "step_0000003"
     assert json.loads((after_ckpt / "meta.json").read_text())["parallel"]["pipeline"] == 2
-    after = ckpt_io.load_weights(after_ckpt)
+    after = ckpt_weights.load_weights(after_ckpt)
     assert sorted(after) == sorted(before)
     moved = 0.0
     for k in before:
@@ -248,7 +249,7 @@ def test_features_a_class_cannot_express_are_refused_by_name(megaformer_run, tmp
                     "--arch", "gpt-neox")
     assert_one_line_error(proc, "GPTNeoXForCausalLM", "model.n_kv_heads=2")
     # a sinusoidal model fits no class
-    ckpt = ckpt_io.resolve_checkpoint(megaformer_run)
+    ckpt = ckpt_layout.resolve_checkpoint(megaformer_run)
     import yaml
 
     cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
@@ -321,7 +322,7 @@ def test_truncated_or_tampered_safetensors_name_the_file(hf_folders, megaformer_
 
     run = tmp_path / "run"
     shutil.copytree(megaformer_run, run)
-    mf_weights = ckpt_io.resolve_checkpoint(run) / "model.safetensors"
+    mf_weights = ckpt_layout.resolve_checkpoint(run) / "model.safetensors"
     mf_weights.write_bytes(mf_weights.read_bytes()[:-10])
     proc = cli_main("convert", str(run), str(tmp_path / "out2"), "--to", "hf")
     assert_one_line_error(proc, str(mf_weights), "corrupt safetensors file")
@@ -339,7 +340,7 @@ def test_megaformer_to_megaformer_reshards(megaformer_run, tmp_path):
     proc = cli_main("convert", str(megaformer_run), str(dst), "--to", "megaformer",
                     "--tp", "2", "--pp", "2")
     assert proc.returncode == 0, proc.stderr
-    src_ckpt, out = ckpt_io.resolve_checkpoint(megaformer_run), ckpt_io.resolve_checkpoint(dst)
+    src_ckpt, out = ckpt_layout.resolve_checkpoint(megaformer_run), ckpt_layout.resolve_checkpoint(dst)
     parallel = yaml.safe_load((out / "config.yaml").read_text())["parallel"]
     assert (parallel["tensor"], parallel["pipeline"]) == (2, 2)
     a, b = load_file(str(src_ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.checkpoint.hf.convert import export_to_hf, import_from_hf
 from megaformer.checkpoint.hf.tokenizer_files import byte_tokenizer_as_hf
 from megaformer.generation import load_checkpoint_model
@@ -139,14 +140,14 @@ def test_qwen3_trains_at_tp2_and_its_export_equals(hf_folders, tmp_path):
     proc = cli_main("convert", str(hf_folders["qwen3"]), str(run), "--to", "megaformer",
                     "--tp", "2")
     assert proc.returncode == 0, proc.stderr
-    before = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run))
+    before = ckpt_weights.load_weights(ckpt_layout.resolve_checkpoint(run))
     args = [a for a in tiny_overrides() if not a.startswith("model.")]
     lr = 1e-3
     proc = run_torchrun(2, "train", str(run / "config.yaml"), *args, "train.steps=3",
                         f"train.lr={lr}", "train.warmup_steps=0", "eval.interval=0",
                         "data.seq_len=40", "--run-dir", str(run))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    after = ckpt_io.load_weights(ckpt_io.resolve_checkpoint(run))
+    after = ckpt_weights.load_weights(ckpt_layout.resolve_checkpoint(run))
     for k in ("layers.0.attn.q_norm.weight", "layers.1.attn.k_norm.weight"):
         delta = (after[k] - before[k]).abs().max().item()  # replicated, gradient summed over TP
         assert 0.5 * lr < delta <= 3.5 * lr, (k, delta)
@@ -169,7 +170,7 @@ def test_weights_only_folder_converts_with_a_warning_and_training_asks_for_a_tok
     (src / "tokenizer.json").unlink()
     run = import_from_hf(src, tmp_path / "run")
     assert "converting the weights only" in caplog.text
-    assert not (ckpt_io.resolve_checkpoint(run) / "tokenizer.json").exists()
+    assert not (ckpt_layout.resolve_checkpoint(run) / "tokenizer.json").exists()
     args = [a for a in tiny_overrides() if not a.startswith(("model.", "data.tokenizer"))]
     proc = cli_main("train", str(run / "config.yaml"), *args, "--run-dir", str(run))
     assert_one_line_error(proc, "data.tokenizer=none", "converted without a tokenizer")
@@ -229,7 +230,7 @@ def test_minimal_config_json_takes_transformers_defaults(hf_folders, tmp_path):
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32}))
     run = import_from_hf(src, tmp_path / "run")
-    cfg = ckpt_io.read_config(ckpt_io.resolve_checkpoint(run))
+    cfg = ckpt_layout.read_config(ckpt_layout.resolve_checkpoint(run))
     defaults = transformers.Qwen3Config()
     assert cfg.model.max_seq_len == defaults.max_position_embeddings
     assert cfg.model.norm_eps == defaults.rms_norm_eps

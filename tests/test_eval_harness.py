@@ -57,7 +57,7 @@ def _requests() -> tuple[list, list]:
 def exported(tmp_path_factory) -> tuple[Path, Path]:
     """(a megaformer run with random, perturbed weights: Llama-style, GQA, untied; its Hugging
     Face export)."""
-    from megaformer.checkpoint import io as ckpt_io
+    from megaformer.checkpoint import weights as ckpt_weights
     from megaformer.checkpoint.hf.convert import export_to_hf
     from megaformer.config import config_from_dict
     from megaformer.data.tokenizer import ByteTokenizer
@@ -73,7 +73,7 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p) if p.dim() == 1 else 0.05 * torch.randn_like(p))
-    ckpt_io.save_weights_checkpoint(base / "run", 0, model.state_dict(), cfg.to_yaml(),
+    ckpt_weights.save_weights_checkpoint(base / "run", 0, model.state_dict(), cfg.to_yaml(),
                                     ByteTokenizer(), {})
     return base / "run", export_to_hf(base / "run", base / "hf")
 
@@ -117,7 +117,7 @@ def _megaformer_scores(ckpt: Path, topo=None, batch_size: int = 3) -> tuple[list
     through the harness, laid out for ``topo`` (None: one process)."""
     from lm_eval.api.instance import Instance
 
-    from megaformer.checkpoint.io import resolve_checkpoint
+    from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation.checkpoint import load_runner
     from megaformer.evaluation.harness import make_lm
 

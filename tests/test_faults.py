@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaformer.checkpoint.io import load_weights
+from megaformer.checkpoint.weights import load_weights
 from megaformer.training import preemption
 from megaformer.training.watchdog import StepWatchdog
 from tests.helpers import (assert_one_line_error, cluster_overrides, run_cli, run_process,

@@ -35,9 +35,7 @@ PEERS_APART = {("parallel", "runtime"), ("runtime", "parallel"), ("analysis", "e
 # (importing module, imported module) -> why an upward import is there for now. Keep it empty.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
 # Import cycles inside a package that are there for now (each a set of modules). Keep it empty.
-CYCLES: list[frozenset[str]] = [
-    frozenset({"megaformer.checkpoint.io", "megaformer.checkpoint.sharded"}),
-]
+CYCLES: list[frozenset[str]] = []
 
 
 def _modules(package: Path = PACKAGE) -> list[tuple[str, Path]]:

@@ -36,7 +36,7 @@ def _compare(ref: Path, run: Path) -> None:
         for key in ("loss", "grad_norm"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key, a[step], b[step])
     assert b[3]["val_loss"] == pytest.approx(a[3]["val_loss"], rel=1e-5)
-    from megaformer.checkpoint.io import load_weights
+    from megaformer.checkpoint.weights import load_weights
 
     wa = load_weights(ref / "checkpoints/step_0000003")
     wb = load_weights(run / "checkpoints/step_0000003")

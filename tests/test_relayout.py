@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint import sharded
 from megaformer.checkpoint.reshard import reshard_checkpoint
 from megaformer.checkpoint.sharded import ShardedState
@@ -78,9 +78,9 @@ def test_reshard_then_resume_at_tensor_2(layout_a, tmp_path):
     dst = tmp_path / "tp2"
     ckpt = reshard_checkpoint(layout_a / "checkpoints" / "step_0000003", dst, tensor=2, pipeline=1)
     assert ckpt == dst / "checkpoints" / "step_0000003"
-    assert ckpt_io.latest_checkpoint(dst / "checkpoints") == ckpt
+    assert ckpt_layout.latest_checkpoint(dst / "checkpoints") == ckpt
     assert not list(ckpt.glob("*.pt")) and not (ckpt / "rng").exists()
-    meta = ckpt_io.read_meta(ckpt)
+    meta = ckpt_layout.read_meta(ckpt)
     assert meta["engine_state"] is False and meta["parallel"] == {"tensor": 2, "pipeline": 1}
     assert "tensor: 2" in (ckpt / "config.yaml").read_text()
     out = torchrun_train(dst, "parallel.tensor=2")
@@ -126,9 +126,9 @@ def test_resume_at_data_parallel_1_with_async_save(layout_a, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "data 2 -> 1" in proc.stdout and "(in the background)" in proc.stdout
     assert_same_continuation(run, layout_a)
-    ckpt = ckpt_io.latest_checkpoint(run / "checkpoints")
-    assert [p.name for p in ckpt_io.complete_checkpoints(run / "checkpoints")] == [ckpt.name]
-    assert ckpt.name == "step_0000006" and ckpt_io.read_meta(ckpt)["parallel"]["data"] == 1
+    ckpt = ckpt_layout.latest_checkpoint(run / "checkpoints")
+    assert [p.name for p in ckpt_layout.complete_checkpoints(run / "checkpoints")] == [ckpt.name]
+    assert ckpt.name == "step_0000006" and ckpt_layout.read_meta(ckpt)["parallel"]["data"] == 1
     from safetensors.torch import load_file
 
     mine, theirs = (ShardedState(r / "checkpoints" / "step_0000006") for r in (run, layout_a))

@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint.legacy import engine_files
+from megaformer.checkpoint import save as ckpt_save
+from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.config import Config, load_config
 from megaformer.errors import CheckpointError, ConfigError, DataError, UserError
 from tests.helpers import assert_one_line_error, cli_main, tiny_model, tiny_overrides
@@ -52,7 +55,7 @@ def tiny_run(root: Path) -> Path:
     cfg = Config(model=tiny_model(vocab_size=257, tie_embeddings=False))
     torch.manual_seed(0)
     weights = Transformer(cfg.model).state_dict()
-    ckpt_io.save_weights_checkpoint(root, 0, weights, cfg.to_yaml(), ByteTokenizer(), {})
+    ckpt_weights.save_weights_checkpoint(root, 0, weights, cfg.to_yaml(), ByteTokenizer(), {})
     return root
 
 
@@ -100,7 +103,7 @@ def test_deepspeed_loading_is_weights_only_for_the_whole_call(tmp_path):
     marker = tmp_path / "pwned"
     payload = tmp_path / "run" / "checkpoints" / "step_0000001" / "universal.pt"
     payload.parent.mkdir(parents=True)
-    (payload.parent / ckpt_io.META).write_text("{}")
+    (payload.parent / ckpt_layout.META).write_text("{}")
     with open(payload, "wb") as fh:
         pickle.dump({"state": Marker(marker)}, fh, protocol=2)
 
@@ -109,7 +112,7 @@ def test_deepspeed_loading_is_weights_only_for_the_whole_call(tmp_path):
             return torch.load(Path(root) / tag / "universal.pt", weights_only=False), {}
 
     with pytest.raises(CheckpointError, match="cannot restore the training state") as e:
-        ckpt_io.load_engine_state(Engine(), payload.parent, rank=0)
+        engine_files.load_engine_state(Engine(), payload.parent, rank=0)
     assert "\n" not in str(e.value) and not marker.exists()
     assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored after the call
 
@@ -191,11 +194,11 @@ def test_latest_may_only_name_a_checkpoint_inside_the_run(tmp_path, run_dir):
                  str(other / "checkpoints" / "step_0000000")):
         pointer.write_text(name + "\n")
         with pytest.raises(CheckpointError, match="expected step_<digits>"):
-            ckpt_io.resolve_checkpoint(run_dir)
+            ckpt_layout.resolve_checkpoint(run_dir)
         assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
                               "latest", "expected step_<digits>")
     pointer.write_text("step_0000000\n")
-    assert ckpt_io.resolve_checkpoint(run_dir) == run_dir / "checkpoints" / "step_0000000"
+    assert ckpt_layout.resolve_checkpoint(run_dir) == run_dir / "checkpoints" / "step_0000000"
 
 
 def test_pruning_keeps_the_sealed_checkpoint_and_never_follows_planted_entries(tmp_path):
@@ -219,13 +222,13 @@ def test_pruning_keeps_the_sealed_checkpoint_and_never_follows_planted_entries(t
     run = tmp_path / "run"
     planted = run / "checkpoints" / "step_9999999"
     planted.mkdir(parents=True)
-    (planted / ckpt_io.META).write_text("{}")
+    (planted / ckpt_layout.META).write_text("{}")
     other = tmp_path / "other" / "step_0000001"
     other.mkdir(parents=True)
-    (other / ckpt_io.META).write_text("{}")
+    (other / ckpt_layout.META).write_text("{}")
     victim(other)
     (run / "checkpoints" / "step_0000000").symlink_to(other, target_is_directory=True)
-    saved = [ckpt_io.save_checkpoint(CopyingEngine(), run, step, rank=0, world_size=1,
+    saved = [ckpt_save.save_checkpoint(CopyingEngine(), run, step, rank=0, world_size=1,
                                      client_state={"step": step}, snapshot=snapshot(step),
                                      keep_last=2, barrier=lambda: None) for step in (1, 2, 3)]
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -233,7 +236,7 @@ def test_pruning_keeps_the_sealed_checkpoint_and_never_follows_planted_entries(t
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000003"
     assert (other / "victim.txt").read_text() == VICTIM_TEXT and planted.is_dir()
     assert not (saved[-1] / "zero_to_fp32.py").exists()
-    assert "megaformer convert" in (saved[-1] / ckpt_io.README).read_text()
+    assert "megaformer convert" in (saved[-1] / ckpt_layout.README).read_text()
 
 
 # ----------------------------------------------------------------------------- native kernel cache

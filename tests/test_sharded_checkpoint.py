@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint import sharded
 from megaformer.checkpoint.sharded import Owned, ShardedState, flat_boxes
 from tests.helpers import assert_one_line_error, cli_main, run_torchrun, tiny_overrides
@@ -42,7 +42,7 @@ def losses(run: Path) -> dict[int, float]:
 
 def keep_only(run: Path, step: int) -> None:
     """Keep only the checkpoint of ``step``, as if the run had stopped there."""
-    tag = ckpt_io.tag_for(step)
+    tag = ckpt_layout.tag_for(step)
     for ckpt in (run / "checkpoints").glob("step_*"):
         if ckpt.name != tag:
             shutil.rmtree(ckpt)

@@ -228,7 +228,7 @@ def test_training_with_tp_and_zero_equals_one_process(tp_reference, tmp_path, wo
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
     assert b[3]["val_loss"] == pytest.approx(a[3]["val_loss"], rel=1e-5)
     # the weights read back from the shards are full and unpadded, like a TP=1 checkpoint's
-    from megaformer.checkpoint.io import load_weights
+    from megaformer.checkpoint.weights import load_weights
 
     wa = load_weights(tp_reference / "checkpoints/step_0000003")
     wb = load_weights(tmp_path / "tp/checkpoints/step_0000003")

@@ -227,7 +227,7 @@ def test_half_written_checkpoint_is_ignored(trained, tmp_path):
     shutil.rmtree(run / "checkpoints" / "step_0000006")
     (run / "checkpoints" / ".tmp-step_0000009").mkdir()
     (run / "checkpoints" / "step_0000009").mkdir()  # no meta.json: incomplete
-    from megaformer.checkpoint.io import latest_checkpoint
+    from megaformer.checkpoint.layout import latest_checkpoint
 
     assert latest_checkpoint(run / "checkpoints").name == "step_0000003"
 

@@ -7,11 +7,12 @@ For each world size the ranks (DP = world size, ZeRO ``--zero-stage``, fp32) bui
 model, take one training step (so Adam's moments exist), and each measures on the same disk,
 fsync included:
 
-* sharded save (megaformer's ``Trainer.save``): wall time, the bytes this rank wrote, the peak of
+* sharded save (megaformer's ``Checkpointer.save``): wall time, the bytes this rank wrote, the peak of
   this process's resident memory above its level before the save (sampled every 2 ms);
-* asynchronous sharded save: the training stall (``Trainer.save`` returning: the host copy of the
+* asynchronous sharded save: the training stall (``Checkpointer.save`` returning: the host copy of the
   rank's own shard) and when the background write was done;
-* sharded load: reading this rank's part and setting master weights and Adam moments;
+* sharded load (``Checkpointer.resume`` on a fresh checkpointer): reading this rank's part and
+  setting master weights and Adam moments;
 * the single-writer design this replaced, on the same model: DeepSpeed's engine files plus whole
   weights and whole optimizer state gathered to one writer (``full_weights`` and the layout-free
   snapshot) and written there: wall time, bytes of the busiest writer, its peak memory.
@@ -90,29 +91,30 @@ def build_trainer(args: argparse.Namespace, run_dir: Path, async_save: bool):
     return trainer
 
 
-def single_writer_save(trainer, folder: Path) -> list[str]:
+def single_writer_save(checkpointer, folder: Path) -> list[str]:
     """The design sharded checkpoints replaced: DeepSpeed's per-rank engine files, then whole
     weights and the whole optimizer state gathered and written by one writer (rank 0 here: one
     pipeline stage)."""
-    from megaformer.checkpoint import io as ckpt_io
-    from megaformer.checkpoint import portable
+    from megaformer.checkpoint.files import write_payload
+    from megaformer.checkpoint.legacy import portable
     from megaformer.training import distributed as dist
 
-    trainer.engine.save_checkpoint(str(folder), tag="engine", save_latest=False)
-    weights = trainer.full_weights()
-    state = portable.snapshot_portable_state(trainer.engine, trainer._local_params(), trainer.topo,
-                                             trainer.cfg.model.vocab_size)
+    t, rank = checkpointer.trained, checkpointer.rank
+    t.engine.save_checkpoint(str(folder), tag="engine", save_latest=False)
+    weights = t.full_weights()
+    state = portable.snapshot_portable_state(t.engine, t.params(), checkpointer.topo,
+                                             checkpointer.cfg.model.vocab_size)
     names = []
-    if trainer.rank == 0:
-        ckpt_io.write_payload(folder / "model.safetensors",
-                              {k: v.detach().cpu().contiguous() for k, v in weights.items()})
-        ckpt_io.write_payload(folder / portable.stage_file(0), state)
+    if rank == 0:
+        write_payload(folder / "model.safetensors",
+                      {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+        write_payload(folder / portable.stage_file(0), state)
         names = ["model.safetensors", portable.stage_file(0)]
     dist.barrier()
     engine = folder / "engine"
-    names += [f"engine/{f.name}" for f in engine.glob(f"*rank_{trainer.rank:02d}*")
-              if trainer.rank > 0] + ([f"engine/{f.name}" for f in engine.glob("*")]
-                                      if trainer.rank == 0 else [])
+    names += [f"engine/{f.name}" for f in engine.glob(f"*rank_{rank:02d}*")
+              if rank > 0] + ([f"engine/{f.name}" for f in engine.glob("*")]
+                              if rank == 0 else [])
     return names
 
 
@@ -121,41 +123,48 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    import dataclasses
+
     from megaformer.checkpoint import sharded
+    from megaformer.checkpoint.checkpointer import Checkpointer, TrainState
+    from megaformer.checkpoint.files import BackgroundWriter
     from megaformer.training import distributed as dist
 
     run = base / f"w{world}"
     trainer = build_trainer(args, run, async_save=False)
+    checkpointer = trainer.checkpointer
+    state = TrainState(trainer.step, trainer.loader.consumed_samples)
     row: dict[str, Any] = {"rank": rank}
     dist.barrier()
-    t, mem, ckpt = measured(trainer.save)
+    t, mem, ckpt = measured(lambda: checkpointer.save(state))
     row.update(save_s=t, save_mem=mem,
                save_bytes=_written(ckpt / sharded.STATE_DIR, [sharded.rank_file(rank)]))
     dist.barrier()
-    from megaformer.checkpoint import io as ckpt_io
-
-    trainer.writer = ckpt_io.BackgroundWriter()
-    trainer.step += 1
+    checkpointer.writer = BackgroundWriter()
     dist.barrier()
     t0 = time.perf_counter()
-    stall, stall_mem, _ = measured(trainer.save)
-    trainer.writer.wait()
+    later = dataclasses.replace(state, step=state.step + 1)
+    stall, stall_mem, _ = measured(lambda: checkpointer.save(later))
+    checkpointer.wait()
     row.update(stall_s=stall, stall_mem=stall_mem, async_total_s=time.perf_counter() - t0)
-    trainer.writer = None
+    checkpointer.writer = None
     dist.barrier()
+    cfg = dataclasses.replace(trainer.cfg, checkpoint=dataclasses.replace(trainer.cfg.checkpoint,
+                                                                          resume=True))
 
-    def load() -> None:
-        trainer.resume_from, trainer.relayout = ckpt, []
-        trainer.shards = sharded.ShardedState(ckpt)
+    def load() -> None:  # a fresh checkpointer on the run: open the shards, set the state
+        reader = Checkpointer(cfg, run, world, rank)
+        reader.model_weights(cfg.model)
+        reader.attach(cfg, checkpointer.topo, checkpointer.trained)
         rng = torch.get_rng_state()
-        trainer._resume_sharded()
+        reader.resume()
         torch.set_rng_state(rng)
 
     t, mem, _ = measured(load)
     row.update(load_s=t, load_mem=mem)
     dist.barrier()
     old = run / "single_writer"
-    t, mem, names = measured(lambda: single_writer_save(trainer, old))
+    t, mem, names = measured(lambda: single_writer_save(checkpointer, old))
     row.update(old_s=t, old_mem=mem, old_bytes=_written(old, names))
     dist.barrier()
     state_bytes = 12 * sum(p.numel() for p in trainer.plain_model.parameters())

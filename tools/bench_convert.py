@@ -57,7 +57,7 @@ def make_checkpoint(run: Path, size: str) -> tuple[int, int]:
     """A weights-only checkpoint with random weights; returns (parameters, largest tensor bytes)."""
     import torch
 
-    from megaformer.checkpoint.io import save_weights_checkpoint
+    from megaformer.checkpoint.weights import save_weights_checkpoint
     from megaformer.config import config_from_dict
     from megaformer.data.tokenizer import ByteTokenizer
     from megaformer.model.transformer import Transformer

@@ -26,8 +26,9 @@ training precision's; MFU stays against the bf16 peak.
 
 Checkpoints are sharded: the state is 12 bytes per parameter (fp32 master weight and Adam's two
 moments), and every rank writes its own share in parallel: the busiest rank's TP x PP shard / DP
-(its ZeRO partition; under ZeRO-0 the DP ranks split the replicated shard). An asynchronous save
-stages exactly that share in host memory.
+(its ZeRO partition; under ZeRO-0 the DP ranks split the replicated shard). On a GPU each rank
+stages exactly that share in one pinned host arena (:mod:`megaformer.checkpoint.staging`),
+allocated at the first save and reused by every later one; an asynchronous save writes from it.
 
 Context parallelism is proposed for sequences of 8192 tokens and more (CP in 1, 2, 4, 8, 16; ring
 and, where the heads allow, all-to-all); expert parallelism for MoE models (EP dividing the experts
@@ -52,13 +53,14 @@ from megaformer.analysis.flops import fp8_forward_flops, fp8_share, step_flops
 from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate
 from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
+from megaformer.checkpoint.sharded import BYTES_PER_ELEMENT
 from megaformer.config import Config
 from megaformer.errors import UserError
 from megaformer.parallel.plan import padded_vocab_size
 
 RESERVE_GB = 2.0
 GB = 1e9
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master weight + Adam's first and second moments
+CHECKPOINT_BYTES_PER_PARAM = BYTES_PER_ELEMENT  # fp32 master weight + Adam's first and second moments
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,8 @@ def format_plan(r: dict, top: int = 10) -> str:
         c = r["feasible"][0]["checkpoint"]
         lines.append(f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + Adam "
                      f"moments), written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
-                     f"first layout (= its host staging with checkpoint.async_save)")
+                     f"first layout (= each rank's pinned host staging arena on a GPU, "
+                     f"held for the run)")
     if not r["feasible"]:
         lines.append("no feasible layout")
     lines.append(f"{len(r['feasible'])} feasible, {len(r['rejected'])} rejected; e.g.:")

@@ -5,8 +5,8 @@
 * A full resume also needs the same sample stream (:data:`RESUME_DATA_KEYS`): the saved data
   position (consumed samples) indexes it. A weights-only checkpoint starts a fresh run: any data.
 * A layout (TP, PP, ZeRO stage, precision, and DP under ZeRO) other than the saved one cannot load
-  DeepSpeed's per-rank files; it resumes from the checkpoint's layout-free state instead
-  (:mod:`megaformer.checkpoint.portable`), which the checkpoint must then have.
+  DeepSpeed's per-rank files: a sharded checkpoint resumes from its shards at any layout, one of
+  the first release from its layout-free state (:mod:`megaformer.checkpoint.legacy.portable`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from megaformer.checkpoint import io as ckpt_io
-from megaformer.checkpoint import portable
+from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.config import Config, config_from_dict
 from megaformer.errors import CheckpointError, ConfigError
 
@@ -32,10 +31,10 @@ RESUME_DATA_KEYS = ("seq_len", "tokenizer", "source", "text_field", "max_bytes",
 def check_resume_compatible(cfg: Config, ckpt: Path) -> None:
     """The model a checkpoint holds must be the model the config describes (CheckpointError)."""
     try:
-        saved = ckpt_io.read_config_yaml(ckpt)  # bounded regular file, no YAML aliases
+        saved = ckpt_layout.read_config_yaml(ckpt)  # bounded regular file, no YAML aliases
         saved_cfg = config_from_dict(saved)
     except (OSError, yaml.YAMLError, ConfigError) as e:
-        raise CheckpointError(f"{ckpt}: its {ckpt_io.CONFIG} is missing or invalid ({e})") from None
+        raise CheckpointError(f"{ckpt}: its {ckpt_layout.CONFIG} is missing or invalid ({e})") from None
     for f in dataclasses.fields(saved_cfg.model):
         new, old = getattr(cfg.model, f.name), getattr(saved_cfg.model, f.name)
         if f.name in RESUME_MAY_CHANGE or (f.name == "vocab_size" and new is None):
@@ -43,7 +42,7 @@ def check_resume_compatible(cfg: Config, ckpt: Path) -> None:
         if new != old:
             raise CheckpointError(f"model.{f.name}={new!r} differs from the checkpoint {ckpt} "
                                   f"({old!r}); use another --run-dir or the checkpoint's model")
-    if ckpt_io.is_weights_only(ckpt):  # a fresh run from these weights: any data, any layout
+    if ckpt_layout.is_weights_only(ckpt):  # a fresh run from these weights: any data, any layout
         return
     for key in RESUME_DATA_KEYS:
         new, old = getattr(cfg.data, key), getattr(saved_cfg.data, key)
@@ -58,7 +57,7 @@ def layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
     """What about the layout differs from the checkpoint's in a way DeepSpeed's per-rank files
     cannot load (empty: DeepSpeed's exact resume applies). A resharded checkpoint has no engine
     files at all."""
-    meta = ckpt_io.read_meta(ckpt)
+    meta = ckpt_layout.read_meta(ckpt)
     if not meta.get("engine_state", True):
         return ["resharded offline (no engine state)"]
     saved = dict(meta.get("parallel", {}), zero_stage=meta.get("zero_stage"),
@@ -74,15 +73,3 @@ def layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
         keys.append("data")
     return [f"{k} {saved[k]} -> {now[k]}" for k in keys
             if saved.get(k) is not None and saved[k] != now[k]]
-
-
-def relayout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
-    """The layout changes that need the layout-free resume (empty: DeepSpeed's own resume);
-    CheckpointError when there are some and the checkpoint has no layout-free state."""
-    changes = layout_changes(cfg, ckpt, world_size)
-    if changes and not portable.has_portable_state(ckpt):
-        raise CheckpointError(
-            f"{ckpt}: resuming with a different layout ({', '.join(changes)}) needs the "
-            f"checkpoint's layout-free optimizer state ({portable.STATE_DIR}/{portable.STATE_JSON}), "
-            "which it lacks; resume at the saved layout")
-    return changes

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.config import Config
 from megaformer.errors import CheckpointError
 
@@ -15,16 +16,16 @@ def load_model_weights(path: str | Path, device: str = "cpu") -> tuple[Any, Conf
     """Model (eval mode, fp32) and config from a run directory or checkpoint (no tokenizer)."""
     from megaformer.parallel.build import build_model
 
-    ckpt = ckpt_io.resolve_checkpoint(path)
-    cfg = ckpt_io.read_config(ckpt)
+    ckpt = ckpt_layout.resolve_checkpoint(path)
+    cfg = ckpt_layout.read_config(ckpt)
     # weights checked against the config (headers only) before anything is allocated or built
-    ckpt_io.check_weights(ckpt, cfg.model)
-    if not (ckpt / ckpt_io.WEIGHTS).exists():  # sharded: each tensor read into the model in turn
+    ckpt_weights.check_weights(ckpt, cfg.model)
+    if not (ckpt / ckpt_layout.WEIGHTS).exists():  # sharded: each tensor read into the model in turn
         from megaformer.checkpoint.sharded import ShardedState
 
         model = build_model(cfg, device=device, weights=ShardedState(ckpt), training=False).model
         return model.float().eval(), cfg, ckpt
-    weights = ckpt_io.load_weights(ckpt)
+    weights = ckpt_weights.load_weights(ckpt)
     model = build_model(cfg, device=device, training=False).model
     if cfg.model.tie_embeddings:
         weights.pop("lm_head.weight", None)

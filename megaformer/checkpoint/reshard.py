@@ -3,7 +3,7 @@
 Every checkpoint already holds its state in a layout-free form: the sharded state (``state/``,
 see :mod:`megaformer.checkpoint.sharded`: boxes placed in whole-tensor coordinates, which any
 layout reads directly), or, in checkpoints of the first release, ``model.safetensors`` and
-``optimizer/`` (:mod:`megaformer.checkpoint.portable`). Resharding therefore moves no bytes
+``optimizer/`` (:mod:`megaformer.checkpoint.legacy.portable`). Resharding therefore moves no bytes
 between shards; it
 
 1. checks that the new layout fits the model (heads and KV heads divisible by TP, at least one
@@ -30,8 +30,10 @@ from pathlib import Path
 import yaml
 
 from megaformer import __version__
-from megaformer.checkpoint import io as ckpt_io
-from megaformer.checkpoint import portable, sharded
+from megaformer.checkpoint import files as ckpt_files
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint import sharded
+from megaformer.checkpoint.legacy import portable
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.config import config_from_dict
 from megaformer.errors import CheckpointError, ConfigError
@@ -39,9 +41,9 @@ from megaformer.errors import CheckpointError, ConfigError
 
 def _new_config(ckpt: Path, tensor: int, pipeline: int) -> str:
     try:
-        raw = ckpt_io.read_config_yaml(ckpt)  # bounded regular file, no YAML aliases
+        raw = ckpt_layout.read_config_yaml(ckpt)  # bounded regular file, no YAML aliases
     except (OSError, yaml.YAMLError) as e:
-        raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: missing or invalid ({e})") from None
+        raise CheckpointError(f"{ckpt / ckpt_layout.CONFIG}: missing or invalid ({e})") from None
     raw.setdefault("parallel", {})
     raw["parallel"]["tensor"], raw["parallel"]["pipeline"] = tensor, pipeline
     if "," in str(raw["parallel"].get("pipeline_partition", "")):
@@ -74,8 +76,8 @@ def _check_state(ckpt: Path) -> list[Path]:
     the weights (three fp32 tensors of the weight's shape per parameter)."""
     if sharded.has_sharded_state(ckpt):
         return _check_sharded(ckpt)
-    weights = _shapes(read_header(ckpt / ckpt_io.WEIGHTS))
-    files = [ckpt / ckpt_io.WEIGHTS]
+    weights = _shapes(read_header(ckpt / ckpt_layout.WEIGHTS))
+    files = [ckpt / ckpt_layout.WEIGHTS]
     if not portable.has_portable_state(ckpt):
         return files
     state: dict[str, tuple] = {}
@@ -86,7 +88,7 @@ def _check_state(ckpt: Path) -> list[Path]:
     if state != want:
         odd = sorted(set(state.items()) ^ set(want.items()))[:3]
         raise CheckpointError(f"{ckpt / portable.STATE_DIR}: optimizer state does not match "
-                              f"{ckpt_io.WEIGHTS} (e.g. {odd})")
+                              f"{ckpt_layout.WEIGHTS} (e.g. {odd})")
     return files
 
 
@@ -96,14 +98,14 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
 
     Refuses (CheckpointError/ConfigError, nothing written) when DST exists, when the layout does
     not fit the model, or when a file is missing, truncated or tampered."""
-    ckpt = ckpt_io.resolve_checkpoint(src)
+    ckpt = ckpt_layout.resolve_checkpoint(src)
     dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst}: already exists; reshard writes a new run directory")
     for name, value in (("--tp", tensor), ("--pp", pipeline)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} {value}: must be a positive integer")
-    meta = ckpt_io.read_meta(ckpt)
+    meta = ckpt_layout.read_meta(ckpt)
     weights_only = bool(meta.get("weights_only", False))
     if (not weights_only and not portable.has_portable_state(ckpt)
             and not sharded.has_sharded_state(ckpt)):
@@ -111,9 +113,9 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
                               f"({portable.STATE_DIR}/); it predates resharding")
     config_yaml = _new_config(ckpt, tensor, pipeline)
     files = _check_state(ckpt)
-    root = dst / ckpt_io.CHECKPOINTS
+    root = dst / ckpt_layout.CHECKPOINTS
     final = root / ckpt.name
-    tmp = root / f"{ckpt_io.TMP_PREFIX}{ckpt.name}"
+    tmp = root / f"{ckpt_layout.TMP_PREFIX}{ckpt.name}"
     tmp.mkdir(parents=True)
     try:
         for f in files:
@@ -124,19 +126,19 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
             shutil.copyfile(ckpt / portable.STATE_DIR / portable.STATE_JSON,
                             tmp / portable.STATE_DIR / portable.STATE_JSON)
         shutil.copyfile(ckpt / "tokenizer.json", tmp / "tokenizer.json")
-        (tmp / ckpt_io.CONFIG).write_text(config_yaml)
+        (tmp / ckpt_layout.CONFIG).write_text(config_yaml)
         new_meta = {**meta, "engine_state": False,
                     "resharded_from": str(ckpt.resolve()), "resharded_by": __version__,
                     "resharded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "saved_parallel": meta.get("parallel"),
                     "parallel": {"tensor": tensor, "pipeline": pipeline}}
         new_meta.pop("world_size", None)
-        (tmp / ckpt_io.META).write_text(json.dumps(new_meta, indent=2))
+        (tmp / ckpt_layout.META).write_text(json.dumps(new_meta, indent=2))
     except OSError as e:
         shutil.rmtree(dst, ignore_errors=True)
         raise CheckpointError(f"{dst}: cannot write the resharded checkpoint ({e})") from None
-    ckpt_io._fsync_tree(tmp)
+    ckpt_files.fsync_tree(tmp)
     os.rename(tmp, final)
-    ckpt_io._fsync_dir(root)
-    ckpt_io.write_text_atomic(root / ckpt_io.LATEST, final.name + "\n")
+    ckpt_files.fsync_dir(root)
+    ckpt_files.write_text_atomic(root / ckpt_layout.LATEST, final.name + "\n")
     return final

@@ -42,15 +42,16 @@ from typing import Any, Optional
 
 import torch
 
-from megaformer.checkpoint.portable import OptimizerAccess
+from megaformer.checkpoint.files import write_payload
 from megaformer.checkpoint.safetensors_check import read_header
-from megaformer.deepspeed_attrs import pipe_replicated, zero3_partitioned
+from megaformer.checkpoint.staging import HostStaging
 from megaformer.errors import CheckpointError
 from megaformer.safe_files import read_text_bounded
 
 STATE_DIR = "state"
 INDEX = "index.json"
 KEYS = ("master", "exp_avg", "exp_avg_sq")
+BYTES_PER_ELEMENT = 4 * len(KEYS)  # fp32 master weight and Adam's two moments
 VOCAB_TABLES = ("tok_embeddings.weight", "lm_head.weight")
 FORMAT = 1
 MAX_INDEX_BYTES = 256 << 20
@@ -153,116 +154,25 @@ class Owned:
         return tuple(shape)
 
 
-class StateAccess(OptimizerAccess):
-    """This rank's own range of each parameter's fp32 master weight and Adam moments, whatever
-    optimizer DeepSpeed wrapped around torch's AdamW (:meth:`covered`: not fp16's)."""
-
-    def __init__(self, engine: Any, topo: Any) -> None:
-        super().__init__(engine)
-        self.topo = topo
-
-    def owned(self, params: list[tuple[str, torch.nn.Parameter]], vocab_size: int,
-              for_save: bool) -> list[Owned]:
-        """The flat range of each parameter's shard this rank owns: for saving (every byte once)
-        or for loading (what this rank's optimizer holds: whole shards for ZeRO-0)."""
-        topo, out = self.topo, []
-        for name, p in params:
-            if for_save and topo.pp > 1 and pipe_replicated(p):
-                continue  # a tied weight's second copy: the first stage writes it
-            shape = tuple(p.ds_shape) if zero3_partitioned(p) else tuple(p.shape)
-            n = math.prod(shape)
-            expert = getattr(p, "allreduce", True) is False  # split over expert parallelism
-            if self.plain:
-                if for_save and expert:  # the expert-data ranks hold one copy of these experts
-                    r, k = topo.edp_rank, topo.dp // topo.ep
-                    start, stop = r * n // k, (r + 1) * n // k
-                elif for_save:
-                    r, k = topo.replica_rank, topo.replicas  # DP x CP ranks hold one copy
-                    start, stop = r * n // k, (r + 1) * n // k
-                else:
-                    start, stop = 0, n
-                base = 0  # the whole shard
-            elif zero3_partitioned(p):
-                part = p.ds_tensor.ds_numel
-                rank = p._z3_optimizer._get_param_partition_rank(p)
-                start, stop = min(rank * part, n), min((rank + 1) * part, n)
-                base = start
-            else:
-                mapping = p._hp_mapping
-                if mapping is None:
-                    start = stop = 0
-                else:
-                    start = mapping.lp_fragment_address.start
-                    stop = start + mapping.lp_fragment_address.numel
-                base = start
-            split = getattr(p, "tensor_model_parallel", False) and topo.tp > 1
-            dim = p.partition_dim if split else None
-            if for_save and not split and topo.tp > 1:  # replicated over TP: each writes 1/tp
-                lo, hi = topo.tp_rank * n // topo.tp, (topo.tp_rank + 1) * n // topo.tp
-                start, stop = max(start, lo), max(min(stop, hi), max(start, lo))
-            out.append(Owned(name, p, shape, start, stop, dim,
-                             topo.tp_rank * shape[dim] if split else 0,
-                             vocab_size if name in VOCAB_TABLES else None, base,
-                             topo.ep_rank * shape[0] if expert else 0, topo.ep if expert else 1))
-        return out
-
-    def get_owned(self, o: Owned, key: str) -> torch.Tensor:
-        """The owned range of ``key``, flat fp32 (a view of the optimizer's tensor where it can)."""
-        p, n = o.param, o.stop - o.start
-        if n == 0:
-            return torch.empty(0)
-        if self.plain:
-            if key == "master":
-                src = p.detach()
-            else:
-                state = self.inner.state.get(p, {})
-                if key not in state:
-                    return torch.zeros(n)
-                src = state[key].detach()
-            return src.reshape(-1)[o.start:o.stop].float()
-        if zero3_partitioned(p):
-            from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
-
-            t = (safe_get_local_fp32_param(p) if key == "master"
-                 else safe_get_local_optimizer_state(p, key))
-            return t.reshape(-1)[o.start - o.base:o.stop - o.base].float()
-        frag = p._hp_mapping.get_hp_fragment(None if key == "master" else key)
-        return frag.reshape(-1)[o.start - o.base:o.stop - o.base].float()
-
-    def set_owned(self, o: Owned, key: str, value: torch.Tensor) -> None:
-        p = o.param
-        if o.stop == o.start:
-            return
-        if self.plain:
-            value = value.reshape(o.local_shape).to(p.device)
-            if key == "master":
-                p.data.copy_(value.to(p.dtype))
-            else:
-                self.inner.state[p][key] = value.clone()
-            return
-        if zero3_partitioned(p):
-            from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
-
-            full = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=value.device)
-            full[:value.numel()] = value
-            if key == "master":
-                safe_set_local_fp32_param(p, full)
-            else:
-                safe_set_local_optimizer_state(p, full, key)
-            return
-        frag = p._hp_mapping.get_hp_fragment(None if key == "master" else key)
-        frag.data.reshape(-1)[o.start - o.base:o.stop - o.base].copy_(value.reshape(-1))
-
-
 # ----------------------------------------------------------------------------- save
 
-def snapshot(access: StateAccess, owned: list[Owned], copy: bool) -> tuple[dict[str, torch.Tensor],
-                                                                          dict[str, list]]:
-    """This rank's boxes on the host: ({"NAME/KEY/i": tensor}, {"NAME/KEY/i": offsets}).
-    ``copy``: own the memory (an asynchronous save: training goes on and changes the state)."""
+def owned_elements(owned: list[Owned]) -> int:
+    """The elements of one key (master, exp_avg or exp_avg_sq) this rank's boxes hold."""
+    return sum(math.prod(box[1]) for o in owned for box, _, _ in o.boxes())
+
+
+def snapshot(access: Any, owned: list[Owned], copy: bool,
+             staging: Optional[HostStaging] = None) -> tuple[dict[str, torch.Tensor],
+                                                             dict[str, list]]:
+    """This rank's boxes on the host: ({"NAME/KEY/i": tensor}, {"NAME/KEY/i": offsets}), read
+    through ``access`` (:class:`megaformer.checkpoint.optimizer_state.OptimizerAccess`).
+    ``copy``: own the memory (an asynchronous save: training goes on and changes the state).
+    With ``staging`` (state on an accelerator) every box is copied into its pinned arena: views of
+    one buffer of :func:`owned_elements` x :data:`BYTES_PER_ELEMENT` bytes, reused by every save."""
     access.link()  # DeepSpeed links parameters to their Adam-state fragments lazily
     tensors: dict[str, torch.Tensor] = {}
     where: dict[str, list] = {}
+    arena = None
     for o in owned:
         boxes = o.boxes()
         if not boxes:
@@ -271,21 +181,18 @@ def snapshot(access: StateAccess, owned: list[Owned], copy: bool) -> tuple[dict[
             flat = access.get_owned(o, key)
             for i, ((off, cut), uncut, pos) in enumerate(boxes):
                 box = flat[pos:pos + math.prod(uncut)].view(uncut)[:cut[0]]
-                tensors[f"{o.name}/{key}/{i}"] = _to_host(box, copy)
+                if staging is not None:
+                    if arena is None:
+                        arena = staging.arena(owned_elements(owned) * BYTES_PER_ELEMENT)
+                    tensors[f"{o.name}/{key}/{i}"] = arena.put(box)  # queued, not waited for
+                elif copy:
+                    tensors[f"{o.name}/{key}/{i}"] = box.clone(memory_format=torch.contiguous_format)
+                else:
+                    tensors[f"{o.name}/{key}/{i}"] = box.contiguous()
                 where[f"{o.name}/{key}/{i}"] = list(off)
-    if any(t.is_pinned() for t in tensors.values()):
-        torch.cuda.synchronize()  # the device-to-host copies were queued without waiting
+    if arena is not None:
+        arena.synchronize()  # the device-to-host copies were queued without waiting
     return tensors, where
-
-
-def _to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    """A host tensor with ``t``'s values: from an accelerator, a copy into pinned memory (queued,
-    not waited for); on the host, ``t`` itself unless ``copy`` (then a copy of it)."""
-    if t.device.type == "cuda":
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
-    return t.clone(memory_format=torch.contiguous_format) if copy else t.contiguous()
 
 
 def rank_payload(tensors: dict[str, torch.Tensor], where: dict[str, list]) -> tuple[dict, dict]:
@@ -296,8 +203,6 @@ def rank_payload(tensors: dict[str, torch.Tensor], where: dict[str, list]) -> tu
 
 def write_index(tmp: Path, pieces: list[dict], info: dict) -> None:
     """Rank 0, once every rank's file exists: ``index.json`` with each file's size."""
-    from megaformer.checkpoint.io import write_payload
-
     for piece in pieces:
         piece["bytes"] = (tmp / STATE_DIR / piece["file"]).stat().st_size
     write_payload(tmp / STATE_DIR / INDEX, build_index(pieces, info))

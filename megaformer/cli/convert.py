@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         if args.arch is not None:
             raise UserError(f"--arch {args.arch}: SRC {src} is a megaformer checkpoint; resharding "
                             "keeps its model (drop --arch)")
-        from megaformer.checkpoint.io import resolve_checkpoint
+        from megaformer.checkpoint.layout import resolve_checkpoint
         from megaformer.checkpoint.reshard import reshard_checkpoint
 
         out = reshard_checkpoint(resolve_checkpoint(src), dst, args.tp, args.pp)

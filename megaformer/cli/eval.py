@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from megaformer.checkpoint.io import resolve_checkpoint
+    from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation import tasks as task_lib
     from megaformer.training.distributed import detect_process, init_distributed
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as tdist
 
+from megaformer.runtime.collectives import gloo_group_of_all
+
 WAIT = datetime.timedelta(hours=24)
 
 _groups: dict[int, Any] = {}  # id(default group) -> the wait group
@@ -25,11 +27,7 @@ def wait_group() -> Optional[Any]:
     collective: every rank makes it at the same point."""
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() <= 1:
         return None
-    world = id(tdist.group.WORLD)
-    if world not in _groups:
-        _groups.clear()
-        _groups[world] = tdist.new_group(backend="gloo", timeout=WAIT)
-    return _groups[world]
+    return gloo_group_of_all(_groups, WAIT)
 
 
 def wait_barrier(fallback: Callable[[], None]) -> Callable[[], None]:

@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 
 from megaformer import __version__
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.config import Config, precision_dtype
 from megaformer.errors import CheckpointError, UserError
 from megaformer.evaluation import tasks as task_lib
@@ -56,8 +57,8 @@ def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
     process)."""
     from megaformer.data.tokenizer import load_tokenizer
 
-    cfg = ckpt_io.read_config(ckpt)
-    ckpt_io.check_weights(ckpt, cfg.model)  # headers only, before anything is built
+    cfg = ckpt_layout.read_config(ckpt)
+    ckpt_weights.check_weights(ckpt, cfg.model)  # headers only, before anything is built
     tok_file = ckpt / "tokenizer.json"
     if not tok_file.exists():
         raise CheckpointError(f"{ckpt}: no tokenizer.json (a model converted without its "
@@ -65,13 +66,13 @@ def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
     check_file(tok_file, MAX_TOKENIZER_BYTES)
     tokenizer = load_tokenizer(tok_file)
     cfg = eval_layout(cfg, topo)
-    if (ckpt / ckpt_io.WEIGHTS).exists():
-        weights: Any = ckpt_io.load_weights(ckpt)
+    if (ckpt / ckpt_layout.WEIGHTS).exists():
+        weights: Any = ckpt_weights.load_weights(ckpt)
     else:  # each rank reads its own shards
         from megaformer.checkpoint.sharded import ShardedState
 
         weights = ShardedState(ckpt)
-        weights.check_model(ckpt_io.expected_shapes(cfg.model))
+        weights.check_model(ckpt_weights.expected_shapes(cfg.model))
     pipeline = topo is not None and topo.pp > 1
     built = build_model(cfg, topo, device=device, weights=weights, weights_source=ckpt,
                         eod_id=tokenizer.eod_id, training=pipeline)
@@ -93,7 +94,7 @@ def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None,
         raise UserError(f"--limit {limit}: must be >= 1")
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size}: must be >= 1")
-    ckpt = ckpt_io.resolve_checkpoint(path)
+    ckpt = ckpt_layout.resolve_checkpoint(path)
     out_path = Path(output) if output else ckpt / "eval" / task_lib.results_name(tasks)
     manager = manager or task_lib.task_manager(tasks, include_path)
     runner, tokenizer, cfg = load_runner(ckpt, topo, device, dtype)
@@ -105,7 +106,7 @@ def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None,
     scores = task_lib.flat_scores(results)
     written = None
     if is_main:
-        payload = {"checkpoint": str(ckpt), "step": ckpt_io.step_of(ckpt), "tasks": tasks,
+        payload = {"checkpoint": str(ckpt), "step": ckpt_layout.step_of(ckpt), "tasks": tasks,
                    "limit": limit, "scores": scores, "megaformer_version": __version__,
                    "layout": {"tensor": topo.tp if topo else 1, "pipeline": topo.pp if topo else 1,
                               "data": topo.dp if topo else 1},

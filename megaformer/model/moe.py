@@ -43,7 +43,6 @@ it, so the sum is the one-process gradient.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -53,7 +52,6 @@ import torch.nn.functional as F
 from megaformer.config import ModelConfig
 from megaformer.model.mlp import MLP
 
-ROUTER_DIR = "moe_router"  # in a checkpoint: the aux-loss-free biases, one file per pipeline stage
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -152,7 +150,7 @@ class MoE(nn.Module):
         self.shared_gate = (nn.Linear(cfg.d_model, 1, bias=False)
                             if self.shared is not None and m.shared_gate else None)
         # not parameters: the bias moves by its own rule, not by the optimizer; checkpoints carry
-        # it through router_state()/load_router_state()
+        # it (megaformer.checkpoint.router_state)
         self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=False)
         self.register_buffer("step_load", torch.zeros(m.num_experts, dtype=torch.long),
                              persistent=False)
@@ -342,54 +340,3 @@ def end_of_step(module: nn.Module, group: Any = None, update_bias: bool = True) 
         m.step_load.zero_()
         m.step_sums.zero_()
     return out
-
-
-def router_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The aux-loss-free biases of ``module``'s MoE blocks, by plain-model name."""
-    return {f"layers.{m.layer}.mlp.expert_bias": m.expert_bias.detach().float().cpu().clone()
-            for m in moe_layers(module)}
-
-
-def checkpoint_files(module: nn.Module, topo: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's share of a checkpoint's router state: the first TP and DP rank of each
-    pipeline stage writes ``moe_router/stage_<pp>.safetensors`` (the biases are the same on every
-    TP and DP rank); nothing without MoE blocks."""
-    state = router_state(module)
-    if not state or topo.tp_rank != 0 or topo.dp_rank != 0:
-        return {}
-    return {f"{ROUTER_DIR}/stage_{topo.pp_rank:03d}.safetensors": state}
-
-
-@torch.no_grad()
-def load_router_state(module: nn.Module, ckpt: Path) -> int:
-    """Set ``module``'s aux-loss-free biases from checkpoint ``ckpt`` (any layout wrote it: keyed
-    by block). Returns how many blocks were set; a checkpoint without router state (written
-    before, or by ``megaformer convert``) leaves them at zero."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from megaformer.errors import CheckpointError
-
-    layers = moe_layers(module)
-    folder = Path(ckpt) / ROUTER_DIR
-    if not layers or not folder.is_dir():
-        return 0
-    saved: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("stage_*.safetensors")):
-        if f.is_symlink() or not f.is_file():
-            raise CheckpointError(f"{f}: not a regular file")
-        try:
-            saved.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: unreadable router state ({str(e)[:200]})") from None
-    n = 0
-    for m in layers:
-        t = saved.get(f"layers.{m.layer}.mlp.expert_bias")
-        if t is None:
-            continue
-        if tuple(t.shape) != tuple(m.expert_bias.shape):
-            raise CheckpointError(f"{folder}: layers.{m.layer}.mlp.expert_bias has shape "
-                                  f"{list(t.shape)}, the model needs {list(m.expert_bias.shape)}")
-        m.expert_bias.copy_(t.to(m.expert_bias.dtype))
-        n += 1
-    return n

@@ -15,6 +15,19 @@ the model, the parallel layers and the checkpoint code sit below ``training`` an
 it, so the predicates live in a module at the bottom of the package (beside ``errors``, ``config``
 and ``comm``) that imports nothing; this module is where they are listed for an audit.
 
+Checkpoints read and write each rank's optimizer state in place, all of it in
+:mod:`megaformer.checkpoint.optimizer_state` (below ``training``, so not re-exported here):
+
+* ``p._hp_mapping.lp_fragment_address`` and ``p._hp_mapping.get_hp_fragment(key)``  ZeRO 1/2 and
+  bf16: which range of the flat fp32 partition is this parameter's, and that fragment;
+* ``optimizer._lazy_init_hp_params_optimizer_state()`` and ``optimizer._hp_optimizer_states_linked``
+  (re-link the fragments to the current Adam state);
+* ``p._z3_optimizer._get_param_partition_rank(p)``, ``p.ds_tensor`` (``ds_numel``), ``p.ds_shape``
+  ZeRO-3: which partition this rank holds, and its size;
+* ``optimizer.fp32_partitioned_groups_flat`` (ZeRO-3's flat groups, given their Adam state);
+* ``engine.global_steps`` / ``engine.global_samples`` and torch's ``scheduler._step_count`` /
+  ``_last_lr`` (the schedule put where the saved step leaves it).
+
 Also part of the audit: :func:`megaformer.checkpoint.safe_load.install_safe_checkpoint_engine`
 subclasses DeepSpeed's ``TorchCheckpointEngine`` (through the accessors above), and expert
 parallelism (:mod:`megaformer.parallel.experts`) relies on two internals:

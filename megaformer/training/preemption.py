@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megaformer.runtime.collectives import collective_device
+
 log = logging.getLogger("megaformer")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -64,7 +66,6 @@ def agree_max(values: Sequence[int], group: Any = None) -> list[int]:
     """Element-wise MAX of small integers over all ranks (one all-reduce)."""
     t = torch.tensor(list(values), dtype=torch.int64)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        if torch.distributed.get_backend(group) == "nccl":
-            t = t.cuda()
+        t = t.to(collective_device(group))  # NCCL takes device tensors only
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]

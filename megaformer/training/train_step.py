@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megaformer.checkpoint import portable
+from megaformer.checkpoint.optimizer_state import local_parameters
 from megaformer.config import Config
 from megaformer.data.dataset import validation_batches
 from megaformer.model.moe import end_of_step as moe_end_of_step
@@ -109,7 +109,7 @@ class TrainStep:
 
     def local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(full-model name, parameter) of every parameter this rank holds."""
-        return portable.local_parameters(self.engine.module, None)
+        return local_parameters(self.engine.module, None)
 
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
@@ -152,7 +152,7 @@ class PipelineTrainStep(TrainStep):
         return sum(losses) / len(losses)
 
     def local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return portable.local_parameters(self.engine.module, self.param_names)
+        return local_parameters(self.engine.module, self.param_names)
 
     def _unsharded(self) -> Optional[dict[str, torch.Tensor]]:
         return pipeline_state_dict(self.engine.module, self.param_names, self.topo,

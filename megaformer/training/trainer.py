@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import sys
 import time
@@ -28,10 +27,8 @@ from typing import Any, Optional
 
 import torch
 
-from megaformer import __version__
-from megaformer.checkpoint import io as ckpt_io
-from megaformer.checkpoint import portable, sharded
-from megaformer.checkpoint.compat import check_resume_compatible, layout_changes, relayout_changes
+from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
+from megaformer.checkpoint.files import write_text_atomic
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
 from megaformer.data.dataset import TrainLoader, validation_batches
@@ -57,14 +54,13 @@ from megaformer.training.intervals import LoopIntervals
 from megaformer.training.loop import TrainLoop
 from megaformer.training.train_step import train_step_class
 from megaformer.training.schedule import lr_lambda
-from megaformer.model.moe import checkpoint_files as moe_checkpoint_files
-from megaformer.model.moe import load_router_state
 from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.plan import full_state_dict
 from megaformer.parallel.topology import build_topology, layout_groups
+from megaformer.safe_files import check_run_dir
 
 log = logging.getLogger("megaformer")
 
@@ -134,28 +130,9 @@ class Trainer:
         if run_dir.exists() and not run_dir.is_dir():
             raise CheckpointError(f"--run-dir {run_dir}: exists and is not a directory")
         self.run_dir = run_dir
-        ckpt_io.check_run_dir(run_dir)  # no symlinked entries: nothing is written through a link
-        self.resume_from = ckpt_io.latest_checkpoint(run_dir / ckpt_io.CHECKPOINTS)
-        if self.resume_from is not None and not cfg.checkpoint.resume:
-            raise CheckpointError(f"{run_dir} already holds checkpoints (latest "
-                                  f"{self.resume_from.name}); resume with checkpoint.resume=true "
-                                  "or choose another --run-dir")
-        if self.resume_from is not None:
-            check_resume_compatible(cfg, self.resume_from)
-        # A weights-only checkpoint (``megaformer convert``) seeds the model; nothing else resumes.
-        self.init_only = self.resume_from is not None and ckpt_io.is_weights_only(self.resume_from)
-        # A sharded checkpoint resumes at any layout from its shards; one in the earlier format at
-        # another layout from its layout-free state, not from DeepSpeed's per-rank files.
-        resuming = self.resume_from is not None and not self.init_only
-        self.sharded_resume = resuming and sharded.has_sharded_state(self.resume_from)
-        if resuming and not self.sharded_resume and cfg.parallel.expert > 1:
-            raise CheckpointError(f"{self.resume_from}: parallel.expert={cfg.parallel.expert} "
-                                  "resumes from a sharded checkpoint only (this one holds "
-                                  "DeepSpeed's per-rank files); resume with parallel.expert=1")
-        self.relayout = ([] if not resuming else
-                         layout_changes(cfg, self.resume_from, self.proc.world_size)
-                         if self.sharded_resume else
-                         relayout_changes(cfg, self.resume_from, self.proc.world_size))
+        check_run_dir(run_dir)  # no symlinked entries: nothing is written through a link
+        # which checkpoint the run resumes from, and how (checked before anything is built)
+        self.checkpointer = Checkpointer(cfg, run_dir, self.proc.world_size, self.proc.rank)
         self.kernel_plan = checked.kernel_plan
         self.attention_backend = dict(self.kernel_plan)["attention"]
         self.cfg = cfg
@@ -190,46 +167,34 @@ class Trainer:
         if self.proc.device.type == "cpu" and cfg.model.kernels == "auto":
             log.info("%s", native.status())  # built on first use (cached), before step 1
         if self.is_main:
-            for tmp in ckpt_io.half_written(self.run_dir / ckpt_io.CHECKPOINTS):
+            for tmp in self.checkpointer.half_written():
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
         self.faults = FaultPlan.from_env(self.rank)
         self.tokenizer, data = setup_data(cfg, self.run_dir, self.rank, dist.barrier,
-                                          self.resume_from)
+                                          self.checkpointer.source)
         self.cfg = cfg = _resolve_vocab(cfg, self.tokenizer.vocab_size)
         self.train_set, self.valid_set = data.train, data.valid
         self.unigram = data.unigram(cfg.model.vocab_size)
         self.model = self._build_model()
         self._build_engine()
-        self.step, consumed, skipped = 0, 0, 0
-        if self.resume_from is not None and self.init_only:
-            log.info("starting from the weights of %s (fresh optimizer, step 0)", self.resume_from)
-        elif self.sharded_resume:
-            self.step, consumed, skipped = self._resume_sharded()
-        elif self.relayout:
-            self.step, consumed = self._resume_relayout()
-        elif self.resume_from is not None:
-            client, rng = ckpt_io.load_engine_state(self.engine, self.resume_from, self.rank)
-            if self.tp_rng is not None and "tensor_parallel" in rng:
-                self.tp_rng.load_state_dict(rng["tensor_parallel"])
-            self.step, consumed = int(client["step"]), int(client["consumed_samples"])
-            skipped = int(client.get("skipped_steps", 0))
-            log.info("resumed from %s (step %d, %s samples consumed)", self.resume_from,
-                     self.step, f"{consumed:,}")
-        if self.resume_from is not None and not self.init_only:
-            load_router_state(self.engine.module, self.resume_from)  # MoE aux-loss-free biases
+        self.checkpointer.attach(cfg, self.topo, Trained(
+            self.engine, self.scheduler, self._local_params, self.plain_model.padded_vocab_size,
+            tokenizer=self.tokenizer, tp_rng=self.tp_rng, full_weights=self.full_weights,
+            before_commit=self.faults.in_save))
+        resumed = self.checkpointer.resume() or TrainState(0, 0)
+        self.step, consumed = resumed.step, resumed.consumed_samples
         self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
                                   self.dp_rank, self.dp_size, cfg.train.seed, consumed,
                                   prefetch=cfg.data.prefetch,
                                   stop_at=cfg.train.steps * cfg.train.global_batch_size,
                                   part=self.part, device=self.proc.device)
         if self.is_main:
-            ckpt_io.write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
+            write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
         self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard,
                                      wandb_log.open_run(cfg, self.run_dir) if self.is_main else None)
         self.diagnostics = self._build_diagnostics() if cfg.log.diagnostics else None
-        self.writer = ckpt_io.BackgroundWriter() if cfg.checkpoint.async_save else None
-        self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, skipped)
+        self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, resumed.skipped_steps)
         self._print_summary()
 
     def _build_diagnostics(self) -> Any:
@@ -243,18 +208,8 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
-        the weights of a weights-only checkpoint or of the layout-free state (another layout)."""
-        weights: Any = None
-        source: Any = None
-        if self.init_only:
-            weights, source = ckpt_io.load_weights(self.resume_from), self.resume_from
-        elif self.sharded_resume:  # each rank reads its own shards of the master weights
-            self.shards = sharded.ShardedState(self.resume_from)
-            self.shards.check_model(ckpt_io.expected_shapes(self.cfg.model))
-            weights, source = self.shards, self.shards.folder
-        elif self.relayout:
-            self.portable = portable.PortableState(self.resume_from)
-            weights, source = self.portable.masters(), self.resume_from / portable.STATE_DIR
+        the weights of the checkpoint the run resumes from (:meth:`Checkpointer.model_weights`)."""
+        weights, source = self.checkpointer.model_weights(self.cfg.model)
         built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
                             weights_source=source, eod_id=self.tokenizer.eod_id)
         self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
@@ -262,54 +217,6 @@ class Trainer:
 
     def _local_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return self.stepper.local_parameters()
-
-    def _resume_sharded(self) -> tuple[int, int, int]:
-        """Master weights (already in the model), Adam moments and step count from this rank's
-        part of the sharded state, at whatever layout this run has; the LR schedule and data
-        position from meta.json; every rank's RNG streams when the layout is the saved one."""
-        ckpt, state = self.resume_from, self.shards
-        meta = ckpt_io.read_meta(ckpt)
-        access = sharded.StateAccess(self.engine, self.topo)
-        params = self._local_params()
-        if not access.covered(params):
-            raise CheckpointError(f"{ckpt}: its sharded state cannot be loaded into this "
-                                  f"optimizer ({type(self.engine.optimizer).__name__}); resume "
-                                  "with train.precision bf16 or fp32")
-        access.prepare(state.adam_step)
-        for o in access.owned(params, self.cfg.model.vocab_size, for_save=False):
-            for key in sharded.KEYS:
-                access.set_owned(o, key, state.fill(o, key))
-        step, consumed = int(meta["step"]), int(meta["consumed_samples"])
-        portable.restore_schedule(self.engine, self.scheduler, step,
-                                  self.cfg.train.global_batch_size)
-        del self.shards
-        if self.relayout:
-            log.warning("resumed from %s at a new layout (%s; step %d, %s samples consumed); RNG "
-                        "streams are per rank and do not carry over, so dropout masks differ from "
-                        "the saved layout's continuation", ckpt, ", ".join(self.relayout), step,
-                        f"{consumed:,}")
-        else:
-            rng = ckpt_io.load_rng_state(ckpt, self.rank)
-            if self.tp_rng is not None and "tensor_parallel" in rng:
-                self.tp_rng.load_state_dict(rng["tensor_parallel"])
-            log.info("resumed from %s (step %d, %s samples consumed)", ckpt, step, f"{consumed:,}")
-        return step, consumed, int(meta.get("skipped_steps", 0))
-
-    def _resume_relayout(self) -> tuple[int, int]:
-        """Master weights, Adam moments, LR schedule and data position from the layout-free state."""
-        ckpt = self.resume_from
-        meta = ckpt_io.read_meta(ckpt)
-        step, consumed = int(meta["step"]), int(meta["consumed_samples"])
-        portable.restore_portable_state(self.engine, self._local_params(), self.topo,
-                                        self.plain_model.padded_vocab_size, self.portable, ckpt)
-        portable.restore_schedule(self.engine, self.scheduler, step,
-                                  self.cfg.train.global_batch_size)
-        del self.portable
-        log.warning("resumed from %s at a new layout (%s; step %d, %s samples consumed) from its "
-                    "layout-free state; RNG streams are per rank and do not carry over, so dropout "
-                    "masks differ from the saved layout's continuation", ckpt,
-                    ", ".join(self.relayout), step, f"{consumed:,}")
-        return step, consumed
 
     def _build_engine(self) -> None:
         import deepspeed
@@ -369,73 +276,10 @@ class Trainer:
         return result
 
     def save(self) -> Optional[Path]:
-        """Collective. With ``checkpoint.async_save`` the files are written on a background
-        thread after a synchronous snapshot (see :func:`megaformer.checkpoint.io.save_checkpoint`)."""
-        if self.writer is not None:
-            self.writer.wait()  # one save in flight at a time; raises if the last one failed
-        consumed = self.loader.consumed_samples
-        meta = {"consumed_samples": consumed, "consumed_tokens": consumed * self.cfg.seq_len,
-                "parallel": {"tensor": self.cfg.parallel.tensor, "pipeline": self.cfg.parallel.pipeline,
-                             "data": self.dp_size, "expert": self.cfg.parallel.expert,
-                             "context": self.cfg.parallel.context,
-                             "sequence_parallel": self.cfg.parallel.sequence_parallel},
-                "zero_stage": self.cfg.parallel.zero_stage, "precision": self.cfg.train.precision}
-        info = {"step": self.step, "consumed_samples": consumed, "layout": meta["parallel"],
-                "lr": self.scheduler.get_last_lr(), "precision": self.cfg.train.precision}
-        access = sharded.StateAccess(self.engine, self.topo)
-        # fp16's loss scaler lives in DeepSpeed's files: that optimizer saves through them
-        shard = self.cfg.train.precision != "fp16" and access.covered(self._local_params())
-        if shard:  # taken now: an asynchronous save writes the index after training went on
-            info["adam_step"] = access.adam_step()
-        pieces: list = []
-        t0 = time.perf_counter()
-        path = ckpt_io.save_checkpoint(
-            self.engine, self.run_dir, self.step, rank=self.rank, world_size=self.proc.world_size,
-            client_state={"step": self.step, "consumed_samples": consumed,
-                          "skipped_steps": self.bad_steps.total},
-            snapshot=lambda tmp, memo: self._snapshot(tmp, memo, meta, access if shard else None,
-                                                      pieces),
-            keep_last=self.cfg.checkpoint.keep_last, barrier=dist.barrier,
-            extra_rng={"tensor_parallel": self.tp_rng.state_dict()} if self.tp_rng else None,
-            background=self.writer, before_commit=lambda: self.faults.in_save(self.step),
-            engine_files=not shard,
-            before_seal=(lambda tmp: sharded.write_index(tmp, pieces, info)) if shard else None)
-        if path is not None and self.writer is None:
-            log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
-        elif path is not None:
-            log.info("checkpoint %s: training stalled %.2f s for the host copy of each rank's "
-                     "shard; writing in the background", path.name, time.perf_counter() - t0)
-        return path
-
-    def _snapshot(self, tmp: Path, memo: Optional[dict], meta: dict,
-                  access: Optional[sharded.StateAccess], pieces: list) -> dict[str, Any]:
-        """This rank's share of a checkpoint's files, on the host (collective): its shard of the
-        training state (``access``; None: DeepSpeed's files hold it), and on rank 0 the files
-        that describe the checkpoint. Copies where ``memo`` is given (asynchronous save).
-        ``pieces`` receives, on rank 0, every rank's description of its shard (for the index)."""
-        files: dict[str, Any] = {}
-        if access is not None:
-            owned = access.owned(self._local_params(), self.cfg.model.vocab_size, for_save=True)
-            tensors, where = sharded.snapshot(access, owned, copy=memo is not None)
-            files[f"{sharded.STATE_DIR}/{sharded.rank_file(self.rank)}"] = \
-                sharded.rank_payload(tensors, where)
-            pieces.extend(dist.gather_to_main(
-                sharded.piece_description(self.rank, tensors, where, owned, self.topo.tp)))
-        files.update(moe_checkpoint_files(self.engine.module, self.topo))  # aux-loss-free biases
-        weights = self.full_weights() if self.cfg.checkpoint.export_weights else None
-        if self.is_main:
-            if weights is not None:  # full_weights() returns fresh tensors: already a snapshot
-                files[ckpt_io.WEIGHTS] = {k: v.detach().to("cpu").contiguous()
-                                          for k, v in weights.items()}
-            files[ckpt_io.CONFIG] = self.cfg.to_yaml()
-            self.tokenizer.save(tmp / "tokenizer.json")
-            full_meta = {"megaformer_version": __version__, "step": self.step,
-                         "world_size": self.proc.world_size,
-                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                         "skipped_steps": self.bad_steps.total,
-                         "state": "sharded" if access is not None else "deepspeed", **meta}
-            files[ckpt_io.META] = json.dumps(full_meta, indent=2)  # last: marks it complete
-        return files
+        """Collective: checkpoint the current step (:meth:`Checkpointer.save`); None when a
+        checkpoint of this step already exists."""
+        return self.checkpointer.save(TrainState(self.step, self.loader.consumed_samples,
+                                                 self.bad_steps.total))
 
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
@@ -470,8 +314,8 @@ class Trainer:
         console = Console(self.is_main, cfg.log.progress_bar, t.steps, self.step)
         due = LoopIntervals.from_config(cfg)
         loop = TrainLoop(lambda n: self.train_step(), t.steps)
-        if self.writer is not None:
-            loop.add_hook(hooks.BackgroundWriteCheck(self.writer))
+        if cfg.checkpoint.async_save:  # a failed background save stops the run at a step boundary
+            loop.add_hook(hooks.BackgroundWriteCheck(self.checkpointer))
         loop.add_hook(hooks.StopAgreement(StopRequest(t.exit_after_minutes)))
         if t.watchdog_factor > 0:
             loop.add_hook(hooks.Watchdog(StepWatchdog(
@@ -480,8 +324,8 @@ class Trainer:
         metrics = loop.add_hook(hooks.IntervalMetrics(
             console, due, t.global_batch_size * cfg.seq_len,
             lambda: self.loader.consumed_samples * cfg.seq_len, self.meter))
-        loop.add_hook(hooks.BadSteps(self.bad_steps, console, self.metrics, lambda: (
-            ckpt_io.latest_checkpoint(self.run_dir / ckpt_io.CHECKPOINTS))))
+        loop.add_hook(hooks.BadSteps(self.bad_steps, console, self.metrics,
+                                     self.checkpointer.latest))
         if self.diagnostics is not None:
             loop.add_hook(hooks.Diagnostics(self.diagnostics))
         validation = loop.add_hook(hooks.Validation(self.stepper.evaluate, due, console,
@@ -490,7 +334,7 @@ class Trainer:
             loop.add_hook(hooks.TaskEvaluation(self.task_eval, self._evaluate_tasks, console))
         for hook, every in self.extra_hooks:
             loop.add_hook(hook, every)
-        checkpoints = hooks.Checkpoints(self.save, due, console, self.writer)
+        checkpoints = hooks.Checkpoints(self.save, due, console, self.checkpointer)
         loop.tail += [hooks.WriteRecord(self.metrics, console), checkpoints]
         return loop, metrics, validation, checkpoints
 

@@ -28,7 +28,8 @@ from typing import Iterator, Optional
 import torch
 
 from megaformer import __version__
-from megaformer.checkpoint import io as ckpt_io
+from megaformer.checkpoint import layout as ckpt_layout
+from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.checkpoint.hf.arch import Architecture
 from megaformer.checkpoint.hf.gpt2 import GPT2
 from megaformer.checkpoint.hf.gpt_neox import OUT_NAMES, GPTNeoX
@@ -71,7 +72,7 @@ def staged_output(dst: Path) -> Iterator[Path]:
         raise ConversionError(f"{dst}: already exists and is not empty; not overwriting it")
     check_not_owned(dst, "convert")  # never into a run directory a live training job owns
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{ckpt_io.TMP_PREFIX}{dst.name}.", dir=dst.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{ckpt_layout.TMP_PREFIX}{dst.name}.", dir=dst.parent))
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700, widened to what mkdir would give
     try:
         yield tmp
@@ -92,10 +93,10 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 
 def _read_megaformer(src: Path) -> tuple[Path, Config]:
-    ckpt = ckpt_io.resolve_checkpoint(src)
-    cfg = ckpt_io.read_config(ckpt)
+    ckpt = ckpt_layout.resolve_checkpoint(src)
+    cfg = ckpt_layout.read_config(ckpt)
     if cfg.model.vocab_size is None:
-        raise CheckpointError(f"{ckpt / ckpt_io.CONFIG}: model.vocab_size is not resolved")
+        raise CheckpointError(f"{ckpt / ckpt_layout.CONFIG}: model.vocab_size is not resolved")
     return ckpt, cfg
 
 
@@ -130,7 +131,7 @@ def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Option
     if m.dropout and isinstance(adapter, LlamaFamily):
         log.warning("model.dropout=%s is a training-time setting %s has no key for; "
                     "it does not change the exported function", m.dropout, adapter.hf_class)
-    ckpt_io.check_weights(ckpt, m)  # shapes against config.yaml, before anything is allocated
+    ckpt_weights.check_weights(ckpt, m)  # shapes against config.yaml, before anything is allocated
     tokenizer = None
     if (ckpt / "tokenizer.json").exists() or (ckpt / "tokenizer.json").is_symlink():
         check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
@@ -138,7 +139,7 @@ def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Option
     else:
         log.warning("%s has no tokenizer.json (converted without one): the export has no "
                     "tokenizer files", ckpt)
-    source = (TensorSource(ckpt) if (ckpt / ckpt_io.WEIGHTS).exists()
+    source = (TensorSource(ckpt) if (ckpt / ckpt_layout.WEIGHTS).exists()
               else ShardedWeights(ckpt, precision_dtype(cfg.train.precision)))
     plan = adapter.export_plan(m)
     out_dtype = _dtype(dtype)
@@ -248,7 +249,7 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
     if cfg.model.n_layers > len(names):  # every block has tensors: bounds the plan and meta model
         raise ConversionError(f"{src}: {len(names)} tensors cannot hold the "
                               f"{cfg.model.n_layers} blocks config.json describes")
-    expected = ckpt_io.expected_shapes(cfg.model)  # on the meta device: nothing allocated
+    expected = ckpt_weights.expected_shapes(cfg.model)  # on the meta device: nothing allocated
     plan = adapter.import_plan(cfg.model, names)
     out_dtype = _dtype(dtype)
     tied_out = {"lm_head.weight", *OUT_NAMES} if cfg.model.tie_embeddings else set()
@@ -257,7 +258,7 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
         return adapter.ignore_on_import(n) or n in tied_out
 
     check_inputs(plan, source, ignore)
-    ckpt_io.check_shapes([(n, shape) for n, shape, _ in output_specs(plan, source, out_dtype)],
+    ckpt_weights.check_shapes([(n, shape) for n, shape, _ in output_specs(plan, source, out_dtype)],
                          expected, str(src), ConversionError)
 
     def write_weights(path: Path) -> None:
@@ -265,10 +266,10 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
                  ignore=ignore, expected_out=expected)
 
     with staged_output(dst) as tmp:
-        ckpt_io.save_weights_checkpoint(tmp, 0, write_weights, cfg.to_yaml(),
+        ckpt_weights.save_weights_checkpoint(tmp, 0, write_weights, cfg.to_yaml(),
                                         tok if tok is not None else _NoTokenizer(),
                                         {"converted_from": adapter.hf_class, "source": str(src)})
-        (tmp / ckpt_io.CONFIG).write_text(cfg.to_yaml())
+        (tmp / ckpt_layout.CONFIG).write_text(cfg.to_yaml())
         if tok is not None:
             tok.save(tmp / "tokenizer.json")
         if verify:
@@ -286,4 +287,4 @@ class _NoTokenizer:
 
 
 def is_hf_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and not (path / ckpt_io.META).is_file()
+    return (path / "config.json").is_file() and not (path / ckpt_layout.META).is_file()

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megaformer.checkpoint.io import check_shapes
+from megaformer.checkpoint.weights import check_shapes
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.errors import CheckpointError, ConversionError
 from megaformer.safe_files import read_text_bounded, regular_files

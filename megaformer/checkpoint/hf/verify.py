@@ -60,7 +60,7 @@ def megaformer_logits(run: Path, ids: torch.Tensor) -> torch.Tensor:
 def verify(run: Path, hf_folder: Path, tolerance: float = DEFAULT_TOLERANCE) -> float:
     """max |logit difference| of the two models on :func:`prompt_batch`; ConversionError above
     ``tolerance``. Prints the figure."""
-    from megaformer.checkpoint.io import read_config, resolve_checkpoint
+    from megaformer.checkpoint.layout import read_config, resolve_checkpoint
 
     m = read_config(resolve_checkpoint(run)).model
     ids = prompt_batch(m.vocab_size, m.max_seq_len)

@@ -1,6 +1,7 @@
-"""The layout-independent optimizer state of first-release checkpoints (read, to resume them at
-another layout; new checkpoints are sharded, :mod:`megaformer.checkpoint.sharded`), and the
-optimizer accessors both formats use.
+"""The layout-independent optimizer state of first-release checkpoints: read, to resume them at
+another layout (new checkpoints are sharded, :mod:`megaformer.checkpoint.sharded`). Its writer
+stays only for ``tools/bench_checkpoint.py``, which measures the single-writer design against the
+sharded one.
 
 DeepSpeed's own files hold each rank's shard (per TP/PP rank, and per DP rank under ZeRO), so they
 only load back into the layout that wrote them. Next to them every checkpoint carries::
@@ -33,9 +34,11 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megaformer.checkpoint.compat import layout_changes
+from megaformer.checkpoint.optimizer_state import OptimizerAccess
 from megaformer.checkpoint.safe_load import host_copy
 from megaformer.checkpoint.safetensors_check import read_header
-from megaformer.deepspeed_attrs import has_hp_mapping, zero3_partitioned
+from megaformer.deepspeed_attrs import zero3_partitioned
 from megaformer.errors import CheckpointError
 
 log = logging.getLogger("megaformer")
@@ -50,103 +53,49 @@ def has_portable_state(ckpt: Path) -> bool:
     return (ckpt / STATE_DIR / STATE_JSON).is_file()
 
 
-def local_parameters(module: torch.nn.Module,
-                     names: Optional[dict[int, str]] = None) -> list[tuple[str, torch.nn.Parameter]]:
-    """This rank's parameters once each, under their plain-model names (``names`` maps the
-    pipeline's parameters back: :func:`megaformer.parallel.pipeline.original_names`)."""
-    seen: set[int] = set()
-    out = []
-    for n, p in module.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append((names[id(p)] if names is not None else n, p))
-    return out
+def relayout_changes(cfg: Any, ckpt: Path, world_size: int) -> list[str]:
+    """The layout changes that need the layout-free resume (empty: DeepSpeed's own resume);
+    CheckpointError when there are some and the checkpoint has no layout-free state."""
+    changes = layout_changes(cfg, ckpt, world_size)
+    if changes and not has_portable_state(ckpt):
+        raise CheckpointError(
+            f"{ckpt}: resuming with a different layout ({', '.join(changes)}) needs the "
+            f"checkpoint's layout-free optimizer state ({STATE_DIR}/{STATE_JSON}), "
+            "which it lacks; resume at the saved layout")
+    return changes
 
 
-class OptimizerAccess:
-    """The fp32 master weight and Adam moments of one parameter (this TP rank's shard, whole over
-    the DP group), whatever optimizer DeepSpeed wrapped around torch's AdamW."""
+def get_full(access: OptimizerAccess, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """Collective over the DP group for DeepSpeed's optimizers."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    def __init__(self, engine: Any) -> None:
-        opt = engine.optimizer
-        self.plain = isinstance(opt, torch.optim.Optimizer)  # ZeRO-0 in fp32: torch's AdamW as is
-        self.wrapper = opt
-        self.inner: torch.optim.Optimizer = opt if self.plain else getattr(opt, "optimizer", None)
-
-    def covered(self, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
-        """Whether these accessors reach the state of every one of ``params``."""
-        return self.inner is not None and all(self.supports(p) for _, p in params)
-
-    def supports(self, p: torch.nn.Parameter) -> bool:
-        return self.plain or has_hp_mapping(p) or zero3_partitioned(p)
-
-    def get(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
-        """Collective over the DP group for DeepSpeed's optimizers."""
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        if self.plain:
-            if key == "master":
-                return p.detach().float()
-            state = self.inner.state.get(p, {})
-            return state[key].detach().float() if key in state else torch.zeros_like(p, dtype=torch.float32)
-        t = safe_get_full_fp32_param(p) if key == "master" else safe_get_full_optimizer_state(p, key)
-        if t is None:
-            raise CheckpointError(f"DeepSpeed has no {key} for a parameter of shape {tuple(p.shape)}")
-        return t.float()
-
-    def adam_step(self) -> float:
-        for state in self.inner.state.values():
-            if "step" in state:
-                return float(state["step"])
-        return 0.0
-
-    def prepare(self, adam_step: float) -> None:
-        """Give every parameter of the wrapped optimizer its Adam state (zeros; torch creates it
-        lazily at the first step) with step count ``adam_step``, so the setters have a target."""
-        targets = [q for group in self.inner.param_groups for q in group["params"]]
-        # ZeRO-3 hands its flat fp32 partitions to the optimizer one sub-group at a time
-        targets += list(getattr(self.wrapper, "fp32_partitioned_groups_flat", []))
-        for q in dict.fromkeys(targets):
-            state = self.inner.state[q]
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key not in state:
-                    state[key] = torch.zeros_like(q, memory_format=torch.preserve_format)
-            state["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
-        self._relink()
-
-    def link(self) -> None:
-        """ZeRO 1/2 and bf16: point every parameter at its Adam-state fragment (DeepSpeed does it
-        lazily, and not on every code path)."""
-        if self.plain:
-            return
-        if not self.inner.state:  # before the first step: zeros, step 0 (what Adam starts from)
-            self.prepare(0.0)
-        else:
-            self._relink()
-
-    def _relink(self) -> None:
-        link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:
-            if hasattr(self.wrapper, "_hp_optimizer_states_linked"):
-                self.wrapper._hp_optimizer_states_linked = False  # re-link to the current tensors
-            link()
-
-    def set(self, p: torch.nn.Parameter, key: str, value: torch.Tensor) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        if self.plain:
-            if key == "master":
-                p.data.copy_(value.to(p.dtype))
-            else:
-                v = value.to(p.device, torch.float32)
-                # a TP slice is a view of the whole tensor: own its memory
-                self.inner.state[p][key] = v.clone() if v._base is not None else v
-            return
-        value = value.to(p.device, torch.float32)
+    if access.plain:
         if key == "master":
-            safe_set_full_fp32_param(p, value)
+            return p.detach().float()
+        state = access.inner.state.get(p, {})
+        return state[key].detach().float() if key in state else torch.zeros_like(p, dtype=torch.float32)
+    t = safe_get_full_fp32_param(p) if key == "master" else safe_get_full_optimizer_state(p, key)
+    if t is None:
+        raise CheckpointError(f"DeepSpeed has no {key} for a parameter of shape {tuple(p.shape)}")
+    return t.float()
+
+
+def set_full(access: OptimizerAccess, p: torch.nn.Parameter, key: str, value: torch.Tensor) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    if access.plain:
+        if key == "master":
+            p.data.copy_(value.to(p.dtype))
         else:
-            safe_set_full_optimizer_state(p, value, key)
+            v = value.to(p.device, torch.float32)
+            # a TP slice is a view of the whole tensor: own its memory
+            access.inner.state[p][key] = v.clone() if v._base is not None else v
+        return
+    value = value.to(p.device, torch.float32)
+    if key == "master":
+        safe_set_full_fp32_param(p, value)
+    else:
+        safe_set_full_optimizer_state(p, value, key)
 
 
 def _gather_tp(t: torch.Tensor, p: torch.nn.Parameter, topo: Any) -> torch.Tensor:
@@ -187,7 +136,7 @@ def snapshot_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parame
     out: dict[str, torch.Tensor] = {}
     for name, p in params:
         for key in KEYS:
-            local = access.get(p, key)
+            local = get_full(access, p, key)
             t = _gather_tp(local, p, topo)
             live = access.plain and t is local  # a view of the optimizer's own tensor
             if name in VOCAB_TABLES:
@@ -270,20 +219,8 @@ def restore_portable_state(engine: Any, params: list[tuple[str, torch.nn.Paramet
     access.prepare(float(state.info.get("adam_step", 0.0)))
     for name, p in params:
         for key in KEYS:
-            access.set(p, key, _shard(state.tensor(name, key), name, p, topo, padded_vocab, source))
+            set_full(access, p, key, _shard(state.tensor(name, key), name, p, topo, padded_vocab, source))
 
-
-def restore_schedule(engine: Any, scheduler: Any, step: int, global_batch_size: int) -> None:
-    """Put the LR schedule and DeepSpeed's counters where ``step`` optimizer steps leave them:
-    lr_g = base_lr_g * lambda(step) in every parameter group."""
-    scheduler.last_epoch = step
-    scheduler._step_count = step + 1
-    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs
-    engine.global_steps = step
-    engine.global_samples = step * global_batch_size
 
 
 def copy_files(files: Iterable[Path], dst: Path) -> None:

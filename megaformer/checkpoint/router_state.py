@@ -1,0 +1,69 @@
+"""The MoE blocks' aux-loss-free router biases in a checkpoint: ``moe_router/stage_<pp>.safetensors``.
+
+The biases b (:mod:`megaformer.model.moe`) are no parameter and no optimizer state, but the
+expert selection depends on them, so an exact resume restores them. They are the same on every TP
+and DP rank; each pipeline stage writes its blocks', keyed by plain-model name
+(``layers.<i>.mlp.expert_bias``), so any layout reads them back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from megaformer.errors import CheckpointError
+from megaformer.model.moe import moe_layers
+
+ROUTER_DIR = "moe_router"
+
+
+def router_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The aux-loss-free biases of ``module``'s MoE blocks, by plain-model name."""
+    return {f"layers.{m.layer}.mlp.expert_bias": m.expert_bias.detach().float().cpu().clone()
+            for m in moe_layers(module)}
+
+
+def router_files(module: nn.Module, topo: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's share of a checkpoint's router state: the first TP and DP rank of each
+    pipeline stage writes ``moe_router/stage_<pp>.safetensors`` (the biases are the same on every
+    TP and DP rank); nothing without MoE blocks."""
+    state = router_state(module)
+    if not state or topo.tp_rank != 0 or topo.dp_rank != 0:
+        return {}
+    return {f"{ROUTER_DIR}/stage_{topo.pp_rank:03d}.safetensors": state}
+
+
+@torch.no_grad()
+def load_router_state(module: nn.Module, ckpt: Path) -> int:
+    """Set ``module``'s aux-loss-free biases from checkpoint ``ckpt`` (any layout wrote it: keyed
+    by block). Returns how many blocks were set; a checkpoint without router state (written
+    before, or by ``megaformer convert``) leaves them at zero."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    layers = moe_layers(module)
+    folder = Path(ckpt) / ROUTER_DIR
+    if not layers or not folder.is_dir():
+        return 0
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("stage_*.safetensors")):
+        if f.is_symlink() or not f.is_file():
+            raise CheckpointError(f"{f}: not a regular file")
+        try:
+            saved.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable router state ({str(e)[:200]})") from None
+    n = 0
+    for m in layers:
+        t = saved.get(f"layers.{m.layer}.mlp.expert_bias")
+        if t is None:
+            continue
+        if tuple(t.shape) != tuple(m.expert_bias.shape):
+            raise CheckpointError(f"{folder}: layers.{m.layer}.mlp.expert_bias has shape "
+                                  f"{list(t.shape)}, the model needs {list(m.expert_bias.shape)}")
+        m.expert_bias.copy_(t.to(m.expert_bias.dtype))
+        n += 1
+    return n
