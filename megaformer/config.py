@@ -441,7 +441,9 @@ class EvalConfig:
     tasks_limit: Optional[int] = option(
         None, "At most this many documents per task in eval.tasks (null = all).")
     tasks_include_path: Optional[str] = option(
-        None, "Folder of extra lm-evaluation-harness task YAMLs for eval.tasks (local tasks).")
+        None, "Folder of extra lm-evaluation-harness task YAMLs for eval.tasks (local tasks). It is "
+              "code (lm-eval runs the Python files its YAMLs name): accepted on the command line, "
+              "or in a config file only when MEGAFORMER_TRUST_TASKS_DIR names the same folder.")
 
 
 @dataclass
@@ -772,7 +774,7 @@ def config_from_dict(raw: dict, name: str = "megaformer") -> Config:
 
 def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Config:
     """Read a YAML config (safe loader), apply dotted overrides, validate."""
-    from megaformer.safe_files import read_bounded
+    from megaformer.safe_files import read_bounded, refuse_code_folders
 
     p = Path(path)
     if not p.exists():
@@ -784,6 +786,7 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     raw = safe_yaml_load(text, str(p)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    refuse_code_folders(raw, p, ConfigError)
     raw = apply_overrides(raw, list(overrides or []))
     return config_from_dict(raw, name=p.stem)
 

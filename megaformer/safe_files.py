@@ -177,6 +177,34 @@ def owned_by_me(path: Path) -> bool:
             and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
+# ----------------------------------------------------------------------------- paths code is run from
+
+#: Environment switch naming the one lm-eval task folder a config *file* may point at.
+TRUST_TASKS_ENV = "MEGAFORMER_TRUST_TASKS_DIR"
+
+
+def refuse_code_folders(raw: dict, source: Path, error: Type[UserError] = UserError) -> None:
+    """Refuse a config file (the parsed mapping ``raw`` read from ``source``) that names a folder
+    Python is imported from.
+
+    lm-eval's task loader executes the ``.py`` file beside a ``!function`` tag, so
+    ``eval.tasks_include_path`` is a path to *code*. A downloaded config must not carry one: the key
+    is accepted from the command line (``eval.tasks_include_path=DIR``, ``megaformer eval
+    --include-path DIR``) or, in a file, only when ``$MEGAFORMER_TRUST_TASKS_DIR`` names the same
+    folder."""
+    section = raw.get("eval") if isinstance(raw, dict) else None
+    value = section.get("tasks_include_path") if isinstance(section, dict) else None
+    if value is None:
+        return
+    trusted = os.environ.get(TRUST_TASKS_ENV)
+    if trusted and os.path.realpath(trusted) == os.path.realpath(str(value)):  # as lm-eval reads it
+        return
+    raise error(f"{source}: eval.tasks_include_path={value!r} names a folder of lm-eval tasks, "
+                "whose Python files run when loaded; a config file may not carry it (give it on "
+                f"the command line, eval.tasks_include_path=DIR, or set {TRUST_TASKS_ENV}=DIR to "
+                "trust that folder)")
+
+
 def _read_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

@@ -375,3 +375,40 @@ def test_poisoned_shared_data_cache_is_ignored(tmp_path):
     assert reread._load_cached(key, 1)
     os.chmod(shuffle_file, 0o664)
     assert not reread._load_cached(key, 1)
+
+
+# ----------------------------------------------------------------------------- code from a config
+
+def plant_task_folder(tmp_path: Path, marker: Path) -> Path:
+    """An lm-eval task folder whose `!function` tag imports a .py that creates ``marker``."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "evil.yaml").write_text(
+        "task: evil_task\ncustom_dataset: !function payload.ds\noutput_type: loglikelihood_rolling\n"
+        "test_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n")
+    (folder / "payload.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                       "def ds(**kw):\n    return {{}}\n")
+    return folder
+
+
+def test_config_file_may_not_name_a_task_folder(tmp_path, monkeypatch):
+    """eval.tasks_include_path in a downloaded config would import the folder's Python: refused
+    before anything runs; accepted from the command line or when the environment trusts it."""
+    marker = tmp_path / "pwned"
+    folder = plant_task_folder(tmp_path, marker)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"eval": {"tasks": ["evil_task"],
+                                        "tasks_include_path": str(folder)}}))
+    proc = cli_main("train", str(cfg), *tiny_overrides(), "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(proc, "c.yaml: eval.tasks_include_path=", "MEGAFORMER_TRUST_TASKS_DIR")
+    assert not marker.exists() and not (tmp_path / "run").exists()
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(json.dumps({"eval": {"tasks": ["evil_task"]}}))
+    assert load_config(plain, [f"eval.tasks_include_path={folder}"]).eval.tasks_include_path \
+        == str(folder)
+    monkeypatch.setenv("MEGAFORMER_TRUST_TASKS_DIR", str(folder))
+    assert load_config(cfg).eval.tasks_include_path == str(folder)
+    monkeypatch.setenv("MEGAFORMER_TRUST_TASKS_DIR", str(tmp_path))  # another folder: refused
+    with pytest.raises(ConfigError, match="tasks_include_path"):
+        load_config(cfg)
+    assert not marker.exists()

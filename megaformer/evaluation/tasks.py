@@ -52,6 +52,9 @@ def task_manager(tasks: list[str], include_path: Optional[str | Path] = None) ->
         folder = Path(include_path)
         if not folder.is_dir():
             raise UserError(f"--include-path {include_path}: no such folder")
+        logging.getLogger("megaformer").warning(
+            "task folder %s is code: lm-eval runs the Python files its YAMLs name (!function); "
+            "use only folders you trust", folder)
         local = TaskManager(include_path=str(folder), include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
             return local
