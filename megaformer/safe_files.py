@@ -126,6 +126,15 @@ def read_bounded(path: Path, limit: int = MAX_TEXT_BYTES,
         raise error(f"{path}: missing") from None
     except OSError as e:
         raise error(f"{path}: cannot read ({e.strerror})") from None
+    return _read_fd(fd, Path(path), limit, error)
+
+
+READ_CHUNK = 1 << 20
+
+
+def _read_fd(fd: int, path: Path, limit: int, error: Type[UserError]) -> bytes:
+    """Read (and close) ``fd``: a regular file of at most ``limit`` bytes, read in chunks so that
+    memory follows the bytes the file holds, never the bound."""
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -133,10 +142,96 @@ def read_bounded(path: Path, limit: int = MAX_TEXT_BYTES,
         if st.st_size > limit:
             raise error(f"{path}: {st.st_size} bytes, more than the {limit} a file of this kind "
                         "may hold")
-        data = fh.read(limit + 1)
-    if len(data) > limit:
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = fh.read(min(READ_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    if total > limit:
         raise error(f"{path}: more than the {limit} bytes a file of this kind may hold")
-    return data
+    return b"".join(chunks)
+
+
+# ----------------------------------------------------------------------------- reading inside a folder
+
+def open_inside(root: Path, relative: str | Path, error: Type[UserError] = CheckpointError) -> int:
+    """A read-only descriptor of ``root/relative``, opened one component at a time relative to its
+    parent's descriptor with ``O_NOFOLLOW``: a symbolic link anywhere below ``root`` (a linked
+    ``state/`` folder as much as a linked ``tokenizer.json``) is refused, never followed. ``root``
+    itself is the folder the user named and may be a link. The final component is opened
+    non-blocking (a FIFO does not hang) and must be a regular file."""
+    parts = Path(relative).parts
+    if not parts or Path(relative).is_absolute() or any(p in (".", "..") for p in parts):
+        raise error(f"{root}: {str(relative)[:80]!r} is not a plain path inside it")
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as e:
+        raise error(f"{root}: cannot open ({e.strerror})") from None
+    try:
+        for i, part in enumerate(parts):
+            here = Path(root).joinpath(*parts[:i + 1])
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | nofollow | (getattr(os, "O_NONBLOCK", 0) if last
+                                              else getattr(os, "O_DIRECTORY", 0))
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError as e:
+                refuse_read_link(here, error)
+                if isinstance(e, FileNotFoundError):
+                    raise error(f"{here}: missing") from None
+                raise error(f"{here}: cannot read ({e.strerror})") from None
+            os.close(fd)
+            fd = child
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{Path(root, relative)}: not a regular file")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_inside(root: Path, relative: str | Path, limit: int = MAX_TEXT_BYTES,
+                error: Type[UserError] = CheckpointError) -> bytes:
+    """The bytes of ``root/relative`` (:func:`open_inside`: no link followed below ``root``), a
+    regular file of at most ``limit`` bytes."""
+    return _read_fd(open_inside(root, relative, error), Path(root, relative), limit, error)
+
+
+def read_text_inside(root: Path, relative: str | Path, limit: int = MAX_TEXT_BYTES,
+                     error: Type[UserError] = CheckpointError) -> str:
+    data = read_inside(root, relative, limit, error)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise error(f"{Path(root, relative)}: not a UTF-8 text file") from None
+
+
+def copy_inside(root: Path, relative: str | Path, target: Path,
+                error: Type[UserError] = CheckpointError) -> None:
+    """Copy ``root/relative`` (opened by :func:`open_inside`) to ``target``, a new file."""
+    fd = open_inside(root, relative, error)
+    with os.fdopen(fd, "rb") as src, open(target, "xb") as dst:
+        while chunk := src.read(READ_CHUNK):
+            dst.write(chunk)
+
+
+def refuse_links_below(root: Path, error: Type[UserError] = CheckpointError) -> None:
+    """No entry anywhere below ``root`` is a symbolic link (``root`` itself may be one): a
+    checkpoint is checked whole before any of its files is read, including those handed to
+    libraries that open by path (safetensors, tokenizers)."""
+    for folder, dirs, files in os.walk(root):  # os.walk does not descend into linked folders
+        for name in dirs + files:
+            refuse_read_link(Path(folder) / name, error)
+
+
+def refuse_read_link(path: Path, error: Type[UserError] = CheckpointError) -> None:
+    """Raise ``error`` when ``path`` is a symbolic link (a missing path is fine)."""
+    if os.path.islink(path):
+        raise error(f"{path}: is a symbolic link; megaformer does not read through links in a "
+                    "run directory or checkpoint")
 
 
 def read_text_bounded(path: Path, limit: int = MAX_TEXT_BYTES,

@@ -412,3 +412,55 @@ def test_config_file_may_not_name_a_task_folder(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="tasks_include_path"):
         load_config(cfg)
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- reads through links
+
+def test_checkpoint_files_are_never_read_through_links(tmp_path, run_dir):
+    """A linked tokenizer.json (a private-key stand-in), config.yaml, state/ folder or checkpoints/
+    folder is refused by generate, convert and eval; nothing is copied into a published folder."""
+    from megaformer.safe_files import open_inside, read_inside
+
+    other = tiny_run(tmp_path / "other")
+    ckpt = run_dir / "checkpoints" / "step_0000000"
+    key = victim(tmp_path, "id_ed25519")
+    tok = ckpt / "tokenizer.json"
+    saved = tok.read_bytes()
+    tok.unlink()
+    tok.symlink_to(key)
+    out = tmp_path / "out"
+    line = assert_one_line_error(cli_main("convert", str(run_dir), str(out), "--to", "megaformer"),
+                                 f"{tok}: is a symbolic link")
+    assert "victim" not in line and not out.exists()
+    tok.unlink()
+    tok.write_bytes(saved)
+    (ckpt / "config.yaml").unlink()
+    (ckpt / "config.yaml").symlink_to(other / "checkpoints" / "step_0000000" / "config.yaml")
+    for args in (("generate", str(run_dir), "--max-new-tokens", "1"),
+                 ("convert", str(run_dir), str(out), "--to", "hf"),
+                 ("eval", str(run_dir), "--tasks", "x")):
+        assert_one_line_error(cli_main(*args), f"{ckpt / 'config.yaml'}: is a symbolic link")
+    assert not out.exists()
+    (ckpt / "config.yaml").unlink()
+    shutil.copy(other / "checkpoints" / "step_0000000" / "config.yaml", ckpt / "config.yaml")
+    (ckpt / "state").symlink_to(other / "checkpoints" / "step_0000000", target_is_directory=True)
+    assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
+                          f"{ckpt / 'state'}: is a symbolic link")
+    (ckpt / "state").unlink()
+    # the reading helper opens each component without following links, and a FIFO does not hang
+    with pytest.raises(CheckpointError, match="linked: is a symbolic link"):
+        (tmp_path / "linked").symlink_to(ckpt, target_is_directory=True)
+        read_inside(tmp_path, "linked/config.yaml")
+    os.mkfifo(ckpt / "fifo")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        open_inside(ckpt, "fifo")
+    with pytest.raises(CheckpointError, match="not a plain path"):
+        open_inside(ckpt, "../step_0000000/config.yaml")
+    assert read_inside(run_dir / "checkpoints", "step_0000000/config.yaml") \
+        == (ckpt / "config.yaml").read_bytes()
+    os.unlink(ckpt / "fifo")
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "checkpoints").symlink_to(other / "checkpoints", target_is_directory=True)
+    assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
+                          f"{run_dir / 'checkpoints'}: is a symbolic link")
+    assert key.read_text() == VICTIM_TEXT

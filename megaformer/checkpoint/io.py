@@ -45,7 +45,8 @@ from megaformer import __version__, deepspeed_attrs
 from megaformer.checkpoint.safe_load import safe_torch_load, weights_only_forced
 from megaformer.errors import CheckpointError
 from megaformer.safe_files import (check_run_dir, make_dir, read_text_bounded,  # noqa: F401
-                                   refuse_link, regular_files, write_atomic)
+                                   read_text_inside, refuse_link, refuse_links_below,
+                                   refuse_read_link, regular_files, write_atomic)
 
 log = logging.getLogger("megaformer")
 
@@ -157,11 +158,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if not (p / WEIGHTS).is_file() and not (p / "state" / "index.json").is_file():
             raise CheckpointError(f"{p}: checkpoint has neither {WEIGHTS} nor a sharded state "
                                   "(state/index.json)")
+        refuse_links_below(p)
         return p
+    refuse_read_link(p / CHECKPOINTS)
     for root in (p / CHECKPOINTS, p):
         if root.is_dir():
             found = latest_checkpoint(root)
             if found is not None:
+                refuse_links_below(found)
                 return found
     raise CheckpointError(f"{p}: not a megaformer run directory or checkpoint (no {CHECKPOINTS}/ "
                           f"with a complete checkpoint, no {META})")
@@ -174,7 +178,7 @@ def read_config_yaml(ckpt: Path) -> Any:
     from megaformer.errors import ConfigError
 
     try:
-        return safe_yaml_load(read_text_bounded(ckpt / CONFIG, MAX_CONFIG_BYTES), str(ckpt / CONFIG))
+        return safe_yaml_load(read_text_inside(ckpt, CONFIG, MAX_CONFIG_BYTES), str(ckpt / CONFIG))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 
@@ -193,7 +197,7 @@ def read_config(ckpt: Path) -> Any:
 
 def read_meta(ckpt: Path) -> dict:
     try:
-        meta = json.loads(read_text_bounded(ckpt / META, 1 << 20))
+        meta = json.loads(read_text_inside(ckpt, META, 1 << 20))
     except (CheckpointError, OSError, json.JSONDecodeError):
         raise CheckpointError(f"{ckpt}: {META} is missing or corrupt") from None
     if not isinstance(meta, dict):

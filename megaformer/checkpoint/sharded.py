@@ -46,7 +46,7 @@ from megaformer.checkpoint.portable import OptimizerAccess
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.deepspeed_attrs import pipe_replicated, zero3_partitioned
 from megaformer.errors import CheckpointError
-from megaformer.safe_files import read_text_bounded
+from megaformer.safe_files import read_text_inside
 
 STATE_DIR = "state"
 INDEX = "index.json"
@@ -342,7 +342,7 @@ class ShardedState:
         self.folder = ckpt / STATE_DIR
         path = self.folder / INDEX
         try:
-            self.index = json.loads(read_text_bounded(path, MAX_INDEX_BYTES))
+            self.index = json.loads(read_text_inside(ckpt, Path(STATE_DIR, INDEX), MAX_INDEX_BYTES))
             self.shapes = {k: tuple(v) for k, v in self.index["shapes"].items()}
             self.boxes: dict[str, list] = self.index["boxes"]
             self.files: dict[str, int] = self.index["files"]
