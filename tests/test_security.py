@@ -464,3 +464,64 @@ def test_checkpoint_files_are_never_read_through_links(tmp_path, run_dir):
     assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
                           f"{run_dir / 'checkpoints'}: is a symbolic link")
     assert key.read_text() == VICTIM_TEXT
+
+
+# ----------------------------------------------------------------------------- sharded state
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> Path:
+    """A run directory whose checkpoint is a sharded state (two tiny training steps)."""
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    proc = cli_main("train", "configs/quickstart.yaml",
+                    *tiny_overrides(**{"train.steps": 2, "eval.interval": 0, "eval.at_end": False}),
+                    "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+def copy_run(run: Path, dst: Path) -> tuple[Path, Path, dict]:
+    """A copy of ``run``: (run, its checkpoint, the parsed index)."""
+    shutil.copytree(run, dst)
+    ckpt = dst / "checkpoints" / "step_0000002"
+    return dst, ckpt, json.loads((ckpt / "state" / "index.json").read_text())
+
+
+def test_overlapping_boxes_do_not_pass_as_a_whole_tensor(tmp_path, sharded_run):
+    """Half the embedding saved once and referenced twice (counted twice toward coverage, the
+    other half left as uninitialised memory): refused on the index before anything is read or
+    exported."""
+    from safetensors.torch import load_file, save_file
+
+    from megaformer.checkpoint.index_checks import check_exact_cover
+
+    run, ckpt, index = copy_run(sharded_run, tmp_path / "run")
+    shard = ckpt / "state" / "rank_00000.safetensors"
+    tensors = load_file(str(shard))
+    name, key = "tok_embeddings.weight", "tok_embeddings.weight/master/0"
+    rows, cols = index["shapes"][name]
+    half = rows // 2
+    tensors[key + "x"] = tensors[key][rows - 1:].contiguous()  # the odd last row
+    tensors[key] = tensors[key][:half].contiguous()
+    save_file(tensors, str(shard))
+    index["files"][shard.name] = shard.stat().st_size
+    index["boxes"][f"{name}/master"] = [[shard.name, key, [0, 0], [half, cols]],
+                                        [shard.name, key, [0, 0], [half, cols]],
+                                        [shard.name, key + "x", [rows - 1, 0], [1, cols]]]
+    assert 2 * half + 1 == rows  # the element count adds up
+    (ckpt / "state" / "index.json").write_text(json.dumps(index))
+    out = tmp_path / "hf"
+    assert_one_line_error(cli_main("convert", str(run), str(out), "--to", "hf"),
+                          "two boxes of tok_embeddings.weight/master overlap")
+    assert not out.exists()
+    index["boxes"][f"{name}/master"].pop(1)  # half missing: the volumes do not add up
+    (ckpt / "state" / "index.json").write_text(json.dumps(index))
+    assert_one_line_error(cli_main("generate", str(run), "--max-new-tokens", "1"),
+                          f"hold {(half + 1) * cols} elements, the tensor {rows * cols}")
+    # exact tilings of a 2-d tensor pass, partial rows included
+    tiles = [["f", "k", [0, 0], [1, 3]], ["f", "k", [0, 3], [1, 2]], ["f", "k", [1, 0], [2, 5]]]
+    check_exact_cover("w", (3, 5), tiles, Path("index.json"))
+    crossing = [["f", "k", [0, 0], [2, 3]], ["f", "k", [1, 2], [2, 3]], ["f", "k", [0, 3], [1, 2]],
+                ["f", "k", [2, 0], [1, 1]]]  # 15 elements, (1, 2) twice and (2, 1) never
+    with pytest.raises(CheckpointError, match=r"two boxes of w overlap \(at offsets \[0, 0\] and "
+                                              r"\[1, 2\]\)"):
+        check_exact_cover("w", (3, 5), crossing, Path("index.json"))

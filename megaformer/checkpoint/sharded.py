@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from megaformer.checkpoint.index_checks import check_index_coverage
 from megaformer.checkpoint.portable import OptimizerAccess
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.deepspeed_attrs import pipe_replicated, zero3_partitioned
@@ -368,6 +369,7 @@ class ShardedState:
         except (KeyError, ValueError, TypeError, AttributeError):
             raise CheckpointError(f"{path}: corrupt (a box outside its tensor, or in a file "
                                   "it does not list)") from None
+        check_index_coverage(self.shapes, self.boxes, path)  # exact: disjoint, covering
         self._open: dict[str, Any] = {}
 
     @property
