@@ -28,7 +28,10 @@ MAX_TEXT_BYTES = 64 * 1024 * 1024  # configs, meta.json, indexes: far below this
 
 # Entries of a run directory megaformer writes to (or deletes in).
 RUN_DIR_ENTRIES = ("checkpoints", "logs", "metrics.jsonl", "config.yaml", "tokenizer.json",
-                   "data_cache", "report", "tensorboard")
+                   "data_cache", "report", "tensorboard", "wandb", "wandb_run_id")
+# Folders of a run directory whose entries megaformer (or a library it drives) writes. W&B's own
+# wandb/ folder holds a link it makes itself (latest-run); the folder may not be a link.
+RUN_DIR_FOLDERS = ("checkpoints", "logs", "report", "data_cache", "tensorboard")
 
 
 def refuse_link(path: Path, error: Type[UserError] = CheckpointError) -> None:
@@ -39,15 +42,15 @@ def refuse_link(path: Path, error: Type[UserError] = CheckpointError) -> None:
 
 
 def check_run_dir(run_dir: Path, error: Type[UserError] = CheckpointError) -> None:
-    """Refuse a run directory whose entries, the entries of its checkpoints/, logs/, report/ and
-    data_cache/ folders, or the files of its checkpoints are symbolic links.
+    """Refuse a run directory whose entries (:data:`RUN_DIR_ENTRIES`), the entries of its folders
+    (:data:`RUN_DIR_FOLDERS`), or the files of its checkpoints are symbolic links.
 
     The run directory itself may be a link (scratch space); what megaformer writes inside it may not.
     """
     run_dir = Path(run_dir)
     for name in RUN_DIR_ENTRIES:
         refuse_link(run_dir / name, error)
-    for folder in ("checkpoints", "logs", "report", "data_cache"):
+    for folder in RUN_DIR_FOLDERS:
         if (run_dir / folder).is_dir():
             for entry in (run_dir / folder).iterdir():
                 refuse_link(entry, error)

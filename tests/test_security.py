@@ -525,3 +525,35 @@ def test_overlapping_boxes_do_not_pass_as_a_whole_tensor(tmp_path, sharded_run):
     with pytest.raises(CheckpointError, match=r"two boxes of w overlap \(at offsets \[0, 0\] and "
                                               r"\[1, 2\]\)"):
         check_exact_cover("w", (3, 5), crossing, Path("index.json"))
+
+
+# ----------------------------------------------------------------------------- writes through links
+
+def test_shared_cache_and_wandb_folder_are_not_written_through_links(tmp_path):
+    """A link planted at the tokenizer scratch name of a shared data.cache_dir (a ~/.bashrc
+    stand-in) is not written through; a linked RUN_DIR/wandb is refused before W&B starts; the
+    folders megaformer creates in the cache are private."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
+                            for i in range(300)))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    bashrc = victim(tmp_path, "bashrc")
+    for rank in range(2):
+        (cache / f".tokenizer-{rank}.json").symlink_to(bashrc)
+    overrides = tiny_overrides(**{"train.steps": 1, "eval.interval": 0, "eval.at_end": False,
+                                  "checkpoint.save_at_end": False})
+    proc = cli_main("train", "configs/quickstart.yaml", *overrides, f"data.paths=[{docs}]",
+                    f"data.cache_dir={cache}", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert bashrc.read_text() == VICTIM_TEXT
+    assert oct((cache / "prepared").stat().st_mode & 0o777) == "0o700"
+    assert [p.stat().st_mode & 0o777 for p in (cache / "prepared").iterdir()] == [0o700]
+    run = tmp_path / "run2"
+    run.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (run / "wandb").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    proc = cli_main("train", "configs/quickstart.yaml", *overrides, "log.wandb=true",
+                    "log.wandb_mode=offline", "--run-dir", str(run))
+    assert_one_line_error(proc, f"{run / 'wandb'}: is a symbolic link")
+    assert list((tmp_path / "elsewhere").iterdir()) == []

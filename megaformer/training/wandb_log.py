@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from megaformer.config import Config
 from megaformer.errors import ConfigError
-from megaformer.safe_files import read_text_bounded, write_atomic
+from megaformer.safe_files import make_dir, read_text_bounded, refuse_link, write_atomic
 
 log = logging.getLogger("megaformer")
 
@@ -95,7 +95,8 @@ def open_run(cfg: Config, run_dir: Path) -> Optional[WandbSink]:
         return None
     wandb = _import_wandb()
     folder = Path(cfg.log.wandb_dir) if cfg.log.wandb_dir else run_dir
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dir(folder, error=ConfigError)  # W&B writes FOLDER/wandb: never through a link
+    refuse_link(folder / "wandb", ConfigError)
     run = wandb.init(project=cfg.log.wandb_project, name=run_dir.name, id=_run_id(run_dir),
                      resume="allow", dir=str(folder), mode=cfg.log.wandb_mode,
                      config=cfg.to_dict())
