@@ -12,6 +12,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,8 @@ import torch
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.config import Config, load_config
 from megaformer.errors import CheckpointError, ConfigError, DataError, UserError
-from tests.helpers import assert_one_line_error, cli_main, tiny_model, tiny_overrides
+from tests.helpers import (assert_one_line_error, cli_main, run_process, tiny_model,
+                           tiny_overrides)
 
 VICTIM_TEXT = "victim: must stay exactly like this\n"
 
@@ -557,3 +560,76 @@ def test_shared_cache_and_wandb_folder_are_not_written_through_links(tmp_path):
                     "log.wandb_mode=offline", "--run-dir", str(run))
     assert_one_line_error(proc, f"{run / 'wandb'}: is a symbolic link")
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- allocation bombs
+
+ADDRESS_LIMIT = 3 << 30  # each bomb below asks for more; the genuine work needs far less
+
+
+def run_limited(*args: str) -> subprocess.CompletedProcess:
+    """``megaformer ARGS`` in a fresh process whose address space is capped at
+    :data:`ADDRESS_LIMIT`: a file that sizes an allocation fails there, never on the machine."""
+    code = ("import resource, sys\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({ADDRESS_LIMIT}, {ADDRESS_LIMIT}))\n"
+            "from megaformer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    return run_process([sys.executable, "-c", code, *args], timeout=600)
+
+
+def test_no_allocation_is_sized_by_a_file_before_it_is_checked(tmp_path, sharded_run):
+    """A 2^25-row vocabulary claimed by index.json and config.yaml beside tiny shards; a 1 KB
+    metrics file read under the 8 GiB metrics bound; a token id of 2^31 - 1 beyond the first
+    2^20 tokens; a meta.json data position of 10^12; 1,100 layers in metrics.jsonl."""
+    run, ckpt, index = copy_run(sharded_run, tmp_path / "bomb")
+    rows = 1 << 25
+    for name in ("tok_embeddings.weight", "lm_head.weight"):
+        if name in index["shapes"]:
+            index["shapes"][name][0] = rows
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                for box in index["boxes"][f"{name}/{key}"]:
+                    box[3][0] = rows
+    (ckpt / "state" / "index.json").write_text(json.dumps(index))
+    text = (ckpt / "config.yaml").read_text()
+    (ckpt / "config.yaml").write_text(text.replace("vocab_size: 257", f"vocab_size: {rows}"))
+    assert f"vocab_size: {rows}" in (ckpt / "config.yaml").read_text()
+    assert_one_line_error(run_limited("generate", str(run), "--max-new-tokens", "1"),
+                          "rank_00000.safetensors: the index places", "bytes of tensors")
+    # report: a small metrics file is read in chunks, not into a buffer of the bound's size
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    proc = run_limited("report", str(small))
+    assert proc.returncode == 0 and "1 records" in proc.stdout, proc.stderr[-2000:]
+    # every token id is range-checked, the validation split's included
+    from megaformer.data.indexed import IndexedWriter
+
+    tokens = np.full(3 << 20, 65, dtype=np.int64)
+    tokens[-5] = 2**31 - 1
+    writer = IndexedWriter(tmp_path / "data", np.int32)
+    writer.add(tokens, np.full(3 << 10, 1 << 10))
+    writer.finish()
+    overrides = tiny_overrides(**{"train.steps": 1, "eval.interval": 0})
+    proc = run_limited("train", "configs/quickstart.yaml", *overrides,
+                       f"data.paths=[{tmp_path / 'data'}]", "--run-dir", str(tmp_path / "r"))
+    assert_one_line_error(proc, "data.bin: token id 2147483647", "outside the vocabulary")
+    # a data position no saved step could have reached
+    run, ckpt, _ = copy_run(sharded_run, tmp_path / "position")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["consumed_samples"] = 10**12
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    proc = cli_main("train", "configs/quickstart.yaml",
+                    *tiny_overrides(**{"train.steps": 3, "eval.interval": 0,
+                                       "eval.at_end": False}), "--run-dir", str(run))
+    assert_one_line_error(proc, "consumed_samples 1000000000000 is not a count")
+    # report draws a bounded number of panels, whatever the number of layers named
+    from megaformer.diagnostics.plots import MAX_DRAWN, thinned
+
+    layers = tmp_path / "layers"
+    layers.mkdir()
+    with open(layers / "metrics.jsonl", "w") as fh:
+        for step in (1, 2):
+            fh.write(json.dumps({"step": step, "loss": 1.0, **{
+                f"attn/layer_{i}/entropy/head_0": 0.5 for i in range(1100)}}) + "\n")
+    assert cli_main("report", str(layers)).returncode == 0
+    assert thinned(list(range(1100))) == [round(i * 1099 / (MAX_DRAWN - 1))
+                                          for i in range(MAX_DRAWN)]

@@ -22,6 +22,8 @@ need more than :data:`MAX_COMPARISONS` comparisons is refused rather than checke
 from __future__ import annotations
 
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +62,59 @@ def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[Any], where:
         active.append((off, size))
 
 
+def check_shard_bytes(folder: Path, files: dict[str, int], boxes: dict[str, list]) -> None:
+    """Each shard file the index lists is a regular file of the size the index gives, and holds at
+    least the bytes its boxes need (4 per fp32 element): a small index claiming a huge tensor is
+    refused before that tensor is allocated."""
+    need = dict.fromkeys(files, 0)
+    for entries in boxes.values():
+        for file, _, _, size in entries:
+            need[file] += 4 * math.prod(size)
+    for file, size in files.items():
+        path = folder / file
+        try:
+            st = os.lstat(path)
+        except OSError:
+            raise CheckpointError(f"{path}: missing shard of the checkpoint") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file (links, devices and folders are "
+                                  "refused)")
+        if st.st_size != size:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, the checkpoint's index says "
+                                  f"{size} (truncated or replaced)")
+        if need[file] > size:
+            raise CheckpointError(f"{path}: the index places {need[file]} bytes of tensors in this "
+                                  f"{size}-byte file")
+
+
 def check_index_coverage(shapes: dict[str, tuple[int, ...]], boxes: dict[str, list],
-                         where: Path) -> None:
-    """Every parameter has master weights, and every saved tensor ``NAME/KEY`` is covered exactly
-    by its boxes (:func:`check_exact_cover`)."""
+                         files: dict[str, int], where: Path) -> None:
+    """Every parameter has master weights, every saved tensor ``NAME/KEY`` is covered exactly by
+    its boxes (:func:`check_exact_cover`), and the shard files hold the bytes the boxes need
+    (:func:`check_shard_bytes`)."""
     missing = [n for n in shapes if f"{n}/master" not in boxes]
     if missing:
         raise CheckpointError(f"{where}: no master weights for {', '.join(missing[:3])}")
     for pkey, entries in boxes.items():
         check_exact_cover(pkey, shapes[pkey.rsplit("/", 1)[0]], entries, where)
+    check_shard_bytes(where.parent, files, boxes)
+
+
+def check_data_position(step: int, consumed: Any, global_batch_size: int, ckpt: Path) -> int:
+    """The number of samples checkpoint ``ckpt`` says were consumed, checked against its step: a
+    non-negative integer of at most ``step * G``, G the larger of this run's global batch and the
+    one in the checkpoint's config.yaml. A crafted ``meta.json`` cannot move the data position,
+    and with it the sample indexes built for it, beyond what the saved steps read."""
+    from megaformer.checkpoint.io import read_config_yaml
+
+    saved = read_config_yaml(ckpt)
+    train = saved.get("train") if isinstance(saved, dict) else None
+    saved_g = train.get("global_batch_size") if isinstance(train, dict) else None
+    global_batch_sizes = (global_batch_size,) + ((saved_g,) if isinstance(saved_g, int) else ())
+    where = ckpt / "meta.json"
+    bound = max(0, int(step)) * max(global_batch_sizes)
+    if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= bound:
+        raise CheckpointError(f"{where}: consumed_samples {str(consumed)[:40]} is not a count "
+                              f"that {step} steps of at most {max(global_batch_sizes)} samples "
+                              "could have read")
+    return consumed

@@ -369,7 +369,7 @@ class ShardedState:
         except (KeyError, ValueError, TypeError, AttributeError):
             raise CheckpointError(f"{path}: corrupt (a box outside its tensor, or in a file "
                                   "it does not list)") from None
-        check_index_coverage(self.shapes, self.boxes, path)  # exact: disjoint, covering
+        check_index_coverage(self.shapes, self.boxes, self.files, path)  # before any allocation
         self._open: dict[str, Any] = {}
 
     @property

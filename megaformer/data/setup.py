@@ -217,7 +217,7 @@ def _check_own_prepared(prefix: Path) -> None:
 def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_limit: int) -> list:
     """The prefixes opened (:class:`IndexedDataset`, each checked once), after checking that they
     were prepared with this tokenizer."""
-    from megaformer.data.indexed import IndexedDataset, bin_path, tokenizer_path
+    from megaformer.data.indexed import IndexedDataset, bin_path, check_token_ids, tokenizer_path
 
     opened = []
     for p in prefixes:
@@ -230,10 +230,7 @@ def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_l
                                 f"{tokenizer.vocab_size}, EOD {tokenizer.eod_id}; set "
                                 f"data.tokenizer={side}")
         data = IndexedDataset(p)
-        head = data.tokens[:1 << 20]
-        if len(head) and (int(head.max()) >= vocab_limit or int(head.min()) < 0):
-            raise DataError(f"{bin_path(p)}: token id {int(head.max())} outside the vocabulary "
-                            f"(size {vocab_limit}); was it prepared with another tokenizer?")
+        check_token_ids(data.tokens, vocab_limit, bin_path(p))
         opened.append(data)
     return opened
 

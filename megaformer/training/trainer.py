@@ -29,6 +29,7 @@ from megaformer import __version__
 from megaformer.checkpoint import io as ckpt_io
 from megaformer.checkpoint import portable, sharded
 from megaformer.checkpoint.compat import check_resume_compatible, layout_changes, relayout_changes
+from megaformer.checkpoint.index_checks import check_data_position
 from megaformer.config import Config, validate_for_training, validate_for_world
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.data.setup import setup_data
@@ -224,6 +225,8 @@ class Trainer:
             log.info("resumed from %s (step %d, %s samples consumed)", self.resume_from,
                      self.step, f"{consumed:,}")
         if self.resume_from is not None and not self.init_only:
+            consumed = check_data_position(self.step, consumed, cfg.train.global_batch_size,
+                                           self.resume_from)
             load_router_state(self.engine.module, self.resume_from)  # MoE aux-loss-free biases
         self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
                                   self.dp_rank, self.dp_size, cfg.train.seed, consumed,
