@@ -16,11 +16,12 @@ bounded size, so a ``config.yaml`` linked to ``/dev/zero`` is refused instead of
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Iterable, Optional, Type
+from typing import Any, Iterable, Optional, Type
 
 from megaformer.errors import CheckpointError, UserError
 
@@ -301,6 +302,29 @@ def refuse_code_folders(raw: dict, source: Path, error: Type[UserError] = UserEr
                 "whose Python files run when loaded; a config file may not carry it (give it on "
                 f"the command line, eval.tasks_include_path=DIR, or set {TRUST_TASKS_ENV}=DIR to "
                 "trust that folder)")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def unreadable_reason(e: BaseException) -> str:
+    """One line for why a JSON/YAML document could not be parsed: nesting deeper than Python
+    recurses (RecursionError), an integer longer than Python converts (ValueError), or the
+    parser's own first line."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply to read"
+    text = str(e)
+    if "integer string conversion" in text:
+        return "holds an integer too long to read"
+    return (text.splitlines() or [type(e).__name__])[0][:200]
+
+
+def json_or_none(line: str) -> Any:
+    """``json.loads(line)``, or None when the line is not JSON, nests too deeply or holds an
+    integer too long to convert (a metrics line that cannot be a record)."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _read_umask() -> int:

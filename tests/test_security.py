@@ -633,3 +633,65 @@ def test_no_allocation_is_sized_by_a_file_before_it_is_checked(tmp_path, sharded
     assert cli_main("report", str(layers)).returncode == 0
     assert thinned(list(range(1100))) == [round(i * 1099 / (MAX_DRAWN - 1))
                                           for i in range(MAX_DRAWN)]
+
+
+# ----------------------------------------------------------------------------- one line
+
+DEEP_JSON = "[" * 200_000 + "]" * 200_000  # deeper than Python's parsers recurse
+LONG_INT = "7" * 5000  # longer than Python converts (4,300 digits)
+
+
+def test_deep_nesting_and_long_integers_are_one_line(tmp_path, run_dir, sharded_run):
+    """Deeply nested JSON/YAML and over-long integers in metrics.jsonl, meta.json, index.json,
+    tokenizer.json, config.yaml and a safetensors header; a crafted RNG file; inspect --out on a
+    dangling link: each a one-line error (or, in metrics.jsonl, a skipped line), no traceback."""
+    from megaformer.checkpoint.safetensors_check import read_header
+
+    metrics = tmp_path / "m"
+    metrics.mkdir()
+    (metrics / "metrics.jsonl").write_text(
+        "\n".join([DEEP_JSON, '{"step": ' + LONG_INT + "}", json.dumps({"step": 3, "loss": 1.5})]))
+    proc = cli_main("report", str(metrics))
+    assert proc.returncode == 0 and "1 records" in proc.stdout, proc.stderr[-2000:]
+    ckpt = run_dir / "checkpoints" / "step_0000000"
+    generate = ("generate", str(run_dir), "--max-new-tokens", "1")
+    convert = ("convert", str(run_dir), str(tmp_path / "out"), "--to", "megaformer")
+    for name, text, needle, command in (
+            ("meta.json", DEEP_JSON, "meta.json is missing or corrupt", convert),
+            ("meta.json", '{"step": ' + LONG_INT + "}", "meta.json is missing or corrupt", convert),
+            ("tokenizer.json", DEEP_JSON, "not a tokenizer.json file", generate),
+            ("tokenizer.json", LONG_INT, "not a tokenizer.json file", generate),
+            ("config.yaml", "a: " + DEEP_JSON, "nested too deeply", generate),
+            ("config.yaml", "train: {steps: " + LONG_INT + "}", "an integer too long", generate)):
+        saved = (ckpt / name).read_bytes()
+        (ckpt / name).write_text(text)
+        line = assert_one_line_error(cli_main(*command), needle)
+        assert len(line) < 1000
+        (ckpt / name).write_bytes(saved)
+    config = tmp_path / "deep.yaml"
+    config.write_text("train:\n  steps: " + LONG_INT + "\n")
+    assert_one_line_error(cli_main("train", str(config)), "deep.yaml: holds an integer too long")
+    for header in (DEEP_JSON, '{"x": {"dtype": "F32", "shape": [' + LONG_INT + '], '
+                              '"data_offsets": [0, 4]}}'):
+        weights = tmp_path / "w.safetensors"
+        raw = header.encode()
+        weights.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+        with pytest.raises(CheckpointError, match="header is not JSON"):
+            read_header(weights)
+    run, sharded_ckpt, _ = copy_run(sharded_run, tmp_path / "sharded")
+    (sharded_ckpt / "state" / "index.json").write_text(DEEP_JSON)
+    assert_one_line_error(cli_main("generate", str(run), "--max-new-tokens", "1"),
+                          "index.json: missing or corrupt")
+    # a crafted RNG file: plain data that unpickles weights-only, but is not an RNG state
+    run, sharded_ckpt, _ = copy_run(sharded_run, tmp_path / "rng")
+    torch.save({"torch": torch.get_rng_state(), "python": [3, list(range(625)), None],
+                "numpy": ["MT19937", [1, 2, 3], 0, 0, 0.0]}, sharded_ckpt / "rng" / "rank_0.pt")
+    proc = cli_main("train", "configs/quickstart.yaml",
+                    *tiny_overrides(**{"train.steps": 3, "eval.interval": 0,
+                                       "eval.at_end": False}), "--run-dir", str(run))
+    assert_one_line_error(proc, "rank_0.pt: corrupt RNG state")
+    dangling = tmp_path / "plots"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert_one_line_error(cli_main("inspect", str(run_dir), "--prompt", "def ", "--out",
+                                   str(dangling)), "--out", "symbolic link")
+    assert not (tmp_path / "nowhere").exists()

@@ -198,7 +198,11 @@ def read_config(ckpt: Path) -> Any:
 def read_meta(ckpt: Path) -> dict:
     try:
         meta = json.loads(read_text_inside(ckpt, META, 1 << 20))
-    except (CheckpointError, OSError, json.JSONDecodeError):
+    except CheckpointError as e:
+        if "symbolic link" in str(e):
+            raise
+        raise CheckpointError(f"{ckpt}: {META} is missing or corrupt") from None
+    except (OSError, ValueError, RecursionError):  # not JSON, nested too deeply, an over-long int
         raise CheckpointError(f"{ckpt}: {META} is missing or corrupt") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{ckpt}: {META} is not a JSON object")
@@ -526,7 +530,8 @@ def load_rng_state(ckpt: Path, rank: int) -> dict:
     try:
         rng = safe_torch_load(str(rng_file))
         set_rng_state(rng)
-    except (RuntimeError, KeyError, ValueError, TypeError, pickle.UnpicklingError) as e:
+    except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError,
+            pickle.UnpicklingError) as e:
         raise CheckpointError(f"{rng_file}: corrupt RNG state ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
     return rng
 

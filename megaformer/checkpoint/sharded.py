@@ -347,7 +347,8 @@ class ShardedState:
             self.shapes = {k: tuple(v) for k, v in self.index["shapes"].items()}
             self.boxes: dict[str, list] = self.index["boxes"]
             self.files: dict[str, int] = self.index["files"]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError,
+                RecursionError):
             raise CheckpointError(f"{path}: missing or corrupt") from None
         if self.index.get("format") != FORMAT:
             raise CheckpointError(f"{path}: format {self.index.get('format')!r}; this megaformer "
