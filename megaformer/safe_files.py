@@ -61,9 +61,17 @@ def check_run_dir(run_dir: Path, error: Type[UserError] = CheckpointError) -> No
 
 
 def make_dir(path: Path, mode: int = 0o777, error: Type[UserError] = CheckpointError) -> Path:
-    """``mkdir -p`` that refuses ``path`` when it is a link (or not a folder)."""
+    """``mkdir -p`` that refuses ``path`` when it is a link (or not a folder); every folder it
+    creates, the missing parents included, gets ``mode`` (less the umask)."""
+    path = Path(path)
     refuse_link(path, error)
-    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    missing = []
+    parent = path
+    while not os.path.lexists(parent) and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=mode, exist_ok=True)
     if not path.is_dir():
         raise error(f"{path}: exists and is not a folder")
     return path

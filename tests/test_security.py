@@ -321,7 +321,11 @@ def test_generate_checks_weight_shapes_before_building_the_model(run_dir):
         load_checkpoint_model(run_dir)
     (ckpt / "config.yaml").unlink()
     (ckpt / "config.yaml").symlink_to("/dev/zero")
-    with pytest.raises(CheckpointError, match="not a regular file"):
+    with pytest.raises(CheckpointError, match="config.yaml: is a symbolic link"):
+        load_checkpoint_model(run_dir)
+    (ckpt / "config.yaml").unlink()
+    os.mkfifo(ckpt / "config.yaml")  # opened non-blocking: refused, not read forever
+    with pytest.raises(CheckpointError, match="config.yaml: not a regular file"):
         load_checkpoint_model(run_dir)
 
 
@@ -695,3 +699,118 @@ def test_deep_nesting_and_long_integers_are_one_line(tmp_path, run_dir, sharded_
     assert_one_line_error(cli_main("inspect", str(run_dir), "--prompt", "def ", "--out",
                                    str(dangling)), "--out", "symbolic link")
     assert not (tmp_path / "nowhere").exists()
+
+
+# ----------------------------------------------------------------------------- run locks
+
+def test_planted_lock_files_neither_hang_nor_refuse_others(tmp_path):
+    """A FIFO named .owner in a shared (sticky) folder, a FIFO in a run directory, and a record
+    whose heartbeat lies a year in the future: convert/prepare-data are neither hung nor refused,
+    and a training run takes its own directory over."""
+    import threading
+    import time
+
+    from megaformer.runtime.run_lock import OWNER_FILE, RunLock, check_not_owned
+
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    os.mkfifo(shared / OWNER_FILE)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / OWNER_FILE)
+    future = tmp_path / "future"
+    future.mkdir()
+    (future / OWNER_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1,
+                                                 "started": time.time(), "token": "t"}) + "\n")
+    ahead = time.time() + 365 * 86400
+    os.utime(future / OWNER_FILE, (ahead, ahead))
+    done = []
+
+    def check_all() -> None:
+        for target in (shared / "me" / "out", run / "export", future / "export"):
+            check_not_owned(target, "convert")
+            done.append(target)
+
+    worker = threading.Thread(target=check_all, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert len(done) == 3, "check_not_owned blocked on a planted .owner"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world\n" * 50)
+    (shared / "me").mkdir()
+    proc = cli_main("prepare-data", "--input", str(corpus), "--tokenizer", "byte",
+                    "--output-prefix", str(shared / "me" / "data"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for folder in (run, future):
+        with RunLock(folder) as lock:
+            assert lock.held
+        assert not (folder / OWNER_FILE).exists()
+
+
+# ----------------------------------------------------------------------------- smaller
+
+def test_blend_cache_must_be_a_schedule_this_module_writes(tmp_path):
+    """A cached blend index that favours one dataset, repeats a sample or skips one, consistent
+    in shape and range, is ignored and rebuilt; the cache folder and its missing parents are
+    created private."""
+    from megaformer.data.blend import BlendedDataset, blend_index
+
+    parts = [type("Part", (), {"sample": lambda self, k: np.array([k]),
+                               "ensure": lambda *a, **k: None, "seq_len": i})() for i in range(3)]
+    cache = tmp_path / "shared" / "cache"
+    built = BlendedDataset(parts, [1, 2, 3], 5000, cache)
+    assert [oct(p.stat().st_mode & 0o777) for p in (cache.parent, cache)] == ["0o700"] * 2
+    reference = blend_index([1, 2, 3], 5000)
+    paths = built._paths()
+    which, offset = np.array(built.which), np.array(built.offset)
+    favoured, repeated = which.copy(), offset.copy()
+    favoured[:] = 2  # one dataset only; offsets rewritten to stay consistent with it
+    repeated[100] = repeated[99] if which[99] == which[100] else 0
+    for w, o in ((favoured, np.arange(len(which))), (which, repeated)):
+        np.save(paths["which"], w)
+        np.save(paths["offset"], o)
+        again = BlendedDataset(parts, [1, 2, 3], 5000, cache, build=False)
+        assert not isinstance(again.which, np.memmap)  # ignored, computed afresh
+        assert np.array_equal(again.which, reference[0])
+        assert np.array_equal(again.offset, reference[1])
+
+
+def test_network_use_is_announced_and_fault_injection_warns(tmp_path, monkeypatch, caplog):
+    """eval.tasks from lm-eval's registry and W&B online say at start that they reach the network
+    (and HF_HUB_OFFLINE / WANDB_MODE are honoured); MEGAFORMER_FAULT warns loudly."""
+    import logging
+
+    from megaformer.evaluation.tasks import network_notice
+    from megaformer.training import wandb_log
+    from megaformer.training.faults import FaultPlan
+
+    caplog.set_level(logging.INFO, logger="megaformer")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    network_notice(["hellaswag"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    network_notice(["arc_easy"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("hellaswag" in m and "downloaded from the Hugging Face hub" in m for m in lines)
+    assert any("arc_easy" in m and "offline (HF_HUB_OFFLINE)" in m for m in lines)
+    inits = []
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kw):
+            inits.append(kw["mode"])
+            return type("Run", (), {"id": "abc"})()
+
+    monkeypatch.setattr(wandb_log, "_import_wandb", lambda: FakeWandb)
+    cfg = load_config("configs/quickstart.yaml", ["log.wandb=true"])
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    wandb_log.open_run(cfg, tmp_path / "run")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb_log.open_run(cfg, tmp_path / "run")
+    assert inits == ["online", "offline"]
+    assert sum("W&B: online" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setenv("MEGAFORMER_FAULT", "nan@step=3")
+    assert FaultPlan.from_env(0).faults
+    assert any("fail ON PURPOSE" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 from pathlib import Path
 from typing import Any, Optional
@@ -97,8 +98,11 @@ def open_run(cfg: Config, run_dir: Path) -> Optional[WandbSink]:
     folder = Path(cfg.log.wandb_dir) if cfg.log.wandb_dir else run_dir
     make_dir(folder, error=ConfigError)  # W&B writes FOLDER/wandb: never through a link
     refuse_link(folder / "wandb", ConfigError)
+    mode = os.environ.get("WANDB_MODE") or cfg.log.wandb_mode  # the environment has the last word
+    if mode == "online":
+        log.warning("W&B: online: this run's config and metrics are sent to the W&B server as it "
+                    "runs (log.wandb_mode=offline or WANDB_MODE=offline keeps them local)")
     run = wandb.init(project=cfg.log.wandb_project, name=run_dir.name, id=_run_id(run_dir),
-                     resume="allow", dir=str(folder), mode=cfg.log.wandb_mode,
-                     config=cfg.to_dict())
-    log.info("W&B: run %s (%s) in %s", run.id, cfg.log.wandb_mode, folder / "wandb")
+                     resume="allow", dir=str(folder), mode=mode, config=cfg.to_dict())
+    log.info("W&B: run %s (%s) in %s", run.id, mode, folder / "wandb")
     return WandbSink(run, wandb, run_dir)
