@@ -198,11 +198,7 @@ def read_config(ckpt: Path) -> Any:
 def read_meta(ckpt: Path) -> dict:
     try:
         meta = json.loads(read_text_inside(ckpt, META, 1 << 20))
-    except CheckpointError as e:
-        if "symbolic link" in str(e):
-            raise
-        raise CheckpointError(f"{ckpt}: {META} is missing or corrupt") from None
-    except (OSError, ValueError, RecursionError):  # not JSON, nested too deeply, an over-long int
+    except (CheckpointError, OSError, ValueError, RecursionError):  # a link, not JSON, too deep
         raise CheckpointError(f"{ckpt}: {META} is missing or corrupt") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{ckpt}: {META} is not a JSON object")
