@@ -12,6 +12,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,8 @@ from megaformer.checkpoint import save as ckpt_save
 from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.config import Config, load_config
 from megaformer.errors import CheckpointError, ConfigError, DataError, UserError
-from tests.helpers import assert_one_line_error, cli_main, tiny_model, tiny_overrides
+from tests.helpers import (assert_one_line_error, cli_main, run_process, tiny_model,
+                           tiny_overrides)
 
 VICTIM_TEXT = "victim: must stay exactly like this\n"
 
@@ -321,7 +324,11 @@ def test_generate_checks_weight_shapes_before_building_the_model(run_dir):
         load_checkpoint_model(run_dir)
     (ckpt / "config.yaml").unlink()
     (ckpt / "config.yaml").symlink_to("/dev/zero")
-    with pytest.raises(CheckpointError, match="not a regular file"):
+    with pytest.raises(CheckpointError, match="config.yaml: is a symbolic link"):
+        load_checkpoint_model(run_dir)
+    (ckpt / "config.yaml").unlink()
+    os.mkfifo(ckpt / "config.yaml")  # opened non-blocking: refused, not read forever
+    with pytest.raises(CheckpointError, match="config.yaml: not a regular file"):
         load_checkpoint_model(run_dir)
 
 
@@ -378,3 +385,435 @@ def test_poisoned_shared_data_cache_is_ignored(tmp_path):
     assert reread._load_cached(key, 1)
     os.chmod(shuffle_file, 0o664)
     assert not reread._load_cached(key, 1)
+
+
+# ----------------------------------------------------------------------------- code from a config
+
+def plant_task_folder(tmp_path: Path, marker: Path) -> Path:
+    """An lm-eval task folder whose `!function` tag imports a .py that creates ``marker``."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "evil.yaml").write_text(
+        "task: evil_task\ncustom_dataset: !function payload.ds\noutput_type: loglikelihood_rolling\n"
+        "test_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n")
+    (folder / "payload.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                       "def ds(**kw):\n    return {{}}\n")
+    return folder
+
+
+def test_config_file_may_not_name_a_task_folder(tmp_path, monkeypatch):
+    """eval.tasks_include_path in a downloaded config would import the folder's Python: refused
+    before anything runs; accepted from the command line or when the environment trusts it."""
+    marker = tmp_path / "pwned"
+    folder = plant_task_folder(tmp_path, marker)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"eval": {"tasks": ["evil_task"],
+                                        "tasks_include_path": str(folder)}}))
+    proc = cli_main("train", str(cfg), *tiny_overrides(), "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(proc, "c.yaml: eval.tasks_include_path=", "MEGAFORMER_TRUST_TASKS_DIR")
+    assert not marker.exists() and not (tmp_path / "run").exists()
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(json.dumps({"eval": {"tasks": ["evil_task"]}}))
+    assert load_config(plain, [f"eval.tasks_include_path={folder}"]).eval.tasks_include_path \
+        == str(folder)
+    monkeypatch.setenv("MEGAFORMER_TRUST_TASKS_DIR", str(folder))
+    assert load_config(cfg).eval.tasks_include_path == str(folder)
+    monkeypatch.setenv("MEGAFORMER_TRUST_TASKS_DIR", str(tmp_path))  # another folder: refused
+    with pytest.raises(ConfigError, match="tasks_include_path"):
+        load_config(cfg)
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- reads through links
+
+def test_checkpoint_files_are_never_read_through_links(tmp_path, run_dir):
+    """A linked tokenizer.json (a private-key stand-in), config.yaml, state/ folder or checkpoints/
+    folder is refused by generate, convert and eval; nothing is copied into a published folder."""
+    from megaformer.safe_files import open_inside, read_inside
+
+    other = tiny_run(tmp_path / "other")
+    ckpt = run_dir / "checkpoints" / "step_0000000"
+    key = victim(tmp_path, "id_ed25519")
+    tok = ckpt / "tokenizer.json"
+    saved = tok.read_bytes()
+    tok.unlink()
+    tok.symlink_to(key)
+    out = tmp_path / "out"
+    line = assert_one_line_error(cli_main("convert", str(run_dir), str(out), "--to", "megaformer"),
+                                 f"{tok}: is a symbolic link")
+    assert "victim" not in line and not out.exists()
+    tok.unlink()
+    tok.write_bytes(saved)
+    (ckpt / "config.yaml").unlink()
+    (ckpt / "config.yaml").symlink_to(other / "checkpoints" / "step_0000000" / "config.yaml")
+    for args in (("generate", str(run_dir), "--max-new-tokens", "1"),
+                 ("convert", str(run_dir), str(out), "--to", "hf"),
+                 ("eval", str(run_dir), "--tasks", "x")):
+        assert_one_line_error(cli_main(*args), f"{ckpt / 'config.yaml'}: is a symbolic link")
+    assert not out.exists()
+    (ckpt / "config.yaml").unlink()
+    shutil.copy(other / "checkpoints" / "step_0000000" / "config.yaml", ckpt / "config.yaml")
+    (ckpt / "state").symlink_to(other / "checkpoints" / "step_0000000", target_is_directory=True)
+    assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
+                          f"{ckpt / 'state'}: is a symbolic link")
+    (ckpt / "state").unlink()
+    # the reading helper opens each component without following links, and a FIFO does not hang
+    with pytest.raises(CheckpointError, match="linked: is a symbolic link"):
+        (tmp_path / "linked").symlink_to(ckpt, target_is_directory=True)
+        read_inside(tmp_path, "linked/config.yaml")
+    os.mkfifo(ckpt / "fifo")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        open_inside(ckpt, "fifo")
+    with pytest.raises(CheckpointError, match="not a plain path"):
+        open_inside(ckpt, "../step_0000000/config.yaml")
+    assert read_inside(run_dir / "checkpoints", "step_0000000/config.yaml") \
+        == (ckpt / "config.yaml").read_bytes()
+    os.unlink(ckpt / "fifo")
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "checkpoints").symlink_to(other / "checkpoints", target_is_directory=True)
+    assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
+                          f"{run_dir / 'checkpoints'}: is a symbolic link")
+    assert key.read_text() == VICTIM_TEXT
+
+
+# ----------------------------------------------------------------------------- sharded state
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> Path:
+    """A run directory whose checkpoint is a sharded state (two tiny training steps)."""
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    proc = cli_main("train", "configs/quickstart.yaml",
+                    *tiny_overrides(**{"train.steps": 2, "eval.interval": 0, "eval.at_end": False}),
+                    "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+def copy_run(run: Path, dst: Path) -> tuple[Path, Path, dict]:
+    """A copy of ``run``: (run, its checkpoint, the parsed index)."""
+    shutil.copytree(run, dst)
+    ckpt = dst / "checkpoints" / "step_0000002"
+    return dst, ckpt, json.loads((ckpt / "state" / "index.json").read_text())
+
+
+def test_overlapping_boxes_do_not_pass_as_a_whole_tensor(tmp_path, sharded_run):
+    """Half the embedding saved once and referenced twice (counted twice toward coverage, the
+    other half left as uninitialised memory): refused on the index before anything is read or
+    exported."""
+    from safetensors.torch import load_file, save_file
+
+    from megaformer.checkpoint.index_checks import check_exact_cover
+
+    run, ckpt, index = copy_run(sharded_run, tmp_path / "run")
+    shard = ckpt / "state" / "rank_00000.safetensors"
+    tensors = load_file(str(shard))
+    name, key = "tok_embeddings.weight", "tok_embeddings.weight/master/0"
+    rows, cols = index["shapes"][name]
+    half = rows // 2
+    tensors[key + "x"] = tensors[key][rows - 1:].contiguous()  # the odd last row
+    tensors[key] = tensors[key][:half].contiguous()
+    save_file(tensors, str(shard))
+    index["files"][shard.name] = shard.stat().st_size
+    index["boxes"][f"{name}/master"] = [[shard.name, key, [0, 0], [half, cols]],
+                                        [shard.name, key, [0, 0], [half, cols]],
+                                        [shard.name, key + "x", [rows - 1, 0], [1, cols]]]
+    assert 2 * half + 1 == rows  # the element count adds up
+    (ckpt / "state" / "index.json").write_text(json.dumps(index))
+    out = tmp_path / "hf"
+    assert_one_line_error(cli_main("convert", str(run), str(out), "--to", "hf"),
+                          "two boxes of tok_embeddings.weight/master overlap")
+    assert not out.exists()
+    index["boxes"][f"{name}/master"].pop(1)  # half missing: the volumes do not add up
+    (ckpt / "state" / "index.json").write_text(json.dumps(index))
+    assert_one_line_error(cli_main("generate", str(run), "--max-new-tokens", "1"),
+                          f"hold {(half + 1) * cols} elements, the tensor {rows * cols}")
+    # exact tilings of a 2-d tensor pass, partial rows included
+    tiles = [["f", "k", [0, 0], [1, 3]], ["f", "k", [0, 3], [1, 2]], ["f", "k", [1, 0], [2, 5]]]
+    check_exact_cover("w", (3, 5), tiles, Path("index.json"))
+    crossing = [["f", "k", [0, 0], [2, 3]], ["f", "k", [1, 2], [2, 3]], ["f", "k", [0, 3], [1, 2]],
+                ["f", "k", [2, 0], [1, 1]]]  # 15 elements, (1, 2) twice and (2, 1) never
+    with pytest.raises(CheckpointError, match=r"two boxes of w overlap \(at offsets \[0, 0\] and "
+                                              r"\[1, 2\]\)"):
+        check_exact_cover("w", (3, 5), crossing, Path("index.json"))
+
+
+# ----------------------------------------------------------------------------- writes through links
+
+def test_shared_cache_and_wandb_folder_are_not_written_through_links(tmp_path):
+    """A link planted at the tokenizer scratch name of a shared data.cache_dir (a ~/.bashrc
+    stand-in) is not written through; a linked RUN_DIR/wandb is refused before W&B starts; the
+    folders megaformer creates in the cache are private."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
+                            for i in range(300)))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    bashrc = victim(tmp_path, "bashrc")
+    for rank in range(2):
+        (cache / f".tokenizer-{rank}.json").symlink_to(bashrc)
+    overrides = tiny_overrides(**{"train.steps": 1, "eval.interval": 0, "eval.at_end": False,
+                                  "checkpoint.save_at_end": False})
+    proc = cli_main("train", "configs/quickstart.yaml", *overrides, f"data.paths=[{docs}]",
+                    f"data.cache_dir={cache}", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert bashrc.read_text() == VICTIM_TEXT
+    assert oct((cache / "prepared").stat().st_mode & 0o777) == "0o700"
+    assert [p.stat().st_mode & 0o777 for p in (cache / "prepared").iterdir()] == [0o700]
+    run = tmp_path / "run2"
+    run.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (run / "wandb").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    proc = cli_main("train", "configs/quickstart.yaml", *overrides, "log.wandb=true",
+                    "log.wandb_mode=offline", "--run-dir", str(run))
+    assert_one_line_error(proc, f"{run / 'wandb'}: is a symbolic link")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- allocation bombs
+
+ADDRESS_LIMIT = 3 << 30  # each bomb below asks for more; the genuine work needs far less
+
+
+def run_limited(*args: str) -> subprocess.CompletedProcess:
+    """``megaformer ARGS`` in a fresh process whose address space is capped at
+    :data:`ADDRESS_LIMIT`: a file that sizes an allocation fails there, never on the machine."""
+    code = ("import resource, sys\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({ADDRESS_LIMIT}, {ADDRESS_LIMIT}))\n"
+            "from megaformer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    return run_process([sys.executable, "-c", code, *args], timeout=600)
+
+
+def test_no_allocation_is_sized_by_a_file_before_it_is_checked(tmp_path, sharded_run):
+    """A 2^25-row vocabulary claimed by index.json and config.yaml beside tiny shards; a 1 KB
+    metrics file read under the 8 GiB metrics bound; a token id of 2^31 - 1 beyond the first
+    2^20 tokens; a meta.json data position of 10^12; 1,100 layers in metrics.jsonl."""
+    run, ckpt, index = copy_run(sharded_run, tmp_path / "bomb")
+    rows = 1 << 25
+    for name in ("tok_embeddings.weight", "lm_head.weight"):
+        if name in index["shapes"]:
+            index["shapes"][name][0] = rows
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                for box in index["boxes"][f"{name}/{key}"]:
+                    box[3][0] = rows
+    (ckpt / "state" / "index.json").write_text(json.dumps(index))
+    text = (ckpt / "config.yaml").read_text()
+    (ckpt / "config.yaml").write_text(text.replace("vocab_size: 257", f"vocab_size: {rows}"))
+    assert f"vocab_size: {rows}" in (ckpt / "config.yaml").read_text()
+    assert_one_line_error(run_limited("generate", str(run), "--max-new-tokens", "1"),
+                          "rank_00000.safetensors: the index places", "bytes of tensors")
+    # report: a small metrics file is read in chunks, not into a buffer of the bound's size
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    proc = run_limited("report", str(small))
+    assert proc.returncode == 0 and "1 records" in proc.stdout, proc.stderr[-2000:]
+    # every token id is range-checked, the validation split's included
+    from megaformer.data.indexed import IndexedWriter
+
+    tokens = np.full(3 << 20, 65, dtype=np.int64)
+    tokens[-5] = 2**31 - 1
+    writer = IndexedWriter(tmp_path / "data", np.int32)
+    writer.add(tokens, np.full(3 << 10, 1 << 10))
+    writer.finish()
+    overrides = tiny_overrides(**{"train.steps": 1, "eval.interval": 0})
+    proc = run_limited("train", "configs/quickstart.yaml", *overrides,
+                       f"data.paths=[{tmp_path / 'data'}]", "--run-dir", str(tmp_path / "r"))
+    assert_one_line_error(proc, "data.bin: token id 2147483647", "outside the vocabulary")
+    # a data position no saved step could have reached
+    run, ckpt, _ = copy_run(sharded_run, tmp_path / "position")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["consumed_samples"] = 10**12
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    proc = cli_main("train", "configs/quickstart.yaml",
+                    *tiny_overrides(**{"train.steps": 3, "eval.interval": 0,
+                                       "eval.at_end": False}), "--run-dir", str(run))
+    assert_one_line_error(proc, "consumed_samples 1000000000000 is not a count")
+    # report draws a bounded number of panels, whatever the number of layers named
+    from megaformer.diagnostics.plots import MAX_DRAWN, thinned
+
+    layers = tmp_path / "layers"
+    layers.mkdir()
+    with open(layers / "metrics.jsonl", "w") as fh:
+        for step in (1, 2):
+            fh.write(json.dumps({"step": step, "loss": 1.0, **{
+                f"attn/layer_{i}/entropy/head_0": 0.5 for i in range(1100)}}) + "\n")
+    assert cli_main("report", str(layers)).returncode == 0
+    assert thinned(list(range(1100))) == [round(i * 1099 / (MAX_DRAWN - 1))
+                                          for i in range(MAX_DRAWN)]
+
+
+# ----------------------------------------------------------------------------- one line
+
+DEEP_JSON = "[" * 200_000 + "]" * 200_000  # deeper than Python's parsers recurse
+LONG_INT = "7" * 5000  # longer than Python converts (4,300 digits)
+
+
+def test_deep_nesting_and_long_integers_are_one_line(tmp_path, run_dir, sharded_run):
+    """Deeply nested JSON/YAML and over-long integers in metrics.jsonl, meta.json, index.json,
+    tokenizer.json, config.yaml and a safetensors header; a crafted RNG file; inspect --out on a
+    dangling link: each a one-line error (or, in metrics.jsonl, a skipped line), no traceback."""
+    from megaformer.checkpoint.safetensors_check import read_header
+
+    metrics = tmp_path / "m"
+    metrics.mkdir()
+    (metrics / "metrics.jsonl").write_text(
+        "\n".join([DEEP_JSON, '{"step": ' + LONG_INT + "}", json.dumps({"step": 3, "loss": 1.5})]))
+    proc = cli_main("report", str(metrics))
+    assert proc.returncode == 0 and "1 records" in proc.stdout, proc.stderr[-2000:]
+    ckpt = run_dir / "checkpoints" / "step_0000000"
+    generate = ("generate", str(run_dir), "--max-new-tokens", "1")
+    convert = ("convert", str(run_dir), str(tmp_path / "out"), "--to", "megaformer")
+    for name, text, needle, command in (
+            ("meta.json", DEEP_JSON, "meta.json is missing or corrupt", convert),
+            ("meta.json", '{"step": ' + LONG_INT + "}", "meta.json is missing or corrupt", convert),
+            ("tokenizer.json", DEEP_JSON, "not a tokenizer.json file", generate),
+            ("tokenizer.json", LONG_INT, "not a tokenizer.json file", generate),
+            ("config.yaml", "a: " + DEEP_JSON, "nested too deeply", generate),
+            ("config.yaml", "train: {steps: " + LONG_INT + "}", "an integer too long", generate)):
+        saved = (ckpt / name).read_bytes()
+        (ckpt / name).write_text(text)
+        line = assert_one_line_error(cli_main(*command), needle)
+        assert len(line) < 1000
+        (ckpt / name).write_bytes(saved)
+    config = tmp_path / "deep.yaml"
+    config.write_text("train:\n  steps: " + LONG_INT + "\n")
+    assert_one_line_error(cli_main("train", str(config)), "deep.yaml: holds an integer too long")
+    for header in (DEEP_JSON, '{"x": {"dtype": "F32", "shape": [' + LONG_INT + '], '
+                              '"data_offsets": [0, 4]}}'):
+        weights = tmp_path / "w.safetensors"
+        raw = header.encode()
+        weights.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+        with pytest.raises(CheckpointError, match="header is not JSON"):
+            read_header(weights)
+    run, sharded_ckpt, _ = copy_run(sharded_run, tmp_path / "sharded")
+    (sharded_ckpt / "state" / "index.json").write_text(DEEP_JSON)
+    assert_one_line_error(cli_main("generate", str(run), "--max-new-tokens", "1"),
+                          "index.json: missing or corrupt")
+    # a crafted RNG file: plain data that unpickles weights-only, but is not an RNG state
+    run, sharded_ckpt, _ = copy_run(sharded_run, tmp_path / "rng")
+    torch.save({"torch": torch.get_rng_state(), "python": [3, list(range(625)), None],
+                "numpy": ["MT19937", [1, 2, 3], 0, 0, 0.0]}, sharded_ckpt / "rng" / "rank_0.pt")
+    proc = cli_main("train", "configs/quickstart.yaml",
+                    *tiny_overrides(**{"train.steps": 3, "eval.interval": 0,
+                                       "eval.at_end": False}), "--run-dir", str(run))
+    assert_one_line_error(proc, "rank_0.pt: corrupt RNG state")
+    dangling = tmp_path / "plots"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert_one_line_error(cli_main("inspect", str(run_dir), "--prompt", "def ", "--out",
+                                   str(dangling)), "--out", "symbolic link")
+    assert not (tmp_path / "nowhere").exists()
+
+
+# ----------------------------------------------------------------------------- run locks
+
+def test_planted_lock_files_neither_hang_nor_refuse_others(tmp_path):
+    """A FIFO named .owner in a shared (sticky) folder, a FIFO in a run directory, and a record
+    whose heartbeat lies a year in the future: convert/prepare-data are neither hung nor refused,
+    and a training run takes its own directory over."""
+    import threading
+    import time
+
+    from megaformer.runtime.run_lock import OWNER_FILE, RunLock, check_not_owned
+
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    os.mkfifo(shared / OWNER_FILE)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / OWNER_FILE)
+    future = tmp_path / "future"
+    future.mkdir()
+    (future / OWNER_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1,
+                                                 "started": time.time(), "token": "t"}) + "\n")
+    ahead = time.time() + 365 * 86400
+    os.utime(future / OWNER_FILE, (ahead, ahead))
+    done = []
+
+    def check_all() -> None:
+        for target in (shared / "me" / "out", run / "export", future / "export"):
+            check_not_owned(target, "convert")
+            done.append(target)
+
+    worker = threading.Thread(target=check_all, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert len(done) == 3, "check_not_owned blocked on a planted .owner"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world\n" * 50)
+    (shared / "me").mkdir()
+    proc = cli_main("prepare-data", "--input", str(corpus), "--tokenizer", "byte",
+                    "--output-prefix", str(shared / "me" / "data"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for folder in (run, future):
+        with RunLock(folder) as lock:
+            assert lock.held
+        assert not (folder / OWNER_FILE).exists()
+
+
+# ----------------------------------------------------------------------------- smaller
+
+def test_blend_cache_must_be_a_schedule_this_module_writes(tmp_path):
+    """A cached blend index that favours one dataset, repeats a sample or skips one, consistent
+    in shape and range, is ignored and rebuilt; the cache folder and its missing parents are
+    created private."""
+    from megaformer.data.blend import BlendedDataset, blend_index
+
+    parts = [type("Part", (), {"sample": lambda self, k: np.array([k]),
+                               "ensure": lambda *a, **k: None, "seq_len": i})() for i in range(3)]
+    cache = tmp_path / "shared" / "cache"
+    built = BlendedDataset(parts, [1, 2, 3], 5000, cache)
+    assert [oct(p.stat().st_mode & 0o777) for p in (cache.parent, cache)] == ["0o700"] * 2
+    reference = blend_index([1, 2, 3], 5000)
+    paths = built._paths()
+    which, offset = np.array(built.which), np.array(built.offset)
+    favoured, repeated = which.copy(), offset.copy()
+    favoured[:] = 2  # one dataset only; offsets rewritten to stay consistent with it
+    repeated[100] = repeated[99] if which[99] == which[100] else 0
+    for w, o in ((favoured, np.arange(len(which))), (which, repeated)):
+        np.save(paths["which"], w)
+        np.save(paths["offset"], o)
+        again = BlendedDataset(parts, [1, 2, 3], 5000, cache, build=False)
+        assert not isinstance(again.which, np.memmap)  # ignored, computed afresh
+        assert np.array_equal(again.which, reference[0])
+        assert np.array_equal(again.offset, reference[1])
+
+
+def test_network_use_is_announced_and_fault_injection_warns(tmp_path, monkeypatch, caplog):
+    """eval.tasks from lm-eval's registry and W&B online say at start that they reach the network
+    (and HF_HUB_OFFLINE / WANDB_MODE are honoured); MEGAFORMER_FAULT warns loudly."""
+    import logging
+
+    from megaformer.evaluation.tasks import network_notice
+    from megaformer.training import wandb_log
+    from megaformer.training.faults import FaultPlan
+
+    caplog.set_level(logging.INFO, logger="megaformer")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    network_notice(["hellaswag"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    network_notice(["arc_easy"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("hellaswag" in m and "downloaded from the Hugging Face hub" in m for m in lines)
+    assert any("arc_easy" in m and "offline (HF_HUB_OFFLINE)" in m for m in lines)
+    inits = []
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kw):
+            inits.append(kw["mode"])
+            return type("Run", (), {"id": "abc"})()
+
+    monkeypatch.setattr(wandb_log, "_import_wandb", lambda: FakeWandb)
+    cfg = load_config("configs/quickstart.yaml", ["log.wandb=true"])
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    wandb_log.open_run(cfg, tmp_path / "run")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb_log.open_run(cfg, tmp_path / "run")
+    assert inits == ["online", "offline"]
+    assert sum("W&B: online" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setenv("MEGAFORMER_FAULT", "nan@step=3")
+    assert FaultPlan.from_env(0).faults
+    assert any("fail ON PURPOSE" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)

@@ -78,7 +78,7 @@ def read_jsonl(path: Path) -> list[dict]:
     for line in read_text_bounded(path, MAX_METRICS_BYTES, UserError).splitlines():
         try:
             rec = clean_record(json.loads(line))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, nested too deeply, an over-long int
             continue
         if rec is not None:
             out.append(rec)

@@ -49,6 +49,7 @@ from megaformer import __version__
 from megaformer.checkpoint import sharded
 from megaformer.checkpoint.compat import check_resume_compatible, layout_changes
 from megaformer.checkpoint.files import BackgroundWriter
+from megaformer.checkpoint.index_checks import check_data_position
 from megaformer.checkpoint.layout import (CHECKPOINTS, CONFIG, META, WEIGHTS, half_written,
                                           is_weights_only, latest_checkpoint, read_meta)
 from megaformer.checkpoint.legacy import portable
@@ -205,7 +206,7 @@ class Checkpointer:
         part of the sharded state, at whatever layout this run has; the LR schedule and data
         position from meta.json; every rank's RNG streams when the layout is the saved one."""
         ckpt, saved, t = self.source, self._saved, self.trained
-        meta = read_meta(ckpt)
+        state = self._position(read_meta(ckpt), ckpt / META)
         access = OptimizerAccess(t.engine, self.topo)
         params = t.params()
         if not access.covered(params):
@@ -216,8 +217,6 @@ class Checkpointer:
         for o in access.owned(params, self.cfg.model.vocab_size, for_save=False):
             for key in sharded.KEYS:
                 access.set_owned(o, key, saved.fill(o, key))
-        state = TrainState(int(meta["step"]), int(meta["consumed_samples"]),
-                           int(meta.get("skipped_steps", 0)))
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
         if not self.changes:
             self._restore_rng(load_rng_state(ckpt, self.rank))
@@ -227,8 +226,7 @@ class Checkpointer:
         """Master weights, Adam moments, LR schedule and data position from the first release's
         layout-free state (another layout than the saved one)."""
         ckpt, t = self.source, self.trained
-        meta = read_meta(ckpt)
-        state = TrainState(int(meta["step"]), int(meta["consumed_samples"]))
+        state = self._position(read_meta(ckpt), ckpt / META)
         portable.restore_portable_state(t.engine, t.params(), self.topo, t.padded_vocab,
                                         self._saved, ckpt)
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
@@ -237,9 +235,21 @@ class Checkpointer:
     def _resume_engine(self) -> TrainState:
         """Everything from DeepSpeed's own files, at the saved layout."""
         client, rng = load_engine_state(self.trained.engine, self.source, self.rank)
+        state = self._position(client, self.source)
         self._restore_rng(rng)
-        return self._resumed(TrainState(int(client["step"]), int(client["consumed_samples"]),
-                                        int(client.get("skipped_steps", 0))), "")
+        return self._resumed(state, "")
+
+    def _position(self, record: dict, where: Path) -> TrainState:
+        """Step, samples consumed and skipped steps as saved, checked before they are used: a
+        crafted record cannot move the data position beyond what the saved steps read."""
+        step, skipped = record.get("step"), record.get("skipped_steps", 0)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                   for v in (step, skipped)):
+            raise CheckpointError(f"{where}: step {str(step)[:40]!r} / skipped_steps "
+                                  f"{str(skipped)[:40]!r} are not non-negative integers")
+        consumed = check_data_position(step, record.get("consumed_samples"),
+                                       self.cfg.train.global_batch_size, self.source)
+        return TrainState(step, consumed, skipped)
 
     # ------------------------------------------------------------------------- save
 

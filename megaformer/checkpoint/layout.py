@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaformer.errors import CheckpointError
-from megaformer.safe_files import read_text_bounded
+from megaformer.safe_files import (read_text_bounded, read_text_inside, refuse_links_below,
+                                   refuse_read_link)
 
 log = logging.getLogger("megaformer")
 
@@ -115,11 +116,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if not (p / WEIGHTS).is_file() and not (p / "state" / "index.json").is_file():
             raise CheckpointError(f"{p}: checkpoint has neither {WEIGHTS} nor a sharded state "
                                   "(state/index.json)")
+        refuse_links_below(p)
         return p
+    refuse_read_link(p / CHECKPOINTS)
     for root in (p / CHECKPOINTS, p):
         if root.is_dir():
             found = latest_checkpoint(root)
             if found is not None:
+                refuse_links_below(found)
                 return found
     raise CheckpointError(f"{p}: not a megaformer run directory or checkpoint (no {CHECKPOINTS}/ "
                           f"with a complete checkpoint, no {META})")
@@ -132,7 +136,7 @@ def read_config_yaml(ckpt: Path) -> Any:
     from megaformer.errors import ConfigError
 
     try:
-        return safe_yaml_load(read_text_bounded(ckpt / CONFIG, MAX_CONFIG_BYTES), str(ckpt / CONFIG))
+        return safe_yaml_load(read_text_inside(ckpt, CONFIG, MAX_CONFIG_BYTES), str(ckpt / CONFIG))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 
@@ -151,8 +155,8 @@ def read_config(ckpt: Path) -> Any:
 
 def read_meta(ckpt: Path) -> dict:
     try:
-        meta = json.loads(read_text_bounded(ckpt / META, 1 << 20))
-    except (CheckpointError, OSError, json.JSONDecodeError):
+        meta = json.loads(read_text_inside(ckpt, META, 1 << 20))
+    except (CheckpointError, OSError, ValueError, RecursionError):  # a link, not JSON, too deep
         raise CheckpointError(f"{ckpt}: {META} is missing or corrupt") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{ckpt}: {META} is not a JSON object")

@@ -37,6 +37,7 @@ from megaformer.checkpoint.legacy import portable
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.config import config_from_dict
 from megaformer.errors import CheckpointError, ConfigError
+from megaformer.safe_files import copy_inside
 
 
 def _new_config(ckpt: Path, tensor: int, pipeline: int) -> str:
@@ -121,11 +122,11 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
         for f in files:
             target = tmp / f.relative_to(ckpt)
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, target)
+            copy_inside(ckpt, f.relative_to(ckpt), target)
         if not weights_only and portable.has_portable_state(ckpt):
-            shutil.copyfile(ckpt / portable.STATE_DIR / portable.STATE_JSON,
-                            tmp / portable.STATE_DIR / portable.STATE_JSON)
-        shutil.copyfile(ckpt / "tokenizer.json", tmp / "tokenizer.json")
+            copy_inside(ckpt, Path(portable.STATE_DIR, portable.STATE_JSON),
+                        tmp / portable.STATE_DIR / portable.STATE_JSON)
+        copy_inside(ckpt, "tokenizer.json", tmp / "tokenizer.json")
         (tmp / ckpt_layout.CONFIG).write_text(config_yaml)
         new_meta = {**meta, "engine_state": False,
                     "resharded_from": str(ckpt.resolve()), "resharded_by": __version__,

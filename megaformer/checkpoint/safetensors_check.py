@@ -46,7 +46,7 @@ def read_header(path: Path) -> dict:
             header = json.loads(fh.read(n))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON/UTF-8, nested too deeply, an over-long int
         raise bad("header is not JSON") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")

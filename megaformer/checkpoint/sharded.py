@@ -43,10 +43,11 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint.files import write_payload
+from megaformer.checkpoint.index_checks import check_index_coverage
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.checkpoint.staging import HostStaging
 from megaformer.errors import CheckpointError
-from megaformer.safe_files import read_text_bounded
+from megaformer.safe_files import read_text_inside
 
 STATE_DIR = "state"
 INDEX = "index.json"
@@ -247,11 +248,12 @@ class ShardedState:
         self.folder = ckpt / STATE_DIR
         path = self.folder / INDEX
         try:
-            self.index = json.loads(read_text_bounded(path, MAX_INDEX_BYTES))
+            self.index = json.loads(read_text_inside(ckpt, Path(STATE_DIR, INDEX), MAX_INDEX_BYTES))
             self.shapes = {k: tuple(v) for k, v in self.index["shapes"].items()}
             self.boxes: dict[str, list] = self.index["boxes"]
             self.files: dict[str, int] = self.index["files"]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError,
+                RecursionError):
             raise CheckpointError(f"{path}: missing or corrupt") from None
         if self.index.get("format") != FORMAT:
             raise CheckpointError(f"{path}: format {self.index.get('format')!r}; this megaformer "
@@ -273,6 +275,7 @@ class ShardedState:
         except (KeyError, ValueError, TypeError, AttributeError):
             raise CheckpointError(f"{path}: corrupt (a box outside its tensor, or in a file "
                                   "it does not list)") from None
+        check_index_coverage(self.shapes, self.boxes, self.files, path)  # before any allocation
         self._open: dict[str, Any] = {}
 
     @property

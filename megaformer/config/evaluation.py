@@ -26,5 +26,7 @@ class EvalConfig:
     tasks_limit: Optional[int] = option(
         None, "At most this many documents per task in eval.tasks (null = all).")
     tasks_include_path: Optional[str] = option(
-        None, "Folder of extra lm-evaluation-harness task YAMLs for eval.tasks (local tasks).")
+        None, "Folder of extra lm-evaluation-harness task YAMLs for eval.tasks (local tasks). It is "
+              "code (lm-eval runs the Python files its YAMLs name): accepted on the command line, "
+              "or in a config file only when MEGAFORMER_TRUST_TASKS_DIR names the same folder.")
 

@@ -138,7 +138,7 @@ def config_from_dict(raw: dict, name: str = "megaformer", *, warn_renamed: bool 
 
 def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Config:
     """Read a YAML config (safe loader), apply dotted overrides, validate."""
-    from megaformer.safe_files import read_bounded
+    from megaformer.safe_files import read_bounded, refuse_code_folders
 
     p = Path(path)
     if not p.exists():
@@ -150,5 +150,6 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     raw = safe_yaml_load(text, str(p)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    refuse_code_folders(raw, p, ConfigError)
     raw = apply_overrides(raw, list(overrides or []))
     return config_from_dict(raw, name=p.stem, warn_renamed=True)

@@ -28,6 +28,10 @@ def safe_yaml_load(text: str, where: str) -> Any:
     """``yaml.safe_load`` without anchors/aliases; errors as ConfigError naming ``where``."""
     try:
         return yaml.load(text, Loader=SafeNoAliasLoader)
+    except (RecursionError, ValueError) as e:  # nesting deeper than Python recurses, huge ints
+        from megaformer.safe_files import unreadable_reason
+
+        raise ConfigError(f"{where}: {unreadable_reason(e)}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""

@@ -181,6 +181,33 @@ def blend_index(weights: Sequence[float], n: int, native: bool = True
     return which, offset
 
 
+SCHEDULE_SLACK = 1e-6  # floating-point slack on the bound |c_d(n) - w_d n| < 1
+
+
+def check_schedule(which: np.ndarray, offset: np.ndarray, weights: np.ndarray,
+                   counts: np.ndarray, start: int) -> None:
+    """ValueError unless entries ``start, start + 1, ...`` of a cached blend (``which``,
+    ``offset``; ``counts`` the samples per dataset before ``start``) are a schedule this module
+    could have written: each dataset's samples taken in order, each once
+    (``offset[g]`` = the number of earlier entries of dataset ``which[g]``), and every dataset
+    within one sample of its share at every point. The share ``w_d n - c_d(n)`` is largest just
+    before a sample of d and smallest just after one, so it suffices to check, for global sample
+    g = sample k of d, ``w_d g - k < 1`` and ``k + 1 - w_d (g + 1) < 1`` (and at the end, in the
+    caller, that no dataset falls short)."""
+    w, off = np.asarray(weights, dtype=np.float64), offset.astype(np.int64)
+    order = np.argsort(which, kind="stable")
+    grouped = which[order].astype(np.int64)
+    first = np.searchsorted(grouped, grouped)  # where each entry's dataset starts in ``order``
+    expected = counts[grouped] + np.arange(len(order)) - first
+    if (off[order] != expected).any():
+        raise ValueError("a dataset's samples are not taken in order, each once")
+    g = np.arange(start, start + len(which), dtype=np.float64)
+    share = w[which.astype(np.int64)]
+    if (share * g - off >= 1 + SCHEDULE_SLACK).any() or \
+            (off + 1 - share * (g + 1) >= 1 + SCHEDULE_SLACK).any():
+        raise ValueError("the datasets' shares are not the weights")
+
+
 class BlendedDataset:
     """Global sample g = sample ``offset[g]`` of dataset ``which[g]``; built for ``n`` samples,
     extended (exactly, the schedule being online) when asked for more. ``len()`` = samples built.
@@ -237,7 +264,10 @@ class BlendedDataset:
                 if wh.min() < 0 or wh.max() >= len(self.datasets) or off.min() < 0 or \
                         (off > np.arange(a, a + len(off))).any():
                     raise ValueError("entries out of range")
+                check_schedule(wh, off, self.weights, counts, a)
                 counts += np.bincount(wh, minlength=len(self.datasets))
+            if (self.weights * len(which) - counts >= 1 + SCHEDULE_SLACK).any():
+                raise ValueError("a dataset falls short of its share")
         except (OSError, ValueError, KeyError, TypeError, DataError) as e:
             log.warning("data: ignoring the cached blend index %s (%s); rebuilding it", paths["meta"],
                         " ".join(str(e).split())[:200])

@@ -364,7 +364,7 @@ class GPTDataset:
                 return False
             arrays = [np.load(p, mmap_mode="r", allow_pickle=False) for p in paths[1:]]
             self.check_indices(*arrays, blocks, share=share)
-        except (OSError, ValueError, KeyError, TypeError, DataError) as e:
+        except (OSError, ValueError, KeyError, TypeError, DataError, RecursionError) as e:
             log.warning("data: ignoring the cached index %s (%s); rebuilding it", meta,
                         " ".join(str(e).split())[:200])
             return False

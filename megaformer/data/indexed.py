@@ -69,6 +69,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
+TOKEN_CHUNK = 1 << 24  # tokens per step of the id range check
+
+
+def check_token_ids(tokens: np.ndarray, limit: int, where: Path) -> None:
+    """Every token id lies in ``[0, limit)``: the whole array, in chunks of :data:`TOKEN_CHUNK`
+    (memory stays bounded whatever the file's size). Skipped when the dtype cannot hold an id out
+    of range. One out-of-range id anywhere would index past the embedding, or size a
+    ``bincount``, in a training or validation step."""
+    info = np.iinfo(tokens.dtype)
+    if info.min >= 0 and info.max < limit:
+        return
+    for a in range(0, len(tokens), TOKEN_CHUNK):
+        chunk = tokens[a:a + TOKEN_CHUNK]
+        lo, hi = int(chunk.min()), int(chunk.max())
+        if lo < 0 or hi >= limit:
+            bad = hi if hi >= limit else lo
+            raise DataError(f"{where}: token id {bad} (near token {a:,}) outside the vocabulary "
+                            f"(size {limit}); was it prepared with another tokenizer?")
+
+
 def dtype_holds(dtype: np.dtype, vocab_size: int) -> bool:
     """Whether every id in ``[0, vocab_size)`` fits ``dtype``."""
     return np.issubdtype(dtype, np.integer) and vocab_size - 1 <= np.iinfo(dtype).max

@@ -33,6 +33,7 @@ from megaformer.data.dataset import (PackedDataset, TokenizedCorpus, tokenize_co
 from megaformer.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
 from megaformer.data.wait import wait_barrier, wait_group
 from megaformer.errors import ConfigError, DataError, UserError
+from megaformer.safe_files import make_dir
 
 log = logging.getLogger("megaformer")
 
@@ -107,11 +108,15 @@ def _rank0_first(rank: int, barrier: Callable[[], None], work: Callable[[], None
         raise (ConfigError if error[0] == "ConfigError" else DataError)(error[1])
 
 
-def _tokenizer_digest(tokenizer: Tokenizer, scratch: Path) -> str:
-    tokenizer.save(scratch)
-    digest = hashlib.sha256(scratch.read_bytes()).hexdigest()
-    scratch.unlink()
-    return digest
+def _tokenizer_digest(tokenizer: Tokenizer) -> str:
+    """sha256 of the tokenizer's saved form, written in a private temporary folder (never a fixed
+    name in a cache another user could plant a link at)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="megaformer-tok-") as scratch:
+        path = Path(scratch) / "tokenizer.json"
+        tokenizer.save(path)
+        return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _indexed_tokenizer(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
@@ -167,8 +172,8 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
             continue
         src = open_source(spec, d.text_field)  # every rank: resolves files, fails alike
         if tok_digest is None:
-            cache.mkdir(parents=True, exist_ok=True)
-            tok_digest = _tokenizer_digest(tokenizer, cache / f".tokenizer-{rank}.json")
+            make_dir(cache, mode=0o700, error=DataError)
+            tok_digest = _tokenizer_digest(tokenizer)
         key = hashlib.sha256(json.dumps({"v": 1, "spec": spec, "content": src.fingerprint(),
                                          "text_field": d.text_field, "tokenizer": tok_digest,
                                          **({"max_chars": d.max_bytes} if d.max_bytes else {})},
@@ -182,7 +187,8 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
 
     def work() -> None:
         for spec, out in todo:
-            out.parent.mkdir(parents=True, exist_ok=True)
+            make_dir(out.parent.parent, mode=0o700, error=DataError)  # CACHE/prepared
+            make_dir(out.parent, mode=0o700, error=DataError)
             r = prepare(spec, d.tokenizer, out, text_field=d.text_field, overwrite=True,
                         tokenizer=tokenizer, progress=None, max_chars=d.max_bytes)
             log.info("data: prepared %s -> %s: %s documents, %s tokens in %.1fs", spec, out,
@@ -211,7 +217,7 @@ def _check_own_prepared(prefix: Path) -> None:
 def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_limit: int) -> list:
     """The prefixes opened (:class:`IndexedDataset`, each checked once), after checking that they
     were prepared with this tokenizer."""
-    from megaformer.data.indexed import IndexedDataset, bin_path, tokenizer_path
+    from megaformer.data.indexed import IndexedDataset, bin_path, check_token_ids, tokenizer_path
 
     opened = []
     for p in prefixes:
@@ -224,10 +230,7 @@ def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_l
                                 f"{tokenizer.vocab_size}, EOD {tokenizer.eod_id}; set "
                                 f"data.tokenizer={side}")
         data = IndexedDataset(p)
-        head = data.tokens[:1 << 20]
-        if len(head) and (int(head.max()) >= vocab_limit or int(head.min()) < 0):
-            raise DataError(f"{bin_path(p)}: token id {int(head.max())} outside the vocabulary "
-                            f"(size {vocab_limit}); was it prepared with another tokenizer?")
+        check_token_ids(data.tokens, vocab_limit, bin_path(p))
         opened.append(data)
     return opened
 

@@ -183,7 +183,7 @@ def configured_eos(folder: Path) -> Optional[Any]:
             continue
         try:
             value = json.loads(_read(path, MAX_TOKENIZER_CONFIG_BYTES)).get(key)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             raise DataError(f"{path}: not a JSON object") from None
         if isinstance(value, dict):
             value = value.get("content")
@@ -216,7 +216,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return SentencePieceTokenizer(data, name=str(p), eos_token=_eos_piece(eos, _sp_piece(data)))
     try:
         head = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON/UTF-8, nested too deeply, an over-long int
         raise DataError(f"{p}: not a tokenizer.json file") from None
     if isinstance(head, dict) and head.get("megaformer_tokenizer") == "byte":
         return ByteTokenizer()

@@ -16,6 +16,7 @@ included). Runs on the checkpoint's fp32 weights without DeepSpeed or a process 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -66,6 +67,8 @@ def _prepare_out(out: Optional[str | Path]) -> Optional[Path]:
     if out is None:
         return None
     path = Path(out)
+    if os.path.islink(path):  # a dangling link would make mkdir fail, a live one redirect it
+        raise UserError(f"inspect: --out {path} is a symbolic link; choose a new folder")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UserError(f"inspect: --out {path} exists and is not an empty folder; "
                         "choose a new one (nothing is overwritten)")

@@ -30,6 +30,17 @@ HEAD_FAMILIES = [
 ]
 
 
+MAX_DRAWN = 32  # layers (lines or panels) and heads drawn per figure; more are thinned evenly
+
+
+def thinned(names: list, limit: int = MAX_DRAWN) -> list:
+    """At most ``limit`` of ``names``, evenly spaced, first and last kept: a metrics file naming
+    thousands of layers draws a bounded figure (the numbers stay in metrics.jsonl)."""
+    if len(names) <= limit:
+        return list(names)
+    return [names[round(i * (len(names) - 1) / (limit - 1))] for i in range(limit)]
+
+
 def _collect(records: list[dict], pattern: str) -> dict[tuple, tuple[list[int], list[float]]]:
     """{groups of the key: (steps, values)} for keys matching ``pattern``, sorted by key."""
     rx = re.compile(pattern + "$")
@@ -42,6 +53,14 @@ def _collect(records: list[dict], pattern: str) -> dict[tuple, tuple[list[int], 
                 steps.append(r["step"])
                 values.append(float(value))
     return dict(sorted(series.items(), key=lambda kv: (kv[0][0] != "embed", kv[0])))
+
+
+def _drawn(series: dict[tuple, Any]) -> dict[tuple, Any]:
+    """``series`` with at most :data:`MAX_DRAWN` distinct values of each group (layer, head)."""
+    for level in range(len(next(iter(series), ()))):
+        kept = set(thinned(list(dict.fromkeys(g[level] for g in series))))
+        series = {g: s for g, s in series.items() if g[level] in kept}
+    return series
 
 
 def _lines(ax: Any, series: dict, label_index: int) -> None:
@@ -64,7 +83,7 @@ def plot_diagnostics(records: list[dict], out: Path) -> list[Path]:
 
     written = []
     for stem, title, ylabel, pattern in LAYER_FAMILIES:
-        series = _collect(records, pattern)
+        series = _drawn(_collect(records, pattern))
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(7.2, 4.0), dpi=100)
@@ -78,7 +97,7 @@ def plot_diagnostics(records: list[dict], out: Path) -> list[Path]:
         fig.savefig(written[-1])
         plt.close(fig)
     for stem, title, ylabel, pattern in HEAD_FAMILIES:
-        series = _collect(records, pattern)
+        series = _drawn(_collect(records, pattern))
         layers = sorted({g[0] for g in series})
         if not layers:
             continue
@@ -120,7 +139,7 @@ def plot_comparison(a: list[dict], b: list[dict], labels: tuple[str, str], out: 
     written = []
     for stem, title, ylabel, _ in LAYER_FAMILIES:
         sa, sb = layer_series(a, stem), layer_series(b, stem)
-        layers = [name for name in sa if name in sb]
+        layers = thinned([name for name in sa if name in sb])
         if not layers:
             continue
         fig, ax = plt.subplots(figsize=(7.2, 4.0), dpi=100)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -40,21 +42,41 @@ def parse_tasks(spec: str | list[str]) -> list[str]:
     return out
 
 
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def network_notice(tasks: list[str]) -> None:
+    """Say, before anything runs, that lm-eval's registry tasks read their datasets from the
+    Hugging Face hub when they are not cached (``datasets`` honours ``HF_HUB_OFFLINE`` /
+    ``HF_DATASETS_OFFLINE``: then only the local cache is read)."""
+    log = logging.getLogger("megaformer")
+    offline = [v for v in OFFLINE_ENV if os.environ.get(v, "").strip().lower() in ("1", "true",
+                                                                                   "yes", "on")]
+    if offline:
+        log.info("tasks %s: offline (%s): datasets are read from the local cache only",
+                 ", ".join(tasks), offline[0])
+    else:
+        log.warning("tasks %s: datasets not in the local cache are downloaded from the Hugging "
+                    "Face hub (network); HF_HUB_OFFLINE=1 keeps it offline", ", ".join(tasks))
+
+
 def task_manager(tasks: list[str], include_path: Optional[str | Path] = None) -> Any:
     """An lm-eval ``TaskManager`` that knows every name in ``tasks``; UserError naming the unknown
     ones (with close matches) otherwise."""
     lm_eval = _import_lm_eval()
-    import logging
-
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     TaskManager = lm_eval.tasks.TaskManager
     if include_path is not None:
         folder = Path(include_path)
         if not folder.is_dir():
             raise UserError(f"--include-path {include_path}: no such folder")
+        logging.getLogger("megaformer").warning(
+            "task folder %s is code: lm-eval runs the Python files its YAMLs name (!function); "
+            "use only folders you trust", folder)
         local = TaskManager(include_path=str(folder), include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
             return local
+    network_notice(tasks)
     tm = TaskManager(include_path=str(include_path) if include_path is not None else None)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:

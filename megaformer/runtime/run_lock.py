@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -125,16 +126,38 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def plausible_lock(path: Path, st: os.stat_result) -> bool:
+    """Whether ``st`` (the lstat of ``path``) can be an owner file megaformer wrote: a regular
+    file (not a link, FIFO or device), owned by this user or by the owner of its folder (a
+    colleague's run directory). Anything else, such as a FIFO or another user's file planted in a
+    shared folder, is not a lock."""
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if st.st_uid == os.getuid():
+        return True
+    try:
+        return st.st_uid == os.stat(Path(path).parent).st_uid
+    except OSError:
+        return False
+
+
 def read_owner(path: Path) -> Optional[Owner]:
     """The owner recorded in ``path`` (an owner file); None when there is none. An unreadable or
-    half-written record is an unknown owner (host "?", pid 0) judged by its heartbeat alone."""
+    half-written record is an unknown owner (host "?", pid 0) judged by its heartbeat alone; a
+    file that cannot be a lock (:func:`plausible_lock`) is an unknown owner with no heartbeat
+    (stale). The file is opened non-blocking without following a link, so a FIFO never hangs."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
+    except OSError:
+        return Owner("?", 0, 0.0, token="")
+    if not plausible_lock(path, st):
+        return Owner("?", 0, 0.0, token="")  # heartbeat 0: stale, taken over / ignored
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(1 << 16)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(1 << 16) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     except OSError:  # vanished or unreadable meanwhile: judged by the heartbeat seen
         raw = b""
     try:
@@ -152,6 +175,8 @@ def stale_reason(owner: Owner, me: Owner, stale_after: float, now: Optional[floa
                  ) -> Optional[str]:
     """Why ``owner`` no longer owns its run directory (as seen by ``me``); None when it does."""
     now = time.time() if now is None else now
+    if owner.heartbeat - now > stale_after:  # no job writes heartbeats ahead of the clocks
+        return f"its heartbeat is {owner.heartbeat - now:.0f}s in the future"
     same_host = owner.host == me.host
     if owner.job and owner.job == me.job and not (same_host and _pid_alive(owner.pid)):
         if list(me.attempt) > list(owner.attempt):
@@ -343,6 +368,16 @@ def acquire_on_rank0(run_dir: Path, rank: int) -> Optional[RunLock]:
     return lock
 
 
+def shared_folder(folder: Path) -> bool:
+    """A folder others may write to (``/tmp``, a ``/scratch`` root): sticky or world-writable.
+    Run directories are never such folders, so an owner file found there is not a lock."""
+    try:
+        mode = os.stat(folder).st_mode
+    except OSError:
+        return False
+    return bool(mode & (stat.S_ISVTX | stat.S_IWOTH))
+
+
 def check_not_owned(path: Path, what: str) -> None:
     """Raise :class:`RunDirInUse` when ``path`` is in (or is) a run directory that a live job owns
     (this process's own run directory excepted)."""
@@ -350,6 +385,8 @@ def check_not_owned(path: Path, what: str) -> None:
     me = Owner.me()
     stale_after = stale_seconds()
     for folder in (path, *path.parents):
+        if shared_folder(folder):
+            continue  # /tmp, /scratch: megaformer never locks such a folder, anyone can plant there
         owner = read_owner(folder / OWNER_FILE)
         if owner is None:
             continue

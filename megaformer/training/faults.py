@@ -21,6 +21,7 @@ of an empty :class:`FaultPlan`.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -74,6 +75,10 @@ class FaultPlan:
     def from_env(cls, rank: int) -> "FaultPlan":
         spec = os.environ.get(ENV, "")
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if spec and rank == 0:
+            logging.getLogger("megaformer").warning(
+                "WARNING: %s=%r is set: this run will fail ON PURPOSE (fault injection, for "
+                "tests only); unset it for a real run", ENV, spec)
         return cls(parse(spec) if spec else [], rank, attempt)
 
     def _hit(self, kind: str, step: int) -> Optional[Fault]:

@@ -9,7 +9,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from megaformer.safe_files import open_append, read_text_bounded, refuse_link, write_atomic
+from megaformer.safe_files import (json_or_none, open_append, read_text_bounded, refuse_link,
+                                   write_atomic)
 
 log = logging.getLogger("megaformer")
 
@@ -29,7 +30,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     for line in read_text_bounded(path, MAX_METRICS_BYTES).splitlines():
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, nested too deeply, an over-long int
             continue
         step = rec.get("step", 0) if isinstance(rec, dict) else None
         if isinstance(step, int) and not isinstance(step, bool) and step <= last_step:
@@ -87,4 +88,4 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     lines = read_text_bounded(path, MAX_METRICS_BYTES).splitlines()
-    return [rec for rec in (json.loads(line) for line in lines if line.strip()) if isinstance(rec, dict)]
+    return [rec for rec in map(json_or_none, lines) if isinstance(rec, dict)]

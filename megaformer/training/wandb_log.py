@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 from pathlib import Path
 from typing import Any, Optional
 
 from megaformer.config import Config
 from megaformer.errors import ConfigError
-from megaformer.safe_files import read_text_bounded, write_atomic
+from megaformer.safe_files import make_dir, read_text_bounded, refuse_link, write_atomic
 
 log = logging.getLogger("megaformer")
 
@@ -89,9 +90,13 @@ def open_run(cfg: Config, run_dir: Path) -> Optional[WandbSink]:
         return None
     wandb = _import_wandb()
     folder = Path(cfg.log.wandb_dir) if cfg.log.wandb_dir else run_dir
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dir(folder, error=ConfigError)  # W&B writes FOLDER/wandb: never through a link
+    refuse_link(folder / "wandb", ConfigError)
+    mode = os.environ.get("WANDB_MODE") or cfg.log.wandb_mode  # the environment has the last word
+    if mode == "online":
+        log.warning("W&B: online: this run's config and metrics are sent to the W&B server as it "
+                    "runs (log.wandb_mode=offline or WANDB_MODE=offline keeps them local)")
     run = wandb.init(project=cfg.log.wandb_project, name=run_dir.name, id=_run_id(run_dir),
-                     resume="allow", dir=str(folder), mode=cfg.log.wandb_mode,
-                     config=cfg.to_dict())
-    log.info("W&B: run %s (%s) in %s", run.id, cfg.log.wandb_mode, folder / "wandb")
+                     resume="allow", dir=str(folder), mode=mode, config=cfg.to_dict())
+    log.info("W&B: run %s (%s) in %s", run.id, mode, folder / "wandb")
     return WandbSink(run, wandb, run_dir)

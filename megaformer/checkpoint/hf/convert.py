@@ -49,7 +49,7 @@ from megaformer.data.tokenizer import NONE as NO_TOKENIZER
 from megaformer.data.tokenizer import load_tokenizer
 from megaformer.errors import CheckpointError, ConversionError
 from megaformer.runtime.run_lock import check_not_owned
-from megaformer.safe_files import check_file, current_umask, read_text_bounded
+from megaformer.safe_files import check_file, current_umask, read_text_bounded, unreadable_reason
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_TOKENIZER_BYTES = 1 << 30
@@ -166,8 +166,8 @@ def _read_hf_config(src: Path, arch: Optional[str]) -> tuple[dict, Architecture]
         raise ConversionError(f"{src}: no config.json (not a Hugging Face model folder)")
     try:
         hf = json.loads(read_text_bounded(path, MAX_JSON_BYTES, ConversionError))
-    except (OSError, ValueError) as e:
-        raise ConversionError(f"{path}: not a JSON file ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConversionError(f"{path}: not a JSON file ({unreadable_reason(e)})") from None
     if not isinstance(hf, dict):
         raise ConversionError(f"{path}: not a JSON object")
     model_type = hf.get("model_type")

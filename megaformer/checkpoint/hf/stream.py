@@ -135,7 +135,7 @@ class TensorSource:
                 weight_map = json.loads(read_text_bounded(index, MAX_INDEX_BYTES,
                                                           ConversionError))["weight_map"]
                 names = set(weight_map.values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 raise ConversionError(f"{index}: not a safetensors index (no weight_map)") from None
             regular_files([index], ConversionError)
             if not isinstance(weight_map, dict):

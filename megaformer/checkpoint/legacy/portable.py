@@ -162,7 +162,7 @@ class PortableState:
         folder = ckpt / STATE_DIR
         try:
             self.info = json.loads((folder / STATE_JSON).read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):
             raise CheckpointError(f"{folder / STATE_JSON}: missing or corrupt") from None
         self.files = sorted(folder.glob("stage_*.safetensors"))
         if not self.files:
