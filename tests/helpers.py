@@ -218,7 +218,7 @@ def reference_and_tensor_parallel(cfg: Any, world: int, rank: int, sp: bool) -> 
     from megaformer.parallel.plan import full_state_dict, padded_vocab_size, parallelize
     from megaformer.parallel.topology import build_topology
 
-    topo = build_topology(world, rank, world, 1)
+    topo = build_topology(world, rank, tp=world)
     torch.manual_seed(0)
     ref = Transformer(cfg, padded_vocab_size=padded_vocab_size(cfg.vocab_size, 1, 8))
     torch.manual_seed(0)

@@ -57,7 +57,7 @@ def _train_each(rank: int, world: int) -> dict:
     _disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
-    topo = build_topology(world, rank, 1, 1)
+    topo = build_topology(world, rank)
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 37, (2, 16), generator=gen) for _ in range(STEPS * ACCUM)]
     out = {}

@@ -107,7 +107,7 @@ def _tp_pp_shards(rank: int, world: int) -> dict:
     cfg = Config(model=tiny_model(n_layers=4, tie_embeddings=False),
                  parallel=ParallelConfig(tensor=2, pipeline=2, vocab_multiple=128),
                  train=TrainConfig(seed=7))
-    topo = build_topology(world, rank, 2, 2)
+    topo = build_topology(world, rank, tp=2, pp=2)
     built = build_model(cfg, topo, device="cpu")
     names = built.param_names
     local = {names[id(p)]: p.detach().clone() for p in built.model.parameters()}

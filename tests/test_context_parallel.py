@@ -173,7 +173,7 @@ def _suite(rank: int, world: int, model_cases: list[tuple]) -> dict:
     topos: dict = {}
     for tp, cp, mode, sp, variant, docs in model_cases:
         if (tp, cp) not in topos:
-            topos[tp, cp] = build_topology(world, rank, tp, 1, cp)
+            topos[tp, cp] = build_topology(world, rank, tp=tp, cp=cp)
         out[(tp, cp, mode, sp, variant, docs)] = _model_case(rank, topos[tp, cp], mode, sp,
                                                              variant, docs)
     return out

@@ -106,8 +106,8 @@ def _tp_diagnostics(rank: int, world: int) -> dict:
     from megaformer.parallel.plan import padded_vocab_size, parallelize
     from megaformer.parallel.topology import build_topology
 
-    topo = build_topology(world, rank, world, 1)
-    single = build_topology(world, rank, 1, 1).group("tp")  # TP groups of one rank each
+    topo = build_topology(world, rank, tp=world)
+    single = build_topology(world, rank).groups.tp  # TP groups of one rank each
     gen = torch.Generator().manual_seed(3)
     ids, labels = torch.randint(0, 61, (2, 16), generator=gen), torch.randint(0, 61, (2, 16), generator=gen)
     out = {}

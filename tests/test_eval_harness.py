@@ -161,7 +161,7 @@ def _layouts(rank: int, world: int, ckpt: str) -> dict:
     init_distributed(detect_process("cpu"))  # DeepSpeed's comm layer adopts the gloo group
     out = {}
     for name, (tp, pp) in {"tp2": (2, 1), "dp2": (1, 1), "pp2": (1, 2)}.items():
-        topo = build_topology(world, rank, tp, pp)
+        topo = build_topology(world, rank, tp=tp, pp=pp)
         out[name] = _megaformer_scores(Path(ckpt), topo, batch_size=2)
     return out
 

@@ -96,7 +96,7 @@ def _one_layout(rank: int, world: int, tp: int, pp: int, ep: int, zero: int, sp:
 
     dp = world // (tp * pp)
     cfg = _config(tp, pp, ep, zero, sp, dp)
-    topo = build_topology(world, rank, tp, pp, 1, ep)
+    topo = build_topology(world, rank, tp=tp, pp=pp, ep=ep)
     gen = torch.Generator().manual_seed(7)
     batches = [[torch.randint(0, V, (2, 16), generator=gen) for _ in range(dp)]
                for _ in range(STEPS)]

@@ -143,7 +143,7 @@ def _tp_recompute(rank: int, world: int) -> dict:
     from megaformer.parallel.topology import build_topology
     from megaformer.parallel.recompute import apply_recompute
 
-    topo = build_topology(world, rank, world, 1)
+    topo = build_topology(world, rank, tp=world)
     cfg = tiny_model(vocab_size=64, dropout=0.2, attention_dropout=0.2)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     out = {}

@@ -134,7 +134,7 @@ def _vocab_parallel_ce(rank: int, world: int) -> dict:
     from megaformer.parallel.layers import vocab_parallel_cross_entropy
     from megaformer.parallel.topology import build_topology
 
-    topo = build_topology(world, rank, world, 1)
+    topo = build_topology(world, rank, tp=world)
     gen = torch.Generator().manual_seed(0)
     V, Vp = 10, 12  # padded to 12: the last 2 columns must never count
     full = torch.randn(3, 5, Vp, generator=gen)
@@ -172,7 +172,7 @@ def _rng_streams(rank: int, world: int) -> dict:
     replicated = torch.rand(4)
     torch.manual_seed(7)
     untouched = torch.rand(4)  # the default stream does not notice the fork
-    topo = build_topology(world, rank, world, 1)
+    topo = build_topology(world, rank, tp=world)
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, max_seq_len=8,
                       dropout=0.5, attention_dropout=0.5)
     out = {}

@@ -123,7 +123,7 @@ def _step(rank: int, world: int, T: int, mode: str, attention_only: bool) -> dic
         if cp is not None:
             from megaformer.parallel.context import apply_context
 
-            apply_context(model, build_topology(world, rank, 1, 1, world), mode)
+            apply_context(model, build_topology(world, rank, cp=world), mode)
         ids = torch.randint(0, VOCAB, (1, tl))
 
         def run() -> None:

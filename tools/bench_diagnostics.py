@@ -67,7 +67,10 @@ def main() -> None:
         t = torch.randint(0, 257, (args.batch, args.seq + 1), generator=gen)
         return t[:, :-1].to(device), t[:, 1:].to(device)
 
-    hook = DiagnosticsHook(model, batch(), args.interval, build_topology(1, 0, 1, 1))
+    if not torch.distributed.is_initialized():  # a world of one: the topology's groups of one
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                             world_size=1)
+    hook = DiagnosticsHook(model, batch(), args.interval, build_topology(1, 0))
     data = [batch() for _ in range(8)]
 
     def step(i: int) -> None:

@@ -65,7 +65,7 @@ def _timed(rank: int, world: int, port: int, args: argparse.Namespace, moe: bool
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = Config(model=_model_cfg(args, moe), parallel=ParallelConfig(expert=world),
                  train=TrainConfig(seed=0, recompute="none"))
-    topo = build_topology(world, rank, 1, 1, 1, world)
+    topo = build_topology(world, rank, ep=world)
     model = build_model(cfg, topo).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)

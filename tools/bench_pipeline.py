@@ -78,7 +78,7 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
     _disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
-    topo = build_topology(world, rank, 1, world)
+    topo = build_topology(world, rank, pp=world)
     cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8,
                       max_seq_len=args.seq, tie_embeddings=False)
     run = Config(model=cfg, parallel=ParallelConfig(pipeline=world, pipeline_partition="layers"),

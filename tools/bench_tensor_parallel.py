@@ -6,7 +6,7 @@ For TP = 1, 2, 4 (gloo processes on this machine), without and with sequence par
 training steps of a Llama-style model and prints
 
 * the bytes each rank sends per step in the Transformer layers, counted by wrapping the collectives
-  (ring-algorithm volumes, see megaformer/comm.py), beside Megatron's analytical volume
+  (ring-algorithm volumes, see megaformer/comm/tensor_parallel.py), beside Megatron's analytical volume
   of 4 all-reduces of b·s·h per layer per step (= 4 · 2(p-1)/p · b·s·h · 4 bytes in fp32; sequence
   parallelism: 4 all-gathers + 4 reduce-scatters of b·s·h, the same volume), and their ratio;
 * the whole step's bytes beside the analytical total (layers + embedding + output head + loss);
@@ -43,7 +43,7 @@ def _one(rank: int, world: int, port: int, args: argparse.Namespace, sp: bool, l
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=layers, n_heads=8,
                       max_seq_len=args.seq)
-    topo = build_topology(world, rank, world, 1)
+    topo = build_topology(world, rank, tp=world)
     run = Config(model=cfg, parallel=ParallelConfig(tensor=world, sequence_parallel=sp),
                  train=TrainConfig(seed=0, recompute="none"))
     model = build_model(run, topo).model

@@ -66,6 +66,7 @@ from typing import Optional
 import torch
 
 from megaformer.config import ModelConfig, precision_dtype
+from megaformer.parallel.topology import Degrees
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -74,9 +75,12 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class Layout:
     """One parallel layout and training setting of a model."""
 
+    # the degrees, in the order of megaformer.parallel.topology.DEGREES
     tp: int = 1
-    pp: int = 1
+    cp: int = 1                 # context parallelism: each sequence split over cp ranks
     dp: int = 1
+    pp: int = 1
+    ep: int = 1                 # expert parallelism: routed experts split over ep of the dp ranks
     zero: int = 0
     micro_batch: int = 1
     grad_accum: int = 1
@@ -85,9 +89,11 @@ class Layout:
     sequence_parallel: bool = False
     precision: str = "fp32"
     device: str = "cuda"        # cuda or cpu (which norm and dropout implementations run)
-    cp: int = 1                 # context parallelism: each sequence split over cp ranks
     cp_mode: str = "ring"       # ring or all_to_all
-    ep: int = 1                 # expert parallelism: routed experts split over ep of the dp ranks
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.tp, self.cp, self.dp, self.pp, self.ep)
 
     @property
     def replicas(self) -> int:

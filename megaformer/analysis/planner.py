@@ -138,8 +138,8 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
     }
 
 
-def _reject_reason(cfg: Config, tp: int, pp: int, dp: int, zero: int, mb: int, cp: int = 1,
-                   cp_mode: str = "ring", ep: int = 1) -> Optional[str]:
+def _reject_reason(cfg: Config, tp: int, cp: int, dp: int, pp: int, ep: int, *, zero: int, mb: int,
+                   cp_mode: str = "ring") -> Optional[str]:
     m, gbs = cfg.model, cfg.train.global_batch_size
     if cp > 1 and cp_mode == "ring" and cfg.seq_len % (2 * cp):
         return f"CP={cp} (ring) needs the sequence {cfg.seq_len} divisible by {2 * cp}"
@@ -184,7 +184,7 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                 experts = _divisors(dp) if cfg.model.moe_layers else [1]
                 for ep, zero, mb in ((ep, z, mb) for ep in experts for z in (0, 1, 2, 3)
                                      for mb in micro_batches):
-                    why = _reject_reason(cfg, tp, pp, dp, zero, mb, cp, cp_mode, ep)
+                    why = _reject_reason(cfg, tp, cp, dp, pp, ep, zero=zero, mb=mb, cp_mode=cp_mode)
                     key = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "micro_batch": mb}
                     if cp > 1:
                         key.update(cp=cp, cp_mode=cp_mode)
@@ -195,10 +195,10 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                         continue
                     accum = cfg.train.global_batch_size // (mb * dp)
                     for rc in ("none", "selective", "full"):
-                        lay = Layout(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb, grad_accum=accum,
-                                     recompute=rc, sequence_parallel=tp > 1,
-                                     precision=cfg.train.precision, device="cuda", cp=cp,
-                                     cp_mode=cp_mode, ep=ep)
+                        lay = Layout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, zero=zero, micro_batch=mb,
+                                     grad_accum=accum, recompute=rc, sequence_parallel=tp > 1,
+                                     precision=cfg.train.precision, device="cuda",
+                                     cp_mode=cp_mode)
                         r = evaluate(cfg, hw, lay)
                         need = r["memory_gb"] + RESERVE_GB
                         if need > hw.memory_gb:

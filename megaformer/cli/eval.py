@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         created = not torch.distributed.is_initialized()
         if created:
             init_distributed(proc)
-        topo = build_topology(proc.world_size, proc.rank, args.tp, args.pp)
+        topo = build_topology(proc.world_size, proc.rank, tp=args.tp, pp=args.pp)
     elif args.tp * args.pp > 1:
         raise UserError(f"--tp {args.tp} --pp {args.pp}: launch {args.tp * args.pp} or more "
                         "processes (torchrun --nproc_per_node N -m megaformer eval ...)")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megaformer.comm import all_gather_objects
 from megaformer.diagnostics.metrics import layer_metrics, layer_name, residual_diagnostics, rms
 from megaformer.diagnostics.residual import eval_mode, logit_lens_logits
 from megaformer.parallel.context import context_disabled
@@ -44,15 +45,14 @@ class DiagnosticsHook:
         if pipeline_module is not None:
             live = {id(m) for m in pipeline_module.modules()}
             self.owned = [i for i, block in enumerate(model.layers) if id(block) in live]
-            self.firsts: list = [None] * topo.pp  # first block of every stage
-            dist.all_gather_object(self.firsts, self.owned[0], group=topo.group("pp"))
+            self.firsts = all_gather_objects(self.owned[0], topo.groups.pp)  # every stage's first block
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
 
     def __call__(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        tp = self.topo.group("tp")
+        tp = self.topo.groups.tp
         # under context parallelism every context rank runs the whole batch (exact, no exchange)
         with context_disabled(self.model):
             if self.owned is None:
@@ -66,7 +66,8 @@ class DiagnosticsHook:
 
     def _peer(self, stage: int) -> int:
         """Global rank of this rank's counterpart (same TP, CP and DP coordinates) on ``stage``."""
-        return self.topo.rank_of(self.topo.tp_rank, self.topo.dp_rank, stage, self.topo.cp_rank)
+        return self.topo.rank_of(tp=self.topo.tp_rank, cp=self.topo.cp_rank,
+                                 dp=self.topo.dp_rank, pp=stage)
 
     def _send(self, x: torch.Tensor, stage: int) -> None:
         dist.send(x.float().contiguous(), self._peer(stage))
@@ -102,10 +103,8 @@ class DiagnosticsHook:
                     self._send(s, last)
                 if stage + 1 < last:
                     self._send(streams[-1], stage + 1)
-        pieces: list = [None] * stages
-        dist.all_gather_object(pieces, out, group=self.topo.group("pp"))
         merged: dict[str, float] = {}
-        for piece in pieces:
+        for piece in all_gather_objects(out, self.topo.groups.pp):
             merged.update(piece)
         return dict(sorted(merged.items()))
 

@@ -98,7 +98,7 @@ def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None,
     out_path = Path(output) if output else ckpt / "eval" / task_lib.results_name(tasks)
     manager = manager or task_lib.task_manager(tasks, include_path)
     runner, tokenizer, cfg = load_runner(ckpt, topo, device, dtype)
-    dp_group = topo.group("dp") if topo is not None and topo.dp > 1 else None
+    dp_group = topo.groups.dp if topo is not None else None
     lm = make_lm(runner, tokenizer, batch_size=batch_size, dp_group=dp_group)
     t0 = time.perf_counter()
     results = task_lib.run_tasks(lm, tasks, manager, limit=limit, bootstrap_iters=bootstrap_iters)

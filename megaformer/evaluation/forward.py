@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megaformer.comm import recv_with_shape, send_with_shape
 from megaformer.model.decoding import decode
 
 
@@ -105,7 +106,7 @@ class PipelineRunner:
         self.pipe, self.plain, self.device = pipe, plain, device
         self.seq_multiple = seq_multiple
         self.max_length = plain.cfg.max_seq_len
-        self.group = topo.group("pp")
+        self.group = topo.groups.pp
         self.stage, self.stages = topo.pp_rank, topo.pp
         self.last = dist.get_global_rank(self.group, self.stages - 1)
 
@@ -113,19 +114,10 @@ class PipelineRunner:
         return dist.get_global_rank(self.group, stage)
 
     def _send(self, x: torch.Tensor) -> None:
-        x = x.contiguous()
-        meta = torch.tensor([x.dim(), *x.shape] + [0] * (7 - x.dim()), dtype=torch.long,
-                            device=self.device)
-        dist.send(meta, self._peer(self.stage + 1), group=self.group)
-        dist.send(x, self._peer(self.stage + 1), group=self.group)
+        send_with_shape(x, self._peer(self.stage + 1), self.group)
 
     def _recv(self, dtype: torch.dtype) -> torch.Tensor:
-        meta = torch.empty(8, dtype=torch.long, device=self.device)
-        dist.recv(meta, self._peer(self.stage - 1), group=self.group)
-        shape = meta[1:1 + int(meta[0])].tolist()
-        x = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(x, self._peer(self.stage - 1), group=self.group)
-        return x
+        return recv_with_shape(self._peer(self.stage - 1), self.group, dtype, self.device)
 
     def _run_stages(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
         """The last stage's logits over the real vocabulary (None on the other stages)."""

@@ -56,8 +56,7 @@ class TaskEvaluator:
         else:
             runner = PlainRunner(module, forward=engine, seq_multiple=self.seq_multiple,
                                  device=device)
-        dp_group = topo.group("dp") if topo.dp > 1 else None
-        lm = make_lm(runner, tokenizer, batch_size=self.batch_size, dp_group=dp_group,
+        lm = make_lm(runner, tokenizer, batch_size=self.batch_size, dp_group=topo.groups.dp,
                      lockstep=self.lockstep)
         states = _rng_states()
         was_training = module.training

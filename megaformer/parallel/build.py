@@ -105,7 +105,7 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
         if reader is not None:
             load_shards(model, None, topology, reader)
         return BuiltModel((model if lazy else model.to(device)).eval(), model, tp_rng)
-    apply_fp8(model, t.fp8, t.fp8_emulate, topology.group("tp") if tp > 1 else None)
+    apply_fp8(model, t.fp8, t.fp8_emulate, topology.groups.tp if topology is not None else None)
     apply_recompute(model.layers, t.recompute, t.recompute_every, tp_rng)
     if t.compile:
         compile_blocks(model.layers)

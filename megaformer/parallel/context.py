@@ -86,13 +86,6 @@ def split_sequence(t: torch.Tensor, rank: int, size: int, mode: str, dim: int = 
     return t.index_select(dim, idx).contiguous()
 
 
-def _count(kind: str, nbytes: int) -> None:
-    """Record bytes this rank sends with the communication counters of :mod:`megaformer.comm`."""
-    for c in comm._COUNTERS:
-        c.bytes[kind] += int(nbytes)
-        c.calls[kind] += 1
-
-
 #: chunk-pair products of the ring's forward pass, per process (a benchmark/test reads and resets it)
 RING_WORK: Counter = Counter()
 
@@ -289,20 +282,11 @@ def _tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
     return s.masked_fill_(~mask, float("-inf")) if mask is not None else s
 
 
-class _RingPass:
+class _RingPass(comm.RingPass):
     """One asynchronous pass: send ``t`` to the next rank of the ring, receive the previous one's."""
 
     def __init__(self, t: torch.Tensor, cp: ContextParallel, kind: str) -> None:
-        self.recv = torch.empty_like(t)
-        nxt, prv = cp.ranks[(cp.rank + 1) % cp.size], cp.ranks[(cp.rank - 1) % cp.size]
-        ops = [dist.P2POp(dist.isend, t, nxt, cp.group), dist.P2POp(dist.irecv, self.recv, prv, cp.group)]
-        self.reqs = dist.batch_isend_irecv(ops)
-        _count(kind, t.numel() * t.element_size())
-
-    def wait(self) -> torch.Tensor:
-        for r in self.reqs:
-            r.wait()
-        return self.recv
+        super().__init__(t, cp.group, cp.ranks, cp.rank, kind)
 
 
 class RingAttention(torch.autograd.Function):
@@ -399,10 +383,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Contex
 
 def _all_to_all(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """all_to_all_single over dim 0 (N equal blocks): block j goes to rank j."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=cp.group)
-    _count("cp_all_to_all", x.numel() * x.element_size() * (cp.size - 1) // cp.size)
-    return out
+    return comm.all_to_all(x, None, None, cp.group, kind="cp_all_to_all")
 
 
 def _seq_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:

@@ -48,49 +48,15 @@ def is_expert_param(p: torch.nn.Parameter) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
-def _count(nbytes: int) -> None:
-    """Bytes this rank sends to other ranks in an all-to-all (:class:`megaformer.comm.CommCounter`:
-    exact, not a ring estimate)."""
-    for c in comm._COUNTERS:
-        c.bytes["all_to_all"] += nbytes
-        c.calls["all_to_all"] += 1
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: Any) -> torch.Tensor:
-    """Rows ``in_splits[q]`` of ``x`` (in order) to rank q of ``group``; rows ``out_splits[q]``
-    from rank q, concatenated in rank order."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    me = dist.get_rank(group)
-    row = x[0].numel() * x.element_size() if x.dim() > 0 and x.shape[0] else 0
-    _count(row * (sum(in_splits) - in_splits[me]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """Differentiable uneven all-to-all: forward sends ``in_splits`` rows, receives
-    ``out_splits``; backward sends the gradient back with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+#: differentiable uneven all-to-all (backward: the same exchange with the splits swapped)
+AllToAll = comm.AllToAll
 
 
 def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
     """counts [E] (this rank's assignments per global expert) -> [P, L]: row s holds what rank s
     sends to each of this rank's L local experts."""
-    P = dist.get_world_size(group)
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts.contiguous(), group=group)  # E / P ints to each rank
-    return recv.view(P, -1)
+    recv = comm.all_to_all(counts, None, None, group, kind=None)  # E / P ints to each rank
+    return recv.view(comm.size(group), -1)
 
 
 def expert_major(recv: torch.Tensor) -> torch.Tensor:

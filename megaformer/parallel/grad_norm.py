@@ -17,13 +17,14 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from megaformer.deepspeed_attrs import pipe_replicated
-from megaformer.comm import all_reduce, no_counting
+from megaformer.comm import all_reduce, no_counting, size
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Any,
                      pp_group: Any = None, ep_group: Any = None) -> float:
     """||g||_2 over the whole model (collective over ``tp_group``, ``pp_group`` and, with expert
-    parallelism, ``ep_group``)."""
+    parallelism, ``ep_group``; a group of one or None: no reduction there)."""
+    split_experts = ep_group is not None and size(ep_group) > 1
     # (expert-parallel?, TP-sharded?) -> squared norms
     parts: dict[tuple[bool, bool], list[torch.Tensor]] = {
         (e, s): [] for e in (False, True) for s in (False, True)}
@@ -32,7 +33,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Any,
         if p.grad is None or pipe_replicated(p):
             continue
         device = p.grad.device
-        expert = ep_group is not None and getattr(p, "allreduce", True) is False
+        expert = split_experts and getattr(p, "allreduce", True) is False
         parts[expert, bool(getattr(p, "tensor_model_parallel", False))].append(
             p.grad.detach().double().pow(2).sum())
     # summed where the gradients live: no host sync per parameter on the training step
@@ -40,7 +41,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Any,
          for k, v in parts.items()}
     with no_counting():
         total = all_reduce(s[False, True], tp_group) + s[False, False]
-        if ep_group is not None:
+        if split_experts:
             total = total + all_reduce(all_reduce(s[True, True], tp_group) + s[True, False],
                                        ep_group)
         if pp_group is not None:

@@ -170,26 +170,19 @@ def pipeline_state_dict(pipe: nn.Module, names: dict[int, str], topo: Any,
     Collective over the TP and PP groups: each stage gathers its tensor-parallel shards, then the
     stages' pieces are gathered (as objects) over the pipeline group. Every rank gets the result.
     """
-    import torch.distributed as dist
-
-    from megaformer.parallel.plan import gather_experts
+    from megaformer.comm import all_gather_objects
+    from megaformer.parallel.plan import gather_experts, gather_tensor_parallel
 
     local: dict[str, torch.Tensor] = {}
     for p in dict.fromkeys(pipe.parameters()):  # unique, in order
-        t = p.detach()
-        if getattr(p, "tensor_model_parallel", False) and topo.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(topo.tp)]
-            dist.all_gather(parts, t.contiguous(), group=topo.group("tp"))
-            t = torch.cat(parts, dim=p.partition_dim)
+        t = gather_tensor_parallel(p, p.detach(), topo)
         t = gather_experts(p, t, topo)  # expert parallelism: every rank's experts
         name = names[id(p)]
         if name in ("tok_embeddings.weight", "lm_head.weight"):
             t = t[:vocab_size]
         local[name] = t.cpu().clone()
-    pieces: list = [None] * topo.pp
-    dist.all_gather_object(pieces, local, group=topo.group("pp"))
     merged: dict[str, torch.Tensor] = {}
-    for piece in pieces:
+    for piece in all_gather_objects(local, topo.groups.pp):
         merged.update(piece)
     order = {n: i for i, n in enumerate(names.values())}
     return dict(sorted(merged.items(), key=lambda kv: order[kv[0]]))

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.kernels.dropout import Dropout
-from megaformer.comm import ProcessGroup, gather_seq_split_bwd, scatter_seq
+from megaformer.comm import ProcessGroup, all_gather_cat, gather_seq_split_bwd, scatter_seq
 from megaformer.model.moe import MoE
 from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, gather_vocab, mark_sharded, shard,
@@ -177,7 +177,7 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
             for module in (*model.layers, model.tok_embeddings, model.lm_head):
                 materialize(module)
         return model
-    group = topo.group("tp")
+    group = topo.groups.tp
     sp = sequence_parallel
     for block in model.layers:
         if materialize is not None:
@@ -229,16 +229,9 @@ def full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]
 
     Tied output weights appear once, as ``tok_embeddings.weight``.
     """
-    import torch.distributed as dist
-
-    group = topo.group("tp")
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        t = p.detach()
-        if getattr(p, "tensor_model_parallel", False) and topo.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(topo.tp)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=p.partition_dim)
+        t = gather_tensor_parallel(p, p.detach(), topo)
         t = gather_experts(p, t, topo)
         if name in ("tok_embeddings.weight", "lm_head.weight"):
             t = t[:model.vocab_size]
@@ -246,16 +239,20 @@ def full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]
     return out
 
 
+def gather_tensor_parallel(p: nn.Parameter, t: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """``t`` (``p``'s value on this rank) whole: the TP shards of a tensor-parallel parameter
+    all-gathered along its partition dimension (collective over the TP group); else ``t``."""
+    if not getattr(p, "tensor_model_parallel", False) or topo.tp == 1:
+        return t
+    return all_gather_cat(t, topo.groups.tp, p.partition_dim)
+
+
 def gather_experts(p: nn.Parameter, t: torch.Tensor, topo: Topology) -> torch.Tensor:
     """``t`` (``p``'s value, TP-gathered) with every rank's experts of ``p`` under expert
     parallelism: all-gathered over the EP group along dim 0 (collective there); else ``t``."""
-    import torch.distributed as dist
-
     if getattr(p, "allreduce", True) is not False or topo.ep == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(topo.ep)]
-    dist.all_gather(parts, t.contiguous(), group=topo.group("ep"))
-    return torch.cat(parts, dim=0)
+    return all_gather_cat(t, topo.groups.ep, 0)
 
 
 

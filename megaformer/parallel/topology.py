@@ -1,4 +1,4 @@
-"""The TP x CP x DP x PP process grid and DeepSpeed's ``mpu`` interface.
+"""The TP x CP x DP x PP process grid (experts carved out of DP) and DeepSpeed's ``mpu`` interface.
 
 Ranks are laid out with tensor-parallel ranks adjacent (fastest-varying), then context-parallel,
 then data-parallel, then pipeline stages, as in Megatron-LM, so a TP group stays inside a node::
@@ -19,6 +19,13 @@ Groups (each a list of global ranks):
     expert-data group is the DP ranks holding the same experts (they average those experts'
     gradients): ``dp_rank = ep_rank + EP * edp_rank``.
 
+Degrees are always named, and listed, in one order: TP, CP, DP, PP, EP (:data:`DEGREES`; the
+fields of :class:`Degrees`, :class:`Topology` and the analytic model's ``Layout``).
+
+:func:`build_topology` creates every group: ``topo.groups`` (:class:`megaformer.comm.ProcessGroups`)
+holds one real group per kind, a group of one at degree 1; ``topo.group(kind)`` is the same by name
+and raises on a kind that does not exist.
+
 The object is also DeepSpeed's ``mpu``: it answers ``get_{tensor_model,pipeline_model,model,data}
 _parallel_{rank,world_size,group}``; its data-parallel group is the replica group.
 """
@@ -26,9 +33,29 @@ _parallel_{rank,world_size,group}``; its data-parallel group is the replica grou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch.distributed as dist
+
+from megaformer.comm import KINDS, ProcessGroups, check_kind
+
+#: the parallel degrees, in the one order every signature and table uses
+DEGREES = ("tp", "cp", "dp", "pp", "ep")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The parallel degrees of a layout: world = TP x CP x DP x PP, EP divides DP."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
 
 
 @dataclass
@@ -36,9 +63,9 @@ class Topology:
     world_size: int
     rank: int
     tp: int
-    pp: int
+    cp: int
     dp: int
-    cp: int = 1
+    pp: int
     ep: int = 1
     tp_groups: list[list[int]] = field(default_factory=list)
     dp_groups: list[list[int]] = field(default_factory=list)
@@ -48,7 +75,11 @@ class Topology:
     replica_groups: list[list[int]] = field(default_factory=list)
     ep_groups: list[list[int]] = field(default_factory=list)
     edp_groups: list[list[int]] = field(default_factory=list)
-    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    _groups: Optional[ProcessGroups] = field(default=None, repr=False)
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.tp, self.cp, self.dp, self.pp, self.ep)
 
     # -------------------------------------------------------------- coordinates
 
@@ -86,8 +117,9 @@ class Topology:
     def edp_rank(self) -> int:
         return self.dp_rank // self.ep
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
-        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
+    def rank_of(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """The global rank at grid coordinates (tp, cp, dp, pp)."""
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     # -------------------------------------------------------------- groups
 
@@ -106,9 +138,19 @@ class Topology:
     def replica_group_ranks(self) -> list[int]:
         return self._mine(self.replica_groups)
 
-    def group(self, kind: str) -> Optional[dist.ProcessGroup]:
-        """This rank's process group of ``kind``: tp, cp, dp, replica, pp, mp, ep or edp."""
-        return self._handles.get(kind)
+    @property
+    def groups(self) -> ProcessGroups:
+        """This rank's process group of every kind (a group of one at degree 1)."""
+        if self._groups is None:
+            raise RuntimeError("this topology holds rank lists only (layout_groups): "
+                               "build_topology creates its process groups")
+        return self._groups
+
+    def group(self, kind: str) -> dist.ProcessGroup:
+        """This rank's process group of ``kind`` (tp, cp, dp, pp, ep, edp, replica, mp); an
+        unknown kind raises :class:`megaformer.comm.UnknownGroupError`."""
+        kind = check_kind(kind)
+        return getattr(self.groups, kind)
 
     # -------------------------------------------------------------- DeepSpeed mpu interface
 
@@ -118,8 +160,8 @@ class Topology:
     def get_tensor_model_parallel_world_size(self) -> int:
         return self.tp
 
-    def get_tensor_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
-        return self.group("tp")
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.tp
 
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self.tp_group_ranks[0]
@@ -130,8 +172,8 @@ class Topology:
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.pp
 
-    def get_pipeline_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
-        return self.group("pp")
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.pp
 
     def get_model_parallel_rank(self) -> int:
         return self.tp_rank + self.tp * self.pp_rank
@@ -139,8 +181,8 @@ class Topology:
     def get_model_parallel_world_size(self) -> int:
         return self.tp * self.pp
 
-    def get_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
-        return self.group("mp")
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.mp
 
     # DeepSpeed's "data parallel" is the gradient-averaging group: DP x CP.
     def get_data_parallel_rank(self) -> int:
@@ -149,8 +191,8 @@ class Topology:
     def get_data_parallel_world_size(self) -> int:
         return self.replicas
 
-    def get_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
-        return self.group("replica")
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.replica
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return self.replica_group_ranks
@@ -178,17 +220,21 @@ class Topology:
         return "\n".join(lines)
 
 
-def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> Topology:
-    """The rank lists of every group (no process groups created; usable without torch.distributed)."""
+def layout_groups(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> Topology:
+    """The rank lists of every group (no process groups created; usable without torch.distributed).
+    DP = world_size / (TP x CP x PP)."""
     if world_size % (tp * pp * cp):
         what = "TP*PP" if cp == 1 else "TP*CP*PP"
         raise ValueError(f"world size {world_size} is not divisible by {what} = {tp * pp * cp}")
     dp = world_size // (tp * pp * cp)
     if dp % ep:
         raise ValueError(f"data-parallel size {dp} is not divisible by the expert-parallel size {ep}")
-    topo = Topology(world_size, 0, tp, pp, dp, cp, ep)
-    r = topo.rank_of
+    topo = Topology(world_size, 0, tp, cp, dp, pp, ep)
     T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+
+    def r(t: int, d: int, p: int, c: int) -> int:
+        return topo.rank_of(tp=t, cp=c, dp=d, pp=p)
+
     topo.tp_groups = [[r(t, d, p, c) for t in T] for p in P for d in D for c in C]
     topo.cp_groups = [[r(t, d, p, c) for c in C] for p in P for d in D for t in T]
     topo.dp_groups = [[r(t, d, p, c) for d in D] for p in P for c in C for t in T]
@@ -201,22 +247,26 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -
     return topo
 
 
-def build_topology(world_size: int, rank: int, tp: int, pp: int, cp: int = 1,
+def build_topology(world_size: int, rank: int, *, tp: int = 1, cp: int = 1, pp: int = 1,
                    ep: int = 1) -> Topology:
-    """Create every group (collectively: all ranks call this, in the same order)."""
-    topo = layout_groups(world_size, tp, pp, cp, ep)
+    """Create every group (collectively: all ranks call this, in the same order).
+
+    Each distinct set of ranks becomes one communicator, shared by the kinds that have it (the
+    replica group is the DP group without context parallelism; every degree-1 kind is this rank's
+    group of one)."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_topology creates process groups: initialise torch.distributed "
+                           "first (layout_groups gives the rank lists alone)")
+    topo = layout_groups(world_size, tp=tp, cp=cp, pp=pp, ep=ep)
     topo.rank = rank
-    kinds = [("tp", topo.tp_groups), ("dp", topo.dp_groups), ("pp", topo.pp_groups),
-             ("mp", topo.mp_groups)]
-    if cp > 1:
-        kinds += [("cp", topo.cp_groups), ("replica", topo.replica_groups)]
-    if ep > 1:
-        kinds += [("ep", topo.ep_groups), ("edp", topo.edp_groups)]
-    for kind, groups in kinds:
-        for ranks in groups:
-            handle = dist.new_group(ranks) if dist.is_initialized() else None
-            if rank in ranks:
-                topo._handles[kind] = handle
-    if cp == 1:  # the replica group is the DP group: one communicator, not two
-        topo._handles["replica"] = topo._handles.get("dp")
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def mine(groups: list[list[int]]) -> dist.ProcessGroup:
+        for ranks in groups:  # every rank creates every group, in the same order
+            key = tuple(sorted(ranks))
+            if key not in made:
+                made[key] = dist.new_group(list(key))
+        return made[tuple(sorted(topo._mine(groups)))]
+
+    topo._groups = ProcessGroups(**{kind: mine(getattr(topo, f"{kind}_groups")) for kind in KINDS})
     return topo

@@ -12,7 +12,8 @@ megaformer recognises how it was started and reads rank, world size and local ra
 The result is written back as RANK / WORLD_SIZE / LOCAL_RANK (and, under srun, MASTER_ADDR = the
 step's first node, MASTER_PORT = 29500 + job id mod 1000 unless set) so torch's env:// rendezvous
 and DeepSpeed see one convention. The process group is gloo on CPU and nccl on GPU, created through
-``deepspeed.init_distributed`` so DeepSpeed's comm layer shares it.
+``deepspeed.init_distributed`` so DeepSpeed's comm layer shares it. The collectives the loop uses
+(``barrier``, ``all_reduce_mean``, ``gather_to_main``) are :mod:`megaformer.comm`'s, named here too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megaformer.comm import all_reduce_mean, barrier, gather_to_main
 from megaformer.errors import LaunchError
+
+__all__ = ["ProcessInfo", "LaunchInfo", "detect_launch", "detect_process", "first_host",
+           "init_distributed", "barrier", "all_reduce_mean", "gather_to_main"]
 
 
 @dataclass
@@ -200,31 +205,3 @@ def _elastic_attempt_store(timeout: datetime.timedelta) -> Optional[Any]:
     agent_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                              is_master=False, timeout=timeout)
     return torch.distributed.PrefixStore(f"megaformer/attempt_{attempt}", agent_store)
-
-
-def barrier() -> None:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
-
-
-def all_reduce_mean(value: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
-    """Mean of a tensor over the ranks of ``group`` (default: all ranks)."""
-    if torch.distributed.is_initialized():
-        n = torch.distributed.get_world_size(group)
-        if n > 1:
-            value = value.clone()
-            torch.distributed.all_reduce(value, group=group)
-            value /= n
-    return value
-
-
-def gather_to_main(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (small, picklable) on rank 0, in rank order; [] on the other ranks
-    ([obj] without a process group)."""
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return [obj]
-    out: Optional[list] = [None] * tdist.get_world_size() if tdist.get_rank() == 0 else None
-    tdist.gather_object(obj, out, dst=0)
-    return out or []

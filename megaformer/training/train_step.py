@@ -75,7 +75,7 @@ class TrainStep:
         # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
         bad = not ds_adapter.step_applied(engine) or not math.isfinite(float(loss))
         # MoE blocks: the step's expert load over DP, the aux-loss-free bias update, the metrics
-        moe = (moe_end_of_step(engine.module, self.topo.group("dp"), update_bias=not bad)
+        moe = (moe_end_of_step(engine.module, self.topo.groups.dp, update_bias=not bad)
                if self.cfg.model.moe.interval > 0 else {})
         return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, "bad": bad,
                 "step_time_s": time.perf_counter() - t0, "moe": moe}
@@ -91,7 +91,7 @@ class TrainStep:
             engine.step()
             losses.append(loss.detach().float())
         # over DP x CP: the context ranks' weighted losses average to the sequences' mean
-        return dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("replica"))
+        return dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.groups.replica)
 
     def _validation_batches(self) -> Any:
         return validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
@@ -105,7 +105,7 @@ class TrainStep:
         losses = [self.engine(x.to(self.device), y.to(self.device)).float()
                   for x, y in self._validation_batches()]
         self.engine.train()
-        return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.group("replica")))
+        return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.groups.replica))
 
     def local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(full-model name, parameter) of every parameter this rank holds."""

@@ -139,8 +139,9 @@ class Trainer:
         self.rank = self.proc.rank
         self.is_main = self.proc.is_main
         # Data-parallel coordinates: which slice of each global batch this rank reads.
-        self.layout = layout_groups(self.proc.world_size, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                    cfg.parallel.context, cfg.parallel.expert)
+        self.layout = layout_groups(self.proc.world_size, tp=cfg.parallel.tensor,
+                                    cp=cfg.parallel.context, pp=cfg.parallel.pipeline,
+                                    ep=cfg.parallel.expert)
         self.layout.rank = self.proc.rank
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp
         # Context parallelism: this rank's part of every sequence it reads (None: the whole).
@@ -157,8 +158,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.run_lock = acquire_on_rank0(self.run_dir, self.rank)  # one job per run directory
-        self.topo = build_topology(self.proc.world_size, self.rank, cfg.parallel.tensor,
-                                   cfg.parallel.pipeline, cfg.parallel.context, cfg.parallel.expert)
+        self.topo = build_topology(self.proc.world_size, self.rank, tp=cfg.parallel.tensor,
+                                   cp=cfg.parallel.context, pp=cfg.parallel.pipeline,
+                                   ep=cfg.parallel.expert)
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
@@ -250,9 +252,9 @@ class Trainer:
         counts a pipeline-tied weight once per stage that holds it. megaformer measures the norm
         itself (:class:`megaformer.parallel.grad_norm.GradNormClipper`) and clips with it."""
         engine = self.engine
-        self.clipper = GradNormClipper(engine.module.parameters, self.topo.group("tp"),
-                                       self.topo.group("pp"), self.cfg.train.grad_clip,
-                                       self.topo.group("ep"))
+        self.clipper = GradNormClipper(engine.module.parameters, self.topo.groups.tp,
+                                       self.topo.groups.pp, self.cfg.train.grad_clip,
+                                       self.topo.groups.ep)
         if self.cfg.train.grad_clip > 0:
             ds_adapter.replace_fp32_clipping(engine, self.clipper.measure_and_clip)
         # DeepSpeed steps this torch optimizer directly: megaformer skips a non-finite step itself

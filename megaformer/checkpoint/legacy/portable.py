@@ -99,13 +99,9 @@ def set_full(access: OptimizerAccess, p: torch.nn.Parameter, key: str, value: to
 
 
 def _gather_tp(t: torch.Tensor, p: torch.nn.Parameter, topo: Any) -> torch.Tensor:
-    import torch.distributed as dist
+    from megaformer.parallel.plan import gather_tensor_parallel
 
-    if not (getattr(p, "tensor_model_parallel", False) and topo.tp > 1):
-        return t
-    parts = [torch.empty_like(t) for _ in range(topo.tp)]
-    dist.all_gather(parts, t.contiguous(), group=topo.group("tp"))
-    return torch.cat(parts, dim=p.partition_dim)
+    return gather_tensor_parallel(p, t, topo)
 
 
 def covered(engine: Any, params: list[tuple[str, torch.nn.Parameter]]) -> bool:

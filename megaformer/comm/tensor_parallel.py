@@ -14,10 +14,10 @@ operator               forward                      backward
 ``gather_seq_split``   all-gather along the seq.    keep this rank's chunk
 =====================  ===========================  ===========================
 
-The sequence dimension is dim 1 of [batch, seq, hidden] activations. Every collective goes through
-:func:`_record`, so a benchmark can count the bytes each rank sends per step
-(:class:`CommCounter`), with the bandwidth-optimal (ring) algorithms' volumes over p ranks for a
-full (unsharded) tensor of N bytes: all-reduce 2(p-1)/p N, all-gather and reduce-scatter (p-1)/p N
+The sequence dimension is dim 1 of [batch, seq, hidden] activations. Every collective is recorded
+(:func:`megaformer.comm.counters.record_collective`), so a benchmark can count the bytes each rank
+sends per step (:class:`~megaformer.comm.counters.CommCounter`), with the bandwidth-optimal (ring)
+algorithms' volumes over p ranks for a full (unsharded) tensor of N bytes: all-reduce 2(p-1)/p N, all-gather and reduce-scatter (p-1)/p N
 each. Megatron's analytical TP volume, "4 all-reduces of b·s·h per layer per step", is then
 4 · 2(p-1)/p · b·s·h·bytes; sequence parallelism replaces each all-reduce by a reduce-scatter plus an
 all-gather, the same volume.
@@ -25,46 +25,15 @@ all-gather, the same volume.
 
 from __future__ import annotations
 
-import contextlib
-from collections import defaultdict
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megaformer.comm.counters import record_collective
+from megaformer.comm.groups import size as _world
+
 ProcessGroup = Optional[dist.ProcessGroup]
-
-_COUNTERS: list["CommCounter"] = []
-
-
-class CommCounter:
-    """Counts collective calls and bytes (by kind) while active: ``with CommCounter() as c: ...``."""
-
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def __enter__(self) -> "CommCounter":
-        _COUNTERS.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _COUNTERS.remove(self)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-
-def _record(kind: str, full_bytes: int, world: int) -> None:
-    factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
-    for c in _COUNTERS:
-        c.bytes[kind] += int(round(full_bytes * factor))
-        c.calls[kind] += 1
-
-
-def _world(group: ProcessGroup) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def all_reduce(x: torch.Tensor, group: ProcessGroup,
@@ -73,20 +42,27 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup,
     if _world(group) == 1:
         return x
     x = x.contiguous()
-    _record("all_reduce", x.numel() * x.element_size(), _world(group))
+    record_collective("all_reduce", x.numel() * x.element_size(), _world(group))
     dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def all_gather_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
+def all_gather_cat(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """cat([x_0, ..., x_{p-1}], dim): every rank's ``x`` over ``group``, in group order (no
+    autograd; ``x`` itself for a group of one)."""
     n = _world(group)
     if n == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(n)]
-    _record("all_gather", x.numel() * x.element_size() * n, n)
+    record_collective("all_gather", x.numel() * x.element_size() * n, n)
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
+
+
+def all_gather_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """All-gather along the sequence dimension (:func:`all_gather_cat`)."""
+    return all_gather_cat(x, group, dim)
 
 
 def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
@@ -97,7 +73,7 @@ def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> to
         raise ValueError(f"sequence of {x.shape[dim]} cannot be split over {n} ranks")
     chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
     out = torch.empty_like(chunks[0])
-    _record("reduce_scatter", x.numel() * x.element_size(), n)
+    record_collective("reduce_scatter", x.numel() * x.element_size(), n)
     dist.reduce_scatter(out, chunks, group=group)
     return out
 
@@ -171,13 +147,3 @@ def scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def gather_seq_split_bwd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Leave the sequence-parallel region into a replicated one: gather fwd, split bwd."""
     return _GatherSeqSplit.apply(x, group)
-
-
-@contextlib.contextmanager
-def no_counting() -> Iterator[None]:
-    saved = list(_COUNTERS)
-    _COUNTERS.clear()
-    try:
-        yield
-    finally:
-        _COUNTERS.extend(saved)

@@ -1,0 +1,51 @@
+"""Small whole-group helpers: barrier, mean, and gathering picklable objects.
+
+All are safe in a process without torch.distributed (a world of one): the barrier returns, the
+mean is the value, the gathers return ``[obj]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megaformer.comm.groups import size
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Wait for every rank of ``group`` (default: all ranks); nothing for a group of one."""
+    if size(group) > 1:
+        dist.barrier(group=group)
+
+
+def all_reduce_mean(value: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """(1/n) sum_r value_r over the n ranks of ``group`` (default: all ranks); a new tensor when
+    n > 1, ``value`` itself otherwise."""
+    n = size(group)
+    if n > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value /= n
+    return value
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable) on every rank of ``group``, in group order."""
+    n = size(group)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_to_main(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable) on rank 0, in rank order; [] on the other ranks
+    ([obj] without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: Optional[list] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
