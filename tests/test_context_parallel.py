@@ -141,7 +141,7 @@ def _model_case(rank: int, topo, mode: str, sp: bool, variant: str, docs: bool) 
             opt.zero_grad()
         ref_loss = ref(x, y)
         ref_loss.backward()
-        loss = model(cp.split(x), cp.split(y))
+        loss = cp.scale_loss(model(cp.split(x), cp.split(y)), cp.split(y))  # as the train step
         loss.backward()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, group=topo.group("cp"))

@@ -266,6 +266,7 @@ class Trainer:
         built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
                             weights_source=source, eod_id=self.tokenizer.eod_id)
         self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
+        self.weigh_loss = built.weigh_loss  # context parallelism: the loss the group averages
         return built.model
 
     def _local_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -406,7 +407,7 @@ class Trainer:
         else:
             losses = []
             for i, (x, y) in enumerate(micro_batches):
-                loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+                loss = self.weigh_loss(engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)), y)
                 loss = self.faults.loss(step, i, loss)
                 engine.backward(loss)
                 engine.step()
@@ -433,7 +434,7 @@ class Trainer:
         if self.cfg.parallel.pipeline > 1:
             return self._evaluate_pipeline()
         self.engine.eval()
-        losses = [self.engine(x.to(self.proc.device), y.to(self.proc.device)).float()
+        losses = [self.weigh_loss(self.engine(x.to(self.proc.device), y.to(self.proc.device)), y).float()
                   for x, y in validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
                                                  self.grad_accum, self.cfg.eval.iters, self.dp_rank,
                                                  self.dp_size, self.part)]
