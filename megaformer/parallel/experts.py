@@ -93,15 +93,15 @@ def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
     return recv.view(P, -1)
 
 
-def expert_major(recv: torch.Tensor) -> torch.Tensor:
+def expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
     """The permutation taking rows received in (source rank, local expert) order to (local
-    expert, source rank) order: ``rows[perm]`` is expert-major. ``recv`` [P, L] counts."""
+    expert, source rank) order: ``rows[perm]`` is expert-major. ``recv`` [P, L] counts,
+    ``total`` their sum (the rows received, known on the host from the split sizes)."""
     flat = recv.reshape(-1)
     start = torch.cumsum(flat, 0) - flat                 # segment starts, source-major
     lengths = recv.t().reshape(-1)                       # segments in expert-major order
     starts = start.view(recv.shape).t().reshape(-1)
     new_start = torch.cumsum(lengths, 0) - lengths
-    total = int(flat.sum())
     shift = torch.repeat_interleave(starts - new_start, lengths, output_size=total)
     return torch.arange(total, device=recv.device) + shift
 
@@ -113,10 +113,11 @@ def dispatch_to_experts(x: torch.Tensor, counts: torch.Tensor, experts: nn.Modul
     P = dist.get_world_size(group)
     recv = exchange_counts(counts, group)                       # [P, L]
     send_splits = counts.view(P, -1).sum(1)
-    splits = torch.stack([send_splits, recv.sum(1)]).tolist()   # one host sync for both
+    # the one host read of a layer: all_to_all_single takes its split sizes as Python ints
+    splits = torch.stack([send_splits, recv.sum(1)]).tolist()
     send, back = splits
     received = AllToAll.apply(x, back, send, group)
-    perm = expert_major(recv)
+    perm = expert_major(recv, sum(back))
     y = experts(received[perm], recv.sum(0))
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)

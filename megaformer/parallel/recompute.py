@@ -17,6 +17,7 @@ and hook registries instead of registering the block as a child, so checkpoints,
 the tensor-parallel plan see the same names with and without recomputation. Hooks on the block
 (sequence-parallel scatter/gather) run outside the recomputed region, as before wrapping.
 
+A replay runs under :func:`megaformer.model.moe.recomputing` (MoE blocks count their load once).
 Recomputation replays dropout exactly: torch restores the default RNG stream, and the
 tensor-parallel stream is saved at the first forward and restored for the replay (as Megatron's
 CheckpointFunction does), so a checkpointed run computes the same numbers as an uncheckpointed one.
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from megaformer.model.moe import recomputing
 from megaformer.parallel.random import TensorParallelRNG
 
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -54,12 +56,14 @@ def _rng_contexts(rng: Optional[TensorParallelRNG]) -> Callable[[], tuple]:
         @contextlib.contextmanager
         def replay() -> Iterator[None]:
             if rng is None:
-                yield
+                with recomputing():
+                    yield
                 return
             current = rng.state_dict()
             rng.load_state_dict(saved["state"])
             try:
-                yield
+                with recomputing():
+                    yield
             finally:
                 rng.load_state_dict(current)
 
