@@ -344,7 +344,7 @@ def test_print_model_names_the_swapped_attention_cores():
             assert "(inner): CheckpointedAttentionCore(\n" in text
             assert "recomputes inner in backward\n" in text
         else:
-            assert "CheckpointedBlock(\n    recomputes Block in backward" in text
+            assert "CheckpointedBlock(\n      recomputes Block in backward" in text
             assert "(inner): AttentionCore()" in text
         assert str(model.layers[0]) == str(model.layers[1])  # (printed once: "2 x Block")
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
