@@ -96,6 +96,19 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, ones)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's GEMMs compute in: the autocast dtype under autocast, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the experts (first weight ``w`` [E, f, d]) run on rows ``x`` as grouped GEMMs: the
+    kernel table's ``experts`` rule (:mod:`megaformer.kernels.selection`)."""
+    _, f, d = w.shape
+    return choose_for("experts", x, compute_dtype=_compute_dtype(x), d_model=d, d_ffn=f).impl == "grouped"
+
+
 class Experts(nn.Module):
     """E FFNs as stacked weights: w1 [E, f, d] (SwiGLU gate / GELU up), w3 [E, f, d] (SwiGLU up),
     w2 [E, d, f]; no biases. ``forward(x, counts)``: rows of ``x`` sorted by expert, ``counts[e]``
@@ -117,11 +130,8 @@ class Experts(nn.Module):
         return F.gelu(h1, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        n, f, d = self.w1.shape
-        if choose_for("experts", x, compute_dtype=dtype, d_model=d, d_ffn=f).impl == "grouped":
-            return self.grouped(x, counts, dtype)
+        if _grouped_mm_ok(x, self.w1):
+            return self.grouped(x, counts, _compute_dtype(x))
         return self.loop(x, counts)
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor,

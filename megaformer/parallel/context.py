@@ -34,6 +34,11 @@ multiplies 2N+1 chunk pairs (chunk pairs wholly above the diagonal are skipped).
 brings the output back. Key/value heads fewer than (or not a multiple of) N are repeated first
 (grouped-query attention: every rank gets the key/value heads its query heads read).
 
+Applied around the model (:func:`apply_context`): every attention core ``Attention.core`` becomes a
+:class:`ContextParallelAttention` around the core it had, a forward pre-hook hands the model this
+rank's global ``positions`` and the documents of the whole sequences, and the train step weights
+the loss (:func:`loss_weighting`; the pipeline's loss function: :func:`weighted_loss_fn`).
+
 Communication per layer per step, per rank (b bytes per element, h_kv key/value heads, local
 sequence T/N): ring forward (N-1) * 2 B h_kv (T/N) d b, backward twice that plus one more pass of
 dK, dV; all-to-all: each of q, k, v, o (and their gradients) sends (N-1)/N of its local tensor.
