@@ -172,7 +172,7 @@ def test_aux_free_bias_moves_a_skewed_router_toward_balance():
     assert end_of_step(moe)["moe/load_cv/3"] > 1.0
     moe.bias_rate = 0.02
     # the bias chooses the experts; it does not weight them: gates are the plain scores
-    logits, idx, gates = moe.route(x.reshape(-1, 16))
+    _, idx, gates = moe.route(x.reshape(-1, 16))
     assert torch.allclose(gates, torch.ones_like(gates) * 1.0)  # top-1 renormalised
     # the bias stays fp32 when the module is cast (bf16 training)
     moe.to(torch.bfloat16)
@@ -664,7 +664,7 @@ def test_combine_accumulates_the_top_k_outputs_in_fp32():
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(1, 8, 16, dtype=torch.bfloat16)
-    logits, idx, gates = moe.route(x.reshape(-1, 16))
+    _, idx, gates = moe.route(x.reshape(-1, 16))
     want = torch.zeros(8, 16)
     for n in range(8):
         for j in range(2):
