@@ -68,7 +68,7 @@ def test_recompute_wrappers_keep_names_and_show_in_print():
     assert list(full.state_dict()) == names == list(sel.state_dict())
     assert [n for n, _ in full.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert all(isinstance(b, CheckpointedBlock) for b in full.layers)
-    assert all(isinstance(b.attn.core_attention, CheckpointedAttentionCore) for b in sel.layers)
+    assert all(isinstance(b.attn.core, CheckpointedAttentionCore) for b in sel.layers)
     assert "CheckpointedBlock" in repr(full) and "CheckpointedAttentionCore" in repr(sel)
     assert "CheckpointedBlock" not in repr(plain)
     # a state dict saved with recomputation loads without it, and the other way round
@@ -172,6 +172,6 @@ def test_diagnostics_pass_sees_through_recompute_wrappers(mode):
     assert residual_diagnostics(wrapped, x, x) == residual_diagnostics(plain, x, x)
     assert wrapped.training and all(b.training and b.attn.training for b in wrapped.layers)
     if mode == "selective":
-        assert all(isinstance(b.attn.core_attention, CheckpointedAttentionCore) for b in wrapped.layers)
+        assert all(isinstance(b.attn.core, CheckpointedAttentionCore) for b in wrapped.layers)
     else:
         assert all(isinstance(b, CheckpointedBlock) and b.block.training for b in wrapped.layers)

@@ -141,7 +141,7 @@ def _model_case(rank: int, topo, mode: str, sp: bool, variant: str, docs: bool) 
             opt.zero_grad()
         ref_loss = ref(x, y)
         ref_loss.backward()
-        loss = model(cp.split(x), cp.split(y))
+        loss = cp.scale_loss(model(cp.split(x), cp.split(y)), cp.split(y))  # as the train step
         loss.backward()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, group=topo.group("cp"))
@@ -314,3 +314,37 @@ def test_all_to_all_cp2_pp2_equals_one_process(references, tmp_path):
     assert "CP 2 (all_to_all)" in proc.stdout
     _same(references[False], run)  # diagnostics included: each context rank ran whole sequences
     assert any("/" in k for k in step_records(run)[1])
+
+
+def test_print_model_names_the_swapped_attention_cores():
+    """Context parallelism and recomputation swap ``Attention.core`` (a child module), so the
+    model's printout says which core runs; the parameter names do not change."""
+    from types import SimpleNamespace
+
+    from megaformer.config import ModelConfig
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.context import ContextParallelAttention, apply_context
+    from megaformer.parallel.recompute import CheckpointedAttentionCore, apply_recompute
+
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    plain = Transformer(cfg)
+    assert "(core): AttentionCore()" in str(plain)
+    topo = SimpleNamespace(cp=2, cp_rank=1, group=lambda kind: None)  # a group of two, unused
+    for recompute in ("selective", "full"):
+        model = Transformer(cfg)
+        apply_recompute(model.layers, recompute)
+        cp = apply_context(model, topo, "ring")
+        text = str(model)
+        core = model.layers[1].attn.core
+        assert isinstance(core, ContextParallelAttention) and core.cp is cp
+        assert "(core): ContextParallelAttention(" in text
+        assert "mode=ring, size=2, rank=1 (ring attention; inner only while disabled)" in text
+        if recompute == "selective":
+            assert isinstance(core.inner, CheckpointedAttentionCore)
+            assert "(inner): CheckpointedAttentionCore(\n" in text
+            assert "recomputes inner in backward\n" in text
+        else:
+            assert "CheckpointedBlock(\n      recomputes Block in backward" in text
+            assert "(inner): AttentionCore()" in text
+        assert str(model.layers[0]) == str(model.layers[1])  # (printed once: "2 x Block")
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]

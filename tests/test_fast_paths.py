@@ -215,6 +215,106 @@ def test_compiled_blocks_equal_eager_in_one_graph():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
 
 
+STANDIN_FLASH_ATTN = '''
+"""A stand-in flash-attn 2.7 for CPU tests: the entry points of flash_attn, computed by SDPA
+behind opaque custom ops (as the real package registers its CUDA kernels)."""
+import torch
+import torch.nn.functional as F
+
+__version__ = "2.7.4"
+
+
+def _sdpa(q, k, v, scale, causal, window_left):
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+    T, S = qt.shape[2], kt.shape[2]
+    i = torch.arange(T, device=q.device)[:, None] + (S - T)
+    j = torch.arange(S, device=q.device)[None, :]
+    mask = (j <= i) if causal else torch.ones(T, S, dtype=torch.bool, device=q.device)
+    if window_left >= 0:
+        mask = mask & (i - j <= window_left)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+if not hasattr(torch.ops.standin_flash, "fwd"):
+    @torch.library.custom_op("standin_flash::fwd", mutates_args=())
+    def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+             window_left: int) -> torch.Tensor:
+        return _sdpa(q, k, v, scale, causal, window_left)
+
+    @_fwd.register_fake
+    def _(q, k, v, scale, causal, window_left):
+        return torch.empty_like(q)
+
+    def _setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3])
+        ctx.args = inputs[3:]
+
+    def _backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _sdpa(q, k, v, *ctx.args)
+        return (*torch.autograd.grad(out, (q, k, v), grad), None, None, None)
+
+    _fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return torch.ops.standin_flash.fwd(q, k, v, scale, causal, window_size[0])
+'''
+
+
+def test_compiled_blocks_with_flash_attn_installed_are_one_graph(tmp_path, monkeypatch):
+    """With a flash-attn package installed (a stand-in: flash-attn 2.7's entry point as an opaque
+    custom op computing SDPA, flash allowed on CPU), two blocks (sliding window: the entry
+    point's window_size is used) trace as one graph: the package and its signature are resolved
+    by the kernel table, not inside the compiled region."""
+    import sys
+
+    import torch._dynamo
+
+    from megaformer.kernels import capabilities, selection
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(STANDIN_FLASH_ATTN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # no flash-attn-4
+    monkeypatch.setattr(selection, "_flash_unusable", lambda device, dtype, head_dim: None)
+    for cached in (capabilities.flash_status, selection._decide):
+        cached.cache_clear()
+    try:
+        torch.manual_seed(0)
+        m = Transformer(_tiny(sliding_window=8))
+        x, rope = m.embed(torch.randint(0, 57, (2, 16), generator=torch.Generator().manual_seed(3)))
+
+        def blocks(h: torch.Tensor) -> torch.Tensor:
+            for block in m.layers:
+                h = block(h, rope=rope)
+            return h
+
+        with track() as ran:
+            y = blocks(x)
+        assert ran["attention"] == {"flash"}
+        assert capabilities.resolved_flash().func_window  # window_size=(W - 1, 0) is passed
+        for block in m.layers:
+            block.attn.backend = "sdpa"
+        assert torch.allclose(y, blocks(x), atol=1e-5)
+        for block in m.layers:
+            block.attn.backend = "auto"
+        selection.mark_constant_for_compile()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(blocks)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    finally:
+        monkeypatch.undo()
+        capabilities.flash_status.cache_clear()
+        selection._decide.cache_clear()
+        capabilities.flash_status()  # the real package (or none) again
+
+
 @pytest.mark.skipif(os.environ.get("MEGAFORMER_TEST_INDUCTOR") != "1",
                     reason="inductor's first CPU compile of a block takes ~140 s (C++ build); "
                            "set MEGAFORMER_TEST_INDUCTOR=1 to run it")

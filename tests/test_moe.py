@@ -172,7 +172,7 @@ def test_aux_free_bias_moves_a_skewed_router_toward_balance():
     assert end_of_step(moe)["moe/load_cv/3"] > 1.0
     moe.bias_rate = 0.02
     # the bias chooses the experts; it does not weight them: gates are the plain scores
-    logits, idx, gates = moe.route(x.reshape(-1, 16))
+    _, idx, gates = moe.route(x.reshape(-1, 16))
     assert torch.allclose(gates, torch.ones_like(gates) * 1.0)  # top-1 renormalised
     # the bias stays fp32 when the module is cast (bf16 training)
     moe.to(torch.bfloat16)
@@ -597,3 +597,79 @@ def test_inspect_reports_the_expert_load_of_a_prompt():
     assert text.splitlines()[0] == "expert load: tokens routed to each expert (11 tokens x top-2)"
     assert len(text.splitlines()) == 3 and "cv" in text.splitlines()[1]
     assert not model.layers[0].mlp._forward_pre_hooks  # the hooks are gone afterwards
+
+
+# ----------------------------------------------------------------------------- no host reads
+
+def _bf16_autocast_block():
+    """An MoE block with fp32 weights run under CPU bf16 autocast (what ``bench`` runs)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=2, max_seq_len=16, d_ffn=32,
+                      moe=MoEConfig(interval=1, num_experts=4, top_k=2))
+    return Transformer(cfg).layers[0], torch.randn(2, 16, 16, requires_grad=True)
+
+
+def test_compiled_moe_block_is_one_graph_on_the_grouped_path():
+    """The routing, counts, dispatch, grouped GEMMs, combine and load counters trace as one graph
+    (bincount, the graph-task id and the counts' host read each broke it before)."""
+    import torch._dynamo
+
+    from megaformer.kernels.selection import mark_constant_for_compile, track
+
+    block, x = _bf16_autocast_block()
+    with torch.autocast("cpu", dtype=torch.bfloat16), track() as ran:
+        block(x)
+    assert ran["experts"] == {"grouped"}
+    mark_constant_for_compile()
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(block)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_moe_forward_and_backward_read_nothing_back_to_the_host(monkeypatch):
+    """No .tolist() / .item() on the non-expert-parallel path (expert parallelism still reads the
+    all-to-all split sizes once per block: torch takes them as Python ints)."""
+    block, x = _bf16_autocast_block()
+
+    def trap(*_args, **_kwargs):
+        raise AssertionError("host read inside the MoE block")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = block(x)
+    monkeypatch.setattr(torch.Tensor, "tolist", trap)
+    monkeypatch.setattr(torch.Tensor, "item", trap)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x)
+    y.float().square().sum().backward()
+    monkeypatch.undo()
+    assert torch.equal(y, ref) and x.grad.abs().max().item() > 0
+    assert block.mlp.step_load.sum().item() == 2 * 2 * 16 * 2  # two forwards of 32 tokens x top-2
+
+
+def test_experts_rule_names_what_the_experts_run():
+    from megaformer.kernels.selection import choose, model_plan
+
+    assert choose("experts", "cpu", torch.float32, d_model=16, d_ffn=32).impl == "loop"
+    assert choose("experts", "cpu", torch.float32, compute_dtype=torch.bfloat16, d_model=16,
+                  d_ffn=32).impl == "grouped"
+    assert choose("experts", "cpu", torch.bfloat16, d_model=16, d_ffn=36).impl == "loop"
+    plan = dict(model_plan(_cfg(), "cpu", torch.bfloat16, autocast=True))
+    assert plan["experts"].impl == ("grouped" if hasattr(torch, "_grouped_mm") else "loop")
+
+
+def test_combine_accumulates_the_top_k_outputs_in_fp32():
+    """y_n = sum_j g_nj FFN_ej(x_n) summed in fp32 and rounded to bf16 once."""
+    moe = MoE(_cfg(top_k=2), 0).to(torch.bfloat16)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, 8, 16, dtype=torch.bfloat16)
+    _, idx, gates = moe.route(x.reshape(-1, 16))
+    want = torch.zeros(8, 16)
+    for n in range(8):
+        for j in range(2):
+            e = int(idx[n, j])
+            xe = x[0, n:n + 1]
+            h = moe.experts._act(xe @ moe.experts.w1[e].t(), xe @ moe.experts.w3[e].t())
+            want[n] += gates[n, j].float() * (h @ moe.experts.w2[e].t()).float()[0]
+    assert torch.equal(moe(x)[0], want.to(torch.bfloat16))

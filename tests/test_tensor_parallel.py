@@ -161,7 +161,7 @@ def test_vocab_parallel_cross_entropy_never_sees_padding():
 def _rng_streams(rank: int, world: int) -> dict:
     from megaformer.config import ModelConfig
     from megaformer.model.transformer import Transformer
-    from megaformer.parallel.plan import ForkedDropout, parallelize
+    from megaformer.parallel.plan import ForkedAttentionCore, ForkedDropout, parallelize
     from megaformer.parallel.random import TensorParallelRNG
     from megaformer.parallel.topology import build_topology
 
@@ -180,7 +180,7 @@ def _rng_streams(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         m = parallelize(Transformer(cfg), topo, sp, TensorParallelRNG(0, rank))
         out[sp] = (isinstance(m.layers[0].drop, ForkedDropout),
-                   m.layers[0].attn.dropout_rng.__self__ is not None)
+                   isinstance(m.layers[0].attn.core, ForkedAttentionCore))
     return {"sharded": sharded.tolist(), "replicated": replicated.tolist(),
             "untouched": untouched.tolist(), "wiring": out}
 

@@ -54,16 +54,17 @@ class LayerTrace:
     w_o: torch.Tensor          # this rank's W^O columns [d, h_local * d_k]
 
 
-class ProbeAttention:
+class ProbeAttention(nn.Module):
     """softmax(Q K^T / sqrt(d_k) + M) V written out (fp32), keeping the logits, probabilities and
-    per-head context of its last call. Drop-in for ``Attention.core_attention`` (no dropout)."""
+    per-head context of its last call. Drop-in for ``Attention.core`` (no dropout)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.scores: Optional[torch.Tensor] = None
         self.probs: Optional[torch.Tensor] = None
         self.context: Optional[torch.Tensor] = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  dropout_p: float = 0.0, backend: str = "reference",
                  scale: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
                  window: Optional[int] = None) -> torch.Tensor:
@@ -80,17 +81,15 @@ def _probed(block: nn.Module, probe: ProbeAttention) -> Iterator[None]:
     """Swap the block's attention core for ``probe``; row-parallel outputs all-reduce (whole
     sequence) instead of reduce-scattering, so the pass needs no sequence split."""
     attn = block.attn
-    saved_core = attn.core_attention
+    saved_core = attn.core
     rows = [m for m in (attn.wo, block.mlp.w2) if getattr(m, "sequence_parallel", False)]
-    if isinstance(saved_core, nn.Module):  # a recomputation wrapper (train.recompute=selective)
-        del attn.core_attention  # unregistered for the swap; registered again on restore
-    attn.core_attention = probe
+    attn.core = probe
     for m in rows:
         m.sequence_parallel = False
     try:
         yield
     finally:
-        attn.core_attention = saved_core
+        attn.core = saved_core
         for m in rows:
             m.sequence_parallel = True
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 from typing import Optional, Union
@@ -314,26 +313,15 @@ def cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_window(func) -> bool:
-    """Whether a FlashAttention entry point takes ``window_size`` (FA2 >= 2.3, FA3)."""
-    import inspect
-
-    try:
-        return "window_size" in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _flash(q, k, v, causal: bool, dropout_p: float, scale: float,
            doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
     """FlashAttention works in [B, T, H, D]; GQA and bottom-right causal alignment are native, a
     sliding window W is ``window_size=(W - 1, 0)``.
     With a document mask, the varlen kernel runs over the documents of all rows as one ragged batch."""
-    impl, _ = capabilities.flash_status()
-    entry = impl.func if doc is None else impl.varlen
+    impl = capabilities.resolved_flash()  # a plain read: no import or signature in a graph
+    windows = impl.func_window if doc is None else impl.varlen_window
     if ((dropout_p > 0 and not impl.dropout) or (doc is not None and impl.varlen is None)
-            or (window is not None and not _takes_window(entry))):
+            or (window is not None and not windows)):
         return _sdpa(q, k, v, causal, dropout_p, scale, doc, window)
     drop = {"dropout_p": dropout_p} if impl.dropout else {}
     if window is not None:

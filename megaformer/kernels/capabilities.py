@@ -88,11 +88,29 @@ def apex_status() -> tuple[Optional[object], str]:
 
 @dataclasses.dataclass(frozen=True)
 class FlashImpl:
-    """One FlashAttention package: its dense and varlen entry points (layout [B, T, H, D])."""
+    """One FlashAttention package: its dense and varlen entry points (layout [B, T, H, D]), and
+    what they take (read once here, never inside a compiled region)."""
     name: str
     func: Callable
     varlen: Optional[Callable]
     dropout: bool  # whether it implements attention dropout
+    func_window: bool = False  # whether func takes window_size (FA2 >= 2.3, FA3)
+    varlen_window: bool = False
+
+    @classmethod
+    def of(cls, name: str, func: Callable, varlen: Optional[Callable], dropout: bool) -> "FlashImpl":
+        return cls(name, func, varlen, dropout, _takes_window(func),
+                   varlen is not None and _takes_window(varlen))
+
+
+def _takes_window(func: Callable) -> bool:
+    """Whether a FlashAttention entry point takes ``window_size``."""
+    import inspect
+
+    try:
+        return "window_size" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 FA2_MIN_VERSION = (2, 1)  # before 2.1 the causal mask of T < S queries is aligned top-left
@@ -112,23 +130,41 @@ def hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+_resolved: dict[str, Optional[FlashImpl]] = {}  # "flash": what flash_status chose
+
+
 @functools.lru_cache(maxsize=None)
 def flash_status() -> tuple[Optional[FlashImpl], str]:
     """(the FlashAttention implementation to use or None, why): FA3's ``flash_attn_interface``
     (Hopper only), FA2's ``flash_attn`` (>= 2.1), the ``flash-attn-4`` CuTe kernels."""
+    impl, why = _flash_status()
+    _resolved["flash"] = impl
+    return impl, why
+
+
+def resolved_flash() -> Optional[FlashImpl]:
+    """The implementation :func:`flash_status` chose, as a plain read: the attention op calls
+    this inside compiled blocks, where an import, a signature or a cache wrapper would break the
+    graph (the kernel table's choice of flash has resolved it by then)."""
+    if "flash" not in _resolved:
+        flash_status()
+    return _resolved["flash"]
+
+
+def _flash_status() -> tuple[Optional[FlashImpl], str]:
     reasons = []
     if hopper():
         fa3, why = _try_import("flash_attn_interface")
         if fa3 is not None and hasattr(fa3, "flash_attn_func"):
-            return FlashImpl("FA3 flash_attn_interface", fa3.flash_attn_func,
-                             getattr(fa3, "flash_attn_varlen_func", None), False), "FA3 on Hopper"
+            return FlashImpl.of("FA3 flash_attn_interface", fa3.flash_attn_func,
+                                getattr(fa3, "flash_attn_varlen_func", None), False), "FA3 on Hopper"
         reasons.append(why or "flash_attn_interface has no flash_attn_func")
     fa2, why = _try_import("flash_attn")
     if fa2 is not None and hasattr(fa2, "flash_attn_func"):
         version = _version_tuple(getattr(fa2, "__version__", "0"))
         if version >= FA2_MIN_VERSION:
-            return FlashImpl("FA2 flash_attn", fa2.flash_attn_func,
-                             getattr(fa2, "flash_attn_varlen_func", None), True), \
+            return FlashImpl.of("FA2 flash_attn", fa2.flash_attn_func,
+                                getattr(fa2, "flash_attn_varlen_func", None), True), \
                 f"flash-attn {fa2.__version__}"
         reasons.append(f"flash-attn {getattr(fa2, '__version__', '?')} is older than 2.1 (causal "
                        "masks aligned top-left)")
@@ -136,7 +172,7 @@ def flash_status() -> tuple[Optional[FlashImpl], str]:
         reasons.append(why or "flash_attn has no flash_attn_func")
     fa4, why = _try_import("flash_attn.cute")
     if fa4 is not None and hasattr(fa4, "flash_attn_func"):
-        return FlashImpl("flash-attn-4 CuTe", fa4.flash_attn_func,
-                         getattr(fa4, "flash_attn_varlen_func", None), False), "flash-attn-4 available"
+        return FlashImpl.of("flash-attn-4 CuTe", fa4.flash_attn_func,
+                            getattr(fa4, "flash_attn_varlen_func", None), False), "flash-attn-4 available"
     reasons.append(why or "flash_attn.cute has no flash_attn_func")
     return None, "; ".join(r for r in reasons if r)

@@ -17,6 +17,8 @@ trainer's start-up summary, ``megaformer bench`` and the tests ask the same func
     dropout        native (fp32 CPU) | int16 (CPU) | torch
     attention      flash | sdpa | native (fp32 CPU) | reference
     cross_entropy  chunked (model.loss_chunk_tokens > 0) | native (fp32 CPU) | torch
+    experts        grouped (torch._grouped_mm: bf16 or bf16 autocast; on CUDA sm90+)
+                   | loop (one GEMM per expert; reads the expert counts on the host)
 
 The rules are functions of shapes, dtypes and devices only -- never of a timing -- so two runs, a
 resumed run and two tensor-parallel ranks always run the same kernels. Inside ``torch.compile``
@@ -223,6 +225,23 @@ def _attention(device: str, dtype: torch.dtype, requested: str, head_dim: int, d
                           f"{', or MEGAFORMER_SDPA_BACKENDS' if device == 'cuda' else ''})")
 
 
+def _experts(device: str, dtype: torch.dtype, d_model: int, d_ffn: int) -> Choice:
+    """The MoE experts' GEMMs on rows sorted by expert; ``dtype`` the one they compute in (the
+    autocast dtype under autocast). torch's grouped GEMM takes bf16 with 16-byte aligned rows."""
+    if not hasattr(torch, "_grouped_mm"):
+        return Choice("loop", "this torch has no _grouped_mm")
+    if dtype != torch.bfloat16:
+        return Choice("loop", f"grouped GEMM needs bf16 (or bf16 autocast), got {_dtype_name(dtype)}")
+    if d_model % 8 or d_ffn % 8:
+        return Choice("loop", f"d_model={d_model}, d_ffn={d_ffn}: grouped GEMM rows must be "
+                              "multiples of 8 (16 bytes)")
+    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        return Choice("loop", "grouped GEMM needs CUDA sm90+")
+    if device not in ("cuda", "cpu"):
+        return Choice("loop", f"no grouped GEMM on {device}")
+    return Choice("grouped", "torch._grouped_mm, one per matrix (no host synchronisation)")
+
+
 def _cross_entropy(device: str, dtype: torch.dtype, autocast: bool, chunked: bool) -> Choice:
     if chunked:
         return Choice("chunked", "fused with the output projection, model.loss_chunk_tokens at a time")
@@ -238,6 +257,8 @@ def _decide(op: str, device: str, dtype: torch.dtype, mode: str, compiling: bool
     if op == "attention":  # a model choice (model.attention_backend), not a kernel-mode one
         return tuple(_attention(device, dtype, f["backend"], f["head_dim"], f["dropout"],
                                 f["doc_mask"], compiling, f.get("window", False)))
+    if op == "experts":  # torch ops either way: neither a kernel-mode nor a compile choice
+        return tuple(_experts(device, f.get("compute_dtype", dtype), f["d_model"], f["d_ffn"]))
     if op == "cross_entropy" and f.get("chunked"):
         return tuple(_cross_entropy(device, dtype, autocast, True))
     if mode == "torch":
@@ -268,7 +289,8 @@ def choose(op: str, device: torch.device | str, dtype: torch.dtype, *, autocast:
     """The implementation of ``op`` for tensors on ``device`` with ``dtype`` (see the table above).
 
     ``facts`` are the op's own inputs to its rule: attention takes backend, head_dim, dropout and
-    doc_mask (and window: a sliding window hides keys); norms weight_dtype (and bias for LayerNorm); rope full; cross_entropy chunked."""
+    doc_mask (and window: a sliding window hides keys); norms weight_dtype (and bias for LayerNorm); rope full; cross_entropy chunked;
+    experts d_model and d_ffn (and compute_dtype, the autocast dtype, when not ``dtype``)."""
     device_type = device if isinstance(device, str) else device.type
     if compiling is None:
         compiling = torch.compiler.is_compiling()
@@ -367,6 +389,9 @@ def _model_plan(m: object, device: torch.device | str, dtype: torch.dtype, compi
         plan.append(("rope", choose("rope", device, dtype, **inner, full=m.rotary_fraction == 1.0)))
     if training and (m.dropout > 0 or m.attention_dropout > 0):
         plan.append(("dropout", choose("dropout", device, dtype, **inner)))
+    if m.moe.interval > 0:
+        plan.append(("experts", choose("experts", device, dtype, d_model=m.d_model,
+                                       d_ffn=m.expert_dim)))
     plan.append(("cross_entropy", choose("cross_entropy", device,
                                          torch.float32 if not autocast else dtype, **kw,
                                          chunked=m.loss_chunk_tokens > 0)))

@@ -14,15 +14,22 @@ shared by all heads). The q/k/v projections may carry biases while the other lin
 without this file knowing the degree. q, k and v come from one GEMM over the concatenated weights
 (:func:`megaformer.model.linear.fused_projections`).
 
-Under context parallelism (``context``, set by :func:`megaformer.parallel.context.apply_context`)
-x holds this rank's part of each sequence: the rotary tables are those of its tokens' global
-positions, and the context group computes the core over the whole sequence (ring or all-to-all).
+The core softmax(Q K^T / sqrt(d_k) + M) V is a child module, ``Attention.core``
+(:class:`AttentionCore`: the kernel table's attention backend on this process's tensors). What
+runs around it is swapped in from outside and shows in ``print(model)``: a tensor-parallel plan's
+per-rank dropout stream, recomputation (:mod:`megaformer.parallel.recompute`), context
+parallelism (:mod:`megaformer.parallel.context`: ring or all-to-all over the whole sequence),
+the diagnostics' probe. Every core takes the same call: ``core(q, k, v, causal=, dropout_p=,
+backend=, doc_ids=, window=)``.
+
+``positions`` (the tokens' absolute positions, default start_pos..start_pos+T-1) select the
+rotary tables when none are passed in: under context parallelism x holds this rank's part of
+each sequence, at its tokens' global positions.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -70,6 +77,18 @@ class KVCache:
         self.layers = [LayerKVCache(max_len) for _ in range(n_layers)]
 
 
+class AttentionCore(nn.Module):
+    """softmax(Q K^T * scale + M) V for q [B, h, T, d_k], k, v [B, h_kv, S, d_k] -> [B, h, T, d_k],
+    by the implementation the kernel table picks for ``backend`` (:func:`megaformer.kernels.
+    attention.attention`). No parameters."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                dropout_p: float = 0.0, backend: str = "auto", doc_ids: Optional[DocumentMask] = None,
+                window: Optional[int] = None) -> torch.Tensor:
+        return attention(q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
+                         doc_ids=doc_ids, window=window)
+
+
 class Attention(nn.Module):
     """MultiHead(X) = Concat(head_1..head_h) W^O with GQA key/value sharing; see the module docstring."""
 
@@ -78,11 +97,6 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.causal = causal
         self.attention_dropout = cfg.attention_dropout
-        # Context under which the attention-probability dropout mask is drawn; a tensor-parallel
-        # plan sets one that draws from a per-rank stream (heads are split across ranks).
-        self.dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext
-        # softmax(QK^T/sqrt(d_k))V itself; selective recomputation wraps it in a checkpoint.
-        self.core_attention: Callable[..., torch.Tensor] = attention
         self.backend = cfg.attention_backend
         self.window = cfg.sliding_window
         d, dk = cfg.d_model, cfg.head_dim
@@ -97,13 +111,14 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
                        if cfg.position == "rope" else None)
-        # the context-parallel group (megaformer.parallel.context.ContextParallel) or None
-        self.context: Optional[Any] = None
+        self.core: nn.Module = AttentionCore()  # softmax(QK^T/sqrt(d_k))V; swapped from outside
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[LayerKVCache] = None, start_pos: int = 0,
-                doc_ids: Optional[DocumentMask] = None) -> torch.Tensor:
-        """x [B, T, d_model] at absolute positions start_pos..start_pos+T-1 -> [B, T, d_model].
+                doc_ids: Optional[DocumentMask] = None, positions: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """x [B, T, d_model] at absolute positions start_pos..start_pos+T-1 (or ``positions``
+        [T]) -> [B, T, d_model].
 
         rope: precomputed (cos, sin) for those positions (looked up here when None and position=rope).
         cache: this layer's KV cache; keys/values of earlier positions are read from it.
@@ -121,22 +136,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, d_k], [B, h_kv, T, d_k]
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
-        cp = self.context if self.context is not None and self.context.active else None
         if self.rotary is not None:
-            if rope is None and cp is not None:  # this rank's tokens at their global positions
+            if rope is None and positions is not None:
                 with torch.no_grad():
-                    rope = self.rotary(cp.positions(T, x.device))
+                    rope = self.rotary(positions)
             elif rope is None:
                 rope = self.rotary.tables(start_pos, T, x.device)
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0
-        with self.dropout_rng():
-            if cp is not None and cache is None:
-                y = cp.attention(self.core_attention, q, k, v, causal=self.causal, dropout_p=p,
-                                 backend=self.backend, doc_ids=doc_ids, window=self.window)
-            else:
-                y = self.core_attention(q, k, v, causal=self.causal, dropout_p=p,
-                                        backend=self.backend, doc_ids=doc_ids, window=self.window)
+        y = self.core(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend,
+                      doc_ids=doc_ids, window=self.window)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

@@ -11,9 +11,12 @@ DeepSeek-V3):
                                                   ``model.moe.shared_gate``: Qwen2-MoE)
 
 Dispatch sorts the N k (token, expert) assignments by expert (a stable sort: within an expert,
-token order), so each expert reads one contiguous block of rows; the experts run as a loop over
-experts (a grouped GEMM, ``torch._grouped_mm``, on CUDA sm90+ in bf16 where torch has it); the combine
-scatters the weighted rows back with an index-add. Dropless (the default), every assignment is
+token order), so each expert reads one contiguous block of rows; the experts run as one grouped
+GEMM per matrix (``torch._grouped_mm``) or a loop over experts, as the kernel table's ``experts``
+rule picks (:mod:`megaformer.kernels.selection`); the combine scatters the weighted rows back with
+an index-add, accumulating the k outputs of a token in fp32 and casting once. The expert counts
+are a fixed-shape [E] tensor (a scatter-add) and stay on the device: the grouped path reads
+nothing back to the host, the loop reads the counts once to split the rows. Dropless (the default), every assignment is
 computed, so a token's output depends on that token alone. With a capacity factor, expert e keeps
 its first C = ceil(capacity_factor N k / E) assignments; the rest are dropped (counted).
 
@@ -42,14 +45,16 @@ it, so the sum is the one-process gradient.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
+from megaformer.kernels.selection import choose_for
 from megaformer.model.mlp import MLP
 
 
@@ -67,17 +72,39 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation recomputation re-running a block)."""
-    return torch._C._current_graph_task_id() != -1
+_recomputing = False  # True while activation recomputation re-runs a forward in backward
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Marks a forward re-run by activation recomputation (in backward): MoE blocks do not count
+    their load again. A plain flag read at trace time (no graph break under torch.compile)."""
+    global _recomputing
+    saved, _recomputing = _recomputing, True
+    try:
+        yield
+    finally:
+        _recomputing = saved
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """counts[e] = |{a : flat[a] = e}|, int64 [num_experts]: a fixed shape, no host read (unlike
+    ``bincount``, whose output length depends on the values)."""
+    ones = torch.ones_like(flat)
+    return torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, ones)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's GEMMs compute in: the autocast dtype under autocast, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped GEMM applies: CUDA sm90+, bf16 operands, rows 16-byte aligned (d, f
-    multiples of 8)."""
-    return (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    """Whether the experts (first weight ``w`` [E, f, d]) run on rows ``x`` as grouped GEMMs: the
+    kernel table's ``experts`` rule (:mod:`megaformer.kernels.selection`)."""
+    _, f, d = w.shape
+    return choose_for("experts", x, compute_dtype=_compute_dtype(x), d_model=d, d_ffn=f).impl == "grouped"
 
 
 class Experts(nn.Module):
@@ -102,19 +129,24 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if _grouped_mm_ok(x, self.w1):
-            return self.grouped(x, counts)
+            return self.grouped(x, counts, _compute_dtype(x))
         return self.loop(x, counts)
 
-    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One grouped GEMM per matrix over all experts (bf16; no host synchronisation)."""
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor,
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """One grouped GEMM per matrix over all experts, in ``dtype`` (default x's: under autocast
+        the autocast dtype, operands cast here); no host synchronisation."""
+        dtype = dtype or x.dtype
+        x = x.to(dtype)
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h1 = torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offs)
-        h3 = (torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offs)
+        w1, w2 = self.w1.to(dtype), self.w2.to(dtype)
+        h1 = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+        h3 = (torch._grouped_mm(x, self.w3.to(dtype).transpose(1, 2), offs=offs)
               if self.w3 is not None else None)
-        return torch._grouped_mm(self._act(h1, h3), self.w2.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(self._act(h1, h3), w2.transpose(1, 2), offs=offs)
 
     def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """A loop over experts, each on its block of rows."""
+        """A loop over experts, each on its block of rows (the counts read on the host once)."""
         outs = []
         # every expert runs, also on zero rows, so each has a gradient (zeros) every step
         for e, xe in enumerate(x.split(counts.tolist())):
@@ -220,7 +252,7 @@ class MoE(nn.Module):
         logits, idx, gates = self.route(x2)
         flat = idx.reshape(-1)                                   # assignment a = n k + j
         order = torch.argsort(flat, stable=True)                 # sorted by expert, then token
-        counts = torch.bincount(flat, minlength=E)
+        counts = expert_counts(flat, E)
         kept = counts
         if self.capacity_factor is not None:
             cap = math.ceil(self.capacity_factor * n * k / E)
@@ -233,8 +265,10 @@ class MoE(nn.Module):
             y = self.experts(x2[token], kept)
         else:
             y = self.expert_dispatch(x2[token], kept, self.experts)
-        w = gates.reshape(-1)[order].unsqueeze(1).to(y.dtype)
-        out = x2.new_zeros(x2.shape, dtype=y.dtype).index_add(0, token, y * w).view(shape)
+        # y_n = sum_j g_nj FFN_ej(x_n): the k terms accumulate in fp32, one cast at the end
+        w = gates.reshape(-1)[order].unsqueeze(1).float()
+        out = (x2.new_zeros(x2.shape, dtype=torch.float32).index_add(0, token, y.float() * w)
+               .to(y.dtype).view(shape))
         if self.tp_group is not None:
             from megaformer.comm import reduce_from_tp, reduce_scatter_to_seq
 
@@ -246,7 +280,7 @@ class MoE(nn.Module):
         # a training forward counts the load once: not again when activation recomputation
         # re-runs the block in backward (which must save exactly what the first run saved: the
         # router losses are built with autograd only when they enter the loss)
-        record = self.training and torch.is_grad_enabled() and not _in_backward()
+        record = self.training and torch.is_grad_enabled() and not _recomputing
         in_loss = self.training and (self.aux_coef > 0 or self.z_coef > 0)
         self.aux_loss = None
         if in_loss:

@@ -15,10 +15,11 @@ linears, without this file knowing the degree. With ``model.loss_chunk_tokens`` 
 the output projection fused with the cross-entropy over chunks of tokens (the full logits never
 exist). With ``model.document_mask`` the training forward computes the documents' boundaries once
 (``eod_id`` set by the trainer from the tokenizer) so packed documents do not attend to each other.
-Under context parallelism (``context``: :mod:`megaformer.parallel.context`) input_ids hold this
-rank's part of each sequence: positions are the tokens' global positions, the document ids those
-of the whole sequences, and the loss is weighted so that its mean over the group is the mean over
-the whole sequences.
+The forward takes the tokens' ``positions`` and the batch's document mask ``doc_ids`` as inputs
+(defaults: 0..T-1, and the mask of ``input_ids`` under ``model.document_mask``): context
+parallelism (:mod:`megaformer.parallel.context`) hands in this rank's part of each sequence with
+its global positions and the documents of the whole sequences, and weights the loss in the train
+step; the model itself names no parallelism.
 
 Initialisation: every Linear/Embedding weight ~ N(0, init_std), biases 0, norm gains 1; the
 residual-output projections (attn.wo, mlp.w2; every expert's w2) ~ N(0, init_std / sqrt(2 L))
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -90,7 +91,6 @@ class Transformer(nn.Module):
             raise ValueError(f"model.position={cfg.position!r}: must be sinusoidal, learned, rope or none")
         self.cfg = cfg
         self.eod_id: Optional[int] = None  # end-of-document token, for model.document_mask
-        self.context: Optional[Any] = None  # the context-parallel group (ContextParallel)
         self.vocab_size = cfg.vocab_size
         self.padded_vocab_size = padded_vocab_size or cfg.vocab_size
         if self.padded_vocab_size < self.vocab_size:
@@ -193,80 +193,78 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def embed(self, input_ids: torch.Tensor, start_pos: int = 0
+    def embed(self, input_ids: torch.Tensor, start_pos: int = 0,
+              positions: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
         """x_0 [B, T, d] (the residual stream before the first block) for tokens at positions
-        start_pos..start_pos+T-1, and the rotary (cos, sin) of those positions (None without RoPE)."""
+        start_pos..start_pos+T-1 (or ``positions`` [T]), and the rotary (cos, sin) of those
+        positions (None without RoPE)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         T = input_ids.shape[1]
         if start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds model.max_seq_len="
                              f"{self.cfg.max_seq_len}")
-        cp = self._context()
-        if cp is not None:  # this rank's part of each sequence, at its global positions
-            positions = cp.positions(T, input_ids.device)
-        else:
+        if positions is None:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
+            table = self.pos_table[start_pos:start_pos + T] if self.pos_table is not None else None
+            rope = self.rotary.tables(start_pos, T, input_ids.device) if self.rotary is not None else None
+        else:
+            table = self.pos_table[positions] if self.pos_table is not None else None
+            with torch.no_grad():
+                rope = self.rotary(positions) if self.rotary is not None else None
         x = self.tok_embeddings(input_ids)
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings(positions)
-        elif self.pos_table is not None:
-            x = x + (self.pos_table[positions] if cp is not None
-                     else self.pos_table[start_pos:start_pos + T]).to(x.dtype)
-        x = self.drop(x)
-        if self.rotary is None:
-            return x, None
-        if cp is not None:
-            with torch.no_grad():
-                return x, self.rotary(positions)
-        return x, self.rotary.tables(start_pos, T, x.device)
+        elif table is not None:
+            x = x + table.to(x.dtype)
+        return self.drop(x), rope
 
-    def _context(self) -> Optional[Any]:
-        """The context-parallel group when this forward is split over it."""
-        cp = self.context
-        return cp if cp is not None and cp.active else None
-
-    def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int) -> torch.Tensor:
-        """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1."""
-        if cache is not None and self._context() is not None:  # decoding: whole sequences
-            with self.context.disabled():
-                return self._hidden(input_ids, cache, start_pos)
-        x, rope = self.embed(input_ids, start_pos)
-        docs = {}
-        if self.cfg.document_mask and cache is None:
-            docs["doc_ids"] = self.document_mask(input_ids, x)
+    def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int,
+                positions: Optional[torch.Tensor] = None,
+                doc_ids: Optional[DocumentMask] = None) -> torch.Tensor:
+        """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1
+        (or ``positions``), with the document mask ``doc_ids`` (default: that of ``input_ids``
+        under ``model.document_mask``, without a cache)."""
+        x, rope = self.embed(input_ids, start_pos, positions)
+        if doc_ids is None and self.cfg.document_mask and cache is None:
+            doc_ids = self.document_mask(input_ids)
+        docs = {"doc_ids": doc_ids} if doc_ids is not None else {}
         for i, layer in enumerate(self.layers):
             x = layer(x, rope=rope, cache=cache.layers[i] if cache is not None else None,
                       start_pos=start_pos, **docs)
         return self.final_norm(x)
 
-    def document_mask(self, input_ids: torch.Tensor, x: torch.Tensor) -> DocumentMask:
-        """The batch's document boundaries, once per forward, in the form attention reads."""
+    def document_mask(self, input_ids: torch.Tensor,
+                      build: Callable[..., DocumentMask] = document_mask) -> DocumentMask:
+        """The batch's document boundaries, once per forward, in the form attention reads.
+
+        ``build(ids, eod_id, backend=, head_dim=, dtype=, window=)`` makes it (default
+        :func:`megaformer.kernels.attention.document_mask`; context parallelism passes one that
+        reads the whole sequences)."""
         if self.eod_id is None:
             raise ValueError("model.document_mask needs the end-of-document id: set the "
                              "model's eod_id (the trainer sets it from the tokenizer)")
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        cp = self._context()
-        if cp is not None:  # the documents of the whole sequences
-            return cp.documents(input_ids, self.eod_id, backend=self.cfg.attention_backend,
-                                head_dim=self.cfg.head_dim, dtype=dtype, window=self.cfg.sliding_window)
-        return document_mask(input_ids, self.eod_id, backend=self.cfg.attention_backend,
-                             head_dim=self.cfg.head_dim, dtype=dtype, window=self.cfg.sliding_window)
+        dev = input_ids.device.type
+        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                 else self.tok_embeddings.weight.dtype)  # that of the activations
+        return build(input_ids, self.eod_id, backend=self.cfg.attention_backend,
+                     head_dim=self.cfg.head_dim, dtype=dtype, window=self.cfg.sliding_window)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100."""
-        hidden = self._hidden(input_ids, None, 0)
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None,
+                doc_ids: Optional[DocumentMask] = None) -> torch.Tensor:
+        """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100.
+
+        ``positions`` [T]: the tokens' absolute positions (default 0..T-1); ``doc_ids``: the
+        document mask (default: that of ``input_ids`` under ``model.document_mask``)."""
+        hidden = self._hidden(input_ids, None, 0, positions, doc_ids)
         if labels is None:
             return self.lm_head.output_logits(self.lm_head(hidden))
         if self.cfg.loss_chunk_tokens > 0:
             loss = self.lm_head.hidden_loss(hidden, labels)
         else:
             loss = self.lm_head.loss(self.lm_head(hidden), labels)
-        cp = self._context()
-        if cp is not None:
-            loss = cp.scale_loss(loss, labels, IGNORE_INDEX)
         if self.cfg.moe.interval > 0:  # + the MoE blocks' router losses, in training
             router = take_router_losses(self)
             if router is not None:
@@ -278,11 +276,8 @@ class Transformer(nn.Module):
         return self.lm_head.output_logits(logits)
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (fp32) over labels != -100 of lm_head output, over the real vocabulary
-        (under context parallelism weighted as in :meth:`forward`)."""
-        loss = self.lm_head.loss(logits, labels)
-        cp = self._context()
-        return cp.scale_loss(loss, labels, IGNORE_INDEX) if cp is not None else loss
+        """Mean cross-entropy (fp32) over labels != -100 of lm_head output, over the real vocabulary."""
+        return self.lm_head.loss(logits, labels)
 
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
         """An empty KV cache for up to ``max_len`` (default max_seq_len) positions; storage is

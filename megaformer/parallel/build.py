@@ -1,7 +1,8 @@
 """One way to build the model, for training, ``megaformer bench``, generation and the tools.
 
     seed -> Transformer (meta) -> tensor-parallel plan, each block given its values just before
-         it is split -> [FP8 GEMMs] -> activation recomputation -> torch.compile -> [pipeline stages]
+         it is split -> [FP8 GEMMs] -> activation recomputation -> [context parallelism around
+         the attention cores] -> torch.compile -> [pipeline stages]
 
 Each weight is drawn from its own stream, seeded by ``train.seed`` and its name
 (:meth:`~megaformer.model.transformer.Transformer.init_parameter`), so TP=N and PP=N start from
@@ -25,7 +26,7 @@ built, only the tensor-parallel shards of the parameters its pipeline stage hold
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,8 @@ from megaformer.model.block import compile_blocks
 from megaformer.model.transformer import Transformer
 from megaformer.parallel.fp8 import apply_fp8
 from megaformer.parallel.experts import distribute_experts, expert_offset
-from megaformer.parallel.context import apply_context
+from megaformer.parallel.context import (ContextParallel, apply_context, attach_inputs,
+                                         loss_weighting, weighted_loss_fn)
 from megaformer.parallel.pipeline import (StagePieces, build_pipeline, original_names, stage_parts,
                                           stage_pieces)
 from megaformer.parallel.plan import load_full_weights, padded_vocab_size, parallelize
@@ -52,13 +54,16 @@ class BuiltModel:
     ``model``        what runs: the pipeline module under PP > 1, else ``plain``;
     ``plain``        the Transformer with this rank's tensor-parallel shards (every stage's layers);
     ``tp_rng``       the per-rank dropout stream for sharded activations (TP > 1), else None;
-    ``param_names``  under PP > 1: id(parameter) -> its name in ``plain`` (the pipeline renames them).
+    ``param_names``  under PP > 1: id(parameter) -> its name in ``plain`` (the pipeline renames them);
+    ``weigh_loss``   ``weigh_loss(loss, labels)``: the loss of a forward as the train step
+                     back-propagates it (context parallelism weights it; else unchanged).
     """
 
     model: nn.Module
     plain: Transformer
     tp_rng: Optional[TensorParallelRNG] = None
     param_names: Optional[dict[int, str]] = None
+    weigh_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_weighting(None)
 
 
 def build_model(cfg: Config, topology: Optional[Topology] = None, *,
@@ -99,14 +104,17 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     tp_rng = TensorParallelRNG(t.seed, topology.tp_rank) if topology is not None and tp > 1 else None
     if topology is not None:
         parallelize(model, topology, p.sequence_parallel, tp_rng, materialize=fill)
-        apply_context(model, topology, p.context_mode)  # a no-op without context parallelism
         distribute_experts(model, topology)  # this rank's experts (expert parallelism)
     if not training:
+        cp = _context(model, topology, p.context_mode)
         if reader is not None:
             load_shards(model, None, topology, reader)
-        return BuiltModel((model if lazy else model.to(device)).eval(), model, tp_rng)
+        return BuiltModel((model if lazy else model.to(device)).eval(), model, tp_rng,
+                          weigh_loss=loss_weighting(cp))
     apply_fp8(model, t.fp8, t.fp8_emulate, topology.groups.tp if topology is not None else None)
     apply_recompute(model.layers, t.recompute, t.recompute_every, tp_rng)
+    # around the (recomputed) local core: the communication is not recomputed
+    cp = _context(model, topology, p.context_mode)
     if t.compile:
         compile_blocks(model.layers)
     if not lazy:  # (a lazy build's values are on the device already; other stages' are not)
@@ -114,12 +122,19 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     if pp == 1:
         if reader is not None:
             load_shards(model, None, topology, reader)
-        return BuiltModel(model, model, tp_rng)
+        return BuiltModel(model, model, tp_rng, weigh_loss=loss_weighting(cp))
     names = original_names(model)
-    pipe = build_pipeline(model, topology, p.pipeline_partition, loss_fn=model.loss_fn)
+    pipe = build_pipeline(model, topology, p.pipeline_partition,
+                          loss_fn=weighted_loss_fn(model.loss_fn, cp),
+                          inputs_hook=(lambda m: attach_inputs(cp, m)) if cp is not None else None)
     if reader is not None:  # this stage's parameters only
         load_shards(pipe, names, topology, reader)
     return BuiltModel(pipe, model, tp_rng, names)
+
+
+def _context(model: Transformer, topology: Optional[Topology], mode: str) -> Optional[ContextParallel]:
+    """Context parallelism around the model's attention cores (None without it)."""
+    return apply_context(model, topology, mode) if topology is not None else None
 
 
 def _stage_parts(cfg: Config, topology: Topology, padded: Optional[int],

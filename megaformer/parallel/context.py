@@ -34,6 +34,11 @@ multiplies 2N+1 chunk pairs (chunk pairs wholly above the diagonal are skipped).
 brings the output back. Key/value heads fewer than (or not a multiple of) N are repeated first
 (grouped-query attention: every rank gets the key/value heads its query heads read).
 
+Applied around the model (:func:`apply_context`): every attention core ``Attention.core`` becomes a
+:class:`ContextParallelAttention` around the core it had, a forward pre-hook hands the model this
+rank's global ``positions`` and the documents of the whole sequences, and the train step weights
+the loss (:func:`loss_weighting`; the pipeline's loss function: :func:`weighted_loss_fn`).
+
 Communication per layer per step, per rank (b bytes per element, h_kv key/value heads, local
 sequence T/N): ring forward (N-1) * 2 B h_kv (T/N) d b, backward twice that plus one more pass of
 dK, dV; all-to-all: each of q, k, v, o (and their gradients) sends (N-1)/N of its local tensor.
@@ -49,6 +54,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from megaformer import comm
 from megaformer.kernels.attention import DocumentMask, document_ids, document_mask
@@ -175,21 +181,105 @@ class ContextParallel:
                                  backend=backend, doc_ids=doc_ids, window=window)
 
 
-def context_disabled(model: Any) -> contextlib.AbstractContextManager:
+class ContextParallelAttention(nn.Module):
+    """The attention core over the whole sequence of the context group (``Attention.core`` under
+    context parallelism): ring attention (its own blockwise kernel), or all-to-all around
+    ``inner`` (the core it replaced, which also runs alone while the group is disabled)."""
+
+    def __init__(self, cp: ContextParallel, inner: nn.Module) -> None:
+        super().__init__()
+        self.cp = cp
+        self.inner = inner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                dropout_p: float = 0.0, backend: str = "auto", doc_ids: Optional[DocumentMask] = None,
+                window: Optional[int] = None) -> torch.Tensor:
+        if not self.cp.active:
+            return self.inner(q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
+                              doc_ids=doc_ids, window=window)
+        return self.cp.attention(self.inner, q, k, v, causal=causal, dropout_p=dropout_p,
+                                 backend=backend, doc_ids=doc_ids, window=window)
+
+    def extra_repr(self) -> str:
+        how = ("ring attention; inner only while disabled" if self.cp.mode == "ring"
+               else "inner between all-to-alls")
+        return f"mode={self.cp.mode}, size={self.cp.size}, rank={self.cp.rank} ({how})"
+
+
+def _groups(model: nn.Module) -> list[ContextParallel]:
+    """The context-parallel groups of ``model``'s attention cores."""
+    found = {id(m.cp): m.cp for m in model.modules() if isinstance(m, ContextParallelAttention)}
+    return list(found.values())
+
+
+def context_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
     """Run ``model`` on whole sequences on every rank for the duration (a no-op without CP)."""
-    cp = getattr(model, "context", None)
-    return cp.disabled() if cp is not None else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for cp in _groups(model):
+        stack.enter_context(cp.disabled())
+    return stack
 
 
-def apply_context(model: Any, topo: Any, mode: str) -> Optional[ContextParallel]:
-    """Attach the context-parallel group to ``model`` (its embedding, attention and loss)."""
+def _inputs_hook(cp: ContextParallel, documents: bool) -> Callable:
+    """A forward pre-hook handing a module taking token ids or activations [B, T_local, ...]
+    first the ``positions`` of this rank's tokens (and, with ``documents``, the model's
+    ``doc_ids`` of the whole sequences), unless the caller passed them or the group is disabled."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        if not cp.active or kwargs.get("positions") is not None:
+            return None
+        first = args[0] if args else kwargs["input_ids"]
+        kwargs = dict(kwargs, positions=cp.positions(first.shape[1], first.device))
+        if documents and module.cfg.document_mask and kwargs.get("doc_ids") is None:
+            kwargs["doc_ids"] = module.document_mask(first, build=cp.documents)
+        return args, kwargs
+    return hook
+
+
+def attach_inputs(cp: ContextParallel, module: nn.Module) -> None:
+    """Make ``module`` (a pipeline stage: the embedding, a block's attention) read this rank's
+    global positions (its forward takes ``positions``)."""
+    module.register_forward_pre_hook(_inputs_hook(cp, False), with_kwargs=True)
+
+
+def apply_context(model: nn.Module, topo: Any, mode: str) -> Optional[ContextParallel]:
+    """Split ``model``'s sequences over the context-parallel group: every attention core becomes
+    a :class:`ContextParallelAttention` around the core it had, and the model's forward gets this
+    rank's global ``positions`` and the documents of the whole sequences (a pre-hook). The loss
+    is weighted by the train step (:func:`loss_weighting`)."""
     if topo.cp == 1:
         return None
-    cp = ContextParallel(topo.group("cp"), topo.cp, topo.cp_rank, mode)
-    model.context = cp
+    cp = ContextParallel(topo.groups.cp, topo.cp, topo.cp_rank, mode)
     for block in model.layers:
-        block.attn.context = cp
+        block.attn.core = ContextParallelAttention(cp, block.attn.core)
+    model.register_forward_pre_hook(_inputs_hook(cp, True), with_kwargs=True)
     return cp
+
+
+def _unweighted(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
+def loss_weighting(cp: Optional[ContextParallel]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``weigh(loss, labels)``: the train step's loss of this rank as the group needs it
+    (:meth:`ContextParallel.scale_loss`; the loss unchanged without context parallelism)."""
+    if cp is None:
+        return _unweighted
+
+    def weigh(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cp.scale_loss(loss, labels.to(loss.device))
+    return weigh
+
+
+def weighted_loss_fn(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     cp: Optional[ContextParallel]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn(logits, labels)`` followed by the context-parallel weighting (pipeline loss)."""
+    if cp is None:
+        return loss_fn
+    weigh = loss_weighting(cp)
+
+    def fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return weigh(loss_fn(logits, labels), labels)
+    return fn
 
 
 # ----------------------------------------------------------------------------- ring attention

@@ -59,15 +59,15 @@ def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
     return recv.view(comm.size(group), -1)
 
 
-def expert_major(recv: torch.Tensor) -> torch.Tensor:
+def expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
     """The permutation taking rows received in (source rank, local expert) order to (local
-    expert, source rank) order: ``rows[perm]`` is expert-major. ``recv`` [P, L] counts."""
+    expert, source rank) order: ``rows[perm]`` is expert-major. ``recv`` [P, L] counts,
+    ``total`` their sum (the rows received, known on the host from the split sizes)."""
     flat = recv.reshape(-1)
     start = torch.cumsum(flat, 0) - flat                 # segment starts, source-major
     lengths = recv.t().reshape(-1)                       # segments in expert-major order
     starts = start.view(recv.shape).t().reshape(-1)
     new_start = torch.cumsum(lengths, 0) - lengths
-    total = int(flat.sum())
     shift = torch.repeat_interleave(starts - new_start, lengths, output_size=total)
     return torch.arange(total, device=recv.device) + shift
 
@@ -79,10 +79,11 @@ def dispatch_to_experts(x: torch.Tensor, counts: torch.Tensor, experts: nn.Modul
     P = dist.get_world_size(group)
     recv = exchange_counts(counts, group)                       # [P, L]
     send_splits = counts.view(P, -1).sum(1)
-    splits = torch.stack([send_splits, recv.sum(1)]).tolist()   # one host sync for both
+    # the one host read of a layer: all_to_all_single takes its split sizes as Python ints
+    splits = torch.stack([send_splits, recv.sum(1)]).tolist()
     send, back = splits
     received = AllToAll.apply(x, back, send, group)
-    perm = expert_major(recv)
+    perm = expert_major(recv, sum(back))
     y = experts(received[perm], recv.sum(0))
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -116,7 +117,7 @@ def distribute_experts(model: nn.Module, topo: Any) -> None:
             p.expert_parallel = P
             setattr(ex, attr, p)
         ex.first_expert = first
-        group = topo.group("ep")
+        group = topo.groups.ep
         moe.ep_group, moe.ep_size = group, P
         moe.expert_dispatch = functools.partial(dispatch_to_experts, group=group)
 
@@ -148,9 +149,9 @@ def deepspeed_groups(topo: Any) -> None:
                 or sorted(map(sorted, edp_ranks)) != sorted(map(sorted, topo.edp_groups))):
             raise AssertionError(f"expert groups differ from DeepSpeed's: {mine(topo.ep_groups)} "
                                  f"vs {ep_ranks}")
-    groups._EXPERT_PARALLEL_GROUP[name] = topo.group("ep")
+    groups._EXPERT_PARALLEL_GROUP[name] = topo.groups.ep
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = topo._mine(topo.ep_groups)
-    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topo.group("edp")
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topo.groups.edp
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topo._mine(topo.edp_groups)
 
 

@@ -25,10 +25,14 @@ import torch.nn as nn
 
 
 class EmbeddingStage(nn.Module):
-    """x_0 = Dropout(E[ids] + PE[pos]); with tied embeddings it also computes the logits x E^T."""
+    """x_0 = the model's own embedding (:meth:`Transformer.embed`, token and absolute position
+    tables, dropout); with tied embeddings it also computes the logits x E^T. ``positions``: the
+    tokens' absolute positions (context parallelism hands them in; default 0..T-1)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
+        # the tables and dropout are registered here (this stage owns them); the computation
+        # is the model's
         self.tok_embeddings = model.tok_embeddings
         self.pos_embeddings = model.pos_embeddings
         if model.pos_table is not None:
@@ -37,18 +41,10 @@ class EmbeddingStage(nn.Module):
             self.pos_table = None
         self.drop = model.drop
         self.lm_head = model.lm_head if model.cfg.tie_embeddings else None
-        self.context = getattr(model, "context", None)  # context parallelism: global positions
+        self._embed: Callable = model.embed
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(ids)
-        cp = self.context
-        positions = (cp.positions(ids.shape[1], ids.device) if cp is not None and cp.active
-                     else torch.arange(ids.shape[1], device=ids.device))
-        if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings(positions)
-        elif self.pos_table is not None:
-            x = x + self.pos_table[positions].to(x.dtype)
-        return self.drop(x)
+    def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._embed(ids, positions=positions)[0]
 
 
 def _tied_head(stage: EmbeddingStage, x: torch.Tensor) -> torch.Tensor:
@@ -123,12 +119,18 @@ def stage_pieces(parts: list[int], stage: int, n_blocks: int, tied: bool) -> Sta
                        lo == 0 or (tied and head), head)
 
 
-def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callable) -> nn.Module:
-    """A ``PipelineModule`` over ``model``'s layers for the grid in ``topo``."""
+def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callable,
+                   inputs_hook: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+    """A ``PipelineModule`` over ``model``'s layers for the grid in ``topo``. ``inputs_hook``
+    (context parallelism) is applied to the embedding stage and to every block's attention, so
+    that they read this rank's global positions."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     emb = EmbeddingStage(model)
+    if inputs_hook is not None:
+        for m in (emb, *(block.attn for block in model.layers)):
+            inputs_hook(m)
     tied = model.cfg.tie_embeddings
     layers: list = []
     if tied:

@@ -104,6 +104,23 @@ class ForkedDropout(Dropout):
             return super().forward(x)
 
 
+class ForkedAttentionCore(nn.Module):
+    """The attention core ``inner`` with its attention-probability dropout drawn from the
+    tensor-parallel RNG stream (each rank holds other heads: independent masks)."""
+
+    def __init__(self, inner: nn.Module, rng: TensorParallelRNG) -> None:
+        super().__init__()
+        self.inner = inner
+        self.rng = rng
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.rng.fork():
+            return self.inner(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return "dropout from the tensor-parallel RNG stream"
+
+
 class VocabParallelOutputHead(ColumnParallelLinear):
     """The output head with its vocabulary rows split over the TP group (the same methods as
     :class:`megaformer.model.transformer.OutputHead`): this rank's logits [.., Vp/p], the
@@ -195,7 +212,7 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
             for norm in (block.attn.q_norm, block.attn.k_norm):
                 sum_grad_over_tp(norm.weight, group)
         if rng is not None:
-            block.attn.dropout_rng = rng.fork  # local heads: independent masks per rank
+            block.attn.core = ForkedAttentionCore(block.attn.core, rng)  # local heads
             if sp and block.drop.p > 0:
                 block.drop = ForkedDropout(block.drop.p, rng)  # local positions
         if sp:

@@ -10,13 +10,14 @@ Modes (``train.recompute``):
                 activations grow with s² but cost few FLOPs (Korthikanti et al. 2022).
 
 ``full`` replaces ``layers[i]`` by a :class:`CheckpointedBlock` holding the block; ``selective``
-replaces each ``attn.core_attention`` by a :class:`CheckpointedAttentionCore`. ``print(model)``
-shows them. Parameter and state-dict names stay those of the plain model (``layers.0.attn.wq.weight``,
+replaces each attention core ``attn.core`` by a :class:`CheckpointedAttentionCore` around it.
+``print(model)`` shows them. Parameter and state-dict names stay those of the plain model (``layers.0.attn.wq.weight``,
 not ``layers.0.block.attn.wq.weight``): the wrapper shares the block's parameter, buffer, child
 and hook registries instead of registering the block as a child, so checkpoints, conversion and
 the tensor-parallel plan see the same names with and without recomputation. Hooks on the block
 (sequence-parallel scatter/gather) run outside the recomputed region, as before wrapping.
 
+A replay runs under :func:`megaformer.model.moe.recomputing` (MoE blocks count their load once).
 Recomputation replays dropout exactly: torch restores the default RNG stream, and the
 tensor-parallel stream is saved at the first forward and restored for the replay (as Megatron's
 CheckpointFunction does), so a checkpointed run computes the same numbers as an uncheckpointed one.
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from megaformer.model.moe import recomputing
 from megaformer.parallel.random import TensorParallelRNG
 
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -54,12 +56,14 @@ def _rng_contexts(rng: Optional[TensorParallelRNG]) -> Callable[[], tuple]:
         @contextlib.contextmanager
         def replay() -> Iterator[None]:
             if rng is None:
-                yield
+                with recomputing():
+                    yield
                 return
             current = rng.state_dict()
             rng.load_state_dict(saved["state"])
             try:
-                yield
+                with recomputing():
+                    yield
             finally:
                 rng.load_state_dict(current)
 
@@ -112,19 +116,19 @@ class CheckpointedBlock(nn.Module):
 
 
 class CheckpointedAttentionCore(nn.Module):
-    """The attention core softmax(QK^T/sqrt(d_k))V (``attn.core_attention``) recomputed in
-    backward. No parameters: the attention module's names are unchanged."""
+    """The attention core softmax(QK^T/sqrt(d_k))V (``attn.core``, held as ``inner``) recomputed
+    in backward. No parameters: the attention module's parameter names are unchanged."""
 
-    def __init__(self, core: Callable[..., Any], rng: Optional[TensorParallelRNG] = None) -> None:
+    def __init__(self, inner: nn.Module, rng: Optional[TensorParallelRNG] = None) -> None:
         super().__init__()
-        object.__setattr__(self, "core", core)
+        self.inner = inner
         object.__setattr__(self, "rng", rng)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _recomputed(self.core, self.rng, *args, **kwargs)
+        return _recomputed(self.inner, self.rng, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"recomputes {getattr(self.core, '__name__', type(self.core).__name__)} in backward"
+        return "recomputes inner in backward"
 
 
 def apply_recompute(blocks: nn.ModuleList, mode: str, every: int = 1,
@@ -139,4 +143,4 @@ def apply_recompute(blocks: nn.ModuleList, mode: str, every: int = 1,
             if i % every == 0:
                 blocks[i] = CheckpointedBlock(block, rng)
         else:
-            block.attn.core_attention = CheckpointedAttentionCore(block.attn.core_attention, rng)
+            block.attn.core = CheckpointedAttentionCore(block.attn.core, rng)

@@ -35,16 +35,20 @@ class TrainStep:
     """The step of a model whose every stage is on this rank (any TP, CP, DP, EP, ZeRO stage).
 
     ``part``: this rank's context-parallel part of each sequence (None: the whole);
-    ``clipper``: megaformer's own gradient-norm measurement where DeepSpeed reports none."""
+    ``clipper``: megaformer's own gradient-norm measurement where DeepSpeed reports none;
+    ``weigh_loss(loss, labels)``: the loss this rank contributes (context parallelism weighs each
+    part by its share of the sequence's counted labels; the identity otherwise)."""
 
     def __init__(self, cfg: Config, engine: Any, scheduler: Any, topo: Any, device: torch.device,
                  *, grad_accum: int, dp_rank: int, dp_size: int, valid_set: Any,
                  part: Optional[Callable] = None, param_names: Optional[list[str]] = None,
-                 clipper: Any = None, faults: Any = None) -> None:
+                 clipper: Any = None, faults: Any = None,
+                 weigh_loss: Optional[Callable] = None) -> None:
         self.cfg, self.engine, self.scheduler, self.topo, self.device = cfg, engine, scheduler, topo, device
         self.grad_accum, self.dp_rank, self.dp_size = grad_accum, dp_rank, dp_size
         self.valid_set, self.part, self.param_names = valid_set, part, param_names
         self.clipper, self.faults = clipper, faults
+        self.weigh_loss = weigh_loss if weigh_loss is not None else (lambda loss, labels: loss)
 
     # DeepSpeed's model-parallel unit for ``deepspeed.initialize`` (a PipelineModule brings its own)
     @staticmethod
@@ -84,7 +88,8 @@ class TrainStep:
         engine, dev = self.engine, self.device
         losses = []
         for i, (x, y) in enumerate(micro_batches):
-            loss = engine(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))
+            y = y.to(dev, non_blocking=True)
+            loss = self.weigh_loss(engine(x.to(dev, non_blocking=True), y), y)
             if self.faults is not None:
                 loss = self.faults.loss(step, i, loss)
             engine.backward(loss)
@@ -102,7 +107,8 @@ class TrainStep:
     def evaluate(self) -> float:
         """Validation loss: mean over ``eval.iters`` x ``grad_accum`` micro-batches and the replicas."""
         self.engine.eval()
-        losses = [self.engine(x.to(self.device), y.to(self.device)).float()
+        losses = [self.weigh_loss(self.engine(x.to(self.device), y.to(self.device)),
+                                  y.to(self.device)).float()
                   for x, y in self._validation_batches()]
         self.engine.train()
         return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.groups.replica))

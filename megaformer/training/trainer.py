@@ -215,6 +215,7 @@ class Trainer:
         built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
                             weights_source=source, eod_id=self.tokenizer.eod_id)
         self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
+        self.weigh_loss = built.weigh_loss  # context parallelism: the loss the group averages
         return built.model
 
     def _local_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -245,7 +246,7 @@ class Trainer:
                                   grad_accum=self.grad_accum, dp_rank=self.dp_rank,
                                   dp_size=self.dp_size, valid_set=self.valid_set, part=self.part,
                                   param_names=self.param_names, clipper=self.clipper,
-                                  faults=self.faults)
+                                  faults=self.faults, weigh_loss=self.weigh_loss)
 
     def _measure_grad_norm(self) -> None:
         """Without a ZeRO/bf16 optimizer DeepSpeed reports no gradient norm, and its fp32 clipping
