@@ -147,16 +147,19 @@ class Checkpointer:
     def latest(self) -> Optional[Path]:
         return latest_checkpoint(self.root)
 
-    def model_weights(self, model_cfg: Any) -> tuple[Any, Any]:
+    def model_weights(self, model_cfg: Any, topo: Any = None) -> tuple[Any, Any]:
         """(weights, where they come from) to build this rank's model from: None for a fresh
         run; else the checkpoint's whole weights, or a reader of its shards (each rank reads only
-        its own), or the first release's layout-free masters."""
+        its own; with ``topo``, each shard once per replica group, exchanged within it:
+        :meth:`ShardedState.share`), or the first release's layout-free masters."""
         ckpt = self.source
         if self.kind == "weights":
             return load_weights(ckpt), ckpt
         if self.kind == "sharded":
             self._saved = sharded.ShardedState(ckpt)
             self._saved.check_model(expected_shapes(model_cfg))
+            if topo is not None:  # experts are identical only within an expert-data group
+                self._saved.share(topo.groups.edp if topo.ep > 1 else topo.groups.replica)
             return self._saved, self._saved.folder
         if self.kind == "portable":
             self._saved = portable.PortableState(ckpt)
@@ -214,13 +217,27 @@ class Checkpointer:
                                   f"optimizer ({type(t.engine.optimizer).__name__}); resume "
                                   "with train.precision bf16 or fp32")
         access.prepare(saved.adam_step)
+        # ZeRO 1/2/3: the moments' owned ranges are disjoint over the replica group, read as
+        # they are; the master weights' pieces were read for the model build, exchanged again.
+        # ZeRO-0 holds whole shards: each is read once per group and exchanged.
         for o in access.owned(params, self.cfg.model.vocab_size, for_save=False):
             for key in sharded.KEYS:
-                access.set_owned(o, key, saved.fill(o, key))
+                shared = key == "master" or access.plain
+                access.set_owned(o, key, saved.fill_shared(o, key) if shared else saved.fill(o, key))
+        self._log_reads(saved)
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
         if not self.changes:
             self._restore_rng(load_rng_state(ckpt, self.rank))
         return self._resumed(state, "")
+
+    def _log_reads(self, saved: sharded.ShardedState) -> None:
+        """Rank 0 logs the largest share of the saved state one rank read (ideal: 1 / world)."""
+        reads = self._gather_to_main(saved.bytes_read)
+        if self.rank == 0:
+            total = max(saved.state_bytes(), 1)
+            log.info("sharded state read per rank: at most %.1f%%, at least %.1f%% of %.1f MB "
+                     "(1/world = %.1f%%)", 100 * max(reads) / total, 100 * min(reads) / total,
+                     total / 1e6, 100 / len(reads))
 
     def _resume_portable(self) -> TrainState:
         """Master weights, Adam moments, LR schedule and data position from the first release's

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -277,6 +277,46 @@ class ShardedState:
                                   "it does not list)") from None
         check_index_coverage(self.shapes, self.boxes, self.files, path)  # before any allocation
         self._open: dict[str, Any] = {}
+        self.bytes_read = 0  # tensor bytes this process read from the shard files
+        self.group: Any = None  # ranks holding identical shards: each byte read once among them
+        self._pieces: dict[str, torch.Tensor] = {}  # this rank's read piece of each master shard
+
+    def share(self, group: Any) -> None:
+        """Read each shard once per ``group`` (ranks holding identical shards: the replica group,
+        or the expert-data group under expert parallelism). Of a shard's n elements, group rank r
+        of k reads [r n / k, (r + 1) n / k) and the group all-gathers the k pieces, so the group
+        reads the shard once instead of k times (a fully parallel load). The master weights'
+        pieces are kept (1 / world of the fp32 masters) until this reader is dropped: the
+        resume's master weights then cost no second read (:meth:`fill_shared`)."""
+        self.group = group
+
+    def fill_shared(self, o: Owned, key: str) -> torch.Tensor:
+        """:meth:`fill`, for a range ``o`` that ranks of the :meth:`share` group may also need
+        (collective over the group: every rank calls it for the same parameters in the same
+        order): the group's pieces of the whole shard, gathered, cut to ``o``'s range."""
+        from megaformer.comm import all_gather_cat, rank, size
+        from megaformer.runtime.collectives import collective_device
+
+        k = size(self.group) if self.group is not None else 1
+        if k == 1:
+            return self.fill(o, key)
+        r, n = rank(self.group), math.prod(o.local_shape)
+        piece = self._pieces.get(o.name) if key == "master" else None
+        if piece is None:
+            piece = self.fill(replace(o, start=r * n // k, stop=(r + 1) * n // k), key)
+            if key == "master":
+                self._pieces[o.name] = piece
+        width = -(-n // k)  # pieces padded to one width for the all-gather
+        buf = torch.zeros(width, dtype=torch.float32, device=collective_device(self.group))
+        buf[:piece.numel()] = piece.to(buf.device)
+        parts = all_gather_cat(buf, self.group, 0).cpu()
+        whole = torch.cat([parts[i * width:i * width + (i + 1) * n // k - i * n // k]
+                           for i in range(k)])
+        return whole[o.start:o.stop].clone()
+
+    def state_bytes(self) -> int:
+        """The bytes of the whole saved state (every key of every parameter, fp32)."""
+        return BYTES_PER_ELEMENT * sum(math.prod(s) for s in self.shapes.values())
 
     @property
     def adam_step(self) -> float:
@@ -325,6 +365,7 @@ class ShardedState:
                                       f"({str(e)[:200]})") from None
             out[_slices(common, target[0])] = part.to(out.dtype)
             found += math.prod(common[1])
+            self.bytes_read += part.numel() * part.element_size()
         return found
 
     def whole(self, name: str, key: str = "master") -> torch.Tensor:
@@ -352,13 +393,14 @@ class ShardedState:
               key: str = "master", ep_offset: int = 0) -> torch.Tensor:
         """A parameter's tensor-parallel shard of ``key`` (``shape``, starting at ``tp_offset``
         along ``dim`` and at ``ep_offset`` along dim 0 for an expert-parallel slice of experts;
-        the weights a rank builds its model from), vocabulary padding rows zero."""
+        the weights a rank builds its model from), vocabulary padding rows zero; read once per
+        :meth:`share` group (collective over it)."""
         if name not in self.shapes:
             raise CheckpointError(f"{self.folder}: no parameter {name}")
         rows = self.shapes[name][0] if name in VOCAB_TABLES else None
         o = Owned(name, None, shape, 0, math.prod(shape), dim, tp_offset, rows,  # type: ignore
                   ep_offset=ep_offset)
-        return self.fill(o, key).view(shape)
+        return self.fill_shared(o, key).view(shape)
 
     def check_model(self, expected: dict[str, tuple[int, ...]]) -> None:
         """The saved parameters are the model's (names and whole shapes)."""

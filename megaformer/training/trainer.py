@@ -211,7 +211,7 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
         the weights of the checkpoint the run resumes from (:meth:`Checkpointer.model_weights`)."""
-        weights, source = self.checkpointer.model_weights(self.cfg.model)
+        weights, source = self.checkpointer.model_weights(self.cfg.model, self.topo)
         built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
                             weights_source=source, eod_id=self.tokenizer.eod_id)
         self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
