@@ -136,6 +136,7 @@ class Checkpointer:
         self.topo: Any = None
         self.trained: Optional[Trained] = None
         self.group: Any = None
+        self.thread_group: Any = None
         self.staging: Optional[HostStaging] = None
 
     # ------------------------------------------------------------------------- resume
@@ -172,6 +173,11 @@ class Checkpointer:
         self.cfg, self.topo, self.trained = cfg, topo, trained
         minutes = self.cfg.parallel.collective_timeout_minutes
         self.group = host_group(datetime.timedelta(minutes=minutes))
+        dist = torch.distributed
+        if self.writer is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            # the writer threads' own group: they meet once per save while training goes on
+            self.thread_group = dist.new_group(backend="gloo",
+                                               timeout=datetime.timedelta(minutes=minutes))
         if trained.engine is not None and _on_accelerator(trained.engine):
             self.staging = HostStaging()
 
@@ -305,7 +311,8 @@ class Checkpointer:
             background=self.writer,
             before_commit=(lambda: t.before_commit(state.step)) if t.before_commit else None,
             engine_files=not shard,
-            before_seal=(lambda tmp: sharded.write_index(tmp, pieces, info)) if shard else None)
+            before_seal=(lambda tmp: sharded.write_index(tmp, pieces, info)) if shard else None,
+            thread_sync=self._threads_agree if self.thread_group is not None else None)
         if path is not None and self.writer is None:
             log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
         elif path is not None:
@@ -349,6 +356,13 @@ class Checkpointer:
         dist = torch.distributed
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier(group=self.group)
+
+    def _threads_agree(self, ok: bool) -> bool:
+        """The writer threads of all ranks meet once: True when every rank wrote its files."""
+        flag = torch.tensor([1 if ok else 0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
+                                     group=self.thread_group)
+        return bool(flag.item())
 
     def _gather_to_main(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (small, picklable) on rank 0, in rank order; [] elsewhere."""
