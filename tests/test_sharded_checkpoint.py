@@ -23,6 +23,7 @@ import torch
 from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint import sharded
 from megaformer.checkpoint.sharded import Owned, ShardedState, flat_boxes
+from megaformer.errors import CheckpointError
 from tests.helpers import assert_one_line_error, cli_main, run_torchrun, tiny_overrides
 
 LAYOUTS = {
@@ -89,6 +90,80 @@ def test_vocabulary_padding_is_cut_from_the_boxes():
     assert sum(math.prod(b[0][1]) for b in boxes) == (10 - 6) * 4 - 3
 
 
+def zero3_pieces(world: int, shapes: dict[str, list[int]]) -> list[dict]:
+    """Every rank's piece description under ZeRO-3 at DP ``world`` (no TP): rank r owns
+    [r p, min((r + 1) p, n)) of each flattened parameter, p = ceil(n / world)."""
+    out = []
+    for r in range(world):
+        ranges = {}
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            p = -(-n // world)
+            if min((r + 1) * p, n) > r * p:
+                ranges[name] = [0, 0, r * p, min((r + 1) * p, n)]
+        out.append({"rank": r, "file": sharded.rank_file(r), "bytes": 1 << 30, "ranges": ranges,
+                    "shapes": shapes, "shards": {n: [s, None, None] for n, s in shapes.items()}})
+    return out
+
+
+PROXY = {"tok_embeddings.weight": [32000, 512], "final_norm.weight": [512],
+         **{f"layers.{i}.{n}": s for i in range(12) for n, s in (
+             ("attention_norm.weight", [512]), ("attention.wqkv.weight", [1536, 512]),
+             ("attention.wo.weight", [512, 512]), ("ffn_norm.weight", [512]),
+             ("feed_forward.w13.weight", [4096, 512]), ("feed_forward.w2.weight", [512, 2048]))}}
+
+
+def test_zero3_index_at_dp512_is_bounded_per_rank(tmp_path):
+    """A 67M-parameter proxy's index at a simulated DP512 ZeRO-3: the partition of each parameter
+    is one rule, so the index is params + ranks (30 KB; listing every box took 16 MB, 32 KB per
+    rank, growing with params x ranks). Bound: under 100 bytes per rank plus 400 per parameter."""
+    sizes = {}
+    for world in (64, 512):
+        text = sharded.build_index(zero3_pieces(world, PROXY), {"step": 1})
+        sizes[world] = len(text)
+        assert len(text) <= 100 * world + 400 * len(PROXY), (world, len(text))
+    assert sizes[512] - sizes[64] <= 40 * (512 - 64)  # grows with ranks only by their file sizes
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "index.json").write_text(text)
+    state = ShardedState(tmp_path)
+    listed = json.dumps({"boxes": state.listed()}, indent=1)
+    assert len(listed) > 500 * len(text)  # what format 1 would have held
+    boxes = state.boxes_of("layers.3.attention.wo.weight", "exp_avg")  # the rule, expanded
+    assert boxes[1] == ["rank_00001.safetensors", "layers.3.attention.wo.weight/exp_avg/0",
+                        [1, 0], [1, 512]]  # rank r: row r (512 elements each)
+    assert sum(math.prod(b[3]) for b in boxes) == 512 * 512
+
+
+def test_index_runs_round_trip_every_partition():
+    """Equal parts (ZeRO-3), even splits (ZeRO-0), irregular fragments (ZeRO 1/2) and TP shards:
+    the runs expand to exactly the saved entries."""
+    cases = [[(r, 0, 0, r * 7, min((r + 1) * 7, 30)) for r in range(5)],           # equal parts
+             [(r, 0, 0, r * 30 // 4, (r + 1) * 30 // 4) for r in range(4)],          # even split
+             [(0, 0, 0, 0, 3), (1, 0, 0, 3, 11), (2, 0, 0, 11, 12), (3, 0, 0, 12, 30)],  # ZeRO 1/2
+             [(2 * r + t, 16 * t, 0, 8 * r, 8 * r + 8) for t in range(2) for r in range(2)]]
+    for entries in cases:
+        runs = sharded.compress_ranges(entries)
+        got = sorted(e for run in runs for e in sharded.expand_run(run))
+        assert got == sorted(entries), (entries, runs)
+    assert len(sharded.compress_ranges(cases[0])) == 1 and len(sharded.compress_ranges(cases[1])) == 1
+    assert len(sharded.compress_ranges(cases[3])) == 2  # one run per TP shard
+
+
+def test_small_index_claiming_a_huge_tensor_is_refused_before_reading(tmp_path):
+    shapes = {"w": [64, 32]}
+    text = sharded.build_index(zero3_pieces(4, shapes), {"step": 1})
+    index = json.loads(text)
+    index["files"] = {f: 100 for f in index["files"]}  # tiny shard files
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="the index places 24576 bytes of tensors in 400"):
+        ShardedState(tmp_path)
+    index["shapes"]["w"] = [1 << 25, 32]  # the shards do not hold the claimed tensor
+    (tmp_path / "state" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="the saved shards of w hold 2048 elements"):
+        ShardedState(tmp_path)
+
+
 # ----------------------------------------------------------------------------- 4 ranks
 
 @pytest.fixture(scope="module")
@@ -106,7 +181,7 @@ def test_every_rank_writes_its_own_share(reference):
     assert sorted(index["files"]) == [sharded.rank_file(r) for r in range(4)]
     assert not list(ckpt.glob("*.pt")) and not (ckpt / "model.safetensors").exists()
     per_rank = {f: 0 for f in index["files"]}
-    for boxes in index["boxes"].values():
+    for boxes in ShardedState(ckpt).listed().values():
         for file, _, _, size in boxes:
             per_rank[file] += 4 * math.prod(size)
     total = sum(per_rank.values())

@@ -16,8 +16,14 @@ import torch
 
 from megaformer import deepspeed_attrs
 from megaformer.checkpoint.files import flush_own_files, seal, wait_for, write_payload
-from megaformer.checkpoint.layout import (CHECKPOINTS, README, README_TEXT, RECOVERY_SCRIPTS,
-                                          TMP_PREFIX, tag_for)
+from megaformer.checkpoint.layout import (
+    CHECKPOINTS,
+    README,
+    README_TEXT,
+    RECOVERY_SCRIPTS,
+    TMP_PREFIX,
+    tag_for,
+)
 from megaformer.checkpoint.rng import rng_file, save_rng_state
 from megaformer.errors import CheckpointError
 from megaformer.runtime.collectives import collective_device

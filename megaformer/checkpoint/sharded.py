@@ -34,6 +34,7 @@ index's sizes and their own headers before a byte of data is used.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, replace
@@ -43,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint.files import write_payload
-from megaformer.checkpoint.index_checks import check_index_coverage
+from megaformer.checkpoint.index_checks import check_exact_cover, check_index_coverage
 from megaformer.checkpoint.safetensors_check import read_header
 from megaformer.checkpoint.staging import HostStaging
 from megaformer.errors import CheckpointError
@@ -54,7 +55,7 @@ INDEX = "index.json"
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 BYTES_PER_ELEMENT = 4 * len(KEYS)  # fp32 master weight and Adam's two moments
 VOCAB_TABLES = ("tok_embeddings.weight", "lm_head.weight")
-FORMAT = 1
+FORMAT = 2  # 1: every box listed (still read)
 MAX_INDEX_BYTES = 256 << 20
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -210,31 +211,100 @@ def write_index(tmp: Path, pieces: list[dict], info: dict) -> None:
 
 
 def build_index(pieces: list[dict], info: dict) -> str:
-    """``index.json`` from every rank's piece description ({"file", "bytes", "boxes": {key:
-    [offsets, sizes]}, "shapes": {name: whole shape}}) and ``info`` (step, layout, Adam's step)."""
+    """``index.json`` from every rank's piece description ({"rank", "file", "bytes", "ranges":
+    {name: [tp_offset, ep_offset, start, stop]}, "shards": {name: [local shape, dim, rows]},
+    "shapes": {name: whole shape}}) and ``info`` (step, layout, Adam's step).
+
+    Boxes are described by rule, not listed: a parameter's saved shard geometry once, and its
+    owned flat ranges as runs (:func:`compress_ranges`): ZeRO-3's partition of a shard over any
+    number of ranks is one run, so the index grows with parameters + ranks, not their product."""
     shapes: dict[str, list[int]] = {}
-    boxes: dict[str, list] = {}
+    shards: dict[str, list] = {}
+    entries: dict[str, list] = {}
     for piece in pieces:
         shapes.update(piece["shapes"])
-        for tkey, (off, size) in piece["boxes"].items():
-            name, key, _ = tkey.rsplit("/", 2)
-            boxes.setdefault(f"{name}/{key}", []).append([piece["file"], tkey, off, size])
+        shards.update(piece["shards"])
+        for name, (tp_off, ep_off, start, stop) in piece["ranges"].items():
+            entries.setdefault(name, []).append((piece["rank"], tp_off, ep_off, start, stop))
     files = {piece["file"]: piece["bytes"] for piece in pieces}
     for name, shape in shapes.items():  # every element of every tensor saved exactly once
-        for key in KEYS:
-            got = sum(math.prod(b[3]) for b in boxes.get(f"{name}/{key}", []))
-            if got != math.prod(shape):
-                raise CheckpointError(f"sharded save: {name}/{key} has {got} of "
-                                      f"{math.prod(shape)} elements (a rank's ownership is wrong)")
+        local, _, rows = shards.get(name, (shape, None, None))
+        check_tiling(name, entries.get(name, []), math.prod(local), math.prod(shape),
+                     rows is not None)
+    ranges = {name: compress_ranges(e) for name, e in entries.items()}
     return json.dumps({"format": FORMAT, **info, "shapes": shapes, "files": files,
-                       "boxes": boxes}, indent=1, sort_keys=True)
+                       "shards": shards, "ranges": ranges}, sort_keys=True, separators=(",", ":"))
+
+
+def check_tiling(name: str, entries: list[tuple[int, ...]], n_local: int, n_whole: int,
+                 padded: bool) -> None:
+    """Each saved shard of ``name`` (entries (rank, tp_offset, ep_offset, start, stop)) is tiled
+    exactly by its ranges, and the shards hold the whole tensor (``padded``: a vocabulary table,
+    whose shards' padding rows are not saved, may hold more)."""
+    by_shard: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for _, tp_off, ep_off, start, stop in entries:
+        by_shard.setdefault((tp_off, ep_off), []).append((start, stop))
+    for ranges in by_shard.values():
+        ranges.sort()
+        if ranges[0][0] != 0 or ranges[-1][1] != n_local or any(
+                a[1] != b[0] for a, b in itertools.pairwise(ranges)):
+            raise CheckpointError(f"sharded save: {name} is not saved exactly once (a rank's "
+                                  "ownership is wrong)")
+    if len(by_shard) * n_local < n_whole or (not padded and len(by_shard) * n_local != n_whole):
+        raise CheckpointError(f"sharded save: {name} has {len(by_shard)} shards of {n_local} of "
+                              f"{n_whole} elements (a rank's ownership is wrong)")
+
+
+def compress_ranges(entries: list[tuple[int, ...]]) -> list[list[int]]:
+    """Entries (rank, tp_offset, ep_offset, start, stop) as runs ``[rank0, rank_step, count,
+    tp_offset, ep_offset, lo, part, hi]``: entry j of a run is rank ``rank0 + j rank_step`` owning
+    [lo + j part, min(lo + (j + 1) part, hi)) (``part`` > 0: equal parts, ZeRO-3 and ZeRO 1/2's
+    whole-parameter fragments) or [lo + j (hi - lo) // count, lo + (j + 1) (hi - lo) // count)
+    (``part`` = 0: an even split, ZeRO-0). Anything else is a run of one."""
+    runs: list[list[int]] = []
+    ordered = sorted(entries, key=lambda e: (e[1], e[2], e[3]))
+    i = 0
+    while i < len(ordered):
+        r0, tp_off, ep_off, lo, _ = ordered[i]
+        j = i + 1  # the longest contiguous stretch of one shard with a constant rank step
+        step = ordered[i + 1][0] - r0 if i + 1 < len(ordered) else 1
+        while (j < len(ordered) and ordered[j][1:3] == (tp_off, ep_off)
+               and ordered[j][3] == ordered[j - 1][4] and ordered[j][0] - ordered[j - 1][0] == step):
+            j += 1
+        run = [tuple(e) for e in ordered[i:j]]
+        count, hi = len(run), run[-1][4]
+        for part in (run[0][4] - lo, 0):
+            if count > 1 and expand_run([r0, step, count, tp_off, ep_off, lo, part, hi]) == run:
+                runs.append([r0, step, count, tp_off, ep_off, lo, part, hi])
+                break
+        else:
+            runs.append([r0, 1, 1, tp_off, ep_off, lo, run[0][4] - lo, run[0][4]])
+            j = i + 1
+        i = j
+    return runs
+
+
+def expand_run(run: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """The entries (rank, tp_offset, ep_offset, start, stop) of a run of :func:`compress_ranges`."""
+    r0, step, count, tp_off, ep_off, lo, part, hi = run
+    out = []
+    for j in range(count):
+        if part > 0:
+            a, b = lo + j * part, min(lo + (j + 1) * part, hi)
+        else:
+            a, b = lo + j * (hi - lo) // count, lo + (j + 1) * (hi - lo) // count
+        out.append((r0 + j * step, tp_off, ep_off, a, b))
+    return out
 
 
 def piece_description(rank: int, tensors: dict[str, torch.Tensor], where: dict[str, list],
                       owned: list[Owned], tp: int) -> dict:
-    """What rank 0 needs to know of this rank's file for the index (small: no tensor data)."""
-    boxes = {k: [where[k], list(t.shape)] for k, t in tensors.items()}
-    return {"file": rank_file(rank), "boxes": boxes, "bytes": None,
+    """What rank 0 needs to know of this rank's file for the index (small: no tensor data, one
+    flat range per parameter; ``tensors`` and ``where`` are the file's, described by rule)."""
+    return {"rank": rank, "file": rank_file(rank), "bytes": None,
+            "ranges": {o.name: [o.tp_offset, o.ep_offset, o.start, o.stop]
+                       for o in owned if o.stop > o.start},
+            "shards": {o.name: [list(o.local_shape), o.dim, o.rows] for o in owned},
             "shapes": {o.name: list(o.whole_shape(tp)) for o in owned}}
 
 
@@ -250,32 +320,33 @@ class ShardedState:
         try:
             self.index = json.loads(read_text_inside(ckpt, Path(STATE_DIR, INDEX), MAX_INDEX_BYTES))
             self.shapes = {k: tuple(v) for k, v in self.index["shapes"].items()}
-            self.boxes: dict[str, list] = self.index["boxes"]
             self.files: dict[str, int] = self.index["files"]
+            self.format = self.index.get("format")
+            if self.format == 1:  # every box listed
+                self.boxes: dict[str, list] = self.index["boxes"]
+            else:  # boxes by rule, expanded for one parameter when it is first read
+                self.boxes = {}
+                self._shards: dict[str, list] = self.index["shards"]
+                self._ranges: dict[str, list] = self.index["ranges"]
+                missing = [n for n in self.shapes if n not in self._ranges or n not in self._shards]
         except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError,
                 RecursionError):
             raise CheckpointError(f"{path}: missing or corrupt") from None
-        if self.index.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: format {self.index.get('format')!r}; this megaformer "
-                                  f"reads format {FORMAT}")
+        if self.format not in (1, FORMAT):
+            raise CheckpointError(f"{path}: format {self.format!r}; this megaformer reads formats "
+                                  f"1 and {FORMAT}")
         for name in self.files:
             if Path(name).name != name or not name.endswith(".safetensors"):
                 raise CheckpointError(f"{path}: names file {name[:80]!r} outside {self.folder}")
-        # every box inside its tensor, in a listed file: checked against each file's header
         self._expect: dict[str, dict[str, list[int]]] = {f: {} for f in self.files}
-        try:
-            for pkey, boxes in self.boxes.items():
-                shape = self.shapes[pkey.rsplit("/", 1)[0]]
-                for file, tkey, off, size in boxes:
-                    if (len(off) != len(shape) or len(size) != len(shape)
-                            or any(o < 0 or z < 1 or o + z > d
-                                   for o, z, d in zip(off, size, shape))):
-                        raise ValueError(tkey)
-                    self._expect[file][tkey] = list(size)
-        except (KeyError, ValueError, TypeError, AttributeError):
-            raise CheckpointError(f"{path}: corrupt (a box outside its tensor, or in a file "
-                                  "it does not list)") from None
-        check_index_coverage(self.shapes, self.boxes, self.files, path)  # before any allocation
+        self._headers: dict[str, dict] = {}
+        if self.format == 1:
+            self._check_boxes(self.boxes)
+            check_index_coverage(self.shapes, self.boxes, self.files, path)  # before allocating
+        elif missing:
+            raise CheckpointError(f"{path}: no master weights for {', '.join(missing[:3])}")
+        else:
+            self._check_runs()  # before any allocation
         self._open: dict[str, Any] = {}
         self.bytes_read = 0  # tensor bytes this process read from the shard files
         self.group: Any = None  # ranks holding identical shards: each byte read once among them
@@ -318,6 +389,85 @@ class ShardedState:
         """The bytes of the whole saved state (every key of every parameter, fp32)."""
         return BYTES_PER_ELEMENT * sum(math.prod(s) for s in self.shapes.values())
 
+    def _check_boxes(self, boxes: dict[str, list]) -> None:
+        """Every box inside its tensor, in a listed file (checked against the file's header when
+        read)."""
+        try:
+            for pkey, entries in boxes.items():
+                shape = self.shapes[pkey.rsplit("/", 1)[0]]
+                for file, tkey, off, size in entries:
+                    if (len(off) != len(shape) or len(size) != len(shape)
+                            or any(o < 0 or z < 1 or o + z > d
+                                   for o, z, d in zip(off, size, shape))):
+                        raise ValueError(tkey)
+                    self._expect[file][tkey] = list(size)
+        except (KeyError, ValueError, TypeError, AttributeError):
+            raise CheckpointError(f"{self.folder / INDEX}: corrupt (a box outside its tensor, or "
+                                  "in a file it does not list)") from None
+
+    def _check_runs(self) -> None:
+        """Format 2, without expanding a run (each parameter is checked exactly when first read,
+        :meth:`boxes_of`): every parameter's saved shards hold it, and the shard files hold the
+        bytes the runs claim, so a small index cannot size an allocation."""
+        where, claimed = self.folder / INDEX, 0
+        try:
+            for name, shape in self.shapes.items():
+                local, _, rows = self._shards[name]
+                n_local = math.prod(int(d) for d in local)
+                runs = [[int(v) for v in run] for run in self._ranges[name]]
+                if any(len(r) != 8 or r[2] < 1 or not 0 <= r[5] < r[7] <= n_local for r in runs):
+                    raise ValueError(name)
+                shards = {(r[3], r[4]) for r in runs}
+                held = sum(r[7] - r[5] for r in runs)
+                n_whole = math.prod(shape)
+                if held != len(shards) * n_local or held < n_whole or (rows is None
+                                                                       and held != n_whole):
+                    raise CheckpointError(f"{where}: the saved shards of {name[:80]} hold {held} "
+                                          f"elements, the tensor {n_whole}")
+                claimed += BYTES_PER_ELEMENT * n_whole  # each element saved once
+        except (KeyError, ValueError, TypeError, AttributeError):
+            raise CheckpointError(f"{where}: corrupt (the ranges or shards of a parameter)") from None
+        have = sum(int(v) for v in self.files.values())
+        if claimed > have:
+            raise CheckpointError(f"{self.folder}: the index places {claimed} bytes of tensors in "
+                                  f"{have} bytes of shard files")
+
+    def listed(self) -> dict[str, list]:
+        """Every box, listed as format 1 lists them (``{"NAME/KEY": [[file, tensor key, offsets,
+        sizes], ...]}``)."""
+        return {f"{n}/{k}": self.boxes_of(n, k) for n in self.shapes for k in KEYS}
+
+    def boxes_of(self, name: str, key: str) -> list:
+        """The saved boxes ``[file, tensor key, offsets, sizes]`` of ``name``'s ``key``: listed
+        (format 1), or expanded from the parameter's runs and checked to tile it once (format 2)."""
+        pkey = f"{name}/{key}"
+        if self.format == 1 or pkey in self.boxes or name not in self.shapes:
+            return self.boxes.get(pkey, [])
+        where = self.folder / INDEX
+        try:
+            local, dim, rows = self._shards[name]
+            local = tuple(int(d) for d in local)
+            expanded = {k: [] for k in KEYS}
+            for run in self._ranges[name]:
+                if len(run) != 8 or not 1 <= run[2] <= len(self.files):
+                    raise ValueError(run)
+                for rank, tp_off, ep_off, start, stop in expand_run([int(v) for v in run]):
+                    if not 0 <= start < stop <= math.prod(local):
+                        raise ValueError(run)
+                    o = Owned(name, None, local, start, stop, dim, tp_off, rows,  # type: ignore
+                              ep_offset=ep_off)
+                    for i, ((off, cut), _, _) in enumerate(o.boxes()):
+                        for k in KEYS:
+                            expanded[k].append([rank_file(rank), f"{name}/{k}/{i}", list(off),
+                                                list(cut)])
+        except (KeyError, ValueError, TypeError, AttributeError, IndexError):
+            raise CheckpointError(f"{where}: corrupt (the ranges of {name[:80]})") from None
+        boxes = {f"{name}/{k}": v for k, v in expanded.items()}
+        self._check_boxes(boxes)
+        check_exact_cover(f"{name}/master", self.shapes[name], boxes[f"{name}/master"], where)
+        self.boxes.update(boxes)
+        return self.boxes[pkey]
+
     @property
     def adam_step(self) -> float:
         return float(self.index.get("adam_step", 0.0))
@@ -338,24 +488,31 @@ class ShardedState:
             if size != self.files[file]:
                 raise CheckpointError(f"{path}: {size} bytes, the checkpoint's index says "
                                       f"{self.files[file]} (truncated or replaced)")
-            header = read_header(path)  # every tensor's byte range against the file
+            self._headers[file] = read_header(path)  # every tensor's byte range in the file
             for tkey, size in self._expect[file].items():
-                entry = header.get(tkey)
-                if not isinstance(entry, dict) or entry.get("dtype") != "F32" \
-                        or entry.get("shape") != size:
-                    raise CheckpointError(f"{path}: {tkey} is missing or does not match "
-                                          f"{self.folder / INDEX}")
+                self._check_header(file, tkey, size)
             self._open[file] = safe_open(str(path), framework="pt")
         return self._open[file]
+
+    def _check_header(self, file: str, tkey: str, size: list[int]) -> None:
+        """The shard ``file`` holds ``tkey`` as an fp32 tensor of ``size`` (opened first)."""
+        if file not in self._headers:
+            self.open_file(file)
+        entry = self._headers[file].get(tkey)
+        if not isinstance(entry, dict) or entry.get("dtype") != "F32" \
+                or entry.get("shape") != list(size):
+            raise CheckpointError(f"{self.folder / file}: {tkey} is missing or does not match "
+                                  f"{self.folder / INDEX}")
 
     def read(self, name: str, key: str, target: Box, out: torch.Tensor) -> int:
         """Fill ``out`` (a tensor of ``target``'s size) with the saved values inside ``target``;
         returns how many elements were found."""
         found = 0
-        for file, tkey, off, size in self.boxes.get(f"{name}/{key}", []):
+        for file, tkey, off, size in self.boxes_of(name, key):
             common = intersect(target, (tuple(off), tuple(size)))
             if common is None:
                 continue
+            self._check_header(file, tkey, size)
             try:
                 part = self.open_file(file).get_slice(tkey)[_slices(common, tuple(off))]
             except CheckpointError:
