@@ -41,6 +41,16 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     return out
 
 
+def broadcast_from_main(obj: Any, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """Rank 0's ``obj`` (small, picklable; ignored elsewhere) on every rank of ``group`` (default:
+    all ranks; rank 0 of the world must be in it); ``obj`` itself for a group of one."""
+    if size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def gather_to_main(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (small, picklable) on rank 0, in rank order; [] on the other ranks
     ([obj] without a process group)."""

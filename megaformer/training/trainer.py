@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
+from megaformer.comm import broadcast_from_main
 from megaformer.checkpoint.files import write_text_atomic
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
@@ -40,6 +41,7 @@ from megaformer.training import distributed as dist
 from megaformer.training import deepspeed_adapter as ds_adapter
 from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.faults import FaultPlan
+from megaformer.runtime.collectives import host_group
 from megaformer.runtime.host_allocator import configure_host_allocator
 from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.training.preemption import StopRequest
@@ -173,7 +175,8 @@ class Trainer:
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
         self.faults = FaultPlan.from_env(self.rank)
         self.tokenizer, data = setup_data(cfg, self.run_dir, self.rank, dist.barrier,
-                                          self.checkpointer.source)
+                                          self.checkpointer.source,
+                                          share=lambda obj: broadcast_from_main(obj, host_group()))
         self.cfg = cfg = _resolve_vocab(cfg, self.tokenizer.vocab_size)
         self.train_set, self.valid_set = data.train, data.valid
         self.unigram = data.unigram(cfg.model.vocab_size)
