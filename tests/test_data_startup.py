@@ -53,3 +53,33 @@ def test_only_rank0_hashes_and_checks_the_index_cache(tmp_path, world):
         assert (out[r]["hash"], out[r]["check"]) == (0, 0), (r, out[r])
         assert out[r]["samples"] == out[0]["samples"]
     assert len(np.unique(out[0]["samples"])) > 10
+
+
+def _read_at_tp2(rank: int, world: int, path: str, prefetch: int) -> dict:
+    """Two ranks of one model-parallel group (TP2 x DP1) read 3 steps of 2 micro-batches."""
+    import torch.distributed as dist
+
+    from megaformer.data.dataset import PackedDataset, TrainLoader
+
+    data = PackedDataset(np.load(path), 8, "train")
+    reads = []
+    real = data.batch
+    data.batch = lambda idx: (reads.append(len(idx)), real(idx))[1]  # type: ignore[method-assign]
+    loader = TrainLoader(data, 2, 2, 0, 1, seed=3, prefetch=prefetch,
+                         readers=dist.new_group([0, 1], backend="gloo"))
+    steps = [[(x.tolist(), y.tolist()) for x, y in loader.next_step()] for _ in range(3)]
+    loader.close()
+    alone = TrainLoader(PackedDataset(np.load(path), 8, "train"), 2, 2, 0, 1, seed=3)
+    return {"reads": len(reads), "steps": steps,
+            "alone": [[(x.tolist(), y.tolist()) for x, y in alone.next_step()] for _ in range(3)]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_at_tp2_only_the_first_tp_rank_reads_and_both_get_its_batches(tmp_path, prefetch):
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.arange(5000, dtype=np.int64) % 251)
+    out = run_ranks(2, _read_at_tp2, str(path), prefetch)
+    # 3 steps x 2 micro-batches read by TP rank 0 (prefetch reads up to 2 steps ahead); none by 1
+    assert out[0]["reads"] >= 6 and out[1]["reads"] == 0  # each read them all before
+    assert out[0]["steps"] == out[1]["steps"] == out[0]["alone"]  # the batches one process reads

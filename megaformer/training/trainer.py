@@ -28,41 +28,40 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
-from megaformer.comm import broadcast_from_main
 from megaformer.checkpoint.files import write_text_atomic
+from megaformer.comm import broadcast_from_main
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.data.setup import setup_data
-from megaformer.evaluation.training import TaskEvaluator
 from megaformer.errors import CheckpointError, ConfigError
+from megaformer.evaluation.training import TaskEvaluator
 from megaformer.kernels import native
-from megaformer.training import distributed as dist
-from megaformer.training import deepspeed_adapter as ds_adapter
-from megaformer.training.bad_steps import BadStepCounter
-from megaformer.training.faults import FaultPlan
-from megaformer.runtime.collectives import host_group
-from megaformer.runtime.host_allocator import configure_host_allocator
-from megaformer.runtime.run_lock import acquire_on_rank0
-from megaformer.training.preemption import StopRequest
-from megaformer.training.watchdog import StepWatchdog
-from megaformer.training.deepspeed_config import build_deepspeed_config
-from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
-from megaformer.training import wandb_log
-from megaformer.runtime.optimizer import build_optimizer
-from megaformer.training import hooks
-from megaformer.training.console import Console, log_summary
-from megaformer.training.intervals import LoopIntervals
-from megaformer.training.loop import TrainLoop
-from megaformer.training.train_step import train_step_class
-from megaformer.training.schedule import lr_lambda
 from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.plan import full_state_dict
 from megaformer.parallel.topology import build_topology, layout_groups
+from megaformer.runtime.collectives import host_group
+from megaformer.runtime.host_allocator import configure_host_allocator
+from megaformer.runtime.optimizer import build_optimizer
+from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.safe_files import check_run_dir
+from megaformer.training import deepspeed_adapter as ds_adapter
+from megaformer.training import distributed as dist
+from megaformer.training import hooks, wandb_log
+from megaformer.training.bad_steps import BadStepCounter
+from megaformer.training.console import Console, log_summary
+from megaformer.training.deepspeed_config import build_deepspeed_config
+from megaformer.training.faults import FaultPlan
+from megaformer.training.intervals import LoopIntervals
+from megaformer.training.loop import TrainLoop
+from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
+from megaformer.training.preemption import StopRequest
+from megaformer.training.schedule import lr_lambda
+from megaformer.training.train_step import train_step_class
+from megaformer.training.watchdog import StepWatchdog
 
 log = logging.getLogger("megaformer")
 
@@ -192,7 +191,8 @@ class Trainer:
                                   self.dp_rank, self.dp_size, cfg.train.seed, consumed,
                                   prefetch=cfg.data.prefetch,
                                   stop_at=cfg.train.steps * cfg.train.global_batch_size,
-                                  part=self.part, device=self.proc.device)
+                                  part=self.part, device=self.proc.device,
+                                  readers=_batch_readers(self.topo))
         if self.is_main:
             write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
@@ -379,3 +379,17 @@ def train(cfg: Config, run_dir: Path) -> TrainResult:
         if getattr(trainer, "run_lock", None) is not None:
             trainer.run_lock.release()
     return result
+
+
+def _batch_readers(topo: Any) -> Any:
+    """A gloo group of this rank's model-parallel ranks (TP x PP of one data-parallel and context
+    rank: they train on the same batches), made collectively for every such group: its first rank
+    reads each step's batches and broadcasts them (:class:`TrainLoader`). None at TP = PP = 1."""
+    if topo.tp * topo.pp == 1 or not torch.distributed.is_initialized():
+        return None
+    mine = None
+    for ranks in topo.mp_groups:
+        group = torch.distributed.new_group(ranks, backend="gloo")
+        if topo.rank in ranks:
+            mine = group
+    return mine
