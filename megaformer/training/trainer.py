@@ -28,40 +28,41 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
-from megaformer.checkpoint.files import write_text_atomic
 from megaformer.comm import broadcast_from_main
+from megaformer.checkpoint.files import write_text_atomic
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.data.setup import setup_data
-from megaformer.errors import CheckpointError, ConfigError
 from megaformer.evaluation.training import TaskEvaluator
+from megaformer.errors import CheckpointError, ConfigError
 from megaformer.kernels import native
+from megaformer.training import distributed as dist
+from megaformer.training import deepspeed_adapter as ds_adapter
+from megaformer.training.bad_steps import BadStepCounter
+from megaformer.training.faults import FaultPlan
+from megaformer.runtime.collectives import host_group
+from megaformer.runtime.host_allocator import configure_host_allocator
+from megaformer.runtime.run_lock import acquire_on_rank0
+from megaformer.training.preemption import StopRequest
+from megaformer.training.watchdog import StepWatchdog
+from megaformer.training.deepspeed_config import build_deepspeed_config
+from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
+from megaformer.training import wandb_log
+from megaformer.runtime.optimizer import build_optimizer
+from megaformer.training import hooks
+from megaformer.training.console import Console, log_summary
+from megaformer.training.intervals import LoopIntervals
+from megaformer.training.loop import TrainLoop
+from megaformer.training.train_step import train_step_class
+from megaformer.training.schedule import lr_lambda
 from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.plan import full_state_dict
 from megaformer.parallel.topology import build_topology, layout_groups
-from megaformer.runtime.collectives import host_group
-from megaformer.runtime.host_allocator import configure_host_allocator
-from megaformer.runtime.optimizer import build_optimizer
-from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.safe_files import check_run_dir
-from megaformer.training import deepspeed_adapter as ds_adapter
-from megaformer.training import distributed as dist
-from megaformer.training import hooks, wandb_log
-from megaformer.training.bad_steps import BadStepCounter
-from megaformer.training.console import Console, log_summary
-from megaformer.training.deepspeed_config import build_deepspeed_config
-from megaformer.training.faults import FaultPlan
-from megaformer.training.intervals import LoopIntervals
-from megaformer.training.loop import TrainLoop
-from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
-from megaformer.training.preemption import StopRequest
-from megaformer.training.schedule import lr_lambda
-from megaformer.training.train_step import train_step_class
-from megaformer.training.watchdog import StepWatchdog
 
 log = logging.getLogger("megaformer")
 
@@ -379,7 +380,6 @@ def train(cfg: Config, run_dir: Path) -> TrainResult:
         if getattr(trainer, "run_lock", None) is not None:
             trainer.run_lock.release()
     return result
-
 
 def _batch_readers(topo: Any) -> Any:
     """A gloo group of this rank's model-parallel ranks (TP x PP of one data-parallel and context
