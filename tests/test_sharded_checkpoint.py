@@ -58,9 +58,11 @@ def train4(run: Path, layout: str, steps: int) -> str:
     return proc.stdout
 
 
-def largest_read_share(out: str) -> float:
-    """The largest share of the saved state one rank read while resuming (the resume's log)."""
-    return float(re.search(r"sharded state read per rank: at most ([0-9.]+)%", out).group(1)) / 100
+def largest_read_share(out: str) -> tuple[float, float]:
+    """The largest share of the saved state one rank read while resuming, and the largest ratio of
+    a rank's read to its shards' state over its replica group (the resume's log)."""
+    m = re.search(r"sharded state read per rank: at most ([0-9.]+)%.*at most ([0-9.]+)x", out)
+    return float(m.group(1)) / 100, float(m.group(2))
 
 
 # ----------------------------------------------------------------------------- geometry (fast)
@@ -203,8 +205,11 @@ def test_resume_round_the_layouts_from_the_shards(reference, tmp_path):
         out = train4(run, layout, 2 * i + 2)
         assert "at a new layout" in out
         # each byte read once per replica group: 1/world of the state per rank, not the masters
-        # of the whole TP x PP shard on top (41.7% from PP2 x DP2 at TP2 x DP2 before)
-        assert largest_read_share(out) <= 1.10 / 4, (layout, largest_read_share(out))
+        # of the whole TP x PP shard on top (41.7% from PP2 x DP2 at TP2 x DP2 before). Under
+        # PP the stages differ in size and both hold the tied embedding: the bound is then what
+        # the rank's shards hold over its replica group
+        share, ratio = largest_read_share(out)
+        assert ratio <= 1.10 and (layout == "C" or share <= 1.10 / 4), (layout, share, ratio)
         got = losses(run)
         for step in (2 * i + 1, 2 * i + 2):
             assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (CHAIN[i - 1], layout,
@@ -221,7 +226,7 @@ def test_same_layout_resume_is_bitwise(reference, tmp_path):
     keep_only(run, 4)
     out = train4(run, "A", 6)
     assert "at a new layout" not in out and "resumed from" in out
-    assert largest_read_share(out) <= 1.10 / 4  # 41.7% when every replica read its masters
+    assert largest_read_share(out)[0] <= 1.10 / 4  # 41.7% when every replica read its masters
     a, b = losses(reference), losses(run)
     assert [b[s] for s in (5, 6)] == [a[s] for s in (5, 6)]
     for key in sharded.KEYS:  # the state it wrote equals the uninterrupted run's, bit for bit

@@ -38,8 +38,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -226,24 +227,34 @@ class Checkpointer:
         # ZeRO 1/2/3: the moments' owned ranges are disjoint over the replica group, read as
         # they are; the master weights' pieces were read for the model build, exchanged again.
         # ZeRO-0 holds whole shards: each is read once per group and exchanged.
-        for o in access.owned(params, self.cfg.model.vocab_size, for_save=False):
+        owned = access.owned(params, self.cfg.model.vocab_size, for_save=False)
+        for o in owned:
             for key in sharded.KEYS:
                 shared = key == "master" or access.plain
                 access.set_owned(o, key, saved.fill_shared(o, key) if shared else saved.fill(o, key))
-        self._log_reads(saved)
+        self._log_reads(saved, owned)
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
         if not self.changes:
             self._restore_rng(load_rng_state(ckpt, self.rank))
         return self._resumed(state, "")
 
-    def _log_reads(self, saved: sharded.ShardedState) -> None:
-        """Rank 0 logs the largest share of the saved state one rank read (ideal: 1 / world)."""
-        reads = self._gather_to_main(saved.bytes_read)
+    def _log_reads(self, saved: sharded.ShardedState, owned: list[sharded.Owned]) -> None:
+        """Rank 0 logs the largest share of the saved state one rank read (ideal: 1 / world) and
+        the largest ratio of a rank's read to its fair share: the state of the shards it holds
+        (``owned``: whole for ZeRO-0, else its ranges, whose shards are whole on the
+        :meth:`ShardedState.share` group) over the group's size, or 1 when it reads alone."""
+        from megaformer.comm import size
+
+        held = sum(math.prod(box[1]) for o in owned
+                   for box, _, _ in replace(o, start=0, stop=math.prod(o.local_shape)).boxes())
+        fair = sharded.BYTES_PER_ELEMENT * held / (size(saved.group) if saved.group else 1)
+        reads = self._gather_to_main((saved.bytes_read, saved.bytes_read / max(fair, 1.0)))
         if self.rank == 0:
             total = max(saved.state_bytes(), 1)
             log.info("sharded state read per rank: at most %.1f%%, at least %.1f%% of %.1f MB "
-                     "(1/world = %.1f%%)", 100 * max(reads) / total, 100 * min(reads) / total,
-                     total / 1e6, 100 / len(reads))
+                     "(1/world = %.1f%%); at most %.3fx its shards' state over its replica group",
+                     100 * max(r for r, _ in reads) / total, 100 * min(r for r, _ in reads) / total,
+                     total / 1e6, 100 / len(reads), max(x for _, x in reads))
 
     def _resume_portable(self) -> TrainState:
         """Master weights, Adam moments, LR schedule and data position from the first release's
