@@ -162,8 +162,27 @@ def test_small_index_claiming_a_huge_tensor_is_refused_before_reading(tmp_path):
         ShardedState(tmp_path)
     index["shapes"]["w"] = [1 << 25, 32]  # the shards do not hold the claimed tensor
     (tmp_path / "state" / "index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="the saved shards of w hold 2048 elements"):
+    with pytest.raises(CheckpointError, match="the boxes of w hold 2048 elements, the tensor 1073741824"):
         ShardedState(tmp_path)
+    index = json.loads(text)
+    index["ranges"]["w"][0][7] -= 1  # the last element of w saved nowhere
+    (tmp_path / "state" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="corrupt .the ranges or shards of a parameter"):
+        ShardedState(tmp_path)
+
+
+def test_a_read_looks_up_only_the_ranks_whose_ranges_meet_it(tmp_path):
+    """At a simulated DP512 ZeRO-3 a rank's read of its own partition finds the one or two saved
+    boxes that meet it, and a whole-tensor read finds every rank's, from one run each."""
+    (tmp_path / "state").mkdir()
+    text = sharded.build_index(zero3_pieces(512, PROXY), {"step": 1})
+    (tmp_path / "state" / "index.json").write_text(text)
+    state = ShardedState(tmp_path)
+    name, shape = "layers.5.feed_forward.w2.weight", (512, 2048)  # 2,048 elements per rank
+    mine = state._boxes_in(name, "master", ((7, 0), (1, 2048)))  # row 7: rank 7's partition
+    assert [b[:2] for b in mine] == [["rank_00007.safetensors", f"{name}/master/0"]]
+    everything = state._boxes_in(name, "master", ((0, 0), shape))
+    assert len(everything) == 512 and sum(math.prod(b[3]) for b in everything) == 512 * 2048
 
 
 # ----------------------------------------------------------------------------- 4 ranks

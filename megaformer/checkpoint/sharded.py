@@ -284,11 +284,13 @@ def compress_ranges(entries: list[tuple[int, ...]]) -> list[list[int]]:
     return runs
 
 
-def expand_run(run: list[int]) -> list[tuple[int, int, int, int, int]]:
-    """The entries (rank, tp_offset, ep_offset, start, stop) of a run of :func:`compress_ranges`."""
+def expand_run(run: list[int], first: int = 0,
+               last: Optional[int] = None) -> list[tuple[int, int, int, int, int]]:
+    """The entries (rank, tp_offset, ep_offset, start, stop) of a run of :func:`compress_ranges`
+    (entries ``first`` to ``last`` of it)."""
     r0, step, count, tp_off, ep_off, lo, part, hi = run
     out = []
-    for j in range(count):
+    for j in range(first, count if last is None else last + 1):
         if part > 0:
             a, b = lo + j * part, min(lo + (j + 1) * part, hi)
         else:
@@ -309,6 +311,16 @@ def piece_description(rank: int, tensors: dict[str, torch.Tensor], where: dict[s
 
 
 # ----------------------------------------------------------------------------- load
+
+def origin_of(local: tuple[int, ...], dim: Optional[int], tp_offset: int,
+              ep_offset: int) -> list[int]:
+    """Where a saved shard of shape ``local`` starts in the whole tensor."""
+    origin = [0] * len(local)
+    if dim is not None:
+        origin[dim] += tp_offset
+    origin[0] += ep_offset
+    return origin
+
 
 class ShardedState:
     """Reads a checkpoint's sharded state: index checked, each file's header checked (size
@@ -406,31 +418,88 @@ class ShardedState:
                                   "in a file it does not list)") from None
 
     def _check_runs(self) -> None:
-        """Format 2, without expanding a run (each parameter is checked exactly when first read,
-        :meth:`boxes_of`): every parameter's saved shards hold it, and the shard files hold the
-        bytes the runs claim, so a small index cannot size an allocation."""
+        """Format 2, by arithmetic on the runs (none is expanded: O(runs), whatever the world):
+        each run's ranges are non-empty and in listed files; each saved shard is tiled exactly by
+        its runs; the shards (placed at their TP / EP offsets, vocabulary rows cut) tile the whole
+        tensor exactly (:func:`check_exact_cover`); the shard files hold the bytes claimed. So no
+        allocation is sized by the index, and every element is read from exactly one box."""
         where, claimed = self.folder / INDEX, 0
+        self._runs: dict[str, list[tuple[Box, list[int]]]] = {}
         try:
             for name, shape in self.shapes.items():
-                local, _, rows = self._shards[name]
-                n_local = math.prod(int(d) for d in local)
-                runs = [[int(v) for v in run] for run in self._ranges[name]]
-                if any(len(r) != 8 or r[2] < 1 or not 0 <= r[5] < r[7] <= n_local for r in runs):
+                local, dim, rows = self._shards[name]
+                local = tuple(int(d) for d in local)
+                if len(local) != len(shape) or dim not in (None, *range(len(shape))) or (
+                        rows is not None and int(rows) != shape[0]):
                     raise ValueError(name)
-                shards = {(r[3], r[4]) for r in runs}
-                held = sum(r[7] - r[5] for r in runs)
-                n_whole = math.prod(shape)
-                if held != len(shards) * n_local or held < n_whole or (rows is None
-                                                                       and held != n_whole):
-                    raise CheckpointError(f"{where}: the saved shards of {name[:80]} hold {held} "
-                                          f"elements, the tensor {n_whole}")
-                claimed += BYTES_PER_ELEMENT * n_whole  # each element saved once
-        except (KeyError, ValueError, TypeError, AttributeError):
+                n_local = math.prod(local)
+                runs = [[int(v) for v in run] for run in self._ranges[name]]
+                tiles: dict[tuple[int, int], list[tuple[int, int]]] = {}
+                for r0, step, count, tp_off, ep_off, lo, part, hi in runs:
+                    if (count < 1 or not 0 <= lo < hi <= n_local or part < 0
+                            or (part > 0 and not (count - 1) * part < hi - lo <= count * part)
+                            or (part == 0 and count > hi - lo)
+                            or any(rank_file(r) not in self.files
+                                   for r in (r0, r0 + (count - 1) * step))
+                            or (count > 1 and step == 0)):
+                        raise ValueError(name)
+                    tiles.setdefault((tp_off, ep_off), []).append((lo, hi))
+                shard_boxes = []
+                for (tp_off, ep_off), spans in tiles.items():
+                    spans.sort()
+                    if spans[0][0] != 0 or spans[-1][1] != n_local or any(
+                            a[1] != b[0] for a, b in itertools.pairwise(spans)):
+                        raise ValueError(name)
+                    if dim is None and tp_off:
+                        raise ValueError(name)
+                    origin = origin_of(local, dim, tp_off, ep_off)
+                    size = list(local)
+                    if rows is not None:
+                        size[0] = min(origin[0] + local[0], int(rows)) - origin[0]
+                    if size[0] > 0:
+                        shard_boxes.append(["", name, origin, size])
+                check_exact_cover(name, shape, shard_boxes, where)
+                self._runs[name] = [((tuple(origin_of(local, dim, r[3], r[4])), local), r)
+                                    for r in runs]
+                claimed += BYTES_PER_ELEMENT * math.prod(shape)  # each element saved once
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError):
             raise CheckpointError(f"{where}: corrupt (the ranges or shards of a parameter)") from None
         have = sum(int(v) for v in self.files.values())
         if claimed > have:
             raise CheckpointError(f"{self.folder}: the index places {claimed} bytes of tensors in "
                                   f"{have} bytes of shard files")
+
+    def _boxes_in(self, name: str, key: str, target: Box) -> list:
+        """The saved boxes of ``name``'s ``key`` that may meet ``target``: those of the run
+        entries whose flat ranges meet the target's span in each saved shard (O(1) per run to find,
+        whatever the number of ranks)."""
+        if self.format == 1:
+            return self.boxes.get(f"{name}/{key}", [])
+        local, dim, rows = self._shards[name]
+        local = tuple(int(d) for d in local)
+        strides = [math.prod(local[k + 1:]) for k in range(len(local))]
+        out = []
+        for (origin, _), (r0, step, count, tp_off, ep_off, lo, part, hi) in self._runs[name]:
+            common = intersect(target, (origin, local))
+            if common is None:
+                continue
+            rel = [o - g for o, g in zip(common[0], origin)]
+            a = sum(x * st for x, st in zip(rel, strides))
+            b = sum((x + z - 1) * st for x, z, st in zip(rel, common[1], strides)) + 1
+            if b <= lo or a >= hi:
+                continue
+            if part > 0:
+                first, last = max(0, (a - lo) // part), min(count - 1, (b - 1 - lo) // part)
+            else:
+                first = max(0, (a - lo) * count // (hi - lo) - 1)
+                last = min(count - 1, (b - 1 - lo) * count // (hi - lo) + 1)
+            run = [r0, step, count, tp_off, ep_off, lo, part, hi]
+            for rank, _, _, start, stop in expand_run(run, first, last):
+                o = Owned(name, None, local, start, stop, dim, tp_off, rows,  # type: ignore
+                          ep_offset=ep_off)
+                for i, ((off, cut), _, _) in enumerate(o.boxes()):
+                    out.append([rank_file(rank), f"{name}/{key}/{i}", list(off), list(cut)])
+        return out
 
     def listed(self) -> dict[str, list]:
         """Every box, listed as format 1 lists them (``{"NAME/KEY": [[file, tensor key, offsets,
@@ -508,7 +577,7 @@ class ShardedState:
         """Fill ``out`` (a tensor of ``target``'s size) with the saved values inside ``target``;
         returns how many elements were found."""
         found = 0
-        for file, tkey, off, size in self.boxes_of(name, key):
+        for file, tkey, off, size in self._boxes_in(name, key, target):
             common = intersect(target, (tuple(off), tuple(size)))
             if common is None:
                 continue
