@@ -122,3 +122,46 @@ def test_truncated_and_tampered_files_are_named(tmp_path):
     (ckpt / "model.safetensors").write_bytes(data[:-4])
     with pytest.raises(CheckpointError, match=r"model.safetensors: truncated or tampered"):
         ckpt_weights.load_weights(ckpt)
+
+
+def rank0_fsyncs(tmp_path: Path, monkeypatch, world: int, background: bool) -> int:
+    """os.fsync calls on rank 0 during a sharded save of ``world`` ranks (the other ranks'
+    shard and RNG files appear, already flushed by their writers, while rank 0 waits)."""
+    run = tmp_path / f"w{world}-{background}"
+
+    def others_write() -> None:
+        tmp = run / "checkpoints" / ".tmp-step_0000001"
+        if (tmp / "state").is_dir():
+            for r in range(1, world):
+                (tmp / "state" / f"rank_{r:05d}.safetensors").write_bytes(b"x")
+                (tmp / "rng" / f"rank_{r}.pt").write_bytes(b"x")
+
+    def files(tmp: Path, memo) -> dict:
+        return {"state/rank_00000.safetensors": {"w/master/0": torch.ones(4)},
+                "meta.json": json.dumps({"step": 1})}
+
+    calls = []
+    real = ckpt_files.os.fsync
+    monkeypatch.setattr(ckpt_files.os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+
+    def agree(ok: bool) -> bool:
+        others_write()
+        return ok
+
+    writer = ckpt_files.BackgroundWriter() if background else None
+    ckpt = ckpt_save.save_checkpoint(
+        FakeEngine(), run, 1, rank=0, world_size=world, client_state={}, snapshot=files,
+        keep_last=None, barrier=others_write, engine_files=False, background=writer,
+        thread_sync=agree if background else None)
+    if writer is not None:
+        writer.wait()
+    assert ckpt.is_dir() and len(list((ckpt / "state").iterdir())) == world
+    return len(calls)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_rank0_fsyncs_per_save_do_not_grow_with_the_world(tmp_path, monkeypatch, background):
+    """Each rank flushes its own files; rank 0 flushes its files and the folders: the same
+    count at 2, 4 and 512 ranks (it was 2 per rank, 1,033 at 512 ranks)."""
+    counts = [rank0_fsyncs(tmp_path, monkeypatch, w, background) for w in (2, 4, 512)]
+    assert counts[0] == counts[1] == counts[2] <= 12, counts

@@ -25,7 +25,7 @@ import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
 from megaformer.checkpoint.optimizer_state import OptimizerAccess, local_parameters
-from megaformer.checkpoint.sharded import VOCAB_TABLES
+from megaformer.checkpoint.sharded import VOCAB_TABLES, ShardedState
 from megaformer.config import load_config
 from tests.dist_harness import run_ranks
 
@@ -115,7 +115,7 @@ def _every_format(rank: int, world: int, tmp: Path) -> dict:
     _disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
-    topo = build_topology(1, 0, 1, 1)
+    topo = build_topology(1, 0, tp=1, pp=1)
     saved = PREVIOUS / "checkpoints" / "step_0000002"
     expected = {**_file_state(saved), **{f"{k}/master": v for k, v in
                                          load_file(str(saved / "model.safetensors")).items()
@@ -190,7 +190,7 @@ def test_first_release_resumes_at_another_layout_from_its_layout_free_state(resu
 @pytest.mark.slow
 def test_sharded_checkpoint_resumes_exactly_at_its_layout_and_at_another(resumed):
     r = resumed["sharded"]
-    assert r["path"].name == "step_0000003" and r["index"]["format"] == 1
+    assert r["path"].name == "step_0000003" and r["index"]["format"] == 2
     assert r["kind"] == "sharded" and r["state"] == TrainState(3, 12, 1)
     assert r["rng_restored"] and r["lr"] == r["before"]["lr"]
     _assert_equal(r["values"], r["before"]["values"])
@@ -236,7 +236,7 @@ def _plain_run(cfg: Any, run: Path, world: int, rank: int) -> tuple[Checkpointer
     model = build_model(cfg, device="cpu", weights=weights, weights_source=source).model
     engine = PlainEngine(model)
     sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg.train))
-    topo = layout_groups(world, 1, 1)
+    topo = layout_groups(world, tp=1, pp=1)
     topo.rank = rank
     ckpt.attach(cfg, topo, Trained(engine, sched, lambda: local_parameters(model),
                                    model.padded_vocab_size))
@@ -333,7 +333,8 @@ def test_pinned_staging_is_one_arena_reused_by_every_save(tmp_path, monkeypatch)
     assert (12 * owned) & (12 * owned - 1) != 0  # not a power of two: nothing rounded it
     index = json.loads((tmp_path / "checkpoints" / "step_0000002" / "state" / "index.json")
                        .read_text())
-    assert sum(len(b) for b in index["boxes"].values()) > 3  # several boxes, one allocation
+    state = ShardedState(tmp_path / "checkpoints" / "step_0000002")
+    assert index["format"] == 2 and sum(len(b) for b in state.listed().values()) > 3  # one arena
     cfg = _cfg("checkpoint.async_save=true", "checkpoint.resume=true")
     ckpt, engine = _plain_run(cfg, tmp_path, 1, 0)
     assert ckpt.resume() == TrainState(2, 8, 0)

@@ -38,8 +38,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -136,6 +137,7 @@ class Checkpointer:
         self.topo: Any = None
         self.trained: Optional[Trained] = None
         self.group: Any = None
+        self.thread_group: Any = None
         self.staging: Optional[HostStaging] = None
 
     # ------------------------------------------------------------------------- resume
@@ -147,16 +149,19 @@ class Checkpointer:
     def latest(self) -> Optional[Path]:
         return latest_checkpoint(self.root)
 
-    def model_weights(self, model_cfg: Any) -> tuple[Any, Any]:
+    def model_weights(self, model_cfg: Any, topo: Any = None) -> tuple[Any, Any]:
         """(weights, where they come from) to build this rank's model from: None for a fresh
         run; else the checkpoint's whole weights, or a reader of its shards (each rank reads only
-        its own), or the first release's layout-free masters."""
+        its own; with ``topo``, each shard once per replica group, exchanged within it:
+        :meth:`ShardedState.share`), or the first release's layout-free masters."""
         ckpt = self.source
         if self.kind == "weights":
             return load_weights(ckpt), ckpt
         if self.kind == "sharded":
             self._saved = sharded.ShardedState(ckpt)
             self._saved.check_model(expected_shapes(model_cfg))
+            if topo is not None:  # experts are identical only within an expert-data group
+                self._saved.share(topo.groups.edp if topo.ep > 1 else topo.groups.replica)
             return self._saved, self._saved.folder
         if self.kind == "portable":
             self._saved = portable.PortableState(ckpt)
@@ -169,6 +174,11 @@ class Checkpointer:
         self.cfg, self.topo, self.trained = cfg, topo, trained
         minutes = self.cfg.parallel.collective_timeout_minutes
         self.group = host_group(datetime.timedelta(minutes=minutes))
+        dist = torch.distributed
+        if self.writer is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            # the writer threads' own group: they meet once per save while training goes on
+            self.thread_group = dist.new_group(backend="gloo",
+                                               timeout=datetime.timedelta(minutes=minutes))
         if trained.engine is not None and _on_accelerator(trained.engine):
             self.staging = HostStaging()
 
@@ -214,13 +224,37 @@ class Checkpointer:
                                   f"optimizer ({type(t.engine.optimizer).__name__}); resume "
                                   "with train.precision bf16 or fp32")
         access.prepare(saved.adam_step)
-        for o in access.owned(params, self.cfg.model.vocab_size, for_save=False):
+        # ZeRO 1/2/3: the moments' owned ranges are disjoint over the replica group, read as
+        # they are; the master weights' pieces were read for the model build, exchanged again.
+        # ZeRO-0 holds whole shards: each is read once per group and exchanged.
+        owned = access.owned(params, self.cfg.model.vocab_size, for_save=False)
+        for o in owned:
             for key in sharded.KEYS:
-                access.set_owned(o, key, saved.fill(o, key))
+                shared = key == "master" or access.plain
+                access.set_owned(o, key, saved.fill_shared(o, key) if shared else saved.fill(o, key))
+        self._log_reads(saved, owned)
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
         if not self.changes:
             self._restore_rng(load_rng_state(ckpt, self.rank))
         return self._resumed(state, "")
+
+    def _log_reads(self, saved: sharded.ShardedState, owned: list[sharded.Owned]) -> None:
+        """Rank 0 logs the largest share of the saved state one rank read (ideal: 1 / world) and
+        the largest ratio of a rank's read to its fair share: the state of the shards it holds
+        (``owned``: whole for ZeRO-0, else its ranges, whose shards are whole on the
+        :meth:`ShardedState.share` group) over the group's size, or 1 when it reads alone."""
+        from megaformer.comm import size
+
+        held = sum(math.prod(box[1]) for o in owned
+                   for box, _, _ in replace(o, start=0, stop=math.prod(o.local_shape)).boxes())
+        fair = sharded.BYTES_PER_ELEMENT * held / (size(saved.group) if saved.group else 1)
+        reads = self._gather_to_main((saved.bytes_read, saved.bytes_read / max(fair, 1.0)))
+        if self.rank == 0:
+            total = max(saved.state_bytes(), 1)
+            log.info("sharded state read per rank: at most %.1f%%, at least %.1f%% of %.1f MB "
+                     "(1/world = %.1f%%); at most %.3fx its shards' state over its replica group",
+                     100 * max(r for r, _ in reads) / total, 100 * min(r for r, _ in reads) / total,
+                     total / 1e6, 100 / len(reads), max(x for _, x in reads))
 
     def _resume_portable(self) -> TrainState:
         """Master weights, Adam moments, LR schedule and data position from the first release's
@@ -288,7 +322,8 @@ class Checkpointer:
             background=self.writer,
             before_commit=(lambda: t.before_commit(state.step)) if t.before_commit else None,
             engine_files=not shard,
-            before_seal=(lambda tmp: sharded.write_index(tmp, pieces, info)) if shard else None)
+            before_seal=(lambda tmp: sharded.write_index(tmp, pieces, info)) if shard else None,
+            thread_sync=self._threads_agree if self.thread_group is not None else None)
         if path is not None and self.writer is None:
             log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
         elif path is not None:
@@ -332,6 +367,13 @@ class Checkpointer:
         dist = torch.distributed
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier(group=self.group)
+
+    def _threads_agree(self, ok: bool) -> bool:
+        """The writer threads of all ranks meet once: True when every rank wrote its files."""
+        flag = torch.tensor([1 if ok else 0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
+                                     group=self.thread_group)
+        return bool(flag.item())
 
     def _gather_to_main(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (small, picklable) on rank 0, in rank order; [] elsewhere."""

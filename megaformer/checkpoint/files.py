@@ -27,6 +27,33 @@ def fsync_tree(path: Path) -> None:
     fsync_dir(path)
 
 
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def fsync_dirs(path: Path) -> None:
+    """Flush the entries of ``path`` and of every folder below it (not the files' data)."""
+    for folder, _, _ in os.walk(path):
+        fsync_dir(Path(folder))
+
+
+def flush_own_files(tmp: Path, rank: int, world_size: int, own: list[Path],
+                    shared_tree: bool) -> None:
+    """Every rank flushes what it wrote, so that the seal flushes folders only and rank 0's work
+    does not grow with the world: ``own`` (its files not written by :func:`write_payload`, which
+    flushes), on rank 0 also the checkpoint's top-level files (rank 0 writes them all), and with
+    ``shared_tree`` (files a library wrote, owner unknown: DeepSpeed's) every ``world_size``-th
+    file of the folder, from the ``rank``-th."""
+    paths = [p for p in own if p.is_file()]
+    if rank == 0:
+        paths += [p for p in tmp.iterdir() if p.is_file() and not p.name.startswith(".")]
+    if shared_tree:
+        paths += [p for p in sorted(tmp.rglob("*")) if p.is_file()][rank::world_size]
+    for p in dict.fromkeys(paths):
+        fsync_file(p)
+
+
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -77,9 +104,10 @@ def wait_for(folder: Path, names: list[str], timeout_s: float) -> None:
 
 
 def seal(tmp: Path, final: Path, keep_last: Optional[int]) -> None:
-    """fsync everything, rename the folder into place, then point ``latest`` at it."""
+    """Flush the folders (each rank flushed its own files: :func:`flush_own_files`), rename the
+    folder into place, then point ``latest`` at it: a number of fsyncs independent of the world."""
     root = final.parent
-    fsync_tree(tmp)
+    fsync_dirs(tmp)
     os.rename(tmp, final)
     fsync_dir(root)
     write_text_atomic(root / LATEST, final.name + "\n")

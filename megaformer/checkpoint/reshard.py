@@ -65,6 +65,7 @@ def _check_sharded(ckpt: Path) -> list[Path]:
     """A sharded checkpoint's state files: the index, and every shard checked against it (size,
     header, each tensor's byte range)."""
     state = sharded.ShardedState(ckpt)
+    state.listed()  # every box (an index that describes them by rule: expanded and checked)
     files = [state.folder / sharded.INDEX]
     for name in state.files:
         state.open_file(name)  # size against the index, header against the file

@@ -15,10 +15,17 @@ from typing import Any, Callable, Optional
 import torch
 
 from megaformer import deepspeed_attrs
-from megaformer.checkpoint.files import seal, wait_for, write_payload
-from megaformer.checkpoint.layout import (CHECKPOINTS, README, README_TEXT, RECOVERY_SCRIPTS,
-                                          TMP_PREFIX, tag_for)
-from megaformer.checkpoint.rng import save_rng_state
+from megaformer.checkpoint.files import flush_own_files, seal, wait_for, write_payload
+from megaformer.checkpoint.layout import (
+    CHECKPOINTS,
+    README,
+    README_TEXT,
+    RECOVERY_SCRIPTS,
+    TMP_PREFIX,
+    tag_for,
+)
+from megaformer.checkpoint.rng import rng_file, save_rng_state
+from megaformer.errors import CheckpointError
 from megaformer.runtime.collectives import collective_device
 from megaformer.safe_files import make_dir, refuse_link
 
@@ -33,7 +40,8 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
                     before_commit: Optional[Callable[[], None]] = None,
                     engine_files: bool = True,
                     before_seal: Optional[Callable[[Path], None]] = None,
-                    group: Any = None) -> Optional[Path]:
+                    group: Any = None,
+                    thread_sync: Optional[Callable[[bool], bool]] = None) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
 
     Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
@@ -54,7 +62,9 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
     files are not written (the state is all in ``snapshot``'s files). ``before_seal(tmp)`` runs on
     rank 0 once every rank's files exist, before the seal (it writes what describes them all).
     ``group``: the process group of the save's own collectives (default: the default group);
-    ``barrier`` must be a barrier on it."""
+    ``barrier`` must be a barrier on it. ``thread_sync(ok)``: a collective of the writer threads
+    (on a group of their own) that is True when every rank's ``ok`` is: with it, the background
+    threads meet once instead of rank 0 polling every rank's done-marker."""
     if background is not None:
         background.wait()  # the previous save is sealed (or its failure raised) first
     root = run_dir / CHECKPOINTS
@@ -105,6 +115,7 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
                 write_payload(tmp / rel, *payload)
             else:
                 write_payload(tmp / rel, payload)
+        flush_own_files(tmp, rank, world_size, [rng_file(tmp, rank)], shared_tree=engine_files)
 
     if background is None:
         write()
@@ -116,6 +127,29 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
                 before_seal(tmp)
             seal(tmp, final, keep_last)
         barrier()
+        return final
+
+    def write_and_meet() -> None:
+        try:
+            write()
+            if before_commit is not None:
+                before_commit()
+        except BaseException:
+            thread_sync(False)  # type: ignore[misc]  # the other ranks must not wait in vain
+            raise
+        if not thread_sync(True):  # type: ignore[misc]
+            if rank == 0:
+                raise CheckpointError(f"{tmp}: another rank failed to write its files; the "
+                                      "checkpoint is not sealed")
+            return
+        if rank == 0:
+            if before_seal is not None:
+                before_seal(tmp)
+            seal(tmp, final, keep_last)
+            log.info("saved checkpoint %s (in the background)", final)
+
+    if thread_sync is not None:
+        background.submit(write_and_meet, f"checkpoint {final}")
         return final
 
     markers = [f".rank_{r}.done" for r in range(world_size)]

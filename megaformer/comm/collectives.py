@@ -41,6 +41,34 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     return out
 
 
+def broadcast_from_main(obj: Any, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """Rank 0's ``obj`` (small, picklable; ignored elsewhere) on every rank of ``group`` (default:
+    all ranks; rank 0 of the world must be in it); ``obj`` itself for a group of one."""
+    if size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def broadcast_with_shape(x: Optional[torch.Tensor], src: int, group: dist.ProcessGroup,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Global rank ``src``'s ``x`` (any shape up to 7 dimensions, ``dtype``; None elsewhere) on
+    every rank of ``group``: a header of the shape, then the values (host tensors: a gloo group)."""
+    if size(group) == 1:
+        assert x is not None
+        return x
+    header = torch.zeros(8, dtype=torch.long)
+    if x is not None:
+        header[0] = x.dim()
+        header[1:1 + x.dim()] = torch.tensor(x.shape)
+    dist.broadcast(header, src=src, group=group)
+    shape = tuple(int(d) for d in header[1:1 + int(header[0])])
+    out = x.contiguous() if x is not None else torch.empty(shape, dtype=dtype)
+    dist.broadcast(out, src=src, group=group)
+    return out
+
+
 def gather_to_main(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (small, picklable) on rank 0, in rank order; [] on the other ranks
     ([obj] without a process group)."""

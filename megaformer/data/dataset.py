@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
+from megaformer import comm
 from megaformer.data.tokenizer import Tokenizer
 from megaformer.errors import DataError
 
@@ -148,14 +149,21 @@ class TrainLoader:
     ``part`` (context parallelism): the context ranks of a DP rank read the same samples and each
     keeps its part of every sequence, ``part(t)`` of inputs and labels
     (:func:`megaformer.parallel.context.split_sequence`).
+
+    ``readers`` (a gloo group of the ranks that take the same batches: the model-parallel ranks
+    of one data-parallel rank): its first rank alone reads from the filesystem and broadcasts each
+    step's micro-batches to the others (one exchange per step, on the reading thread).
     """
 
     def __init__(self, dataset: PackedDataset, micro_batch_size: int, grad_accum: int,
                  dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0,
                  prefetch: int = 0, stop_at: Optional[int] = None,
                  part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, readers: Any = None) -> None:
         self.dataset = dataset
+        self.readers = readers if readers is not None and comm.size(readers) > 1 else None
+        self.source = comm.ranks(self.readers)[0] if self.readers is not None else None
+        self.reads = self.readers is None or comm.rank(self.readers) == 0
         self.mbs = micro_batch_size
         self.grad_accum = grad_accum
         self.dp_rank = dp_rank
@@ -177,10 +185,15 @@ class TrainLoader:
 
     def read_step(self, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of the global batch that starts at sample ``consumed``."""
+        batches = [self.dataset.batch(self.order[np.arange(start, start + self.mbs)])
+                   for start in (consumed + (j * self.dp_size + self.dp_rank) * self.mbs
+                                 for j in range(self.grad_accum))] if self.reads else None
+        if self.readers is not None:  # [grad_accum, 2, mbs, seq] from the group's reader
+            both = torch.stack([torch.stack(b) for b in batches]) if batches is not None else None
+            both = comm.broadcast_with_shape(both, self.source, self.readers, torch.int64)
+            batches = [(b[0], b[1]) for b in both]
         out = []
-        for j in range(self.grad_accum):
-            start = consumed + (j * self.dp_size + self.dp_rank) * self.mbs
-            x, y = self.dataset.batch(self.order[np.arange(start, start + self.mbs)])
+        for x, y in batches:  # type: ignore[union-attr]
             if self.part is not None:
                 x, y = self.part(x), self.part(y)
             out.append((x.pin_memory(), y.pin_memory()) if self.pin else (x, y))
@@ -207,10 +220,14 @@ class TrainLoader:
         return out
 
     def close(self) -> None:
-        """Stop the prefetch thread (pending reads are dropped)."""
+        """Stop the prefetch thread (pending reads are dropped; with ``readers`` they finish
+        first: each is an exchange the group's other ranks take part in too)."""
+        if self.readers is not None:
+            for _, future in self._pending:
+                future.exception()  # waits; an error there no longer matters
         self._pending.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=self.readers is not None, cancel_futures=self.readers is None)
             self._pool = None
 
 

@@ -42,7 +42,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -257,8 +257,11 @@ class GPTDataset:
     shuffled = True  # the loader takes samples in index order (the shuffle is built in)
 
     def __init__(self, data: IndexedDataset, split: str, doc_range: tuple[int, int], seq_len: int,
-                 seed: int, n_samples: int, cache_dir: Optional[Path], build: bool = True) -> None:
+                 seed: int, n_samples: int, cache_dir: Optional[Path], build: bool = True,
+                 trusted: frozenset[str] = frozenset()) -> None:
         self.data = data
+        self.trusted = trusted  # cache keys rank 0 checked in this run: not checked again here
+        self.cached_key: Optional[str] = None  # the cache entry the indices came from
         self.split = split
         self.start, self.end = doc_range
         self.seq_len = seq_len
@@ -347,8 +350,9 @@ class GPTDataset:
 
     def _load_cached(self, key: str, n_blocks: int, share: int = 1) -> bool:
         """The cached indices when they are this user's own files (not writable by others) and
-        pass :meth:`check_indices` (on the cores and memory divided by ``share``); anything else is
-        ignored (rebuilt), with a warning when the files exist but are refused."""
+        pass :meth:`check_indices` (on the cores and memory divided by ``share``; only their
+        shapes when rank 0 checked them in this run: ``key`` in :attr:`trusted`); anything else
+        is ignored (rebuilt), with a warning when the files exist but are refused."""
         meta = self.cache_dir / f"{key}.json" if self.cache_dir else None
         if meta is None or not (meta.is_file() or meta.is_symlink()):
             return False
@@ -363,14 +367,28 @@ class GPTDataset:
             if blocks < n_blocks:
                 return False
             arrays = [np.load(p, mmap_mode="r", allow_pickle=False) for p in paths[1:]]
-            self.check_indices(*arrays, blocks, share=share)
+            if key in self.trusted:
+                self.check_shapes(*arrays, blocks)
+            else:
+                self.check_indices(*arrays, blocks, share=share)
         except (OSError, ValueError, KeyError, TypeError, DataError, RecursionError) as e:
             log.warning("data: ignoring the cached index %s (%s); rebuilding it", meta,
                         " ".join(str(e).split())[:200])
             return False
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
         self.n_built = len(self.shuffle_idx)
+        self.cached_key = key
         return True
+
+    def check_shapes(self, doc_idx: np.ndarray, sample_idx: np.ndarray, shuffle: np.ndarray,
+                     n_blocks: int) -> None:
+        """ValueError unless the three arrays have the shapes and integer types :meth:`_compute`
+        gives for ``n_blocks`` (the part of :meth:`check_indices` that reads no values)."""
+        _, _, layout = self._layout(n_blocks)
+        for name, arr in (("doc", doc_idx), ("sample", sample_idx), ("shuffle", shuffle)):
+            shape = layout[name][1]
+            if arr.shape != shape or arr.dtype.kind not in "iu":
+                raise ValueError(f"{name} index has shape {arr.shape} ({arr.dtype}), expected {shape}")
 
     def check_indices(self, doc_idx: np.ndarray, sample_idx: np.ndarray, shuffle: np.ndarray,
                       n_blocks: int, share: int = 1) -> None:
@@ -381,11 +399,8 @@ class GPTDataset:
         cache therefore cannot point outside the data, allocate, or change which tokens a sample
         holds. Checked by the build's units (an epoch: its permutation, then its sample rows
         recomputed from it and compared; a shuffle block), in their bounded memory, no sort."""
-        n, n_epochs, layout = self._layout(n_blocks)
-        for name, arr in (("doc", doc_idx), ("sample", sample_idx), ("shuffle", shuffle)):
-            shape = layout[name][1]
-            if arr.shape != shape or arr.dtype.kind not in "iu":
-                raise ValueError(f"{name} index has shape {arr.shape} ({arr.dtype}), expected {shape}")
+        self.check_shapes(doc_idx, sample_idx, shuffle, n_blocks)
+        n, n_epochs, _ = self._layout(n_blocks)
         lengths = self.data.lengths
 
         def is_permutation(values: np.ndarray, lo: int) -> bool:
@@ -437,6 +452,7 @@ class GPTDataset:
             make_dir(self.cache_dir, mode=0o700, error=DataError)  # type: ignore[arg-type]
             self.doc_idx, self.sample_idx, self.shuffle_idx = self._compute(n_blocks, self._paths(key))
             self._write_meta(key, n_blocks)
+            self.cached_key = key
         else:
             self.doc_idx, self.sample_idx, self.shuffle_idx = self._compute(n_blocks)
         self.n_built = len(self.shuffle_idx)
@@ -507,21 +523,55 @@ def _each(fn: Callable, items: Sequence) -> list:
 def build_many_split_datasets(prefixes: Sequence[str | Path | IndexedDataset], ratios: Sequence[float], seq_len: int,
                               seed: int, n_samples: Sequence[Sequence[int]],
                               cache_dir: Optional[Path], rank: int = 0,
-                              barrier: Callable[[], None] = lambda: None
+                              barrier: Callable[[], None] = lambda: None,
+                              share: Optional[Callable[[Any], Any]] = None
                               ) -> list[list[Optional[GPTDataset]]]:
     """:func:`build_split_datasets` for each prefix (``n_samples[j]`` per split of prefix j),
     the datasets opened (unless given open), hashed and indexed concurrently (their build units
     share one budget of threads and memory), with one wait: rank 0 builds and caches every index,
-    then the other ranks read the cache."""
+    then the other ranks read the cache. With ``share`` (rank 0's object on every rank, a
+    collective) rank 0 alone validates: the others take its ``.idx`` digests and its checked
+    cache entries (:func:`validated`) and hash or re-check nothing."""
     opened = _each(lambda j: _open_splits(prefixes[j], ratios, seq_len, n_samples[j]),
                    range(len(prefixes)))
 
-    def make(j: int, build: bool) -> list[Optional[GPTDataset]]:
+    def make(j: int, build: bool, trusted: frozenset[str] = frozenset()) -> list[Optional[GPTDataset]]:
         data, ranges = opened[j]
-        return [GPTDataset(data, name, rng, seq_len, seed, n, cache_dir, build=build)
+        return [GPTDataset(data, name, rng, seq_len, seed, n, cache_dir, build=build,
+                           trusted=trusted)
                 if r > 0 and n > 0 else None
                 for name, rng, r, n in zip(SPLITS, ranges, ratios, n_samples[j])]
 
     out = _each(lambda j: make(j, True), range(len(prefixes))) if rank == 0 else None
     barrier()
-    return out if out is not None else _each(lambda j: make(j, False), range(len(prefixes)))
+    trusted: frozenset[str] = frozenset()
+    if share is not None:
+        verdict = share(validated(out) if out is not None else None)
+        if out is None:
+            trusted = trust(verdict, [opened[j][0] for j in range(len(prefixes))])
+    return out if out is not None else _each(lambda j: make(j, False, trusted), range(len(prefixes)))
+
+
+def validated(built: list[list[Optional[GPTDataset]]]) -> dict:
+    """What rank 0 checked, for the other ranks to trust: each ``.idx``'s sha256 with the file's
+    size and modification time, and the cache entries it loaded (checked) or built."""
+    digests, keys = {}, []
+    for split in built:
+        for ds in split:
+            if ds is not None and ds.cached_key is not None:
+                size, mtime = ds.data.idx_identity()
+                digests[str(ds.data.prefix)] = [size, mtime, ds.data.idx_sha256()]
+                keys.append(ds.cached_key)
+    return {"idx": digests, "keys": keys}
+
+
+def trust(verdict: Optional[dict], datasets: Sequence[IndexedDataset]) -> frozenset[str]:
+    """Take rank 0's digests (:func:`validated`) for the ``.idx`` files that are still what it
+    hashed (same size and modification time); returns the cache entries it checked."""
+    if not verdict:
+        return frozenset()
+    for data in datasets:
+        record = verdict["idx"].get(str(data.prefix))
+        if record is not None and list(data.idx_identity()) == record[:2]:
+            data.trust_sha256(record[2])
+    return frozenset(verdict["keys"])

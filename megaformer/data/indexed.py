@@ -269,6 +269,17 @@ class IndexedDataset:
         """Token offset of each sequence (computed on use: 8 bytes per sequence)."""
         return self.pointers // self.dtype.itemsize
 
+    def idx_identity(self) -> tuple[int, int]:
+        """(size, modification time in ns) of ``PREFIX.idx`` when it was opened."""
+        return self._idx_id[2], self._idx_id[3]
+
+    def trust_sha256(self, digest: str) -> None:
+        """Take ``digest`` as the ``.idx``'s sha256 (rank 0 hashed the same file: same size and
+        modification time) instead of reading the file again."""
+        with self._sha256_lock:
+            if self._sha256 is None:
+                self._sha256 = digest
+
     def idx_sha256(self) -> str:
         """sha256 of ``PREFIX.idx``, read once per dataset object (the cache keys of its indices);
         DataError if the file was replaced since it was opened."""

@@ -76,8 +76,11 @@ class DataBundle:
 
 
 def setup_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
-               checkpoint: Optional[Path]) -> tuple[Tokenizer, DataBundle]:
-    """The tokenizer and datasets of ``cfg.data``, by the in-memory path or the indexed pipeline."""
+               checkpoint: Optional[Path],
+               share: Optional[Callable[[Any], Any]] = None) -> tuple[Tokenizer, DataBundle]:
+    """The tokenizer and datasets of ``cfg.data``, by the in-memory path or the indexed pipeline.
+    ``share``: rank 0's (small, picklable) object on every rank, a collective; with it the other
+    ranks trust rank 0's index validation instead of repeating it."""
     barrier = wait_barrier(barrier)  # rank 0's builds may outlast the collective timeout
     if not cfg.data.paths:
         tokenizer, corpus = prepare_data(cfg, run_dir, rank, barrier, checkpoint)
@@ -85,7 +88,7 @@ def setup_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None
                             PackedDataset(corpus.valid, cfg.seq_len, "validation"),
                             lambda vocab: unigram_cross_entropy(corpus.train, corpus.valid, vocab))
         return tokenizer, bundle
-    return _setup_indexed(cfg, run_dir, rank, barrier, checkpoint)
+    return _setup_indexed(cfg, run_dir, rank, barrier, checkpoint, share)
 
 
 def _rank0_first(rank: int, barrier: Callable[[], None], work: Callable[[], None]) -> None:
@@ -236,7 +239,8 @@ def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_l
 
 
 def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
-                   checkpoint: Optional[Path]) -> tuple[Tokenizer, DataBundle]:
+                   checkpoint: Optional[Path],
+                   share: Optional[Callable[[Any], Any]] = None) -> tuple[Tokenizer, DataBundle]:
     from megaformer.data.blend import BlendedDataset, normalise
     from megaformer.data.gpt_dataset import build_many_split_datasets, parse_split, split_ranges
     from megaformer.data.indexed import is_prefix
@@ -267,7 +271,7 @@ def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], 
     parts = build_many_split_datasets(datasets, ratios, cfg.seq_len, t.seed,
                                       [(math.ceil(w * n_train) + 1 if w > 0 else 0,
                                         math.ceil(w * n_valid) + 1 if w > 0 else 0, 0)
-                                       for w in weights], cache, rank, barrier)
+                                       for w in weights], cache, rank, barrier, share)
     if len(parts) == 1:
         train, valid = parts[0][0], parts[0][1]
     else:

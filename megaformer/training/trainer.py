@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
+from megaformer.comm import broadcast_from_main
 from megaformer.checkpoint.files import write_text_atomic
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
@@ -40,6 +41,7 @@ from megaformer.training import distributed as dist
 from megaformer.training import deepspeed_adapter as ds_adapter
 from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.faults import FaultPlan
+from megaformer.runtime.collectives import host_group
 from megaformer.runtime.host_allocator import configure_host_allocator
 from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.training.preemption import StopRequest
@@ -173,7 +175,8 @@ class Trainer:
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
         self.faults = FaultPlan.from_env(self.rank)
         self.tokenizer, data = setup_data(cfg, self.run_dir, self.rank, dist.barrier,
-                                          self.checkpointer.source)
+                                          self.checkpointer.source,
+                                          share=lambda obj: broadcast_from_main(obj, host_group()))
         self.cfg = cfg = _resolve_vocab(cfg, self.tokenizer.vocab_size)
         self.train_set, self.valid_set = data.train, data.valid
         self.unigram = data.unigram(cfg.model.vocab_size)
@@ -189,7 +192,8 @@ class Trainer:
                                   self.dp_rank, self.dp_size, cfg.train.seed, consumed,
                                   prefetch=cfg.data.prefetch,
                                   stop_at=cfg.train.steps * cfg.train.global_batch_size,
-                                  part=self.part, device=self.proc.device)
+                                  part=self.part, device=self.proc.device,
+                                  readers=_batch_readers(self.topo))
         if self.is_main:
             write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
@@ -211,7 +215,7 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
         the weights of the checkpoint the run resumes from (:meth:`Checkpointer.model_weights`)."""
-        weights, source = self.checkpointer.model_weights(self.cfg.model)
+        weights, source = self.checkpointer.model_weights(self.cfg.model, self.topo)
         built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
                             weights_source=source, eod_id=self.tokenizer.eod_id)
         self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
@@ -377,3 +381,16 @@ def train(cfg: Config, run_dir: Path) -> TrainResult:
         if getattr(trainer, "run_lock", None) is not None:
             trainer.run_lock.release()
     return result
+
+def _batch_readers(topo: Any) -> Any:
+    """A gloo group of this rank's model-parallel ranks (TP x PP of one data-parallel and context
+    rank: they train on the same batches), made collectively for every such group: its first rank
+    reads each step's batches and broadcasts them (:class:`TrainLoader`). None at TP = PP = 1."""
+    if topo.tp * topo.pp == 1 or not torch.distributed.is_initialized():
+        return None
+    mine = None
+    for ranks in topo.mp_groups:
+        group = torch.distributed.new_group(ranks, backend="gloo")
+        if topo.rank in ranks:
+            mine = group
+    return mine
