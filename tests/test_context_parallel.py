@@ -329,7 +329,7 @@ def test_print_model_names_the_swapped_attention_cores():
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
     plain = Transformer(cfg)
     assert "(core): AttentionCore()" in str(plain)
-    topo = SimpleNamespace(cp=2, cp_rank=1, group=lambda kind: None)  # a group of two, unused
+    topo = SimpleNamespace(cp=2, cp_rank=1, groups=SimpleNamespace(cp=None))  # a group of two, unused
     for recompute in ("selective", "full"):
         model = Transformer(cfg)
         apply_recompute(model.layers, recompute)
