@@ -208,14 +208,14 @@ class Materializer:
 
 @torch.no_grad()
 def load_shards(module: nn.Module, names: Optional[dict[int, str]], topology: Optional[Topology],
-                reader: object) -> None:
+                reader: object, prefix: str = "") -> None:
     """Copy each parameter's tensor-parallel shard (vocabulary padding rows zero; an expert
     parameter's rows of this rank's experts) from ``reader`` into ``module`` (``names``:
-    id(parameter) -> its plain-model name, under PP)."""
+    id(parameter) -> its plain-model name, under PP; else ``prefix`` + its name in ``module``)."""
     tp = topology.tp if topology is not None else 1
     rank = topology.tp_rank if topology is not None else 0
     for name, p in module.named_parameters():
-        name = names[id(p)] if names is not None else name
+        name = names[id(p)] if names is not None else prefix + name
         split = getattr(p, "tensor_model_parallel", False) and tp > 1
         dim = p.partition_dim if split else None
         shard = reader.shard(name, tuple(p.shape), dim,  # type: ignore[attr-defined]
