@@ -374,6 +374,7 @@ def test_wandb_missing_is_one_line(tmp_path, monkeypatch):
 
 
 def _eval_ep2(rank: int, world: int, ckpt: str, out: str) -> dict:
+    from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation.checkpoint import evaluate_checkpoint, load_runner
     from megaformer.parallel import experts
     from megaformer.parallel.topology import build_topology
@@ -381,7 +382,7 @@ def _eval_ep2(rank: int, world: int, ckpt: str, out: str) -> dict:
 
     init_distributed(detect_process("cpu"))
     topo = build_topology(world, rank, ep=2)
-    runner, _, _ = load_runner(Path(ckpt), topo, torch.device("cpu"))
+    runner, _, _ = load_runner(resolve_checkpoint(ckpt), topo, torch.device("cpu"))
     held = sorted({p.shape[0] for p in runner.model.parameters() if experts.is_expert_param(p)})
     res = evaluate_checkpoint(ckpt, [MC, PPL, GEN], include_path=str(TASKS_DIR), limit=3,
                               topo=topo, is_main=rank == 0, output=out, batch_size=2)
