@@ -10,6 +10,9 @@ seed) while a rank allocates only what it keeps: under tensor or pipeline parall
 built on the meta device, and the blocks of this rank's pipeline stage, its embedding and its
 output layer are allocated on ``device`` one at a time, initialised whole and split (at most one
 unsplit block or vocabulary table is alive at once). Other stages' layers never hold memory.
+Expert parallelism builds the same way, each MoE block keeping this rank's experts as soon as it
+has its values; under ZeRO-3 each module is handed, once it has its values, to ``partition``
+(DeepSpeed's ``zero.Init``), so a rank holds its partitions and one whole module at most.
 One process (or weights given whole) builds the model directly on ``device``.
 ``device="meta"`` gives shapes only (no values, nothing allocated).
 
