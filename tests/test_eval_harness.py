@@ -343,7 +343,7 @@ def test_eval_tasks_on_the_live_engine_of_two_ranks(tmp_path, layout):
                             "--output", str(tmp_path / "tp2.json"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         res = json.loads((tmp_path / "tp2.json").read_text())
-        assert res["layout"] == {"tensor": 2, "pipeline": 1, "data": 1}
+        assert res["layout"] == {"tensor": 2, "pipeline": 1, "data": 1, "expert": 1}
         for key, value in out.scores.items():
             assert res["scores"][key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
 
@@ -371,3 +371,46 @@ def test_wandb_missing_is_one_line(tmp_path, monkeypatch):
                     "--run-dir", str(tmp_path / "run"), env=OFFLINE)
     assert_one_line_error(proc, "pip install megaformer[wandb]")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _eval_ep2(rank: int, world: int, ckpt: str, out: str) -> dict:
+    from megaformer.checkpoint.layout import resolve_checkpoint
+    from megaformer.evaluation.checkpoint import evaluate_checkpoint, load_runner
+    from megaformer.parallel import experts
+    from megaformer.parallel.topology import build_topology
+    from megaformer.training.distributed import detect_process, init_distributed
+
+    init_distributed(detect_process("cpu"))
+    topo = build_topology(world, rank, ep=2)
+    runner, _, _ = load_runner(resolve_checkpoint(ckpt), topo, torch.device("cpu"))
+    held = sorted({p.shape[0] for p in runner.model.parameters() if experts.is_expert_param(p)})
+    res = evaluate_checkpoint(ckpt, [MC, PPL, GEN], include_path=str(TASKS_DIR), limit=3,
+                              topo=topo, is_main=rank == 0, output=out, batch_size=2)
+    return {"scores": res.scores, "held": held}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_eval_at_ep2_equals_ep1(tmp_path):
+    """An MoE checkpoint scored with its experts split over two ranks (each builds and reads its
+    own, the forward dispatches tokens to them) gives the scores of one process."""
+    from megaformer.evaluation.checkpoint import evaluate_checkpoint
+    from tests.helpers import run_torchrun
+
+    run = tmp_path / "run"
+    moe = {"model.moe.interval": 1, "model.moe.num_experts": 4, "model.moe.top_k": 2,
+           "model.moe.d_expert": 32, "parallel.zero_stage": 1, "parallel.expert": 2,
+           "train.steps": 2, "eval.interval": 0, "eval.at_end": "false",
+           "data.max_bytes": 50000}
+    proc = run_torchrun(2, "train", "configs/quickstart.yaml", *tiny_overrides(**moe),
+                        "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = evaluate_checkpoint(run, [MC, PPL, GEN], include_path=str(TASKS_DIR), limit=3,
+                              output=tmp_path / "one.json", batch_size=2)
+    ranks = run_ranks(2, _eval_ep2, str(run), str(tmp_path / "ep2.json"), timeout=600)
+    assert [r["held"] for r in ranks] == [[2], [2]]  # 4 experts, 2 on each rank
+    written = json.loads((tmp_path / "ep2.json").read_text())
+    assert written["layout"]["expert"] == 2 and len(one.scores) == 6
+    for r in ranks:
+        for key, value in one.scores.items():
+            assert r["scores"][key] == pytest.approx(value, rel=1e-5, abs=1e-9), key

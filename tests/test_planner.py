@@ -117,3 +117,26 @@ def test_fp8_gemms_run_at_the_fp8_peak():
     assert_one_line_error(cli_main("plan", "configs/llama-7b.yaml", "--gpus", "8", "--peak-tflops",
                                    "900", "--gpu-mem", "80", "--intra-bw", "400", "--inter-bw", "50",
                                    "train.fp8=rowwise"), "needs a --gpu with an FP8 peak")
+
+
+def test_the_build_peak_is_counted():
+    """The model's build is a layout's peak when it outgrows the step: ZeRO-3 at DP 512 builds its
+    partitions plus one whole block (not the 276 GB fp32 model), ZeRO 0-2 their fp32 shard."""
+    from megaformer.analysis.memory import largest_module_params
+    from megaformer.analysis.params import count_parameters
+
+    cfg = load_config("configs/llama-70b.yaml")
+    hw = Hardware(gpus=512, gpus_per_node=8, memory_gb=80, peak_tflops=989.5, intra_gbps=450,
+                  inter_gbps=50, efficiency=0.6)
+    r = plan(cfg, hw, micro_batches=(1,))
+    P, M = count_parameters(cfg.model)["total"], largest_module_params(cfg.model)
+    assert M == 855_654_400  # one block: attention 151.0 M + SwiGLU 704.6 M + 2 norms
+    zero3 = [x for x in r["feasible"] if x["layout"]["zero"] == 3 and x["layout"]["dp"] == 512]
+    assert zero3
+    for x in zero3:  # bf16 partitions + one block in fp32 and its bf16 cast: 5.4 GB
+        assert x["memory"]["build"] == pytest.approx((2 * P / 512 + 6 * M) / 1e9, rel=1e-6)
+        assert x["memory"]["build"] < 6
+    for x in r["feasible"]:
+        assert x["memory_gb"] >= x["memory"]["build"] - 1e-9
+    # TP2 without PP holds a 138 GB fp32 shard while it builds: not feasible on 80 GB
+    assert not [x for x in r["feasible"] if x["layout"]["tp"] == 2 and x["layout"]["pp"] == 1]

@@ -144,6 +144,38 @@ def expert_params_per_rank(cfg: ModelConfig, layout: Layout) -> int:
     return n_moe * (cfg.moe.num_experts // layout.ep) * m * cfg.d_model * cfg.expert_dim // layout.tp
 
 
+def largest_module_params(cfg: ModelConfig, padded_vocab: Optional[int] = None) -> int:
+    """Parameters of the largest module the build gives its values whole, before it is split: a
+    block (an MoE block with all E experts) or a vocabulary table."""
+    from megaformer.analysis.params import _attention, _mlp, _moe_mlp, _norm
+
+    dense = _attention(cfg) + 2 * _norm(cfg)
+    block = dense + (_moe_mlp(cfg, cfg.moe.num_experts) if cfg.moe_layers else _mlp(cfg))
+    return max(block, (padded_vocab or cfg.vocab_size) * cfg.d_model)
+
+
+def build_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> float:
+    """Peak bytes of building this rank's model (:func:`megaformer.parallel.build.build_model`),
+    before the engine allocates gradients and optimizer states.
+
+    The build gives one module at a time its values, whole and in fp32 (M parameters: the largest
+    block or vocabulary table), and keeps this rank's part of it: its TP shards, its stage's
+    layers and its E / EP experts in fp32 (P, :func:`params_per_rank`), or under ZeRO-3 its
+    partition, cast to the training precision (w bytes) first::
+
+        ZeRO 0-2    4 P + 4 M
+        ZeRO-3      w ((P - X) / (DP x CP) + X / (DP / EP)) + (4 + w) M     (w = 4 in fp32: 4 M)
+    """
+    P = params_per_rank(cfg, layout, padded_vocab)
+    M = largest_module_params(cfg, padded_vocab)
+    if layout.zero < 3:
+        return 4.0 * (P + M)
+    w = DTYPE_BYTES[layout.precision]
+    X = expert_params_per_rank(cfg, layout)
+    kept = ((P - X) / layout.replicas + X / layout.expert_replicas) * w
+    return kept + (4 + (w if w != 4 else 0)) * M
+
+
 def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> dict:
     """{'params', 'weights', 'grads', 'optimizer', 'total'} bytes per rank. ZeRO partitions the
     dense parameters' states over DP x CP and the routed experts' over DP / EP."""
@@ -387,7 +419,8 @@ class MemoryEstimate:
     end (full recompute only): gradients + one recomputed block + the (small) kept checkpoint
            inputs.
     Gradients are freed by the optimizer step (set_to_none), so with one micro-batch they do not
-    coexist with a whole forward's activations.
+    coexist with a whole forward's activations. ``total`` is the larger of that and ``build``, the
+    model's build before the engine exists (:func:`build_bytes`).
     """
 
     weights: float
@@ -397,12 +430,13 @@ class MemoryEstimate:
     transient: float
     recompute_live: float
     grads_during_forward: bool
+    build: float = 0.0  # the model's build, before the step's states exist (build_bytes)
 
     @property
     def total(self) -> float:
         start = self.activations + self.transient + (self.grads if self.grads_during_forward else 0)
         end = self.grads + (self.recompute_live + self.activations if self.recompute_live else 0)
-        return self.weights + self.optimizer + max(start, end)
+        return max(self.weights + self.optimizer + max(start, end), self.build)
 
     def as_dict(self) -> dict:
         return dict(asdict(self), total=self.total)
@@ -410,8 +444,10 @@ class MemoryEstimate:
 
 def estimate(cfg: ModelConfig, seq_len: int, layout: Layout,
              padded_vocab: Optional[int] = None) -> MemoryEstimate:
-    """Peak bytes per GPU of a training step: states + activations + the backward transient."""
+    """Peak bytes per GPU: the larger of a training step's (states + activations + the backward
+    transient) and the model's build (:func:`build_bytes`)."""
     st = state_bytes(cfg, layout, padded_vocab)
     act = activation_bytes(cfg, seq_len, layout, padded_vocab)
     return MemoryEstimate(st["weights"], st["grads"], st["optimizer"], act["total"],
-                          act["backward_transient"], act["recompute_live"], layout.grad_accum > 1)
+                          act["backward_transient"], act["recompute_live"], layout.grad_accum > 1,
+                          build_bytes(cfg, layout, padded_vocab))

@@ -1,6 +1,8 @@
 """``megaformer plan``: feasible (TP, PP, DP, CP, EP, ZeRO, micro-batch, recompute) layouts, best first.
 
-Memory per GPU from :mod:`megaformer.analysis.memory` (+ ``RESERVE_GB`` for the CUDA context,
+Memory per GPU from :mod:`megaformer.analysis.memory`: the larger of a training step's and the
+model's build (this rank's part plus one whole module; ZeRO-3 keeps only its partition as it
+builds) (+ ``RESERVE_GB`` for the CUDA context,
 NCCL buffers and allocator fragmentation). Step time from a compute + communication model with
 stated bandwidths and nothing overlapped (so it is a pessimistic, comparable ranking, not a promise):
 

@@ -21,7 +21,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "(perplexity, in windows of model.max_seq_len) and greedy generation (with the KV "
             "cache) are supported.",
             "Under torchrun/srun the model is laid out as in training: --tp/--pp split it, the "
-            "remaining ranks are data-parallel and share the requests; rank 0 gathers the scores, "
+            "remaining ranks are data-parallel and share the requests (--ep splits an MoE "
+            "model's experts over them: each rank holds its own, the tokens travel to them); "
+            "rank 0 gathers the scores, "
             "prints a table and writes them as JSON (default CKPT/eval/TASKS.json, replaced "
             "atomically).",
             "Tasks come from lm-eval's registry or from --include-path (a folder of task YAMLs). "
@@ -44,6 +46,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     help="results JSON (default: CKPT/eval/TASKS.json)")
     ev.add_argument("--tp", type=int, default=1, help="tensor-parallel size under a launcher (1)")
     ev.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
+    ev.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel size under a launcher (1): divides the data-parallel "
+                         "ranks and the number of experts")
     ev.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="weights and activations (fp32)")
     ev.add_argument("--bootstrap-iters", type=int, default=0, metavar="N",
@@ -63,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from megaformer.training.distributed import detect_process, init_distributed
 
     tasks = task_lib.parse_tasks(args.tasks)
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--batch-size", args.batch_size)):
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep),
+                        ("--batch-size", args.batch_size)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be >= 1")
     if args.limit is not None and args.limit < 1:
@@ -73,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if proc.world_size % (args.tp * args.pp):
         raise UserError(f"--tp {args.tp} x --pp {args.pp} does not divide the world size "
                         f"{proc.world_size}")
+    if (proc.world_size // (args.tp * args.pp)) % args.ep:
+        raise UserError(f"--ep {args.ep} does not divide the {proc.world_size // (args.tp * args.pp)} "
+                        "data-parallel ranks")
     manager = task_lib.task_manager(tasks, args.include_path)  # unknown task, or no lm-eval
     topo = None
     created = False
@@ -82,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
         created = not torch.distributed.is_initialized()
         if created:
             init_distributed(proc)
-        topo = build_topology(proc.world_size, proc.rank, tp=args.tp, pp=args.pp)
-    elif args.tp * args.pp > 1:
-        raise UserError(f"--tp {args.tp} --pp {args.pp}: launch {args.tp * args.pp} or more "
+        topo = build_topology(proc.world_size, proc.rank, tp=args.tp, pp=args.pp, ep=args.ep)
+    elif args.tp * args.pp * args.ep > 1:
+        raise UserError(f"--tp {args.tp} --pp {args.pp} --ep {args.ep}: launch "
+                        f"{args.tp * args.pp * args.ep} or more "
                         "processes (torchrun --nproc_per_node N -m megaformer eval ...)")
     from megaformer.evaluation.checkpoint import evaluate_checkpoint
 

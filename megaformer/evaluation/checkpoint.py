@@ -2,8 +2,9 @@
 
 The model is built as training builds it (:func:`megaformer.parallel.build.build_model`) for the
 layout of the launch (tensor x pipeline from the command line, data parallelism from the rest of
-the world): each rank reads only its tensor-parallel shards of the layers its pipeline stage holds
-(a sharded checkpoint's state), or the consolidated weights when the checkpoint has them. No
+the world, experts split over ``--ep`` of the data-parallel ranks): each rank reads only its
+tensor-parallel shards of the layers its pipeline stage holds and its own experts (a sharded
+checkpoint's state), or the consolidated weights when the checkpoint has them. No
 Hugging Face conversion, no DeepSpeed engine. The results go beside the weights, into
 ``CKPT/eval/<tasks>.json`` (written atomically by rank 0), unless another path is given.
 """
@@ -44,8 +45,8 @@ class EvalOutput:
 def eval_layout(cfg: Config, topo: Any) -> Config:
     """``cfg`` with the launch's layout and nothing that only training needs (no recomputation,
     compilation or sequence parallelism)."""
-    tp, pp = (topo.tp, topo.pp) if topo is not None else (1, 1)
-    parallel = dataclasses.replace(cfg.parallel, tensor=tp, pipeline=pp, context=1, expert=1,
+    tp, pp, ep = (topo.tp, topo.pp, topo.ep) if topo is not None else (1, 1, 1)
+    parallel = dataclasses.replace(cfg.parallel, tensor=tp, pipeline=pp, context=1, expert=ep,
                                    sequence_parallel=False)
     train = dataclasses.replace(cfg.train, recompute="none", compile=False)
     return dataclasses.replace(cfg, parallel=parallel, train=train)
@@ -99,7 +100,10 @@ def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None,
     manager = manager or task_lib.task_manager(tasks, include_path)
     runner, tokenizer, cfg = load_runner(ckpt, topo, device, dtype)
     dp_group = topo.groups.dp if topo is not None else None
-    lm = make_lm(runner, tokenizer, batch_size=batch_size, dp_group=dp_group)
+    # expert parallelism: the ranks of an expert group exchange tokens in every forward, so the
+    # data-parallel ranks run their forwards together
+    lm = make_lm(runner, tokenizer, batch_size=batch_size, dp_group=dp_group,
+                 lockstep=topo is not None and topo.ep > 1)
     t0 = time.perf_counter()
     results = task_lib.run_tasks(lm, tasks, manager, limit=limit, bootstrap_iters=bootstrap_iters)
     seconds = time.perf_counter() - t0
@@ -109,7 +113,7 @@ def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None,
         payload = {"checkpoint": str(ckpt), "step": ckpt_layout.step_of(ckpt), "tasks": tasks,
                    "limit": limit, "scores": scores, "megaformer_version": __version__,
                    "layout": {"tensor": topo.tp if topo else 1, "pipeline": topo.pp if topo else 1,
-                              "data": topo.dp if topo else 1},
+                              "data": topo.dp if topo else 1, "expert": topo.ep if topo else 1},
                    "dtype": dtype, "seconds": round(seconds, 3),
                    "lm_eval": {k: results[k] for k in ("results", "versions", "n-shot",
                                                        "higher_is_better", "n-samples")

@@ -11,6 +11,9 @@ seed) while a rank allocates only what it keeps: under tensor or pipeline parall
 built on the meta device, and the blocks of this rank's pipeline stage, its embedding and its
 output layer are allocated on ``device`` one at a time, initialised whole and split (at most one
 unsplit block or vocabulary table is alive at once). Other stages' layers never hold memory.
+Expert parallelism builds the same way, each MoE block keeping this rank's experts as soon as it
+has its values; under ZeRO-3 each module is handed, once it has its values, to ``partition``
+(DeepSpeed's ``zero.Init``), so a rank holds its partitions and one whole module at most.
 One process (or weights given whole) builds the model directly on ``device``.
 ``device="meta"`` gives shapes only (no values, nothing allocated).
 
@@ -69,13 +72,19 @@ class BuiltModel:
 def build_model(cfg: Config, topology: Optional[Topology] = None, *,
                 device: Union[str, torch.device] = "cpu",
                 weights: Optional[dict[str, torch.Tensor]] = None, weights_source: object = None,
-                eod_id: Optional[int] = None, training: bool = True) -> BuiltModel:
+                eod_id: Optional[int] = None, training: bool = True,
+                partition: Optional[Callable[[nn.Module], None]] = None) -> BuiltModel:
     """The model ``cfg`` describes, laid out for ``topology`` (None: one process), on ``device``.
 
     ``weights``: unsharded, unpadded full weights to start from (``weights_source`` names them in
     errors). ``eod_id``: the end-of-document token (``model.document_mask``). With
     ``training=False`` (generation, one process) the vocabulary is not padded and no
-    recomputation, compilation or pipeline is applied; the model is in eval mode."""
+    recomputation, compilation or pipeline is applied; the model is in eval mode.
+
+    ``partition(module)`` (ZeRO-3: :func:`megaformer.training.deepspeed_config.zero3_partitioner`)
+    takes each module as soon as it holds its values (from the seed or a sharded reader) and keeps
+    this rank's partition of its parameters: the model is built on the meta device and no rank
+    holds more than its partitions and one whole module."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp = topology.tp if topology is not None else 1
     pp = topology.pp if topology is not None else 1
@@ -88,7 +97,10 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     reader = weights if weights is not None and hasattr(weights, "shard") else None
     # split layouts build on the meta device and give values one block at a time, to this rank's
     # shards and pipeline stage only (unless whole weights are to be copied in first)
-    lazy = topology is not None and (tp > 1 or pp > 1) and (weights is None or reader is not None)
+    # (so do expert parallelism, each block keeping its experts, and ZeRO-3, each module its
+    # partition, as soon as it has its values)
+    lazy = (topology is not None and (tp > 1 or pp > 1 or topology.ep > 1 or partition is not None)
+            and (weights is None or reader is not None))
     torch.manual_seed(t.seed)
     with torch.device("meta" if lazy else device):
         model = Transformer(m, padded_vocab_size=padded)
@@ -97,7 +109,8 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     if lazy:
         pieces = (stage_pieces(_stage_parts(cfg, topology, padded, model), topology.pp_rank, m.n_layers,
                                m.tie_embeddings) if pp > 1 else None)
-        fill = Materializer(model, device, pieces, init=reader is None)
+        fill = Materializer(model, device, pieces, init=reader is None, topology=topology,
+                            reader=reader if partition is not None else None, partition=partition)
     if weights is not None and reader is None:
         load_full_weights(model, weights, weights_source)
     torch.manual_seed(t.seed + 1)  # dropout stream, independent of init
@@ -105,9 +118,10 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     if topology is not None:
         parallelize(model, topology, p.sequence_parallel, tp_rng, materialize=fill)
         distribute_experts(model, topology)  # this rank's experts (expert parallelism)
+    loaded = partition is not None  # the Materializer copied the reader's values in already
     if not training:
         cp = _context(model, topology, p.context_mode)
-        if reader is not None:
+        if reader is not None and not loaded:
             load_shards(model, None, topology, reader)
         return BuiltModel((model if lazy else model.to(device)).eval(), model, tp_rng,
                           weigh_loss=loss_weighting(cp))
@@ -120,7 +134,7 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     if not lazy:  # (a lazy build's values are on the device already; other stages' are not)
         model = model.to(device)
     if pp == 1:
-        if reader is not None:
+        if reader is not None and not loaded:
             load_shards(model, None, topology, reader)
         return BuiltModel(model, model, tp_rng, weigh_loss=loss_weighting(cp))
     names = original_names(model)
@@ -157,14 +171,18 @@ class Materializer:
     Called on each block, the embedding and the output layer just before the tensor-parallel plan
     splits them (:func:`megaformer.parallel.plan.parallelize`): the module is allocated on
     ``device`` whole and initialised parameter by parameter (:meth:`Transformer.init_parameter`:
-    the same values as a one-process build), and the plan then keeps this rank's shards. Modules
-    of other pipeline stages stay on the meta device. With ``init=False`` (a checkpoint's shards
-    follow) the values are left for the loader. The small rest of the model (final norm,
-    positions, buffers) is materialised at once."""
+    the same values as a one-process build), an MoE block keeps this rank's experts at once
+    (:func:`~megaformer.parallel.experts.distribute_experts`), and the plan then keeps this rank's
+    shards. Modules of other pipeline stages stay on the meta device. With ``init=False`` (a
+    checkpoint's shards follow) the values are left for the loader, or copied from ``reader``
+    when given. ``partition(module)`` (ZeRO-3) then keeps this rank's partition of the module.
+    The small rest of the model (final norm, positions, buffers) is materialised at once."""
 
     def __init__(self, model: Transformer, device: torch.device, pieces: Optional[StagePieces],
-                 init: bool) -> None:
+                 init: bool, topology: Optional[Topology] = None, reader: object = None,
+                 partition: Optional[Callable[[nn.Module], None]] = None) -> None:
         self.model, self.device, self.pieces, self.init = model, device, pieces, init
+        self.topology, self.reader, self.partition = topology, reader, partition
         self.names = {id(mod): name for name, mod in model.named_modules()}
         self.blocks = {id(b): i for i, b in enumerate(model.layers)}
         for name, buf in list(model.named_buffers(recurse=False)):
@@ -194,22 +212,28 @@ class Materializer:
     def _fill(self, module: nn.Module) -> None:
         module.to_empty(device=self.device)
         self.model.tie_weights()
+        prefix = self.names[id(module)]
         if self.init:
-            prefix = self.names[id(module)]
             for name, p in module.named_parameters():
                 self.model.init_parameter(f"{prefix}.{name}", p)
+        if self.topology is not None and id(module) in self.blocks:
+            distribute_experts(module, self.topology)  # this block's experts only, from here on
+        if self.reader is not None:
+            load_shards(module, None, self.topology, self.reader, prefix=f"{prefix}.")
+        if self.partition is not None:
+            self.partition(module)
 
 
 @torch.no_grad()
 def load_shards(module: nn.Module, names: Optional[dict[int, str]], topology: Optional[Topology],
-                reader: object) -> None:
+                reader: object, prefix: str = "") -> None:
     """Copy each parameter's tensor-parallel shard (vocabulary padding rows zero; an expert
     parameter's rows of this rank's experts) from ``reader`` into ``module`` (``names``:
-    id(parameter) -> its plain-model name, under PP)."""
+    id(parameter) -> its plain-model name, under PP; else ``prefix`` + its name in ``module``)."""
     tp = topology.tp if topology is not None else 1
     rank = topology.tp_rank if topology is not None else 0
     for name, p in module.named_parameters():
-        name = names[id(p)] if names is not None else name
+        name = names[id(p)] if names is not None else prefix + name
         split = getattr(p, "tensor_model_parallel", False) and tp > 1
         dim = p.partition_dim if split else None
         shard = reader.shard(name, tuple(p.shape), dim,  # type: ignore[attr-defined]

@@ -92,9 +92,12 @@ def dispatch_to_experts(x: torch.Tensor, counts: torch.Tensor, experts: nn.Modul
 
 @torch.no_grad()
 def distribute_experts(model: nn.Module, topo: Any) -> None:
-    """Keep this rank's E / P experts of every MoE block (the whole model was built from the
-    seed on every rank, so EP = P starts from EP = 1's weights) and mark their parameters for
-    DeepSpeed's expert-data-parallel reduction. A no-op for EP = 1."""
+    """Keep this rank's E / P experts of every MoE block in ``model`` (a model or one block) and
+    mark their parameters for DeepSpeed's expert-data-parallel reduction. A block is given its
+    values whole (from the seed or a checkpoint) and split at once, before the next is built
+    (:class:`megaformer.parallel.build.Materializer`), so EP = P starts from EP = 1's weights while
+    a rank holds its experts and one block's. Blocks already split are left as they are; a no-op
+    for EP = 1."""
     from megaformer.model.moe import moe_layers
 
     P = topo.ep
@@ -103,6 +106,8 @@ def distribute_experts(model: nn.Module, topo: Any) -> None:
     name = group_name(P)
     for moe in moe_layers(model):
         ex = moe.experts
+        if moe.ep_size == P:
+            continue  # split already
         L = ex.w1.shape[0] // P
         first = topo.ep_rank * L
         for attr in ("w1", "w3", "w2"):

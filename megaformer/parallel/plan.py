@@ -63,6 +63,9 @@ MOE_PLAN: dict[str, type] = {
     "mlp.shared.w3": ColumnParallelLinear,
     "mlp.shared.w2": RowParallelLinear,
 }
+# What expert parallelism marks on an expert parameter (megaformer.parallel.experts), kept when it
+# is split.
+EXPERT_MARKS = ("allreduce", "group_name", "expert_parallel")
 # Modules whose input enters the column-parallel region once, for all their projections.
 REGION_INPUTS = ("attn", "mlp")
 
@@ -79,7 +82,11 @@ def shard_experts(moe: MoE, group: ProcessGroup, sequence_parallel: bool) -> Non
     for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
         full = getattr(ex, name)
         if full is not None:
-            setattr(ex, name, mark_sharded(nn.Parameter(shard(full.data, dim, rank, world)), dim))
+            part = mark_sharded(nn.Parameter(shard(full.data, dim, rank, world)), dim)
+            for key in EXPERT_MARKS:  # this rank's experts already (expert parallelism)
+                if hasattr(full, key):
+                    setattr(part, key, getattr(full, key))
+            setattr(ex, name, part)
     sum_grad_over_tp(moe.router.weight, group)
     if moe.shared_gate is not None:  # replicated too, its gradient share scaled inside the block
         sum_grad_over_tp(moe.shared_gate.weight, group)

@@ -24,7 +24,8 @@ FUSED_DEVICES = ("cpu", "cuda")
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    return param.ndim < 2 or "embedding" in name
+    shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3: the whole parameter's shape
+    return len(shape) < 2 or "embedding" in name
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
+from typing import Any, Callable, Optional
+
+import torch.nn as nn
 
 from megaformer.config import Config, check_deepspeed_section
 
@@ -51,3 +55,39 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
     # DeepSpeed's universal checkpoints (which unpickle arbitrary objects) stays off whatever it holds
     merged["checkpoint"] = {"load_universal": False}
     return merged
+
+
+def zero3_partitioner(cfg: Config, ds_config: dict, mpu: Any) -> Optional[Callable[[nn.Module], None]]:
+    """Under ZeRO-3: what hands each module of the model, once it holds its values, to DeepSpeed's
+    ``zero.Init(module=...)`` (:func:`megaformer.parallel.build.build_model`'s ``partition``), so
+    a rank keeps 1/D of every parameter as the model is built, never the whole model. None below
+    ZeRO-3.
+
+    It does what ``deepspeed.initialize`` would do to a whole model: cast the parameters to the
+    training precision, then partition them over the data-parallel group of ``mpu`` (the one the
+    engine is given) with ``ds_config``'s settings. Each partition is a slice of the very tensor a
+    one-process build holds, so the values are the same."""
+    if cfg.parallel.zero_stage != 3:
+        return None
+    import deepspeed
+
+    from megaformer.config import precision_dtype
+    from megaformer.deepspeed_attrs import zero3_partitioned
+
+    dtype = precision_dtype(cfg.train.precision)
+    offload = ds_config.get("zero_optimization", {}).get("offload_param") or {}
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+
+    def partition(module: nn.Module) -> None:
+        for p in module.parameters():
+            if not zero3_partitioned(p) and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        deepspeed.zero.Init(module=module, data_parallel_group=group, dtype=dtype,
+                            config_dict_or_path=ds_config, mpu=mpu,
+                            remote_device=offload.get("device"),
+                            pin_memory=bool(offload.get("pin_memory", False)))
+        # the converted parameters and DeepSpeed's functions on them form reference cycles that
+        # keep the whole tensors alive until the collector runs: free them before the next module
+        gc.collect()
+
+    return partition

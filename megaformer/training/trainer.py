@@ -46,7 +46,7 @@ from megaformer.runtime.host_allocator import configure_host_allocator
 from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.training.preemption import StopRequest
 from megaformer.training.watchdog import StepWatchdog
-from megaformer.training.deepspeed_config import build_deepspeed_config
+from megaformer.training.deepspeed_config import build_deepspeed_config, zero3_partitioner
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
 from megaformer.training import wandb_log
 from megaformer.runtime.optimizer import build_optimizer
@@ -216,8 +216,12 @@ class Trainer:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
         the weights of the checkpoint the run resumes from (:meth:`Checkpointer.model_weights`)."""
         weights, source = self.checkpointer.model_weights(self.cfg.model, self.topo)
+        # ZeRO-3: each module keeps its partition as soon as it has its values
+        partition = zero3_partitioner(self.cfg, build_deepspeed_config(self.cfg, self.grad_accum),
+                                      train_step_class(self.cfg).engine_mpu(self.topo))
         built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
-                            weights_source=source, eod_id=self.tokenizer.eod_id)
+                            weights_source=source, eod_id=self.tokenizer.eod_id,
+                            partition=partition)
         self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
         self.weigh_loss = built.weigh_loss  # context parallelism: the loss the group averages
         return built.model
