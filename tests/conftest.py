@@ -17,9 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.helpers import cluster_overrides, run_process, step_records, torchrun_cmd  # noqa: E402
+from megaformer.runtime import spawn  # noqa: E402
+from tests.helpers import (cluster_overrides, run_process, step_records, subprocess_env,  # noqa: E402
+                           torchrun_cmd)
 
 torch.set_num_threads(1)  # 2-core machines: tests and their subprocess ranks must not oversubscribe
+# Ranks and "fresh" CLI processes fork from one server per session that has imported these once.
+spawn.configure(preload=["pytest", "megaformer.cli", "megaformer.training.trainer", "tests.helpers"],
+                env=subprocess_env())
 
 
 def pytest_configure(config: Any) -> None:

@@ -123,7 +123,7 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
 
 
 def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tuple]:
-    from tests.helpers import free_port
+    from megaformer.runtime.spawn import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
