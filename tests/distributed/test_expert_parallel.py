@@ -41,7 +41,7 @@ def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int):
             "model.n_kv_heads": 2, "model.max_seq_len": 16, "data.seq_len": 16,
             "train.micro_batch_size": 2, "train.global_batch_size": 2 * dp,
             # a small lr: AdamW divides by sqrt(v), which amplifies fp32 round-off in near-zero
-            # gradients (as in tests/test_tensor_parallel.py)
+            # gradients (as in tests/distributed/test_tensor_parallel.py)
             "train.lr": 3e-4, "train.warmup_steps": 0, "train.grad_clip": 0.5,
             "parallel.tensor": tp, "parallel.pipeline": pp, "parallel.expert": ep,
             "parallel.zero_stage": zero, "parallel.sequence_parallel": sp,

@@ -187,7 +187,7 @@ def test_truncated_or_missing_shard_is_one_line(reference, tmp_path):
 
 # ----------------------------------------------------------------------------- previous release
 
-PREVIOUS = Path(__file__).parent / "data" / "previous_release_run"
+PREVIOUS = Path(__file__).resolve().parents[1] / "data" / "previous_release_run"
 PREVIOUS_MODEL = ("model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
                   "model.max_seq_len=16", "data.max_bytes=20000", "train.micro_batch_size=2",
                   "train.global_batch_size=4", "train.lr=3e-3", "train.warmup_steps=1",

@@ -23,7 +23,7 @@ from tests.helpers import assert_one_line_error, cli_main, tiny_overrides
 
 pytest.importorskip("lm_eval")
 
-TASKS_DIR = Path(__file__).resolve().parent / "data" / "eval_tasks"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "data" / "eval_tasks"
 MC, PPL, GEN = "megaformer_code_mc", "megaformer_code_ppl", "megaformer_code_gen"
 MAX_LEN = 32
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
