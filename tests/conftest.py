@@ -1,7 +1,9 @@
 """Fixtures and markers (helpers to import live in ``tests/helpers.py``).
 
-Markers: ``slow`` (trains a model; seconds to a minute) and ``multiprocess`` (several ranks under
-torchrun, gloo). The fast set: ``pytest -m "not slow and not multiprocess"``.
+Layout: ``unit/`` (one process), ``distributed/`` (several ranks, training runs), ``cuda/`` (the
+GPU tier). Markers: ``slow`` (trains a model, compiles, builds the site; seconds to a minute) and
+``multiprocess`` (several gloo ranks). The fast set: ``pytest tests -m "not slow and not
+multiprocess"``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ spawn.configure(preload=["pytest", "megaformer.cli", "megaformer.training.traine
 
 
 def pytest_configure(config: Any) -> None:
-    config.addinivalue_line("markers", "slow: trains a (tiny) model")
-    config.addinivalue_line("markers", "multiprocess: launches several ranks with torchrun")
+    config.addinivalue_line("markers", "slow: trains a (tiny) model, compiles, or builds the site "
+                                       "(seconds or more each)")
+    config.addinivalue_line("markers", "multiprocess: runs several ranks (run_ranks, torchrun)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skips with the reason on CPU); "
                                        "the GPU tier: pytest -m cuda")
 

@@ -96,6 +96,7 @@ def _enter_rank(env: Mapping[str, str], rank: int, world: int, port: int) -> Non
 
 def _worker(rank: int, world: int, port: int, env: Mapping[str, str], fn: Callable, args: tuple,
             out: Any) -> None:
+    os.setpgid(0, 0)  # a group of its own: a rank stopped at the timeout takes its children along
     _enter_rank(env, rank, world, port)
     import torch.distributed as dist
 

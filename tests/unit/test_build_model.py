@@ -115,6 +115,7 @@ def _tp_pp_shards(rank: int, world: int) -> dict:
     return {"local": local, "meta": meta, "stage": topo.pp_rank}
 
 
+@pytest.mark.multiprocess
 def test_split_builds_hold_only_their_shards_of_the_one_process_weights():
     """TP2 x PP2 starts from exactly one process's weights: each rank's parameters are its
     tensor-parallel slices of them, and only its own stage's layers hold memory (the rest of the

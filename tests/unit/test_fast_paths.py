@@ -190,6 +190,7 @@ def test_document_mask_needs_eod_id():
 
 # ----------------------------------------------------------------------------- torch.compile
 
+@pytest.mark.slow
 def test_compiled_blocks_equal_eager_in_one_graph():
     """compile_blocks (aot_eager: dynamo + autograd tracing, no C++ build) gives eager's loss and
     gradients, with document masking on, and dynamo traces each block as one graph."""

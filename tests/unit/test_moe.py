@@ -571,7 +571,7 @@ def test_memory_estimate_matches_measured_cpu_memory(activation, moe):
     """Activations held after the forward and the peak of an AdamW step, against the CPU
     allocator's record (as tests/unit/test_memory.py does for dense models)."""
     from megaformer.analysis.memory import Layout, activation_bytes, estimate
-    from tests.test_memory import _measured
+    from tests.unit.test_memory import _measured
 
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=64, activation=activation, moe=MoEConfig(**moe))
