@@ -314,3 +314,17 @@ def test_all_to_all_cp2_pp2_equals_one_process(references, tmp_path):
     assert "CP 2 (all_to_all)" in proc.stdout
     _same(references[False], run)  # diagnostics included: each context rank ran whole sequences
     assert any("/" in k for k in step_records(run)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ring_cp2_dp2_with_zero1_and_zero3_equals_one_process(references, tmp_path):
+    """The ZeRO stages the docs claim beside context parallelism (partitions over DP x CP)."""
+    for zero in (1, 3):
+        run = tmp_path / f"cp-zero{zero}"
+        proc = run_torchrun(4, "train", "configs/quickstart.yaml", *COMMON,
+                            "model.document_mask=true", "parallel.context=2",
+                            f"parallel.zero_stage={zero}", "--run-dir", str(run))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "CP 2 (ring)" in proc.stdout, proc.stdout[-2000:]
+        _same(references[True], run)

@@ -332,3 +332,23 @@ def test_sharded_checkpoint_resumes_at_another_expert_degree(tmp_path):
               for r in (full, up)]
     for k in biases[0]:
         assert torch.allclose(biases[0][k], biases[1][k])
+
+
+def _norm_with_expert_share(rank: int, world: int) -> tuple[float, float]:
+    """(megaformer's global norm, the hand-computed one) of one replicated parameter and one
+    expert parameter whose gradients differ per rank and carry most of the norm."""
+    from megaformer.parallel.grad_norm import global_grad_norm
+
+    dense = torch.nn.Parameter(torch.zeros(3))
+    dense.grad = torch.tensor([1.0, 2.0, 2.0])                  # ||.||^2 = 9 on every rank
+    expert = torch.nn.Parameter(torch.zeros(2, 2))
+    expert.allreduce = False                                     # DeepSpeed's mark of an expert
+    expert.grad = torch.full((2, 2), 3.0 * (rank + 1))           # 36 (rank 0), 144 (rank 1)
+    norm = global_grad_norm([dense, expert], None, None, dist.new_group(list(range(world))))
+    return norm, (9.0 + sum(36.0 * (r + 1) ** 2 for r in range(world))) ** 0.5
+
+
+@pytest.mark.multiprocess
+def test_gradient_norm_counts_every_ranks_experts_once():
+    for got, want in run_ranks(2, _norm_with_expert_share, timeout=120):
+        assert got == pytest.approx(want, rel=1e-12)  # sqrt(9 + 36 + 144) = 13.75
