@@ -1,6 +1,6 @@
 """megaformer: distributed pretraining of decoder-only Transformers on PyTorch + DeepSpeed.
 
-Layering: each layer imports only from the layers below it (tests/test_layering.py checks every
+Layering: each layer imports only from the layers below it (tests/unit/test_layering.py checks every
 import, including those inside functions)::
 
     cli, __main__        the command line

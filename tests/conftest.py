@@ -1,7 +1,9 @@
 """Fixtures and markers (helpers to import live in ``tests/helpers.py``).
 
-Markers: ``slow`` (trains a model; seconds to a minute) and ``multiprocess`` (several ranks under
-torchrun, gloo). The fast set: ``pytest -m "not slow and not multiprocess"``.
+Layout: ``unit/`` (one process), ``distributed/`` (several ranks, training runs), ``cuda/`` (the
+GPU tier). Markers: ``slow`` (trains a model, compiles, builds the site; seconds to a minute) and
+``multiprocess`` (several gloo ranks). The fast set: ``pytest tests -m "not slow and not
+multiprocess"``.
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.helpers import cluster_overrides, run_process, step_records, torchrun_cmd  # noqa: E402
+from megaformer.runtime import spawn  # noqa: E402
+from tests.helpers import (cluster_overrides, run_process, step_records, subprocess_env,  # noqa: E402
+                           torchrun_cmd)
 
 torch.set_num_threads(1)  # 2-core machines: tests and their subprocess ranks must not oversubscribe
+# Ranks and "fresh" CLI processes fork from one server per session that has imported these once.
+spawn.configure(preload=["pytest", "megaformer.cli", "megaformer.training.trainer", "tests.helpers"],
+                env=subprocess_env())
 
 
 def pytest_configure(config: Any) -> None:
-    config.addinivalue_line("markers", "slow: trains a (tiny) model")
-    config.addinivalue_line("markers", "multiprocess: launches several ranks with torchrun")
+    config.addinivalue_line("markers", "slow: trains a (tiny) model, compiles, or builds the site "
+                                       "(seconds or more each)")
+    config.addinivalue_line("markers", "multiprocess: runs several ranks (run_ranks, torchrun)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skips with the reason on CPU); "
                                        "the GPU tier: pytest -m cuda")
 

@@ -1,6 +1,11 @@
 """Helpers shared by the tests: the tiny configs, running the CLI (in this process or a fresh one),
 torchrun launches and reading a run's metrics.
 
+"A fresh process" and "torchrun" are, by default, ranks forked from
+:mod:`megaformer.runtime.spawn`'s server, which has imported torch, DeepSpeed and megaformer once
+per session; ``fresh=True`` / ``launcher=True`` start real interpreters (for tests about the
+entry point or the launcher itself).
+
 Fixtures and markers live in ``tests/conftest.py``; everything importable lives here.
 """
 
@@ -9,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
+
+from megaformer.runtime.spawn import free_port, run_module, run_ranks  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from megaformer.config import ModelConfig
@@ -103,11 +109,15 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m megaformer ARGS`` in a fresh process (for the exit-code and no-traceback
-    contract, and for runs that must not share this process's state)."""
-    return run_process([sys.executable, "-m", "megaformer", *args], cwd=cwd, env=env,
-                       timeout=timeout)
+            env: dict | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m megaformer ARGS`` in a process of its own (for the exit-code and no-traceback
+    contract, and for runs that must not share this process's state): forked from the preloaded
+    server, or with ``fresh=True`` a new interpreter."""
+    if fresh:
+        return run_process([sys.executable, "-m", "megaformer", *args], cwd=cwd, env=env,
+                           timeout=timeout)
+    return run_module(1, "megaformer", args, torchrun=False, env=env or subprocess_env(),
+                      cwd=cwd or ROOT, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -180,14 +190,14 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
 
 # ----------------------------------------------------------------------------- several processes
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node N -m megaformer ARGS`` on this machine (gloo)."""
+def run_torchrun(nproc: int, *args: str, timeout: float = 600,
+                 launcher: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node N -m megaformer ARGS`` on this machine (gloo): ranks forked
+    from the preloaded server with torchrun's environment, or with ``launcher=True`` the real
+    torchrun (for tests of the launcher's own behaviour)."""
+    if not launcher:
+        return run_module(nproc, "megaformer", args, env=subprocess_env(), cwd=ROOT,
+                          timeout=timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "megaformer", *args]
     return run_process(cmd, timeout=timeout)

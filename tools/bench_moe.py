@@ -93,7 +93,7 @@ def _timed(rank: int, world: int, port: int, args: argparse.Namespace, moe: bool
 
 
 def _run(world: int, args: argparse.Namespace, moe: bool) -> tuple[float, list[int], list[int]]:
-    from tests.helpers import free_port
+    from megaformer.runtime.spawn import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

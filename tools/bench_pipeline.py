@@ -73,9 +73,9 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
     from megaformer.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from megaformer.parallel.build import build_model
     from megaformer.parallel.topology import build_topology
-    from megaformer.training.distributed import _disable_cpu_shm_comm_op
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
 
-    _disable_cpu_shm_comm_op()
+    disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     topo = build_topology(world, rank, pp=world)
@@ -123,7 +123,7 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
 
 
 def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tuple]:
-    from tests.helpers import free_port
+    from megaformer.runtime.spawn import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

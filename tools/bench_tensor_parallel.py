@@ -66,7 +66,7 @@ def _one(rank: int, world: int, port: int, args: argparse.Namespace, sp: bool, l
 
 
 def measure(world: int, args: argparse.Namespace, sp: bool, layers: int) -> tuple[int, float]:
-    from tests.helpers import free_port  # noqa: E402  (a free loopback port)
+    from megaformer.runtime.spawn import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -52,7 +52,7 @@ implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.p
     batches of its L/PP layers in flight.
 
 Checked against the CPU allocator's measured bytes (:mod:`megaformer.analysis.measure`) in
-tests/test_memory.py (MoE blocks: tests/test_moe.py). For reference, Korthikanti et al. 2022 (Megatron, 16-bit, dropout masks,
+tests/unit/test_memory.py (MoE blocks: tests/unit/test_moe.py). For reference, Korthikanti et al. 2022 (Megatron, 16-bit, dropout masks,
 non-fused softmax) give per layer s*b*h*(34 + 5*a*s/h) bytes, /t with TP+SP, 34*s*b*h/t with
 selective recompute, 2*s*b*h with full recompute: :func:`korthikanti_layer_bytes`.
 """

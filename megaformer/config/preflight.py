@@ -8,7 +8,7 @@ GEMMs need hardware that has them, a forced attention backend must run there), t
 the trainer runs (bf16 needs ZeRO for fp32 gradient accumulation) and the optional packages a
 feature needs (W&B, lm-evaluation-harness). Unlike the rest of :mod:`megaformer.config` this module
 asks the layers above it (kernel selection, FP8) what the device can do: it is a layer of its own,
-above ``parallel`` (tests/test_layering.py), imported by those that run a config (the trainer,
+above ``parallel`` (tests/unit/test_layering.py), imported by those that run a config (the trainer,
 the CLI) and never by the config's other modules, so ``from megaformer.config.preflight import
 preflight``."""
 

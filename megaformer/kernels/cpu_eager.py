@@ -32,7 +32,7 @@ into g and u would concatenate dg and du (a copy of 2F per token).
 Used on fp32 CPU tensors in eager mode with ``model.kernels=auto`` (implementations ``native``
 and ``cpu`` of :mod:`megaformer.kernels.selection`): each function takes ``use_native``, one native
 kernel each way (:mod:`megaformer.kernels.native`), else the torch ops above. Tested equal to the
-references (tests/test_fast_paths.py).
+references (tests/unit/test_fast_paths.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ R is a counter-based hash of the element index e keyed by a 63-bit seed drawn fr
 generator (so ``torch.manual_seed``, checkpointed RNG state and the tensor-parallel RNG forks govern
 it, and the mask does not depend on the thread count); the drop probability is p rounded to a
 multiple of 2^-32 and E[y] = x exactly. exp is a range-reduced polynomial (~2 ulp), so results
-match torch to fp32 rounding, not bit for bit (tests/test_native_kernels.py).
+match torch to fp32 rounding, not bit for bit (tests/unit/test_native_kernels.py).
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp`` into
 ``$MEGAFORMER_CACHE_DIR`` (default ``~/.cache/megaformer``)``/native/<hash>/``, the hash covering

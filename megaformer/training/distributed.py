@@ -145,7 +145,7 @@ def detect_process(device: str = "auto") -> ProcessInfo:
     return ProcessInfo(rank, world, local_rank, dev, info.launcher)
 
 
-def _disable_cpu_shm_comm_op() -> None:
+def disable_cpu_shm_comm_op() -> None:
     """Skip DeepSpeed's JIT-built shared-memory all-reduce on CPU.
 
     The op serves only ``inference_all_reduce`` (never called in training), its first build costs
@@ -178,7 +178,7 @@ def init_distributed(proc: ProcessInfo, timeout_minutes: float = 30.0) -> None:
     if proc.device.type == "cuda":
         torch.cuda.set_device(proc.device)
     else:
-        _disable_cpu_shm_comm_op()
+        disable_cpu_shm_comm_op()
     import deepspeed
 
     backend = "nccl" if proc.device.type == "cuda" else "gloo"

@@ -84,7 +84,7 @@ class TrainResult:
 def _quiet_known_warnings() -> None:
     # DeepSpeed's pipeline p2p moves activations with c10d broadcast inside autograd; torch warns
     # that broadcast_ has no autograd kernel. DeepSpeed routes the gradients itself (losses and
-    # gradients equal one process: tests/test_pipeline.py).
+    # gradients equal one process: tests/distributed/test_pipeline.py).
     warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
 

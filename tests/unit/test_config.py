@@ -132,7 +132,7 @@ def test_cli_config_errors_are_one_line(tmp_path):
 
 def test_cli_config_error_exit_code_in_a_fresh_process(tmp_path):
     """The contract as a shell sees it: exit status 2, one line on stderr, no traceback."""
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.layers=3"),
+    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.layers=3", fresh=True),
                           "unknown config key 'model.layers'")
 
 

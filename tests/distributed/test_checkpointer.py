@@ -29,8 +29,8 @@ from megaformer.checkpoint.sharded import VOCAB_TABLES, ShardedState
 from megaformer.config import load_config
 from tests.dist_harness import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
-PREVIOUS = Path(__file__).parent / "data" / "previous_release_run"
+ROOT = Path(__file__).resolve().parents[2]
+PREVIOUS = ROOT / "tests" / "data" / "previous_release_run"
 VOCAB = 257
 MODEL = ("data.source=stdlib", f"model.vocab_size={VOCAB}", "model.d_model=16", "model.n_layers=1",
          "model.n_heads=2", "model.n_kv_heads=1", "model.max_seq_len=16", "data.max_bytes=20000",
@@ -110,9 +110,9 @@ def _every_format(rank: int, world: int, tmp: Path) -> dict:
 
     from megaformer.checkpoint.weights import save_weights_checkpoint
     from megaformer.parallel.topology import build_topology
-    from megaformer.training.distributed import _disable_cpu_shm_comm_op
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
 
-    _disable_cpu_shm_comm_op()
+    disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     topo = build_topology(1, 0, tp=1, pp=1)

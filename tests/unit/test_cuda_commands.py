@@ -1,4 +1,4 @@
-"""The CUDA tier's training commands (tests/test_cuda.py :data:`TRAINING_CASES`) checked on CPU:
+"""The CUDA tier's training commands (tests/cuda/test_cuda.py :data:`TRAINING_CASES`) checked on CPU:
 each passes ``megaformer train --dry-run`` with its CUDA keys, so a config the tier would have
 refused fails here, without a GPU.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import cli_main
-from tests.test_cuda import TRAINING_CASES, training_args
+from tests.cuda.test_cuda import TRAINING_CASES, training_args
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

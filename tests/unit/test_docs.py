@@ -33,12 +33,14 @@ def _quiet(monkeypatch):
     logging.getLogger("mkdocs").handlers.clear()
 
 
+@pytest.mark.slow
 def test_site_builds_strict(tmp_path):
     _build(ROOT, tmp_path / "site")
     for page in ("index", "configuration", "parallelism", "benchmarks", "troubleshooting", "security"):
         assert (tmp_path / "site" / ("" if page == "index" else page) / "index.html").is_file(), page
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("breakage", ["broken link", "page not in nav", "broken anchor"])
 def test_strict_build_fails_on_a_broken_site(tmp_path, breakage):
     from mkdocs.exceptions import Abort

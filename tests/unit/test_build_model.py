@@ -102,7 +102,10 @@ def _tp_pp_shards(rank: int, world: int) -> dict:
 
     from megaformer.parallel.topology import build_topology
 
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
+
     os.environ["DS_ACCELERATOR"] = "cpu"
+    disable_cpu_shm_comm_op()  # no JIT build of DeepSpeed's inference-only shared-memory op
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     cfg = Config(model=tiny_model(n_layers=4, tie_embeddings=False),
                  parallel=ParallelConfig(tensor=2, pipeline=2, vocab_multiple=128),
@@ -115,6 +118,7 @@ def _tp_pp_shards(rank: int, world: int) -> dict:
     return {"local": local, "meta": meta, "stage": topo.pp_rank}
 
 
+@pytest.mark.multiprocess
 def test_split_builds_hold_only_their_shards_of_the_one_process_weights():
     """TP2 x PP2 starts from exactly one process's weights: each rank's parameters are its
     tensor-parallel slices of them, and only its own stage's layers hold memory (the rest of the

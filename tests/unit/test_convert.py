@@ -332,7 +332,7 @@ def test_truncated_or_tampered_safetensors_name_the_file(hf_folders, megaformer_
 def test_megaformer_to_megaformer_reshards(megaformer_run, tmp_path):
     """``convert CKPT DST --to megaformer --tp/--pp``: a new run directory whose checkpoint has the
     same tensors and a config for the new layout (the resumed training is tested in
-    tests/test_relayout.py)."""
+    tests/distributed/test_relayout.py)."""
     import yaml
     from safetensors.torch import load_file
 

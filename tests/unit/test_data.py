@@ -14,6 +14,7 @@ from megaformer.data.tokenizer import ByteTokenizer, build_tokenizer, load_token
 from megaformer.errors import DataError
 
 
+@pytest.mark.slow
 def test_stdlib_corpus_is_present_and_has_no_site_packages():
     files = source_files("stdlib")
     assert len(files) > 100

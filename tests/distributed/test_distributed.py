@@ -43,7 +43,7 @@ def test_layout_errors_stop_every_rank(tmp_path):
     """Raw torchrun: every rank exits 2 promptly, the message is printed once (rank 0)."""
     bad = tiny_overrides("stdlib", **{"train.micro_batch_size": 3, "train.global_batch_size": 3})
     proc = run_torchrun(2, "train", "configs/quickstart.yaml", *bad,
-                        "--run-dir", str(tmp_path / "run"), timeout=120)
+                        "--run-dir", str(tmp_path / "run"), timeout=120, launcher=True)
     assert proc.returncode != 0
     message = "train.global_batch_size=3: must be a multiple of"
     assert proc.stderr.count(message) == 1, proc.stderr

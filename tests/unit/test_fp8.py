@@ -423,3 +423,35 @@ def test_fp8_share_of_the_flops_and_mixed_peak():
     out = cli_main("flops", "configs/quickstart.yaml", "train.fp8=rowwise", "--gpu", "H200",
                    "--step-time", "0.01")
     assert out.returncode == 0 and "MFU vs bf16 peak" in out.stdout and "mixed peak" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fp8_with_bf16_through_zero1_and_zero3_equals_one_process(tmp_path):
+    """FP8 (emulated) beside bf16 master weights, under ZeRO-1 and ZeRO-3 on two data-parallel
+    ranks: losses and gradient norms are one process's (the same weights and micro-batches), and
+    not plain bf16's (the FP8 casts are on: the first gradient norm moves by ~2e-3)."""
+    from tests.helpers import run_cli, run_torchrun, step_records
+
+    common = tiny_overrides(**{"train.steps": 3, "eval.interval": 0, "eval.at_end": "false",
+                               "train.precision": "bf16", "train.fp8_emulate": "true",
+                               "checkpoint.save_at_end": "false", "log.peak_tflops": 0.5})
+    ref = {}
+    for fp8 in ("off", "tensorwise"):
+        one = run_cli("train", "configs/quickstart.yaml", *common, f"train.fp8={fp8}",
+                      "parallel.zero_stage=1", "--run-dir", str(tmp_path / fp8))
+        assert one.returncode == 0, one.stderr[-3000:]
+        ref[fp8] = step_records(tmp_path / fp8)
+    a, plain = ref["tensorwise"], ref["off"]
+    assert abs(plain[1]["grad_norm"] / a[1]["grad_norm"] - 1) > 1e-3
+    for zero in (1, 3):
+        run = tmp_path / f"zero{zero}"
+        proc = run_torchrun(2, "train", "configs/quickstart.yaml", *common, "train.fp8=tensorwise",
+                            f"parallel.zero_stage={zero}", "--run-dir", str(run))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "FP8:" in proc.stdout and f"ZeRO {zero}" in proc.stdout, proc.stdout[-2000:]
+        b = step_records(run)
+        assert sorted(b) == sorted(a) == [1, 2, 3]
+        for step in (1, 2, 3):
+            for key in ("loss", "grad_norm"):
+                assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (zero, step, key)

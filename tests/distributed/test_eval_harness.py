@@ -23,7 +23,7 @@ from tests.helpers import assert_one_line_error, cli_main, tiny_overrides
 
 pytest.importorskip("lm_eval")
 
-TASKS_DIR = Path(__file__).resolve().parent / "data" / "eval_tasks"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "data" / "eval_tasks"
 MC, PPL, GEN = "megaformer_code_mc", "megaformer_code_ppl", "megaformer_code_gen"
 MAX_LEN = 32
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
@@ -153,6 +153,46 @@ def test_loglikelihoods_equal_transformers_request_by_request(exported):
     assert any(len(d["text"]) > 3 * MAX_LEN for d in _jsonl("code_ppl.jsonl"))
 
 
+def test_generate_until_equals_transformers_generate_cut_at_the_stop_strings(exported):
+    """generate_until against transformers' greedy ``generate`` on the exported weights, cut as
+    lm-eval's HFLM cuts: the context keeps its last max_length - max_gen_toks tokens, the text
+    ends before the end-of-document token and before the first occurrence of any stop string."""
+    import transformers
+    from lm_eval.api.instance import Instance
+
+    from megaformer.checkpoint.io import resolve_checkpoint
+    from megaformer.evaluation.checkpoint import load_runner
+    from megaformer.evaluation.harness import make_lm
+
+    run, hf = exported
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf, local_files_only=True, dtype=torch.float32).eval()
+    max_gen, eod = 12, 256
+    contexts = [d["context"] for d in _jsonl("code_gen.jsonl")]
+    contexts.append("def long_function_name(argument_one, argument_two):\n    return ")  # > 20 B
+
+    def hf_text(context: str) -> str:
+        ids = list(context.encode())[-(MAX_LEN - max_gen):]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_gen, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        new = out[0, len(ids):].tolist()
+        new = new[:new.index(eod)] if eod in new else new
+        return bytes(t for t in new if t < 256).decode("utf-8", errors="replace")
+
+    full = [hf_text(c) for c in contexts]
+    # a stop string from the middle of each continuation (the cut must happen), and one never met
+    stops = [[t[4:6]] if len(t) >= 6 else ["\x00"] for t in full]
+    stops[-1] = ["\x00never"]
+    runner, tok, _ = load_runner(resolve_checkpoint(run), None, torch.device("cpu"))
+    lm = make_lm(runner, tok, batch_size=2)
+    reqs = [Instance("generate_until", {}, (c, {"until": u, "max_gen_toks": max_gen}), i)
+            for i, (c, u) in enumerate(zip(contexts, stops))]
+    want = [t.split(u[0])[0] for t, u in zip(full, stops)]
+    assert lm.generate_until(reqs) == want
+    assert sum(w != t for w, t in zip(want, full)) >= 3  # the stop strings did cut
+    assert len(want[-1]) >= 8 and len(contexts[-1]) > MAX_LEN - max_gen  # truncated context
+
+
 def _layouts(rank: int, world: int, ckpt: str) -> dict:
     """TP=2, DP=2 and PP=2 on the same two gloo ranks."""
     from megaformer.parallel.topology import build_topology
@@ -181,6 +221,7 @@ def test_tp2_dp2_pp2_equal_transformers(exported):
             assert r_text == one[3], name  # generate_until: the same texts on every layout
 
 
+@pytest.mark.slow
 def test_cli_eval_writes_results_and_refuses_bad_input(exported, tmp_path, monkeypatch):
     run, _ = exported
     out = tmp_path / "scores.json"

@@ -178,6 +178,7 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
+@pytest.mark.slow
 def test_build_is_cached_and_a_broken_compiler_falls_back(tmp_path):
     """A fresh cache builds once and the next process loads the same file; a compiler that fails
     leaves the torch ops running with the reason in status(); MEGAFORMER_NATIVE=0 turns them off.

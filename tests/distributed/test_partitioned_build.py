@@ -50,9 +50,9 @@ def _init(rank: int) -> None:
 
     import deepspeed
 
-    from megaformer.training.distributed import _disable_cpu_shm_comm_op
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
 
-    _disable_cpu_shm_comm_op()
+    disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
 

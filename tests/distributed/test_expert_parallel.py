@@ -42,7 +42,7 @@ def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int):
             "model.n_kv_heads": 2, "model.max_seq_len": 16, "data.seq_len": 16,
             "train.micro_batch_size": 2, "train.global_batch_size": 2 * dp,
             # a small lr: AdamW divides by sqrt(v), which amplifies fp32 round-off in near-zero
-            # gradients (as in tests/test_tensor_parallel.py)
+            # gradients (as in tests/distributed/test_tensor_parallel.py)
             "train.lr": 3e-4, "train.warmup_steps": 0, "train.grad_clip": 0.5,
             "parallel.tensor": tp, "parallel.pipeline": pp, "parallel.expert": ep,
             "parallel.zero_stage": zero, "parallel.sequence_parallel": sp,
@@ -164,9 +164,9 @@ def _layouts(rank: int, world: int, layouts: list[tuple]) -> dict:
 
     import deepspeed
 
-    from megaformer.training.distributed import _disable_cpu_shm_comm_op
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
 
-    _disable_cpu_shm_comm_op()
+    disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     return {layout: _one_layout(rank, world, *layout) for layout in layouts}
@@ -334,3 +334,23 @@ def test_sharded_checkpoint_resumes_at_another_expert_degree(tmp_path):
               for r in (full, up)]
     for k in biases[0]:
         assert torch.allclose(biases[0][k], biases[1][k])
+
+
+def _norm_with_expert_share(rank: int, world: int) -> tuple[float, float]:
+    """(megaformer's global norm, the hand-computed one) of one replicated parameter and one
+    expert parameter whose gradients differ per rank and carry most of the norm."""
+    from megaformer.parallel.grad_norm import global_grad_norm
+
+    dense = torch.nn.Parameter(torch.zeros(3))
+    dense.grad = torch.tensor([1.0, 2.0, 2.0])                  # ||.||^2 = 9 on every rank
+    expert = torch.nn.Parameter(torch.zeros(2, 2))
+    expert.allreduce = False                                     # DeepSpeed's mark of an expert
+    expert.grad = torch.full((2, 2), 3.0 * (rank + 1))           # 36 (rank 0), 144 (rank 1)
+    norm = global_grad_norm([dense, expert], None, None, dist.new_group(list(range(world))))
+    return norm, (9.0 + sum(36.0 * (r + 1) ** 2 for r in range(world))) ** 0.5
+
+
+@pytest.mark.multiprocess
+def test_gradient_norm_counts_every_ranks_experts_once():
+    for got, want in run_ranks(2, _norm_with_expert_share, timeout=120):
+        assert got == pytest.approx(want, rel=1e-12)  # sqrt(9 + 36 + 144) = 13.75

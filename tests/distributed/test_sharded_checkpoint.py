@@ -30,6 +30,7 @@ LAYOUTS = {
     "A": ("parallel.tensor=2", "parallel.zero_stage=1"),
     "B": ("parallel.zero_stage=3",),
     "C": ("parallel.pipeline=2", "parallel.zero_stage=1", "parallel.pipeline_partition=parameters"),
+    "D": ("parallel.zero_stage=0",),  # DP4 without ZeRO: megaformer's own optimizer state split
 }
 COMMON = ("checkpoint.interval=2", "eval.interval=0", "eval.at_end=false", "model.dropout=0.0",
           "model.attention_dropout=0.0", "train.micro_batch_size=2", "parallel.vocab_multiple=1",
@@ -197,7 +198,23 @@ def reference(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_every_rank_writes_its_own_share(reference):
-    ckpt = reference / "checkpoints" / "step_0000002"
+    _each_rank_writes_its_share(reference / "checkpoints" / "step_0000002")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_every_layout_writes_each_element_once_and_a_quarter_per_rank(tmp_path):
+    """The per-rank write bound of the reference's layout (A) holds for B (ZeRO-3), C (PP2) and
+    D (ZeRO-0)."""
+    for layout in ("B", "C", "D"):
+        run = tmp_path / layout
+        train4(run, layout, 2)
+        _each_rank_writes_its_share(run / "checkpoints" / "step_0000002")
+
+
+def _each_rank_writes_its_share(ckpt: Path) -> None:
+    """Each of the 4 ranks wrote its own file; the files hold every element of the state (weights
+    and two AdamW moments, fp32) exactly once, and no rank more than 1/4 + 10% of it."""
     index = json.loads((ckpt / "state" / "index.json").read_text())
     assert sorted(index["files"]) == [sharded.rank_file(r) for r in range(4)]
     assert not list(ckpt.glob("*.pt")) and not (ckpt / "model.safetensors").exists()
@@ -296,7 +313,7 @@ def test_truncated_or_missing_shard_is_one_line(reference, tmp_path):
 
 # ----------------------------------------------------------------------------- previous release
 
-PREVIOUS = Path(__file__).parent / "data" / "previous_release_run"
+PREVIOUS = Path(__file__).resolve().parents[1] / "data" / "previous_release_run"
 PREVIOUS_MODEL = ("model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
                   "model.max_seq_len=16", "data.max_bytes=20000", "train.micro_batch_size=2",
                   "train.global_batch_size=4", "train.lr=3e-3", "train.warmup_steps=1",

@@ -159,7 +159,7 @@ def test_two_real_trainings_on_one_run_directory(tmp_path):
             *tiny_overrides(**{"train.steps": 400, "eval.interval": 0}), "--run-dir", str(run)]
     first = subprocess.Popen([sys.executable, "-m", "megaformer", *args], env=subprocess_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     try:
         deadline = time.time() + 120
         while not (run / "metrics.jsonl").exists():  # the first one trains

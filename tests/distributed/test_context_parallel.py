@@ -348,3 +348,17 @@ def test_print_model_names_the_swapped_attention_cores():
             assert "(inner): AttentionCore()" in text
         assert str(model.layers[0]) == str(model.layers[1])  # (printed once: "2 x Block")
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ring_cp2_dp2_with_zero1_and_zero3_equals_one_process(references, tmp_path):
+    """The ZeRO stages the docs claim beside context parallelism (partitions over DP x CP)."""
+    for zero in (1, 3):
+        run = tmp_path / f"cp-zero{zero}"
+        proc = run_torchrun(4, "train", "configs/quickstart.yaml", *COMMON,
+                            "model.document_mask=true", "parallel.context=2",
+                            f"parallel.zero_stage={zero}", "--run-dir", str(run))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "CP 2 (ring)" in proc.stdout, proc.stdout[-2000:]
+        _same(references[True], run)

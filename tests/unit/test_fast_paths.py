@@ -3,7 +3,7 @@
 * chunked cross-entropy fused with the output projection: loss and gradients (hidden states,
   output weight) equal logits -> F.cross_entropy within fp32 round-off (TP=1, here; the
   vocab-parallel version under TP=2 and 4, with and without SP, is a variant of
-  tests/test_tensor_parallel.py);
+  tests/distributed/test_tensor_parallel.py);
 * document masking: a token's output does not depend on earlier documents of the same packed row,
   and equals running its document alone;
 * train.compile: compiled blocks equal eager ones, in one graph each (no graph breaks);
@@ -190,6 +190,7 @@ def test_document_mask_needs_eod_id():
 
 # ----------------------------------------------------------------------------- torch.compile
 
+@pytest.mark.slow
 def test_compiled_blocks_equal_eager_in_one_graph():
     """compile_blocks (aot_eager: dynamo + autograd tracing, no C++ build) gives eager's loss and
     gradients, with document masking on, and dynamo traces each block as one graph."""
@@ -483,7 +484,7 @@ def test_model_gemm_dispatch_equals_torch_ops(activation):
 
 def test_int16_dropout_statistics_and_gradient():
     """Drop rate p within sampling error, E[y] = x (scale 1/q), dx = dy * m / q, seeded (the torch
-    path, without the native kernels: tests/test_native_kernels.py tests those)."""
+    path, without the native kernels: tests/unit/test_native_kernels.py tests those)."""
     with native.disabled(), track() as ran:
         _check_int16_dropout()
     assert ran["dropout"] == {"int16"}

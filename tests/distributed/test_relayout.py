@@ -4,7 +4,7 @@ Layout A: DP=2 with ZeRO-1 (DeepSpeed's partitioned optimizer), 6 steps, a check
 After ``reshard_checkpoint`` the run resumes at TP=2 (DP=1, ZeRO-0: torch's AdamW as is), and
 directly at DP=1 with an asynchronous save; steps 4-6 equal A's within fp32 tolerance. The global
 batch stays 8 sequences (A: micro 4 x DP 2; B: micro 4 x accumulation 2). Resuming between 4-rank
-layouts is tested in tests/test_sharded_checkpoint.py.
+layouts is tested in tests/distributed/test_sharded_checkpoint.py.
 """
 
 from __future__ import annotations

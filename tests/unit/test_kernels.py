@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _errors(fn, ref, *inputs, dtype=torch.float32) -> list[float]:
@@ -130,7 +130,7 @@ def interpreted() -> dict:
         print(reason)
         pytest.skip(reason)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    code = "import json, tests.test_kernels as t; print('RESULT' + json.dumps(t._interpreter_checks()))"
+    code = "import json, tests.unit.test_kernels as t; print('RESULT' + json.dumps(t._interpreter_checks()))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]

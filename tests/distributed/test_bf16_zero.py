@@ -52,9 +52,9 @@ def _train_each(rank: int, world: int) -> dict:
     from megaformer.parallel.build import build_model
     from megaformer.parallel.topology import build_topology
     from megaformer.runtime.optimizer import build_optimizer
-    from megaformer.training.distributed import _disable_cpu_shm_comm_op
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
 
-    _disable_cpu_shm_comm_op()
+    disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     topo = build_topology(world, rank)

@@ -28,7 +28,7 @@ VARIANTS = {
                                  position="learned"),
     "gqa-parallel-residual": dict(n_heads=8, n_kv_heads=4, residual="parallel", d_model=64),
     # the output projection fused with a chunked vocab-parallel CE (chunks of 5 of the 32 tokens);
-    # its TP=1 form equals the plain loss in tests/test_fast_paths.py
+    # its TP=1 form equals the plain loss in tests/unit/test_fast_paths.py
     "chunked-ce-tied": dict(n_heads=4, activation="swiglu", tie_embeddings=True, loss_chunk_tokens=5),
     "chunked-ce-untied-gelu": dict(n_heads=4, activation="gelu", tie_embeddings=False, bias=True,
                                    norm="layernorm", loss_chunk_tokens=5),

@@ -78,7 +78,7 @@ def test_layout_equals_one_process(reference, tmp_path, layout):
 def test_resume_under_pipeline_and_tensor_parallelism_is_exact(tmp_path):
     """PP2 x TP2 with sequence parallelism and dropout (both RNG streams, every stage's): stop at
     step 2, resume from the shards, same losses bit for bit. (Data parallelism's part of resume
-    is tested in tests/test_sharded_checkpoint.py.)"""
+    is tested in tests/distributed/test_sharded_checkpoint.py.)"""
     args = tiny_overrides("stdlib", **{**ARGS, **LAYOUTS["pp2xtp2-sp"][1], "train.steps": 4,
                                        "checkpoint.interval": 2, "eval.interval": 0,
                                        "model.dropout": 0.1, "log.sample_tokens": 0})

@@ -55,6 +55,7 @@ def _steady_faults(*modes: str) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux")
                     or "musl" in (ctypes.util.find_library("c") or ""), reason="glibc malloc only")
+@pytest.mark.slow
 def test_tuned_allocator_reuses_pages():
     default, tuned = _steady_faults("default", "tuned")
     # measured over these 8 steps: default (threshold pinned) ~411,000 (freed activations handed

@@ -225,7 +225,7 @@ def _tp_case(rank: int, world: int, moe: dict, sp: bool) -> dict:
     ref, tp, topo, init = reference_and_tensor_parallel(cfg, world, rank, sp)
     assert all(torch.equal(init[n], p.detach()[:37] if "emb" in n or "lm_head" in n else p.detach())
                for n, p in ref.named_parameters())
-    # a small lr, as in tests/test_tensor_parallel.py: AdamW amplifies round-off in tiny gradients
+    # a small lr, as in tests/distributed/test_tensor_parallel.py: AdamW amplifies round-off in tiny gradients
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-4) for m in (ref, tp)]
     gen = torch.Generator().manual_seed(1)
     losses, errs = [], []
@@ -569,9 +569,9 @@ def test_pipeline_stages_split_moe_blocks_and_equal_one_process(tmp_path):
 ])
 def test_memory_estimate_matches_measured_cpu_memory(activation, moe):
     """Activations held after the forward and the peak of an AdamW step, against the CPU
-    allocator's record (as tests/test_memory.py does for dense models)."""
+    allocator's record (as tests/unit/test_memory.py does for dense models)."""
     from megaformer.analysis.memory import Layout, activation_bytes, estimate
-    from tests.test_memory import _measured
+    from tests.unit.test_memory import _measured
 
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       max_seq_len=64, activation=activation, moe=MoEConfig(**moe))

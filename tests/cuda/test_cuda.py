@@ -10,7 +10,7 @@ on a machine without one every test here is collected and skips with the reason.
 * bf16 training through DeepSpeed against fp32 (:data:`TRAINING_CASES`: each ZeRO stage and
   recompute mode, MoE, compiled FP8, context parallelism, asynchronous checkpoints through pinned
   staging and a resume); every one of those commands passes ``--dry-run`` on CPU
-  (tests/test_cuda_commands.py), so a refused config shows without a GPU;
+  (tests/unit/test_cuda_commands.py), so a refused config shows without a GPU;
 * one training step audited for host synchronisations; the compiled blocks without graph breaks.
 
 A test passes only when it tested what it names: the kernel selection tracker
