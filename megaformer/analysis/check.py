@@ -45,7 +45,7 @@ import torch.distributed as dist
 from megaformer.accelerators import UnknownGPUError, find_accelerator, peak_tflops
 from megaformer.errors import UserError
 from megaformer.analysis.kernel_checks import (_DTYPE_NAMES, KERNEL_CHECKS, TOLERANCE,  # noqa: F401
-                                               KernelCheck, KernelOutcome, _first_line, has_bf16,
+                                               KernelCheck, KernelOutcome, first_line, has_bf16,
                                                run_dropout_check, run_kernel_check)
 from megaformer.kernels import attention as attention_ops
 
@@ -214,7 +214,7 @@ def _measure(report: RankReport, key: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception as e:  # an error on one rank must not leave the others waiting
-        report.errors[key] = f"{type(e).__name__}: {_first_line(e)}"
+        report.errors[key] = f"{type(e).__name__}: {first_line(e)}"
         return None
 
 

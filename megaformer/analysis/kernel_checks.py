@@ -265,7 +265,7 @@ def _per_dtype(measure: Callable[[torch.dtype], tuple[float, str]],
             try:
                 err, what = measure(dtype)
             except Exception as e:
-                out.failure = out.failure or f"{name}: {type(e).__name__}: {_first_line(e)}"
+                out.failure = out.failure or f"{name}: {type(e).__name__}: {first_line(e)}"
                 continue
             out.errors[name] = err
             if not err <= TOLERANCE[dtype] and out.failure is None:
@@ -286,7 +286,7 @@ def _implementations(ran: dict) -> list[str]:
     return [f"{op}: {'+'.join(sorted(impls))}" for op, impls in sorted(ran.items())]
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:160] if text else ""
 

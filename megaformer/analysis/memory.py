@@ -110,24 +110,24 @@ class Layout:
 
 def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> int:
     """Parameters held by the busiest TP x PP rank (before ZeRO-3 partitioning)."""
-    from megaformer.analysis.params import _attention, _mlp, _norm
+    from megaformer.analysis.params import attention_params, mlp_params, norm_params
 
     t, V = layout.tp, padded_vocab or cfg.vocab_size
     d = cfg.d_model
-    block = (_attention(cfg) - (d if cfg.bias else 0) + _mlp(cfg) - (d if cfg.bias else 0)) // t \
-        + (2 * d if cfg.bias else 0) + 2 * _norm(cfg)              # row-parallel biases replicated
+    block = (attention_params(cfg) - (d if cfg.bias else 0) + mlp_params(cfg) - (d if cfg.bias else 0)) // t \
+        + (2 * d if cfg.bias else 0) + 2 * norm_params(cfg)              # row-parallel biases replicated
     layers = math.ceil(cfg.n_layers / layout.pp)
     if cfg.moe_layers:  # the worst stage's MoE blocks: its E / EP experts / TP, the router replicated
-        from megaformer.analysis.params import _moe_mlp
+        from megaformer.analysis.params import moe_mlp_params
 
         router = d * cfg.moe.num_experts
-        moe_delta = (_moe_mlp(cfg, cfg.moe.num_experts // layout.ep) - router) // t + router \
-            - (_mlp(cfg) - (d if cfg.bias else 0)) // t - (d if cfg.bias else 0)
+        moe_delta = (moe_mlp_params(cfg, cfg.moe.num_experts // layout.ep) - router) // t + router \
+            - (mlp_params(cfg) - (d if cfg.bias else 0)) // t - (d if cfg.bias else 0)
         block_sum = layers * block + min(layers, math.ceil(cfg.moe_layers / layout.pp)) * moe_delta
     else:
         block_sum = layers * block
     emb = V * d // t + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
-    head = _norm(cfg) + (V * d // t if (not cfg.tie_embeddings or layout.pp > 1) else 0)
+    head = norm_params(cfg) + (V * d // t if (not cfg.tie_embeddings or layout.pp > 1) else 0)
     if layout.pp == 1:
         return block_sum + emb + head
     return block_sum + max(emb, head)
@@ -147,10 +147,10 @@ def expert_params_per_rank(cfg: ModelConfig, layout: Layout) -> int:
 def largest_module_params(cfg: ModelConfig, padded_vocab: Optional[int] = None) -> int:
     """Parameters of the largest module the build gives its values whole, before it is split: a
     block (an MoE block with all E experts) or a vocabulary table."""
-    from megaformer.analysis.params import _attention, _mlp, _moe_mlp, _norm
+    from megaformer.analysis.params import attention_params, mlp_params, moe_mlp_params, norm_params
 
-    dense = _attention(cfg) + 2 * _norm(cfg)
-    block = dense + (_moe_mlp(cfg, cfg.moe.num_experts) if cfg.moe_layers else _mlp(cfg))
+    dense = attention_params(cfg) + 2 * norm_params(cfg)
+    block = dense + (moe_mlp_params(cfg, cfg.moe.num_experts) if cfg.moe_layers else mlp_params(cfg))
     return max(block, (padded_vocab or cfg.vocab_size) * cfg.d_model)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from megaformer.config import ModelConfig
 
 
-def _attention(cfg: ModelConfig) -> int:
+def attention_params(cfg: ModelConfig) -> int:
     d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
     q_out = cfg.n_heads * cfg.head_dim
     weights = d * q_out + 2 * d * kv + q_out * d
@@ -31,21 +31,21 @@ def _attention(cfg: ModelConfig) -> int:
     return weights + biases + qk_norm
 
 
-def _mlp(cfg: ModelConfig) -> int:
+def mlp_params(cfg: ModelConfig) -> int:
     d, f = cfg.d_model, cfg.ffn_dim
     if cfg.activation == "swiglu":
         return 3 * d * f + ((2 * f + d) if cfg.bias else 0)
     return 2 * d * f + ((f + d) if cfg.bias else 0)
 
 
-def _moe_mlp(cfg: ModelConfig, experts: int) -> int:
+def moe_mlp_params(cfg: ModelConfig, experts: int) -> int:
     """An MoE block's FFN with ``experts`` routed experts counted (all E, or the top_k a token uses)."""
     d, m = cfg.d_model, (3 if cfg.activation == "swiglu" else 2)
     gate = d if cfg.moe.shared_gate else 0
     return d * cfg.moe.num_experts + experts * m * d * cfg.expert_dim + m * d * cfg.shared_dim + gate
 
 
-def _norm(cfg: ModelConfig) -> int:
+def norm_params(cfg: ModelConfig) -> int:
     if cfg.norm == "layernorm" and cfg.bias:
         return 2 * cfg.d_model
     return cfg.d_model
@@ -65,13 +65,13 @@ def count_parameters(cfg: ModelConfig) -> dict:
         embedding += cfg.max_seq_len * d
     if not cfg.tie_embeddings:
         embedding += V * d
-    block = _attention(cfg) + _mlp(cfg) + 2 * _norm(cfg)
-    non_embedding = cfg.n_layers * block + _norm(cfg)
+    block = attention_params(cfg) + mlp_params(cfg) + 2 * norm_params(cfg)
+    non_embedding = cfg.n_layers * block + norm_params(cfg)
     moe = cfg.moe_layers
     if moe == 0:
         return {"total": embedding + non_embedding, "embedding": embedding,
                 "non_embedding": non_embedding}
-    non_embedding += moe * (_moe_mlp(cfg, cfg.moe.num_experts) - _mlp(cfg))
-    inactive = moe * (_moe_mlp(cfg, cfg.moe.num_experts) - _moe_mlp(cfg, cfg.moe.top_k))
+    non_embedding += moe * (moe_mlp_params(cfg, cfg.moe.num_experts) - mlp_params(cfg))
+    inactive = moe * (moe_mlp_params(cfg, cfg.moe.num_experts) - moe_mlp_params(cfg, cfg.moe.top_k))
     return {"total": embedding + non_embedding, "embedding": embedding,
             "non_embedding": non_embedding, "active": embedding + non_embedding - inactive}

@@ -239,11 +239,11 @@ class _Fp8Linear(torch.autograd.Function):
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every linear layer FP8 converts: the blocks' projections of the
     tensor-parallel plan (q, k, v, attention output, FFN, shared experts)."""
-    from megaformer.parallel.plan import BLOCK_PLAN, MOE_PLAN, _submodule
+    from megaformer.parallel.plan import BLOCK_PLAN, MOE_PLAN, submodule
 
     for i, block in enumerate(model.layers):
         for name in {**BLOCK_PLAN, **MOE_PLAN}:
-            parent, leaf = _submodule(block, name)
+            parent, leaf = submodule(block, name)
             if parent is not None:
                 yield f"layers.{i}.{name}", getattr(parent, leaf)
 

@@ -159,7 +159,7 @@ class VocabParallelOutputHead(ColumnParallelLinear):
                 f"{self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1})")
 
 
-def _submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
+def submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
     *path, leaf = dotted.split(".")
     parent = root
     for p in path:
@@ -209,7 +209,7 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
         if isinstance(block.mlp, MoE):
             shard_experts(block.mlp, group, sp)
         for name, style in {**BLOCK_PLAN, **MOE_PLAN}.items():
-            parent, leaf = _submodule(block, name)
+            parent, leaf = submodule(block, name)
             if parent is not None:
                 kwargs = {"input_comm": False} if style is ColumnParallelLinear else {}
                 setattr(parent, leaf, style(getattr(parent, leaf), group, sp, **kwargs))
