@@ -50,3 +50,19 @@ def test_report_memory_from_zero_and_loss_with_unigram_baseline(tmp_path, monkey
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "validation",
                                                                    "unigram baseline"]
     assert os.path.exists(tmp_path / "out" / "loss.png")
+
+
+def test_known_third_party_noise_is_dropped(caplog):
+    import logging
+
+    from megaformer.cli import quiet_known_noise
+
+    quiet_known_noise()
+    quiet_known_noise()  # idempotent
+    assert len(logging.getLogger("torchao").filters) == 1
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/torchao/_C.so: undefined symbol")
+        logging.getLogger("lm_eval.api.task").warning(
+            "t: Custom kwargs can be passed to `--metadata` in console (as json string)")
+        logging.getLogger("torchao").warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]

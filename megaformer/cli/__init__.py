@@ -11,6 +11,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Optional, Sequence
@@ -72,7 +73,36 @@ def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> ar
     return args
 
 
+# Third-party messages that say nothing about the user's run, dropped from those libraries' loggers
+# (docs/troubleshooting.md lists them): torchao's CUDA/C++ extensions that do not load on a CPU-only
+# torch (megaformer uses none of them; FP8 on CPU is emulated), and lm-evaluation-harness's advice
+# about its own command line, repeated for every task with a custom dataset.
+KNOWN_NOISE = {
+    "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+    "lm_eval.api.task": ("Custom kwargs can be passed",),
+}
+
+
+class _DropPrefixes(logging.Filter):
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not any(m in text for m in self.messages)
+
+
+def quiet_known_noise() -> None:
+    """Filters on the loggers of :data:`KNOWN_NOISE` (nothing is imported)."""
+    for name, messages in KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
+            logger.addFilter(_DropPrefixes(messages))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_known_noise()
     parser = build_parser()
     args = _parse(parser, argv)
     if args.command is None:
