@@ -58,7 +58,10 @@ def decoding_threads(env: Mapping[str, str] = os.environ) -> int:
 
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (logical CPUs / threads per core)."""
-    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        logical = len(os.sched_getaffinity(0))
+    else:
+        logical = os.cpu_count() or 1
     try:
         siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text()
         per_core = sum(b - a + 1 for a, b in (

@@ -172,3 +172,24 @@ def _state(pid: str) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_sigint_stops_at_the_boundary_and_a_second_one_at_once(monkeypatch):
+    """The first SIGINT asks for a checkpoint and exit 130; a repeat within REPEAT_S (the same
+    Ctrl-C forwarded by torchrun) changes nothing; a later one raises KeyboardInterrupt."""
+    from megaformer.training import preemption
+
+    clock = [100.0]
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    request = preemption.StopRequest()
+    assert request.local_code() == preemption.NONE
+    request._handle(signal.SIGINT, None)
+    clock[0] += 0.01
+    request._handle(signal.SIGINT, None)
+    assert request.local_code() == preemption.INTERRUPT
+    assert preemption.REASONS[request.local_code()] == preemption.INTERRUPTED
+    request._handle(signal.SIGTERM, None)  # a SIGTERM too (torchrun's shutdown): still interrupted
+    assert request.local_code() == preemption.INTERRUPT
+    clock[0] += preemption.REPEAT_S
+    with pytest.raises(KeyboardInterrupt):
+        request._handle(signal.SIGINT, None)

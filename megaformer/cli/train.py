@@ -73,9 +73,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"# layout: world {args.world_size}, gradient accumulation {accum}")
     if args.dry_run:
         return _dry_run(cfg, run_dir)
-    from megaformer.training.trainer import train  # its preflight checks the world and device
-
     from megaformer.training.preemption import INTERRUPTED
+    from megaformer.training.trainer import train  # its preflight checks the world and device
 
     _exit_with_launcher()
     result = train(cfg, run_dir)
@@ -112,7 +111,6 @@ def _dry_run(cfg: Any, run_dir: Path) -> int:
     from megaformer.analysis.params import count_parameters
     from megaformer.analysis.summary import resolve_vocab
     from megaformer.config import validate_for_training
-
     from megaformer.data.setup import check_data_paths
 
     validate_for_training(cfg)

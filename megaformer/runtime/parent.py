@@ -4,10 +4,10 @@ session) exits instead of training on unsupervised.
 A daemon thread compares ``os.getppid()`` with the parent the process started under, every
 :data:`POLL_S` seconds; when the parent is gone the process is re-parented (to init or a
 subreaper), the two differ, and the thread ends the process at once with ``os._exit``: nothing is
-saved, and a checkpoint being written then stays a temporary folder that the next start ignores
-(only complete checkpoints are ever renamed into place). Polling works on every POSIX system; Linux's
-``PR_SET_PDEATHSIG`` would fire when the launcher's *thread* that started the rank ends, which is not
-the launcher ending.
+saved, and a checkpoint being written then stays a temporary folder that the next start
+ignores (only complete checkpoints are ever renamed into place). Polling works on every POSIX
+system; Linux's ``PR_SET_PDEATHSIG`` would fire when the launcher's *thread* that started the
+rank ends, which is not the launcher ending.
 """
 
 from __future__ import annotations
