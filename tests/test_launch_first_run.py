@@ -193,3 +193,18 @@ def test_sigint_stops_at_the_boundary_and_a_second_one_at_once(monkeypatch):
     clock[0] += preemption.REPEAT_S
     with pytest.raises(KeyboardInterrupt):
         request._handle(signal.SIGINT, None)
+
+
+def test_end_of_run_hints_name_the_venv_script(tmp_path, monkeypatch):
+    """A venv that is not activated: the hint prints the path of its tensorboard / megaformer."""
+    import shutil
+
+    from megaformer.cli import train as train_command
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tensorboard").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert train_command._venv_command("tensorboard") == str(tmp_path / "bin" / "tensorboard")
+    monkeypatch.setattr(shutil, "which", lambda name: str(tmp_path / "bin" / name))
+    assert train_command._venv_command("tensorboard") == "tensorboard"  # activated: on PATH
