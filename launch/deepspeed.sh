@@ -6,7 +6,8 @@
 # of them, same paths everywhere; or run it on every node with DEEPSPEED_ARGS="--no_ssh --node_rank
 # N --master_addr NODE0"); with one host it starts them locally. Each process gets
 # RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, which megaformer reads.
-# Environment: MASTER_PORT (29500), PYTHON (python), OMP_NUM_THREADS (1), DEEPSPEED_ARGS (more
+# Environment: MASTER_PORT (29500), PYTHON (the project's .venv/bin/python, else python3),
+# OMP_NUM_THREADS (1), DEEPSPEED_ARGS (more
 # launcher flags, e.g. --include host1:0,1). The config and layout are checked first.
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -14,7 +15,8 @@ if [ $# -lt 2 ]; then
   exit 2
 fi
 HOSTFILE=$1; shift
-PYTHON=${PYTHON:-python}
+# shellcheck source=launch/python.sh
+source "$(dirname "${BASH_SOURCE[0]}")/python.sh"
 if [ ! -f "$HOSTFILE" ]; then
   echo "megaformer: error: hostfile $HOSTFILE: no such file" >&2
   exit 2

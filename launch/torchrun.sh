@@ -7,16 +7,21 @@
 # Environment:  NNODES (1), NODE_RANK (0), RDZV_ENDPOINT (host:port of the c10d rendezvous; needed when
 #   NNODES > 1), RDZV_ID (a job name shared by the nodes, default megaformer), MAX_RESTARTS (0: how
 #   often torchrun restarts all workers after a failure; each restart resumes from the latest
-#   checkpoint), PYTHON (python), OMP_NUM_THREADS (1), TORCHRUN_ARGS (more torchrun flags).
-# The config and the layout are checked once before any process starts (one line and exit 2 on a
-# mistake). SIGTERM / SIGUSR1 to torchrun reach the workers, which save a checkpoint and exit 0.
+#   checkpoint), PYTHON (default: the project's .venv/bin/python, else python3 on PATH),
+#   OMP_NUM_THREADS (1), TORCHRUN_ARGS (more torchrun flags).
+# The config, the layout and the data paths are checked once before any process starts (one line
+# and exit 2 on a mistake); an error a rank meets later is one line from rank 0 and exit 2 as well
+# (megaformer.cli.torchrun: torchrun with the ranks' exit code, without its failure table).
+# SIGTERM / SIGUSR1 to torchrun reach the workers, which save a checkpoint and exit 0; Ctrl-C
+# (SIGINT) saves a checkpoint too and exits 130, a second Ctrl-C stops at once.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 NPROC CONFIG.yaml [KEY=VALUE ...] [--run-dir DIR]" >&2
   exit 2
 fi
 NPROC=$1; shift
-PYTHON=${PYTHON:-python}
+# shellcheck source=launch/python.sh
+source "$(dirname "${BASH_SOURCE[0]}")/python.sh"
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 "$PYTHON" -m megaformer train "$@" --dry-run --world-size "$((NPROC * NNODES))" > /dev/null
@@ -39,4 +44,4 @@ if grep -qs -- --signals-to-handle "$RUN_PY"; then
   ARGS+=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1)
 fi
 # shellcheck disable=SC2086
-exec "$PYTHON" -m torch.distributed.run "${ARGS[@]}" ${TORCHRUN_ARGS:-} -m megaformer train "$@"
+exec "$PYTHON" -m megaformer.cli.torchrun "${ARGS[@]}" ${TORCHRUN_ARGS:-} -m megaformer train "$@"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -32,12 +34,53 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens:
     x = torch.tensor([prefix], dtype=torch.long, device=device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen,
-                         eos_id=tokenizer.eod_id)
+    with cpu_threads(decoding_threads() if device.type == "cpu" else None):
+        out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k,
+                             generator=gen, eos_id=tokenizer.eod_id)
     new = out[0, len(prefix):].tolist()
     if tokenizer.eod_id in new:
         new = new[:new.index(tokenizer.eod_id)]
     return prompt + tokenizer.decode(new)
+
+
+def decoding_threads(env: Mapping[str, str] = os.environ) -> int:
+    """CPU threads for decoding: ``OMP_NUM_THREADS`` when set; else the idle physical cores of
+    this process's CPUs, n = max(1, round(cores - load)) with ``load`` the 1-minute load average.
+
+    One token at a time is a chain of small matmuls; each waits for its slowest thread, so a thread
+    on a busy core (oversubscription) costs far more than it adds (on 2 loaded cores, 120 tokens
+    took 93 s with torch's default of one thread per core and 3 s with one thread)."""
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"])
+    cores = physical_cores()
+    return max(1, min(cores, round(cores - os.getloadavg()[0])))
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (logical CPUs / threads per core)."""
+    if hasattr(os, "sched_getaffinity"):
+        logical = len(os.sched_getaffinity(0))
+    else:
+        logical = os.cpu_count() or 1
+    try:
+        siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text()
+        per_core = sum(b - a + 1 for a, b in (
+            (int(r.split("-")[0]), int(r.split("-")[-1])) for r in siblings.strip().split(",")))
+    except (OSError, ValueError):
+        per_core = 1
+    return max(1, logical // max(1, per_core))
+
+
+@contextlib.contextmanager
+def cpu_threads(n: Optional[int]) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block (None: unchanged), restored after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Config, Path]:

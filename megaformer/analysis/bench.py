@@ -300,7 +300,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
         except UserError:
             gpu = None  # not in the table: no MFU unless --peak-tflops (never a default)
     peak_value = peak_tflops(gpu, cfg.train.precision, peak)
-    B, s = cfg.train.micro_batch_size, cfg.seq_len
+    B, s = cfg.train.micro_batch_size or cfg.train.global_batch_size, cfg.seq_len  # one process
     gen = torch.Generator().manual_seed(cfg.train.seed)
     x = torch.randint(0, cfg.model.vocab_size, (B, s), generator=gen).to(dev)
     flops = step_flops(cfg.model, s, B, recompute=cfg.train.recompute,

@@ -146,7 +146,13 @@ def plot(records: list[dict], out: Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         if stem == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-        if len(series) > 1:
+        if stem == "memory":
+            ax.set_ylim(bottom=0)  # from zero: a few percent of drift is not a leak
+        baseline = _series(records, "unigram_baseline")[1] if stem == "loss" else []
+        if baseline:  # what a model that learned only token frequencies would score
+            ax.axhline(baseline[-1], color="grey", linestyle="--", linewidth=1,
+                       label="unigram baseline")
+        if len(series) > 1 or baseline:
             ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()

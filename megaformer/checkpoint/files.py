@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from megaformer.checkpoint.layout import LATEST, prune
 from megaformer.errors import CheckpointError
-from megaformer.safe_files import write_atomic
+from megaformer.safe_files import current_umask, write_atomic
 
 
 def fsync_tree(path: Path) -> None:
@@ -83,6 +83,8 @@ def write_payload(path: Path, payload: Any, metadata: Optional[dict[str, str]] =
     partial = path.with_name(path.name + ".partial")
     if isinstance(payload, dict):  # sorted metadata keys: the bytes do not depend on hash order
         save_file(payload, str(partial), metadata={"format": "pt", **(metadata or {})})
+        # safetensors creates it 0600: give it an ordinary file's mode, as the run's other files
+        os.chmod(partial, 0o666 & ~current_umask())
     else:
         partial.write_text(payload)
     with open(partial, "rb") as fh:

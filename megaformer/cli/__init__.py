@@ -11,6 +11,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Optional, Sequence
@@ -20,7 +21,7 @@ from megaformer.cli import (bench, check, convert, env, flops, generate, plan, p
                             train)
 from megaformer.cli import eval as eval_command
 from megaformer.cli import inspect as inspect_command
-from megaformer.errors import ConfigError, UserError
+from megaformer.errors import ConfigError, DataError, UserError
 
 EXIT_USER_ERROR = 2
 
@@ -40,23 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CONFIG_ERROR_GRACE_S = 15.0  # how long ranks > 0 wait for rank 0 to print a shared config error
+CONFIG_ERROR_GRACE_S = 15.0  # how long ranks > 0 wait for rank 0 to print an error all ranks share
 
 
 def _report(error: UserError) -> None:
-    """One line on stderr. Under a launcher, config errors (the same on every rank) are printed by
-    rank 0 only; other errors may be rank-specific and name their rank."""
+    """One line on stderr. Under a launcher, errors that every rank meets alike (config and data
+    errors: rank 0 finds them and shares them) are printed by rank 0 only: another rank waits for
+    the launcher to stop it once rank 0 has exited, and prints its own line (naming its rank) only
+    when that does not come; other errors may be rank-specific and name their rank at once."""
     rank = os.environ.get("RANK")
     if rank in (None, "", "0"):
         print(f"megaformer: error: {error}", file=sys.stderr)
-    elif not isinstance(error, ConfigError):
-        print(f"megaformer: error (rank {rank}): {error}", file=sys.stderr)
-    else:
-        # rank 0 meets the same error and prints it; the launcher stops the other ranks when the
-        # first one exits, so give rank 0 the moment it needs (it ends this wait when it exits)
+        return
+    if isinstance(error, (ConfigError, DataError)):
         import time
 
         time.sleep(CONFIG_ERROR_GRACE_S)
+    print(f"megaformer: error (rank {rank}): {error}", file=sys.stderr)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -72,7 +73,36 @@ def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> ar
     return args
 
 
+# Third-party messages that say nothing about the user's run, dropped from those libraries' loggers
+# (docs/troubleshooting.md lists them): torchao's CUDA/C++ extensions that do not load on a CPU-only
+# torch (megaformer uses none of them; FP8 on CPU is emulated), and lm-evaluation-harness's advice
+# about its own command line, repeated for every task with a custom dataset.
+KNOWN_NOISE = {
+    "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+    "lm_eval.api.task": ("Custom kwargs can be passed",),
+}
+
+
+class _DropPrefixes(logging.Filter):
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not any(m in text for m in self.messages)
+
+
+def quiet_known_noise() -> None:
+    """Filters on the loggers of :data:`KNOWN_NOISE` (nothing is imported)."""
+    for name, messages in KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
+            logger.addFilter(_DropPrefixes(messages))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_known_noise()
     parser = build_parser()
     args = _parse(parser, argv)
     if args.command is None:

@@ -20,7 +20,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  megaformer prepare-data --input 'corpus/*.jsonl' --tokenizer bpe:32000 "
                "--output-prefix data/corpus\n"
-               "  megaformer prepare-data --input wikitext:wikitext-103-raw-v1@train "
+               "  megaformer prepare-data --input hf:wikitext:wikitext-103-raw-v1@train "
                "--tokenizer gpt2/tokenizer.json --output-prefix data/wiki\n"
                "  megaformer prepare-data --merge data/a data/b --output-prefix data/ab\n"
                "then train with: megaformer train CONFIG data.paths=[data/corpus]",

@@ -11,6 +11,7 @@ from typing import Any
 from megaformer.errors import UserError
 
 NAME = "train"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def _config_help() -> str:
@@ -28,7 +29,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "train", help="pretrain a model from a YAML config",
         description="Pretrain a model described by CONFIG. Resumes from the run directory's latest "
                     "complete checkpoint when there is one; SIGTERM or SIGUSR1 saves a checkpoint "
-                    "and exits 0. Launch several processes with torchrun, srun, mpirun or the "
+                    "and exits 0, Ctrl-C (SIGINT) saves one and exits 130 (a second Ctrl-C stops "
+                    "at once). Launch several processes with torchrun, srun, mpirun or the "
                     "DeepSpeed launcher (scripts in launch/); "
                     "parallel.tensor / parallel.context / parallel.pipeline split them into "
                     "tensor, context, pipeline and data parallelism (DP = world / (TP*CP*PP)), "
@@ -43,8 +45,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     tr.add_argument("--run-dir", help="run directory (default: runs/<config name>)")
     tr.add_argument("--dry-run", action="store_true",
                     help="validate the config (with train.device=cuda also the rules that need "
-                         "only the device type, e.g. FP8 needs train.compile), print the resolved "
-                         "config and parameter counts, exit")
+                         "only the device type, e.g. FP8 needs train.compile) and that data.paths "
+                         "exist and match data.tokenizer, print the resolved config and parameter "
+                         "counts, exit")
     tr.add_argument("--help-config", action="store_true", help="list every config key and exit")
     tr.add_argument("--world-size", type=int, default=None,
                     help="with --dry-run: also check the parallel layout for this many processes")
@@ -70,21 +73,48 @@ def run(args: argparse.Namespace) -> int:
         print(f"# layout: world {args.world_size}, gradient accumulation {accum}")
     if args.dry_run:
         return _dry_run(cfg, run_dir)
+    from megaformer.training.preemption import INTERRUPTED
     from megaformer.training.trainer import train  # its preflight checks the world and device
 
+    _exit_with_launcher()
     result = train(cfg, run_dir)
     if int(os.environ.get("RANK", "0")) == 0:
-        _print_result(result)
-    return 0
+        _print_result(result, _resume_command(args, run_dir))
+    return EXIT_INTERRUPTED if result.stopped == INTERRUPTED else 0
+
+
+def _exit_with_launcher() -> None:
+    """Under a launcher that starts one process per rank (torchrun, the DeepSpeed launcher), end
+    this rank when the launcher dies (:func:`megaformer.runtime.parent.exit_with_parent`)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK"):
+        from megaformer.runtime.parent import exit_with_parent
+
+        exit_with_parent()
+
+
+def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues this run from its latest checkpoint."""
+    import shlex
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    words = [args.config, *args.overrides, "--run-dir", str(run_dir)]
+    if world == 1:
+        return shlex.join([_venv_command("megaformer"), "train", *words])
+    nodes = f"NNODES={world // per_node} ... " if per_node < world else ""
+    return nodes + shlex.join(["launch/torchrun.sh", str(per_node), *words])
 
 
 def _dry_run(cfg: Any, run_dir: Path) -> int:
-    """Check what can be checked without the world and the device, print the resolved config."""
+    """Check what can be checked without the world, the device and training (the data paths exist,
+    prepared data matches the tokenizer), print the resolved config."""
     from megaformer.analysis.params import count_parameters
     from megaformer.analysis.summary import resolve_vocab
     from megaformer.config import validate_for_training
+    from megaformer.data.setup import check_data_paths
 
     validate_for_training(cfg)
+    check_data_paths(cfg)  # the data exists and matches the tokenizer
     if cfg.train.device == "cuda":  # the rules that need only the device type, not the device
         from megaformer.parallel.fp8 import check_fp8_device_type
 
@@ -100,12 +130,12 @@ def _dry_run(cfg: Any, run_dir: Path) -> int:
     return 0
 
 
-def _print_result(r: Any) -> None:
+def _print_result(r: Any, resume: str) -> None:
     import math
 
     if r.stopped is not None:
         print(f"\nstopped at step {r.step} ({r.stopped}); checkpoint: {r.checkpoint}\n"
-              "run the same command to resume from it")
+              f"resume from it with the same command: {resume}")
         return
     if math.isnan(r.train_loss) and r.val_loss is None:  # resumed at train.steps: no step ran
         print(f"\nnothing to train: {r.run_dir} is already at step {r.step} (train.steps); raise "
@@ -118,9 +148,21 @@ def _print_result(r: Any) -> None:
           "nats/token")
     if r.checkpoint is not None:
         print(f"checkpoint: {r.checkpoint}")
-    print(f"tensorboard: tensorboard --logdir {r.run_dir / 'tensorboard'}")
+    print(f"tensorboard: {_venv_command('tensorboard')} --logdir {r.run_dir / 'tensorboard'}")
     if r.sample is not None:
         print("sample (temperature 0.8, top-k 40):")
         print("-" * 72)
         print(r.sample)
         print("-" * 72)
+
+
+def _venv_command(name: str) -> str:
+    """``name`` as the user can run it: the path of the script beside this Python when that is
+    not the one on PATH (a venv that is not activated), else the bare name."""
+    import shutil
+    import sys
+
+    beside = Path(sys.executable).parent / name
+    if beside.exists() and shutil.which(name) != str(beside):
+        return str(beside)
+    return name

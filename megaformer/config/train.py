@@ -30,7 +30,10 @@ class TrainConfig:
 
     steps: int = option(100, "Optimizer steps to train for.")
     seed: int = option(1234, "Seed for initialisation, data order and dropout.")
-    micro_batch_size: int = option(8, "Sequences per micro-batch per data-parallel rank.")
+    micro_batch_size: Optional[int] = option(
+        8, "Sequences per micro-batch per data-parallel rank; null = global_batch_size / DP (the "
+           "largest micro-batch without gradient accumulation, so one config runs on any number "
+           "of data-parallel ranks that divides the global batch).")
     global_batch_size: int = option(
         8, "Sequences per optimizer step over all ranks = micro_batch_size * grad. accumulation * DP.")
     lr: float = option(3e-4, "Peak learning rate.")

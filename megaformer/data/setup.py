@@ -133,9 +133,7 @@ def _indexed_tokenizer(cfg: Config, run_dir: Path, rank: int, barrier: Callable[
     if not d.tokenizer.startswith("bpe:"):
         return build_tokenizer(d.tokenizer, iter(()))
     if not sources:
-        raise ConfigError(f"data.tokenizer={d.tokenizer}: cannot train a tokenizer on prepared "
-                          ".bin/.idx data; set data.tokenizer to the tokenizer.json the data was "
-                          "prepared with (PREFIX.tokenizer.json)")
+        raise _no_tokenizer_training(d.tokenizer)
     shared = run_dir / "tokenizer.json"
 
     def train() -> None:
@@ -217,6 +215,49 @@ def _check_own_prepared(prefix: Path) -> None:
                             f"{prefix} in data.paths to use it as it is")
 
 
+def check_data_paths(cfg: Config) -> None:
+    """What ``train --dry-run`` can check of ``data.paths`` without reading the data: every entry
+    resolves (a prepared PREFIX.bin/.idx pair, or files / a folder / a glob; ``hf:`` datasets are
+    not fetched), and a prepared prefix was prepared with the run's tokenizer (same vocabulary
+    size and EOD id as its PREFIX.tokenizer.json)."""
+    from megaformer.data.indexed import is_prefix, tokenizer_path
+    from megaformer.data.sources import open_source
+
+    d = cfg.data
+    prefixes = [Path(p) for p in d.paths or [] if is_prefix(p)]
+    for spec in d.paths or []:
+        if not is_prefix(spec):
+            open_source(spec, d.text_field)
+    if not prefixes:
+        return
+    if d.tokenizer.startswith("bpe:"):  # trained at launch on the sources, checked then
+        if len(prefixes) == len(d.paths or []):
+            raise _no_tokenizer_training(d.tokenizer)
+        return
+    tokenizer = build_tokenizer(d.tokenizer, iter(()))
+    for p in prefixes:
+        side = tokenizer_path(p)
+        if side.is_file():
+            _check_same_tokenizer(p, side, tokenizer)
+
+
+def _no_tokenizer_training(spec: str) -> ConfigError:
+    return ConfigError(f"data.tokenizer={spec}: cannot train a tokenizer on prepared .bin/.idx "
+                       "data; set data.tokenizer to the tokenizer.json the data was prepared with "
+                       "(PREFIX.tokenizer.json)")
+
+
+def _check_same_tokenizer(prefix: Path, side: Path, tokenizer: Tokenizer) -> None:
+    """DataError unless the tokenizer ``side`` that ``prefix`` was prepared with has the vocabulary
+    size and EOD id of the run's ``tokenizer``."""
+    other = load_tokenizer(side)
+    if (other.vocab_size, other.eod_id) != (tokenizer.vocab_size, tokenizer.eod_id):
+        raise DataError(f"{prefix}: prepared with {side} (vocab {other.vocab_size}, EOD "
+                        f"{other.eod_id}) but the run's tokenizer has vocab "
+                        f"{tokenizer.vocab_size}, EOD {tokenizer.eod_id}; set "
+                        f"data.tokenizer={side}")
+
+
 def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_limit: int) -> list:
     """The prefixes opened (:class:`IndexedDataset`, each checked once), after checking that they
     were prepared with this tokenizer."""
@@ -226,12 +267,7 @@ def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_l
     for p in prefixes:
         side = tokenizer_path(p)
         if side.is_file():
-            other = load_tokenizer(side)
-            if (other.vocab_size, other.eod_id) != (tokenizer.vocab_size, tokenizer.eod_id):
-                raise DataError(f"{p}: prepared with {side} (vocab {other.vocab_size}, EOD "
-                                f"{other.eod_id}) but the run's tokenizer has vocab "
-                                f"{tokenizer.vocab_size}, EOD {tokenizer.eod_id}; set "
-                                f"data.tokenizer={side}")
+            _check_same_tokenizer(p, side, tokenizer)
         data = IndexedDataset(p)
         check_token_ids(data.tokens, vocab_limit, bin_path(p))
         opened.append(data)

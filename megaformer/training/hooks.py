@@ -165,7 +165,9 @@ class Diagnostics(StepHook):
 
 
 class Validation(StepHook):
-    """Validation loss and perplexity exp(min(loss, 50)) when due (not on a stop), into the record."""
+    """Validation loss, perplexity exp(min(loss, 50)) and the unigram baseline (the loss of
+    predicting every token by its training-set frequency) when due (not on a stop), into the
+    record."""
 
     def __init__(self, evaluate: Callable[[], float], intervals: LoopIntervals, console: Console,
                  unigram: float) -> None:
@@ -176,7 +178,8 @@ class Validation(StepHook):
         if not self.intervals.eval_due(state.step, stopping=state.stopping):
             return
         self.val_loss = val_loss = self.evaluate()
-        _open(record, state).update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+        _open(record, state).update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)),
+                                    unigram_baseline=self.unigram)
         self.console.write(f"step {state.step}: val loss {val_loss:.4f} | val ppl "
                            f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}")
 

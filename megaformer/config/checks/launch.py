@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def validate_for_world(cfg: Config, world_size: int) -> int:
     """Checks that need the world size; returns the gradient-accumulation steps
-    global_batch_size / (micro_batch_size * DP), DP = world / (TP * CP * PP)."""
+    global_batch_size / (micro_batch_size * DP), DP = world / (TP * CP * PP). A null
+    ``train.micro_batch_size`` is set here to global_batch_size / DP (accumulation 1)."""
     p, t = cfg.parallel, cfg.train
     model_parallel = p.tensor * p.pipeline * p.context
     what = "parallel.tensor * parallel.pipeline" + (" * parallel.context" if p.context > 1 else "")
@@ -24,6 +25,11 @@ def validate_for_world(cfg: Config, world_size: int) -> int:
     require(dp % p.expert == 0,
             f"parallel.expert={p.expert}: must divide the data-parallel size {dp} (world size "
             f"{world_size} / {what} = {model_parallel})")
+    if t.micro_batch_size is None:
+        require(t.global_batch_size % dp == 0,
+                f"train.global_batch_size={t.global_batch_size}: must be a multiple of the "
+                f"data-parallel size {dp} (train.micro_batch_size=null splits it evenly)")
+        t.micro_batch_size = t.global_batch_size // dp
     per_step = t.micro_batch_size * dp
     require(t.global_batch_size % per_step == 0,
             f"train.global_batch_size={t.global_batch_size}: must be a multiple of "

@@ -142,9 +142,10 @@ def check_fp8(cfg: Config) -> None:
     require(cp == 1, f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs (CUDA) need "
                      "train.compile=true, which context parallelism does not support; use one of "
                      "them (or train.fp8_emulate=true)")
-    tokens = t.micro_batch_size * cfg.seq_len // cp
-    require(tokens % 16 == 0,
-            f"train.fp8={t.fp8}: the tokens per micro-batch and context rank, micro_batch_size * "
-            f"seq_len / parallel.context = {t.micro_batch_size} * {cfg.seq_len} / {cp} = {tokens}, "
-            "are not a multiple of 16, which the weight-gradient FP8 GEMM needs; change "
-            "train.micro_batch_size or the sequence length")
+    if t.micro_batch_size is not None:  # null: resolved per world size, at launch
+        tokens = t.micro_batch_size * cfg.seq_len // cp
+        require(tokens % 16 == 0,
+                f"train.fp8={t.fp8}: the tokens per micro-batch and context rank, micro_batch_size "
+                f"* seq_len / parallel.context = {t.micro_batch_size} * {cfg.seq_len} / {cp} = "
+                f"{tokens}, are not a multiple of 16, which the weight-gradient FP8 GEMM needs; "
+                "change train.micro_batch_size or the sequence length")

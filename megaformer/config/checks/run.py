@@ -35,7 +35,7 @@ def check_train(cfg: Config) -> None:
     positive("train.exit_after_minutes", t.exit_after_minutes)
     positive("train.watchdog_factor", t.watchdog_factor, allow_zero=True)
     positive("train.watchdog_min_seconds", t.watchdog_min_seconds)
-    require(t.global_batch_size % t.micro_batch_size == 0,
+    require(t.micro_batch_size is None or t.global_batch_size % t.micro_batch_size == 0,
             f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
             f"train.micro_batch_size={t.micro_batch_size}")
     require(t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must not exceed train.lr={t.lr}")
