@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, subprocess_env
+from tests.helpers import ROOT, subprocess_env
 
 MARKER = "<!-- runnable"
 TINY_RUN = ("model.n_layers=1 model.d_model=32 model.n_heads=4 model.n_kv_heads=2 train.steps=2 "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, cluster_overrides, kill_group, run_cli, run_process, subprocess_env
+from tests.helpers import ROOT, cluster_overrides, kill_group, run_cli, run_process, subprocess_env
 
 TORCHRUN = [sys.executable, "-m", "megaformer.cli.torchrun", "--standalone", "--nproc-per-node=2",
             "-m", "megaformer"]
