@@ -1,9 +1,11 @@
-"""What several subcommands share: the CONFIG and KEY=VALUE arguments, and loading them."""
+"""What several subcommands share: the CONFIG and KEY=VALUE arguments, and loading them; the
+--tp/--pp layout of a checkpoint's model under a launcher (``eval``, ``generate``)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 
 def config_args(p: argparse.ArgumentParser) -> None:
@@ -19,3 +21,43 @@ def load(args: argparse.Namespace) -> Any:
     from megaformer.config import load_config
 
     return load_config(args.config, args.overrides)
+
+
+def layout_args(p: argparse.ArgumentParser) -> None:
+    """--tp and --pp: how a launch splits the model (the rest of the world is data-parallel)."""
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under a launcher (1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
+
+
+@contextlib.contextmanager
+def launched(command: str, device: str, tp: int, pp: int) -> Iterator[tuple[Any, Any]]:
+    """(process, topology or None for one process) of this launch (torchrun, srun, ...), the
+    process group created here (and destroyed after) unless one exists."""
+    import torch
+
+    from megaformer.errors import UserError
+    from megaformer.training.distributed import detect_process, init_distributed
+
+    for flag, value in (("--tp", tp), ("--pp", pp)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    proc = detect_process(device)
+    if proc.world_size % (tp * pp):
+        raise UserError(f"--tp {tp} x --pp {pp} does not divide the world size "
+                        f"{proc.world_size}")
+    if proc.world_size == 1:
+        if tp * pp > 1:
+            raise UserError(f"--tp {tp} --pp {pp}: launch {tp * pp} or more processes "
+                            f"(torchrun --nproc_per_node N -m megaformer {command} ...)")
+        yield proc, None
+        return
+    from megaformer.parallel.topology import build_topology
+
+    created = not torch.distributed.is_initialized()
+    if created:
+        init_distributed(proc)
+    try:
+        yield proc, build_topology(proc.world_size, proc.rank, tp=tp, pp=pp)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()

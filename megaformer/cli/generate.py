@@ -1,10 +1,12 @@
-"""``megaformer generate``: continue a prompt with a trained model."""
+"""``megaformer generate``: continue a prompt with a trained model, at any TP x PP layout."""
 
 from __future__ import annotations
 
 import argparse
+import textwrap
 from typing import Any
 
+from megaformer.cli.common import launched, layout_args
 from megaformer.errors import UserError
 
 NAME = "generate"
@@ -13,8 +15,16 @@ NAME = "generate"
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate", help="generate text from a run directory or checkpoint",
-        description="Continue a prompt with a trained model (its latest checkpoint when given a "
-                    "run directory).")
+        description="\n\n".join(textwrap.fill(p, 88) for p in (
+            "Continue a prompt with a trained model (its latest checkpoint when given a run "
+            "directory), in the precision it trained in unless --dtype says otherwise.",
+            "Under torchrun/srun the model is laid out as in training and as megaformer eval lays "
+            "it out: --tp/--pp split it and each rank reads only its shards of the checkpoint; "
+            "rank 0 prints the text. A pipeline (--pp > 1) decodes greedily only.")),
+        epilog="examples:\n"
+               "  megaformer generate runs/quickstart --prompt 'Once upon a time'\n"
+               "  torchrun --nproc_per_node 4 -m megaformer generate runs/big --tp 2 --pp 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT")
     gen.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     gen.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (100)")
@@ -22,16 +32,27 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                      help="sampling temperature; 0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    gen.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    layout_args(gen)
+    gen.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                     help="weights and activations (default: the checkpoint's train.precision)")
+    gen.add_argument("--device", choices=("auto", "cuda", "cpu"), default="cpu",
+                     help="cpu (default), cuda (this rank's GPU) or auto (cuda when available)")
     return gen
 
 
 def run(args: argparse.Namespace) -> int:
-    from megaformer.generation import generate_text, load_checkpoint_model
+    from megaformer.checkpoint.layout import resolve_checkpoint
 
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k {args.top_k}: must be >= 1")
-    model, tokenizer, _, _ = load_checkpoint_model(args.checkpoint, args.device)
-    print(generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
+    with launched("generate", args.device, args.tp, args.pp) as (proc, topo):
+        from megaformer.evaluation.checkpoint import generate_from_checkpoint
+
+        text = generate_from_checkpoint(args.checkpoint, args.prompt, args.max_new_tokens,
+                                        topo=topo, device=proc.device, dtype=args.dtype,
+                                        temperature=args.temperature, top_k=args.top_k,
+                                        seed=args.seed)
+    if proc.is_main:
+        print(text)
     return 0

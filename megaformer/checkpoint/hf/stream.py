@@ -54,9 +54,18 @@ class Entry:
     fn: Callable[..., torch.Tensor]
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def rename(out: str, src: str) -> Entry:
     """``out`` is ``src`` unchanged."""
-    return Entry(out, (src,), lambda t: t)
+    return Entry(out, (src,), _same)
+
+
+def is_rename(e: Entry) -> bool:
+    """``e`` copies one input unchanged (any part of it can be read as that part of the input)."""
+    return e.fn is _same
 
 
 def zeros(out: str, size: int) -> Entry:
