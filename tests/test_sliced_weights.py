@@ -266,3 +266,16 @@ def test_init_from_refuses_a_missing_folder(tmp_path):
     proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "--init-from",
                     str(tmp_path / "nowhere"), "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(proc, "no such Hugging Face model folder")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_generate_under_torchrun_prints_the_one_process_text(proxy):
+    from tests.helpers import run_torchrun
+
+    _, run = proxy
+    args = ("generate", str(run), "--prompt", "def ", "--max-new-tokens", "6")
+    one = run_cli(*args)
+    two = run_torchrun(2, *args, "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.strip().endswith(one.stdout.strip()) and one.stdout.strip().startswith("def")
