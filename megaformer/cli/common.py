@@ -29,14 +29,11 @@ def layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
 
 
-@contextlib.contextmanager
-def launched(command: str, device: str, tp: int, pp: int) -> Iterator[tuple[Any, Any]]:
-    """(process, topology or None for one process) of this launch (torchrun, srun, ...), the
-    process group created here (and destroyed after) unless one exists."""
-    import torch
-
+def launch_process(command: str, device: str, tp: int, pp: int) -> Any:
+    """This process of the launch (torchrun, srun, ...; no process group yet), once --tp and --pp
+    are checked against the world size."""
     from megaformer.errors import UserError
-    from megaformer.training.distributed import detect_process, init_distributed
+    from megaformer.training.distributed import detect_process
 
     for flag, value in (("--tp", tp), ("--pp", pp)):
         if value < 1:
@@ -45,11 +42,22 @@ def launched(command: str, device: str, tp: int, pp: int) -> Iterator[tuple[Any,
     if proc.world_size % (tp * pp):
         raise UserError(f"--tp {tp} x --pp {pp} does not divide the world size "
                         f"{proc.world_size}")
+    if proc.world_size == 1 and tp * pp > 1:
+        raise UserError(f"--tp {tp} --pp {pp}: launch {tp * pp} or more processes "
+                        f"(torchrun --nproc_per_node N -m megaformer {command} ...)")
+    return proc
+
+
+@contextlib.contextmanager
+def launched(proc: Any, tp: int, pp: int) -> Iterator[Any]:
+    """The topology of ``proc``'s launch (None for one process), the process group created here
+    (and destroyed after) unless one exists."""
+    import torch
+
+    from megaformer.training.distributed import init_distributed
+
     if proc.world_size == 1:
-        if tp * pp > 1:
-            raise UserError(f"--tp {tp} --pp {pp}: launch {tp * pp} or more processes "
-                            f"(torchrun --nproc_per_node N -m megaformer {command} ...)")
-        yield proc, None
+        yield None
         return
     from megaformer.parallel.topology import build_topology
 
@@ -57,7 +65,7 @@ def launched(command: str, device: str, tp: int, pp: int) -> Iterator[tuple[Any,
     if created:
         init_distributed(proc)
     try:
-        yield proc, build_topology(proc.world_size, proc.rank, tp=tp, pp=pp)
+        yield build_topology(proc.world_size, proc.rank, tp=tp, pp=pp)
     finally:
         if created:
             torch.distributed.destroy_process_group()

@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from typing import Any
 
-from megaformer.cli.common import launched, layout_args
+from megaformer.cli.common import launch_process, launched, layout_args
 from megaformer.errors import UserError
 
 NAME = "eval"
@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: must be >= 1")
     resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
+    proc = launch_process("eval", args.device, args.tp, args.pp)
     manager = task_lib.task_manager(tasks, args.include_path)  # unknown task, or no lm-eval
-    with launched("eval", args.device, args.tp, args.pp) as (proc, topo):
+    with launched(proc, args.tp, args.pp) as topo:
         from megaformer.evaluation.checkpoint import evaluate_checkpoint
 
         out = evaluate_checkpoint(args.checkpoint, tasks, manager, topo=topo, device=proc.device,

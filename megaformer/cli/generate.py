@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from typing import Any
 
-from megaformer.cli.common import launched, layout_args
+from megaformer.cli.common import launch_process, launched, layout_args
 from megaformer.errors import UserError
 
 NAME = "generate"
@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k {args.top_k}: must be >= 1")
     resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
-    with launched("generate", args.device, args.tp, args.pp) as (proc, topo):
+    proc = launch_process("generate", args.device, args.tp, args.pp)
+    with launched(proc, args.tp, args.pp) as topo:
         from megaformer.evaluation.checkpoint import generate_from_checkpoint
 
         text = generate_from_checkpoint(args.checkpoint, args.prompt, args.max_new_tokens,
