@@ -279,3 +279,28 @@ def test_generate_under_torchrun_prints_the_one_process_text(proxy):
     two = run_torchrun(2, *args, "--tp", "2")
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.strip().endswith(one.stdout.strip()) and one.stdout.strip().startswith("def")
+
+
+def test_experts_are_read_one_rank_share_at_a_time(tmp_path):
+    """A Mixtral folder's per-expert tensors, stacked on the fly: a rank's box (its experts, its
+    tensor-parallel rows) reads only those bytes and equals that box of the converted tensor."""
+    transformers = pytest.importorskip("transformers")
+    from megaformer.checkpoint import layout as ckpt_layout
+    from megaformer.checkpoint import weights as ckpt_weights
+    from megaformer.checkpoint.hf.convert import import_from_hf
+    from megaformer.checkpoint.hf.init_from import hf_weights
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    run = import_from_hf(tmp_path / "hf", tmp_path / "run")
+    ckpt = ckpt_layout.resolve_checkpoint(run)
+    whole = ckpt_weights.load_weights(ckpt)["layers.1.mlp.experts.w1"]  # [E, f, d]
+    model = dataclasses.replace(ckpt_layout.read_config(ckpt).model, init_from=str(tmp_path / "hf"))
+    reader, _ = hf_weights(model)
+    got = reader.shard("layers.1.mlp.experts.w1", (2, 24, 32), 1, 24, ep_offset=2)
+    assert torch.equal(got, whole[2:4, 24:48])
+    assert reader.bytes_read == 2 * 24 * 32 * 4  # a quarter of the tensor: nothing else read

@@ -16,8 +16,9 @@ layout so reads about 1 / (TP * PP) of the file, and its build never holds a who
 Names map through a plan (:class:`~megaformer.checkpoint.hf.stream.Entry`): a megaformer file maps
 each name to itself; a Hugging Face folder maps through its architecture's import plan
 (:func:`hf_weights`), so ``train`` starts from it with no converted copy on disk. A renamed tensor
-is sliced; an entry computed from several tensors (fused or stacked projections) is computed from
-its whole inputs, then sliced: only the layers of this rank's stage are read.
+is sliced, so is each of this rank's experts of a stacked expert tensor; another entry computed from
+several tensors (a fused projection) is computed from its whole inputs, then sliced: only the
+layers of this rank's stage are read.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from megaformer.checkpoint.hf.stream import Entry, TensorSource, is_rename
+from megaformer.checkpoint.hf.stream import Entry, TensorSource, is_rename, is_stack
 from megaformer.checkpoint.layout import WEIGHTS
 from megaformer.checkpoint.sharded import VOCAB_TABLES
 from megaformer.checkpoint.weights import check_shapes, expected_shapes
@@ -115,6 +116,9 @@ class SlicedWeights:
         box = tuple(slice(a, max(a, b)) for a, b in zip(start, stop))
         if is_rename(e):
             part = self._slice(e.inputs[0], box)
+        elif is_stack(e):  # experts stacked along dim 0: only this rank's, each sliced
+            part = torch.stack([self._slice(e.inputs[k], box[1:])
+                                for k in range(box[0].start, box[0].stop)])
         else:  # computed from whole inputs (this stage's layers only), then sliced
             inputs = [self._slice(n, (slice(None),) * len(self.source.meta(n).shape))
                       for n in e.inputs]

@@ -68,6 +68,20 @@ def is_rename(e: Entry) -> bool:
     return e.fn is _same
 
 
+def _stack(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.stack(parts)
+
+
+def stack(out: str, srcs: tuple[str, ...]) -> Entry:
+    """``out`` is ``srcs`` stacked along a new dim 0 (one expert's tensor per index)."""
+    return Entry(out, srcs, _stack)
+
+
+def is_stack(e: Entry) -> bool:
+    """``e`` stacks its inputs (index i of dim 0 is input i, unchanged)."""
+    return e.fn is _stack
+
+
 def zeros(out: str, size: int) -> Entry:
     """A zero vector of ``size`` (a bias the target format requires and the source lacks)."""
     return Entry(out, (), lambda: torch.zeros(size))
