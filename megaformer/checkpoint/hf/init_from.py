@@ -45,7 +45,8 @@ def with_hf_model(cfg: Config) -> Config:
     except (KeyError, TypeError) as e:
         raise ConversionError(f"{src / 'config.json'}: missing or invalid key {e}") from None
     fields = {k: v for k, v in fields.items() if k not in RESUME_MAY_CHANGE}  # the run's own
-    changed = [k for k, v in fields.items() if getattr(cfg.model, k) != v]
+    configured = {**cfg.model.__dict__, "head_dim": cfg.model.configured_head_dim}
+    changed = [k for k, v in fields.items() if configured.get(k) != v]
     if changed:
         log.warning("model.init_from=%s: the model's %s come from its config.json", src,
                     ", ".join(f"{k}={fields[k]!r}" for k in changed))
