@@ -1,6 +1,6 @@
 """Whole-tensor weight files (a weights-only checkpoint, a Hugging Face folder) read shard by shard.
 
-A Llama-style proxy (d_model 256, 4 blocks, vocabulary 8192, untied: ~7.9M parameters, 31 MB
+A Llama-style proxy (d_model 256, 4 blocks, vocabulary 8192, untied: 7.1M parameters, 29 MB
 fp32) saved by transformers and converted: built at TP2 x PP2 on 4 gloo ranks, each rank reads at
 most 1 / (TP * PP) + 10% of the weight bytes and its build grows its resident memory by less than
 the whole fp32 model, with the scores of the one-process model (1e-5). ``model.init_from``
