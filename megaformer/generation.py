@@ -28,8 +28,7 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens:
         raise UserError(f"--temperature {temperature}: must be >= 0")
     if max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {max_new_tokens}: must be >= 0")
-    ids = tokenizer.encode(prompt) if prompt else []
-    prefix = list(ids) if ids else [tokenizer.eod_id]  # an empty prompt starts a new document
+    prefix = prompt_ids(tokenizer, prompt)
     device = next(model.parameters()).device
     x = torch.tensor([prefix], dtype=torch.long, device=device)
     gen = torch.Generator(device=device)
@@ -37,7 +36,17 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens:
     with cpu_threads(decoding_threads() if device.type == "cpu" else None):
         out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k,
                              generator=gen, eos_id=tokenizer.eod_id)
-    new = out[0, len(prefix):].tolist()
+    return continuation_text(tokenizer, prompt, out[0, len(prefix):].tolist())
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The prompt's tokens; an empty prompt starts a new document (the end-of-document token)."""
+    ids = tokenizer.encode(prompt) if prompt else []
+    return list(ids) if ids else [tokenizer.eod_id]
+
+
+def continuation_text(tokenizer: Tokenizer, prompt: str, new: list[int]) -> str:
+    """Prompt + the generated tokens ``new`` up to the first end-of-document, as text."""
     if tokenizer.eod_id in new:
         new = new[:new.index(tokenizer.eod_id)]
     return prompt + tokenizer.decode(new)

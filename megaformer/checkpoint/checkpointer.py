@@ -60,7 +60,8 @@ from megaformer.checkpoint.rng import load_rng_state
 from megaformer.checkpoint.router_state import load_router_state, router_files
 from megaformer.checkpoint.save import save_checkpoint
 from megaformer.checkpoint.staging import HostStaging
-from megaformer.checkpoint.weights import expected_shapes, load_weights
+from megaformer.checkpoint.sliced import SlicedWeights
+from megaformer.checkpoint.weights import expected_shapes
 from megaformer.errors import CheckpointError
 from megaformer.runtime.collectives import host_group
 
@@ -151,12 +152,17 @@ class Checkpointer:
 
     def model_weights(self, model_cfg: Any, topo: Any = None) -> tuple[Any, Any]:
         """(weights, where they come from) to build this rank's model from: None for a fresh
-        run; else the checkpoint's whole weights, or a reader of its shards (each rank reads only
-        its own; with ``topo``, each shard once per replica group, exchanged within it:
-        :meth:`ShardedState.share`), or the first release's layout-free masters."""
+        run; else a reader of this rank's shards of the checkpoint's ``model.safetensors`` or
+        sharded state (each rank reads only its own; with ``topo``, a sharded state's shards once
+        per replica group, exchanged within it: :meth:`ShardedState.share`), or of the Hugging Face
+        folder ``model.init_from`` (a fresh run), or the first release's layout-free masters."""
         ckpt = self.source
+        if self.kind is None and model_cfg.init_from is not None:
+            from megaformer.checkpoint.hf.init_from import hf_weights
+
+            return hf_weights(model_cfg)
         if self.kind == "weights":
-            return load_weights(ckpt), ckpt
+            return SlicedWeights.checkpoint(ckpt, model_cfg), ckpt
         if self.kind == "sharded":
             self._saved = sharded.ShardedState(ckpt)
             self._saved.check_model(expected_shapes(model_cfg))
@@ -186,6 +192,9 @@ class Checkpointer:
         """Restore the run's state into the attached engine (and the RNG streams when the layout
         is the saved one). None for a fresh run or one seeded with weights only (step 0)."""
         if self.kind is None:
+            if self.cfg.model.init_from is not None:
+                log.info("starting from the weights of %s (fresh optimizer, step 0)",
+                         self.cfg.model.init_from)
             return None
         if self.kind == "weights":
             log.info("starting from the weights of %s (fresh optimizer, step 0)", self.source)

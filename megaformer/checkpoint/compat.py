@@ -22,7 +22,7 @@ from megaformer.errors import CheckpointError, ConfigError
 
 # Model keys that do not change the weights, so a resumed run may set them differently.
 RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std", "kernels",
-                     "loss_chunk_tokens", "document_mask"}
+                     "loss_chunk_tokens", "document_mask", "init_from"}
 # Data keys that define the sample stream the saved position (consumed samples) indexes.
 RESUME_DATA_KEYS = ("seq_len", "tokenizer", "source", "text_field", "max_bytes", "valid_fraction",
                     "paths", "weights", "split")

@@ -1,9 +1,11 @@
-"""What several subcommands share: the CONFIG and KEY=VALUE arguments, and loading them."""
+"""What several subcommands share: the CONFIG and KEY=VALUE arguments, and loading them; the
+--tp/--pp layout of a checkpoint's model under a launcher (``eval``, ``generate``)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 
 def config_args(p: argparse.ArgumentParser) -> None:
@@ -19,3 +21,59 @@ def load(args: argparse.Namespace) -> Any:
     from megaformer.config import load_config
 
     return load_config(args.config, args.overrides)
+
+
+def layout_args(p: argparse.ArgumentParser, experts: bool = False) -> None:
+    """--tp and --pp (and with ``experts`` --ep): how a launch splits the model (the rest of the
+    world is data-parallel; experts are split over --ep of the data-parallel ranks)."""
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under a launcher (1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
+    if experts:
+        p.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel size under a launcher (1): divides the data-parallel "
+                            "ranks and the number of experts")
+
+
+def launch_process(command: str, device: str, tp: int, pp: int, ep: int = 1) -> Any:
+    """This process of the launch (torchrun, srun, ...; no process group yet), once --tp, --pp
+    and --ep are checked against the world size."""
+    from megaformer.errors import UserError
+    from megaformer.training.distributed import detect_process
+
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    proc = detect_process(device)
+    if proc.world_size % (tp * pp):
+        raise UserError(f"--tp {tp} x --pp {pp} does not divide the world size "
+                        f"{proc.world_size}")
+    if (proc.world_size // (tp * pp)) % ep:
+        raise UserError(f"--ep {ep} does not divide the {proc.world_size // (tp * pp)} "
+                        "data-parallel ranks")
+    if proc.world_size == 1 and tp * pp * ep > 1:
+        raise UserError(f"--tp {tp} --pp {pp} --ep {ep}: launch {tp * pp * ep} or more processes "
+                        f"(torchrun --nproc_per_node N -m megaformer {command} ...)")
+    return proc
+
+
+@contextlib.contextmanager
+def launched(proc: Any, tp: int, pp: int, ep: int = 1) -> Iterator[Any]:
+    """The topology of ``proc``'s launch (None for one process), the process group created here
+    (and destroyed after) unless one exists."""
+    import torch
+
+    from megaformer.training.distributed import init_distributed
+
+    if proc.world_size == 1:
+        yield None
+        return
+    from megaformer.parallel.topology import build_topology
+
+    created = not torch.distributed.is_initialized()
+    if created:
+        init_distributed(proc)
+    try:
+        yield build_topology(proc.world_size, proc.rank, tp=tp, pp=pp, ep=ep)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()

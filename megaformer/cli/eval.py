@@ -6,6 +6,7 @@ import argparse
 import textwrap
 from typing import Any
 
+from megaformer.cli.common import launch_process, launched, layout_args
 from megaformer.errors import UserError
 
 NAME = "eval"
@@ -44,11 +45,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     ev.add_argument("--include-path", metavar="DIR", help="folder of extra task YAMLs")
     ev.add_argument("--output", metavar="PATH",
                     help="results JSON (default: CKPT/eval/TASKS.json)")
-    ev.add_argument("--tp", type=int, default=1, help="tensor-parallel size under a launcher (1)")
-    ev.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
-    ev.add_argument("--ep", type=int, default=1,
-                    help="expert-parallel size under a launcher (1): divides the data-parallel "
-                         "ranks and the number of experts")
+    layout_args(ev, experts=True)
     ev.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="weights and activations (fp32)")
     ev.add_argument("--bootstrap-iters", type=int, default=0, metavar="N",
@@ -61,52 +58,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation import tasks as task_lib
-    from megaformer.training.distributed import detect_process, init_distributed
 
     tasks = task_lib.parse_tasks(args.tasks)
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep),
-                        ("--batch-size", args.batch_size)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: must be >= 1")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: must be >= 1")
     resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
-    proc = detect_process(args.device)
-    if proc.world_size % (args.tp * args.pp):
-        raise UserError(f"--tp {args.tp} x --pp {args.pp} does not divide the world size "
-                        f"{proc.world_size}")
-    if (proc.world_size // (args.tp * args.pp)) % args.ep:
-        raise UserError(f"--ep {args.ep} does not divide the {proc.world_size // (args.tp * args.pp)} "
-                        "data-parallel ranks")
+    proc = launch_process("eval", args.device, args.tp, args.pp, args.ep)
     manager = task_lib.task_manager(tasks, args.include_path)  # unknown task, or no lm-eval
-    topo = None
-    created = False
-    if proc.world_size > 1:
-        from megaformer.parallel.topology import build_topology
+    with launched(proc, args.tp, args.pp, args.ep) as topo:
+        from megaformer.evaluation.checkpoint import evaluate_checkpoint
 
-        created = not torch.distributed.is_initialized()
-        if created:
-            init_distributed(proc)
-        topo = build_topology(proc.world_size, proc.rank, tp=args.tp, pp=args.pp, ep=args.ep)
-    elif args.tp * args.pp * args.ep > 1:
-        raise UserError(f"--tp {args.tp} --pp {args.pp} --ep {args.ep}: launch "
-                        f"{args.tp * args.pp * args.ep} or more "
-                        "processes (torchrun --nproc_per_node N -m megaformer eval ...)")
-    from megaformer.evaluation.checkpoint import evaluate_checkpoint
-
-    try:
         out = evaluate_checkpoint(args.checkpoint, tasks, manager, topo=topo, device=proc.device,
                                   is_main=proc.is_main, limit=args.limit,
                                   batch_size=args.batch_size, include_path=args.include_path,
                                   output=args.output, dtype=args.dtype,
                                   bootstrap_iters=args.bootstrap_iters)
-    finally:
-        if created:
-            torch.distributed.destroy_process_group()
     if proc.is_main:
         print(out.table)
         print(f"\nresults: {out.path} ({out.seconds:.1f}s)")

@@ -48,6 +48,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                          "only the device type, e.g. FP8 needs train.compile) and that data.paths "
                          "exist and match data.tokenizer, print the resolved config and parameter "
                          "counts, exit")
+    tr.add_argument("--init-from", metavar="HF_DIR",
+                    help="start from the weights of a Hugging Face model folder, read without a "
+                         "converted copy (sets model.init_from; its config.json gives the model)")
     tr.add_argument("--help-config", action="store_true", help="list every config key and exit")
     tr.add_argument("--world-size", type=int, default=None,
                     help="with --dry-run: also check the parallel layout for this many processes")
@@ -62,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("train: missing CONFIG (a YAML file, e.g. configs/quickstart.yaml)")
     from megaformer.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.init_from is not None:
+        overrides.append(f"model.init_from={args.init_from}")
+    cfg = load_config(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.name
     if args.world_size is not None:
         from megaformer.config import validate_for_world
@@ -113,6 +119,9 @@ def _dry_run(cfg: Any, run_dir: Path) -> int:
     from megaformer.config import validate_for_training
     from megaformer.data.setup import check_data_paths
 
+    from megaformer.checkpoint.hf.init_from import with_hf_model
+
+    cfg = with_hf_model(cfg)  # model.init_from: the folder's model
     validate_for_training(cfg)
     check_data_paths(cfg)  # the data exists and matches the tokenizer
     if cfg.train.device == "cuda":  # the rules that need only the device type, not the device

@@ -136,6 +136,12 @@ class ModelKeys:
                "of its own document (documents end at the tokenizer's EOD token). Varlen flash-attn "
                "on CUDA when installed, else a block-diagonal causal mask (SDPA/reference). Not with "
                "parallel.pipeline > 1.")
+    init_from: Optional[str] = option(
+        None, "A Hugging Face model folder (safetensors, a config.json of a class megaformer "
+              "convert reads) to start training from, read without a converted copy: its "
+              "config.json gives every key that shapes the weights, each rank reads only its "
+              "shards; null = initialise from train.seed. Ignored when the run directory holds "
+              "a checkpoint (it resumes). megaformer train CONFIG --init-from DIR sets it.")
     moe: MoEConfig = option(None, "Mixture-of-Experts FFN: see the model.moe.* keys.",
                             factory=MoEConfig)
 

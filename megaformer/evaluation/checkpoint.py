@@ -1,11 +1,12 @@
-"""``megaformer eval``: lm-evaluation-harness tasks on a checkpoint, at any TP x PP x DP layout.
+"""``megaformer eval`` and ``megaformer generate``: a checkpoint's model at any TP x PP x DP layout.
 
 The model is built as training builds it (:func:`megaformer.parallel.build.build_model`) for the
 layout of the launch (tensor x pipeline from the command line, data parallelism from the rest of
 the world, experts split over ``--ep`` of the data-parallel ranks): each rank reads only its
-tensor-parallel shards of the layers its pipeline stage holds and its own experts (a sharded
-checkpoint's state), or the consolidated weights when the checkpoint has them. No
-Hugging Face conversion, no DeepSpeed engine. The results go beside the weights, into
+tensor-parallel shards of the layers its pipeline stage holds and its own experts, from a sharded
+checkpoint's state or sliced out of a weights-only checkpoint's ``model.safetensors``
+(:mod:`megaformer.checkpoint.sliced`). No Hugging Face conversion, no DeepSpeed engine.
+Evaluation's results go beside the weights, into
 ``CKPT/eval/<tasks>.json`` (written atomically by rank 0), unless another path is given.
 """
 
@@ -67,8 +68,10 @@ def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
     check_file(tok_file, MAX_TOKENIZER_BYTES)
     tokenizer = load_tokenizer(tok_file)
     cfg = eval_layout(cfg, topo)
-    if (ckpt / ckpt_layout.WEIGHTS).exists():
-        weights: Any = ckpt_weights.load_weights(ckpt)
+    if (ckpt / ckpt_layout.WEIGHTS).exists():  # each rank reads its own shards of the file
+        from megaformer.checkpoint.sliced import SlicedWeights
+
+        weights: Any = SlicedWeights.checkpoint(ckpt, cfg.model)
     else:  # each rank reads its own shards
         from megaformer.checkpoint.sharded import ShardedState
 
@@ -81,6 +84,35 @@ def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
     if pipeline:
         return PipelineRunner(built.model, built.plain, topo, device), tokenizer, cfg
     return PlainRunner(built.model, device=device), tokenizer, cfg
+
+
+def generate_from_checkpoint(path: str | Path, prompt: str, max_new_tokens: int, *,
+                             topo: Any = None, device: torch.device = torch.device("cpu"),
+                             dtype: Optional[str] = None, temperature: float = 0.0,
+                             top_k: Optional[int] = None, seed: int = 0) -> str:
+    """Prompt + continuation by the checkpoint at ``path``, built as :func:`load_runner` builds it
+    for this rank of ``topo`` (collective; every rank returns the same text) in ``dtype`` (default:
+    the precision it trained in). Under tensor parallelism every rank samples the same token (the
+    same gathered logits, the same seed); a pipeline decodes greedily only."""
+    from megaformer.generation import continuation_text, generate_text, prompt_ids
+
+    if temperature < 0:
+        raise UserError(f"--temperature {temperature}: must be >= 0")
+    if max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: must be >= 0")
+    if topo is not None and topo.pp > 1 and temperature > 0:
+        raise UserError(f"--temperature {temperature} with --pp {topo.pp}: a pipeline decodes "
+                        "greedily only (--temperature 0), or use --pp 1")
+    ckpt = ckpt_layout.resolve_checkpoint(path)
+    dtype = dtype or ckpt_layout.read_config(ckpt).train.precision
+    runner, tokenizer, _ = load_runner(ckpt, topo, device, dtype)
+    if isinstance(runner, PlainRunner):
+        return generate_text(runner.model, tokenizer, prompt, max_new_tokens,
+                             temperature=temperature, top_k=top_k, seed=seed)
+    eod = tokenizer.eod_id
+    new = runner.greedy(prompt_ids(tokenizer, prompt), max_new_tokens,
+                        stop=lambda tokens: tokens[-1] == eod)
+    return continuation_text(tokenizer, prompt, new)
 
 
 def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None, *,

@@ -60,7 +60,6 @@ from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
-from megaformer.parallel.plan import full_state_dict
 from megaformer.parallel.topology import build_topology, layout_groups
 from megaformer.safe_files import check_run_dir
 
@@ -125,6 +124,10 @@ class Trainer:
     """Builds everything for one run and runs the loop; see :func:`train`."""
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
+        if cfg.model.init_from is not None:  # the folder's model
+            from megaformer.checkpoint.hf.init_from import with_hf_model
+
+            cfg = with_hf_model(cfg)
         self.proc = dist.detect_process(cfg.train.device)
         # every world- and device-dependent check, once; the op implementations it settled on
         checked = preflight(cfg, self.proc.world_size, self.proc.device)
@@ -355,8 +358,9 @@ class Trainer:
                                   self.proc.device)
 
     def sample(self) -> Optional[str]:
-        """A short text sample from the trained weights, generated on rank 0 when it holds them
-        whole (TP = PP = EP = 1, ZeRO below 3); a sharded model is never gathered for it."""
+        """A short text sample from the training model itself (no second copy: eval mode and no
+        gradients while it runs, train mode after), on rank 0 when it holds the model whole
+        (TP = PP = EP = 1, ZeRO below 3); a sharded model is never gathered for it."""
         n = self.cfg.log.sample_tokens
         p = self.cfg.parallel
         if n == 0 or not self.is_main:
@@ -367,11 +371,15 @@ class Trainer:
             return None
         from megaformer.generation import generate_text
 
-        weights = full_state_dict(self.engine.module, self.topo)
-        model = build_model(self.cfg, device=self.proc.device, weights=weights,
-                            weights_source="the trained model", training=False).model
-        return generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,
-                             temperature=0.8, top_k=40, seed=self.cfg.train.seed)
+        model = self.engine.module
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                return generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,
+                                     temperature=0.8, top_k=40, seed=self.cfg.train.seed)
+        finally:
+            model.train(was_training)
 
 
 def train(cfg: Config, run_dir: Path) -> TrainResult:

@@ -12,11 +12,14 @@ from megaformer import generation
 
 def test_generate_samples_by_default_greedy_on_request():
     from megaformer.cli import build_parser
+    from megaformer.cli.generate import sampling_temperature
 
     parser = build_parser()
     args = parser.parse_args(["generate", "runs/x"])
-    assert (args.temperature, args.top_k, args.greedy) == (0.8, 40, False)
-    assert parser.parse_args(["generate", "runs/x", "--greedy"]).greedy
+    assert (sampling_temperature(args), args.top_k, args.greedy) == (0.8, 40, False)
+    assert sampling_temperature(parser.parse_args(["generate", "runs/x", "--greedy"])) == 0.0
+    assert sampling_temperature(parser.parse_args(["generate", "runs/x", "--temperature", "0"])) == 0
+    assert sampling_temperature(parser.parse_args(["generate", "runs/x", "--pp", "2"])) == 0.0
 
 
 @pytest.mark.parametrize("omp,load,cores,expected", [

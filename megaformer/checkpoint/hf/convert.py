@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -37,7 +37,7 @@ from megaformer.checkpoint.hf.llama import Llama, LlamaFamily
 from megaformer.checkpoint.hf.mistral import Mistral
 from megaformer.checkpoint.hf.moe import Mixtral, Qwen2Moe, Qwen3Moe
 from megaformer.checkpoint.hf.qwen import Qwen2, Qwen3
-from megaformer.checkpoint.hf.stream import (TensorSource, check_inputs, output_specs,
+from megaformer.checkpoint.hf.stream import (Entry, TensorSource, check_inputs, output_specs,
                                               run_plan)
 from megaformer.checkpoint.hf.tokenizer_files import read_hf_tokenizer, write_hf_tokenizer
 from megaformer.checkpoint.hf.verify import DEFAULT_TOLERANCE
@@ -244,22 +244,9 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
     if tok is not None and tok.vocab_size > cfg.model.vocab_size:
         raise ConversionError(f"{tok.name}: {tok.vocab_size} tokens, more than the model's "
                               f"vocab_size {cfg.model.vocab_size}")
-    source = TensorSource(src)  # headers only
-    names = set(source.keys())
-    if cfg.model.n_layers > len(names):  # every block has tensors: bounds the plan and meta model
-        raise ConversionError(f"{src}: {len(names)} tensors cannot hold the "
-                              f"{cfg.model.n_layers} blocks config.json describes")
-    expected = ckpt_weights.expected_shapes(cfg.model)  # on the meta device: nothing allocated
-    plan = adapter.import_plan(cfg.model, names)
     out_dtype = _dtype(dtype)
-    tied_out = {"lm_head.weight", *OUT_NAMES} if cfg.model.tie_embeddings else set()
-
-    def ignore(n: str) -> bool:
-        return adapter.ignore_on_import(n) or n in tied_out
-
-    check_inputs(plan, source, ignore)
-    ckpt_weights.check_shapes([(n, shape) for n, shape, _ in output_specs(plan, source, out_dtype)],
-                         expected, str(src), ConversionError)
+    source, plan, ignore = import_plan(src, cfg.model, adapter, out_dtype)
+    expected = ckpt_weights.expected_shapes(cfg.model)
 
     def write_weights(path: Path) -> None:
         run_plan(plan, source, path.parent, out_dtype, metadata={"megaformer_version": __version__},
@@ -277,6 +264,29 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
     log.info("imported %s (%s) into %s at tensor=%d pipeline=%d", src, adapter.hf_class, dst,
              tensor, pipeline)
     return dst
+
+
+def import_plan(src: Path, m: Any, adapter: Architecture, dtype: Optional[torch.dtype] = None
+                ) -> tuple[TensorSource, list[Entry], Callable[[str], bool]]:
+    """(tensors, plan, which source tensors may go unread) of Hugging Face folder ``src`` as
+    megaformer's model ``m``: every input present, none dropped unread, every output's shape the
+    config's, checked on headers alone (nothing read or allocated)."""
+    source = TensorSource(src)  # headers only
+    names = set(source.keys())
+    if m.n_layers > len(names):  # every block has tensors: bounds the plan and meta model
+        raise ConversionError(f"{src}: {len(names)} tensors cannot hold the "
+                              f"{m.n_layers} blocks config.json describes")
+    expected = ckpt_weights.expected_shapes(m)  # on the meta device: nothing allocated
+    plan = adapter.import_plan(m, names)
+    tied_out = {"lm_head.weight", *OUT_NAMES} if m.tie_embeddings else set()
+
+    def ignore(n: str) -> bool:
+        return adapter.ignore_on_import(n) or n in tied_out
+
+    check_inputs(plan, source, ignore)
+    ckpt_weights.check_shapes([(n, shape) for n, shape, _ in output_specs(plan, source, dtype)],
+                              expected, str(src), ConversionError)
+    return source, plan, ignore
 
 
 class _NoTokenizer:

@@ -28,18 +28,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from megaformer.checkpoint.hf.arch import hf_get
 from megaformer.checkpoint.hf.llama import LlamaFamily
 from megaformer.checkpoint.hf.mistral import Mistral
 from megaformer.checkpoint.hf.qwen import Qwen2, Qwen3
-from megaformer.checkpoint.hf.stream import Entry, rename
+from megaformer.checkpoint.hf.stream import Entry, rename, stack
 from megaformer.config import ModelConfig
-
-
-def _stack(*experts: torch.Tensor) -> torch.Tensor:
-    return torch.stack(experts)
 
 
 def _pick(e: int):
@@ -100,7 +94,7 @@ class _MoEFamily(LlamaFamily):
             if export:
                 out += [Entry(p, (f"{ours}experts.{w}",), _pick(e)) for e, p in enumerate(per)]
             else:
-                out.append(Entry(f"{ours}experts.{w}", tuple(per), _stack))
+                out.append(stack(f"{ours}experts.{w}", tuple(per)))
         return out
 
     def export_plan(self, m: ModelConfig) -> list[Entry]:

@@ -54,9 +54,32 @@ class Entry:
     fn: Callable[..., torch.Tensor]
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def rename(out: str, src: str) -> Entry:
     """``out`` is ``src`` unchanged."""
-    return Entry(out, (src,), lambda t: t)
+    return Entry(out, (src,), _same)
+
+
+def is_rename(e: Entry) -> bool:
+    """``e`` copies one input unchanged (any part of it can be read as that part of the input)."""
+    return e.fn is _same
+
+
+def _stack(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.stack(parts)
+
+
+def stack(out: str, srcs: tuple[str, ...]) -> Entry:
+    """``out`` is ``srcs`` stacked along a new dim 0 (one expert's tensor per index)."""
+    return Entry(out, srcs, _stack)
+
+
+def is_stack(e: Entry) -> bool:
+    """``e`` stacks its inputs (index i of dim 0 is input i, unchanged)."""
+    return e.fn is _stack
 
 
 def zeros(out: str, size: int) -> Entry:
