@@ -36,9 +36,20 @@ setup(
         # transformers: Hugging Face parity tests and `bench --compare-hf`; matplotlib: reports;
         # triton: its interpreter runs the fused kernels on CPU in the tests (TRITON_INTERPRET=1);
         # mkdocs + mkdocs-material: the documentation site, built with --strict by the tests.
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.44", "matplotlib>=3.7",
-                 "sentencepiece>=0.2", "torchao>=0.13", "lm-eval>=0.4.9", "wandb>=0.19",
-                 "triton>=3.5; platform_system == 'Linux'", "mkdocs>=1.6", "mkdocs-material>=9.5"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "transformers>=4.44",
+            "matplotlib>=3.7",
+            "sentencepiece>=0.2",
+            "torchao>=0.13",
+            "lm-eval>=0.4.9",
+            "wandb>=0.19",
+            "triton>=3.5; platform_system == 'Linux'",
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
+            "ruff>=0.6",
+        ],
         # Optional accelerators: flash-attn (CUDA) and NVIDIA apex (built from source, never the
         # unrelated PyPI package called "apex") are used when importable.
         "gpu": ["flash-attn>=2.5", "triton>=3.5"],

@@ -31,16 +31,18 @@ class UnknownGPUError(UserError):
 @dataclass(frozen=True)
 class Accelerator:
     name: str
-    peaks: dict            # dtype -> dense TFLOP/s
+    peaks: dict  # dtype -> dense TFLOP/s
     memory_gb: float
-    intra_gbps: float      # unidirectional per GPU, within a node
-    inter_gbps: float      # unidirectional per GPU, between nodes
+    intra_gbps: float  # unidirectional per GPU, within a node
+    inter_gbps: float  # unidirectional per GPU, between nodes
     source: str
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peaks:
-            raise UnknownGPUError(f"no {dtype} peak for {self.name} in the table (it has "
-                                  f"{', '.join(self.peaks)}); pass --peak-tflops")
+            raise UnknownGPUError(
+                f"no {dtype} peak for {self.name} in the table (it has "
+                f"{', '.join(self.peaks)}); pass --peak-tflops"
+            )
         return self.peaks[dtype]
 
 
@@ -51,24 +53,29 @@ def _a(name, fp32, tf32, bf16, fp8, mem, intra, inter, source) -> Accelerator:
     return Accelerator(name, {k: v for k, v in peaks.items() if v}, mem, intra, inter, source)
 
 
-ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
-    Accelerator("V100-SXM2", {"fp32": 15.7, "fp16": 125.0}, 32, 150, 12.5, "NVIDIA V100 datasheet"),
-    _a("A100-SXM", 19.5, 156, 312, None, 80, 300, 25, "NVIDIA A100 datasheet (SXM4)"),
-    _a("A100-PCIe", 19.5, 156, 312, None, 80, 32, 25, "NVIDIA A100 datasheet (PCIe Gen4 x16)"),
-    _a("A10", 31.2, 62.5, 125, None, 24, 32, 12.5, "NVIDIA A10 datasheet"),
-    _a("L4", 30.3, 60, 121, 242, 24, 32, 12.5, "NVIDIA L4 datasheet"),
-    _a("L40S", 91.6, 183, 362, 733, 48, 32, 25, "NVIDIA L40S datasheet"),
-    _a("H100-SXM", 67, 494.5, 989.5, 1979, 80, 450, 50, "NVIDIA H100 datasheet (SXM5)"),
-    _a("H100-PCIe", 51, 378, 756, 1513, 80, 64, 50, "NVIDIA H100 datasheet (PCIe Gen5 x16)"),
-    _a("H100-NVL", 60, 417.5, 835, 1670, 94, 300, 50, "NVIDIA H100 NVL datasheet (per GPU)"),
-    _a("H200", 67, 494.5, 989.5, 1979, 141, 450, 50, "NVIDIA H200 datasheet (SXM)"),
-    _a("H200-NVL", 60, 417.5, 835, 1670, 141, 450, 50, "NVIDIA H200 NVL datasheet"),
-    _a("GH200", 67, 494.5, 989.5, 1979, 96, 450, 50, "NVIDIA GH200 datasheet (H100 part)"),
-    _a("B200", 75, 1100, 2250, 4500, 180, 900, 50, "NVIDIA HGX B200 datasheet (per GPU)"),
-    _a("MI250X", 95.7, None, 383, None, 128, 200, 25, "AMD Instinct MI250X datasheet (matrix)"),
-    _a("MI300X", 163.4, 653.7, 1307.4, 2614.9, 192, 448, 50, "AMD Instinct MI300X datasheet"),
-    _a("MI325X", 163.4, 653.7, 1307.4, 2614.9, 256, 448, 50, "AMD Instinct MI325X datasheet"),
-)}
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        Accelerator(
+            "V100-SXM2", {"fp32": 15.7, "fp16": 125.0}, 32, 150, 12.5, "NVIDIA V100 datasheet"
+        ),
+        _a("A100-SXM", 19.5, 156, 312, None, 80, 300, 25, "NVIDIA A100 datasheet (SXM4)"),
+        _a("A100-PCIe", 19.5, 156, 312, None, 80, 32, 25, "NVIDIA A100 datasheet (PCIe Gen4 x16)"),
+        _a("A10", 31.2, 62.5, 125, None, 24, 32, 12.5, "NVIDIA A10 datasheet"),
+        _a("L4", 30.3, 60, 121, 242, 24, 32, 12.5, "NVIDIA L4 datasheet"),
+        _a("L40S", 91.6, 183, 362, 733, 48, 32, 25, "NVIDIA L40S datasheet"),
+        _a("H100-SXM", 67, 494.5, 989.5, 1979, 80, 450, 50, "NVIDIA H100 datasheet (SXM5)"),
+        _a("H100-PCIe", 51, 378, 756, 1513, 80, 64, 50, "NVIDIA H100 datasheet (PCIe Gen5 x16)"),
+        _a("H100-NVL", 60, 417.5, 835, 1670, 94, 300, 50, "NVIDIA H100 NVL datasheet (per GPU)"),
+        _a("H200", 67, 494.5, 989.5, 1979, 141, 450, 50, "NVIDIA H200 datasheet (SXM)"),
+        _a("H200-NVL", 60, 417.5, 835, 1670, 141, 450, 50, "NVIDIA H200 NVL datasheet"),
+        _a("GH200", 67, 494.5, 989.5, 1979, 96, 450, 50, "NVIDIA GH200 datasheet (H100 part)"),
+        _a("B200", 75, 1100, 2250, 4500, 180, 900, 50, "NVIDIA HGX B200 datasheet (per GPU)"),
+        _a("MI250X", 95.7, None, 383, None, 128, 200, 25, "AMD Instinct MI250X datasheet (matrix)"),
+        _a("MI300X", 163.4, 653.7, 1307.4, 2614.9, 192, 448, 50, "AMD Instinct MI300X datasheet"),
+        _a("MI325X", 163.4, 653.7, 1307.4, 2614.9, 256, 448, 50, "AMD Instinct MI325X datasheet"),
+    )
+}
 
 # Patterns over the normalised name (lower case, only [a-z0-9]); first match wins. They accept the
 # table's names and what torch.cuda.get_device_name() reports ("NVIDIA H100 80GB HBM3",
@@ -103,12 +110,16 @@ def find_accelerator(name: str) -> Accelerator:
     for pattern, target in _PATTERNS:
         if key and re.search(pattern, key):
             return ACCELERATORS[target]
-    raise UnknownGPUError(f"unknown GPU {name!r}: not in the peak table "
-                          f"({', '.join(ACCELERATORS)}); give its peak with --peak-tflops "
-                          "(or log.peak_tflops in training)")
+    raise UnknownGPUError(
+        f"unknown GPU {name!r}: not in the peak table "
+        f"({', '.join(ACCELERATORS)}); give its peak with --peak-tflops "
+        "(or log.peak_tflops in training)"
+    )
 
 
-def peak_tflops(gpu: Optional[str], dtype: str, explicit: Optional[float] = None) -> Optional[float]:
+def peak_tflops(
+    gpu: Optional[str], dtype: str, explicit: Optional[float] = None
+) -> Optional[float]:
     """Dense peak TFLOP/s: ``explicit`` when given, else the table's value for ``gpu``; None when
     neither is given (callers then report no MFU). An unknown ``gpu`` raises."""
     if dtype not in DTYPES:

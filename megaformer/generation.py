@@ -20,9 +20,15 @@ from megaformer.safe_files import check_file
 MAX_TOKENIZER_BYTES = 1 << 30
 
 
-def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
-                  temperature: float = 0.0, top_k: Optional[int] = None,
-                  seed: int = 0) -> str:
+def generate_text(
+    model: Any,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    seed: int = 0,
+) -> str:
     """Prompt + continuation as text. Temperature 0 is greedy (argmax) decoding."""
     if temperature < 0:
         raise UserError(f"--temperature {temperature}: must be >= 0")
@@ -34,9 +40,15 @@ def generate_text(model: Any, tokenizer: Tokenizer, prompt: str, max_new_tokens:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     with cpu_threads(decoding_threads() if device.type == "cpu" else None):
-        out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k,
-                             generator=gen, eos_id=tokenizer.eod_id)
-    return continuation_text(tokenizer, prompt, out[0, len(prefix):].tolist())
+        out = model.generate(
+            x,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=gen,
+            eos_id=tokenizer.eod_id,
+        )
+    return continuation_text(tokenizer, prompt, out[0, len(prefix) :].tolist())
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -48,7 +60,7 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
 def continuation_text(tokenizer: Tokenizer, prompt: str, new: list[int]) -> str:
     """Prompt + the generated tokens ``new`` up to the first end-of-document, as text."""
     if tokenizer.eod_id in new:
-        new = new[:new.index(tokenizer.eod_id)]
+        new = new[: new.index(tokenizer.eod_id)]
     return prompt + tokenizer.decode(new)
 
 
@@ -73,8 +85,12 @@ def physical_cores() -> int:
         logical = os.cpu_count() or 1
     try:
         siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text()
-        per_core = sum(b - a + 1 for a, b in (
-            (int(r.split("-")[0]), int(r.split("-")[-1])) for r in siblings.strip().split(",")))
+        per_core = sum(
+            b - a + 1
+            for a, b in (
+                (int(r.split("-")[0]), int(r.split("-")[-1])) for r in siblings.strip().split(",")
+            )
+        )
     except (OSError, ValueError):
         per_core = 1
     return max(1, logical // max(1, per_core))
@@ -92,12 +108,16 @@ def cpu_threads(n: Optional[int]) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Config, Path]:
+def load_checkpoint_model(
+    path: str | Path, device: str = "cpu"
+) -> tuple[Any, Tokenizer, Config, Path]:
     """Model (eval mode, fp32), tokenizer and config from a run directory or checkpoint."""
     ckpt = ckpt_layout.resolve_checkpoint(path)
     if not (ckpt / "tokenizer.json").exists() and not (ckpt / "tokenizer.json").is_symlink():
-        raise CheckpointError(f"{ckpt}: no tokenizer.json (a model converted without its "
-                              "tokenizer: convert it again with --tokenizer PATH)")
+        raise CheckpointError(
+            f"{ckpt}: no tokenizer.json (a model converted without its "
+            "tokenizer: convert it again with --tokenizer PATH)"
+        )
     check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     model, cfg, ckpt = load_model_weights(ckpt, device)
@@ -105,9 +125,13 @@ def load_checkpoint_model(path: str | Path, device: str = "cpu") -> tuple[Any, T
 
 
 @torch.no_grad()
-def greedy_tokens(model: Any, prefix: list[int], max_new_tokens: int,
-                  stop: Optional[Callable[[list[int]], bool]] = None,
-                  device: Optional[torch.device] = None) -> list[int]:
+def greedy_tokens(
+    model: Any,
+    prefix: list[int],
+    max_new_tokens: int,
+    stop: Optional[Callable[[list[int]], bool]] = None,
+    device: Optional[torch.device] = None,
+) -> list[int]:
     """Greedy (argmax) continuation of ``prefix`` with the model's KV cache, one token per step,
     until ``stop(new_tokens)`` is true or ``max_new_tokens`` are made
     (:func:`megaformer.model.decoding.decode`, as ``Transformer.generate``: the model sees at most
@@ -115,4 +139,4 @@ def greedy_tokens(model: Any, prefix: list[int], max_new_tokens: int,
     device = device or next(model.parameters()).device
     ids = torch.tensor([list(prefix)], dtype=torch.long, device=device)
     out = decode(kv_cached(model), ids, max_new_tokens, model.cfg.max_seq_len, stop=stop)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()

@@ -28,8 +28,18 @@ from megaformer.errors import CheckpointError, UserError
 MAX_TEXT_BYTES = 64 * 1024 * 1024  # configs, meta.json, indexes: far below this in practice
 
 # Entries of a run directory megaformer writes to (or deletes in).
-RUN_DIR_ENTRIES = ("checkpoints", "logs", "metrics.jsonl", "config.yaml", "tokenizer.json",
-                   "data_cache", "report", "tensorboard", "wandb", "wandb_run_id")
+RUN_DIR_ENTRIES = (
+    "checkpoints",
+    "logs",
+    "metrics.jsonl",
+    "config.yaml",
+    "tokenizer.json",
+    "data_cache",
+    "report",
+    "tensorboard",
+    "wandb",
+    "wandb_run_id",
+)
 # Folders of a run directory whose entries megaformer (or a library it drives) writes. W&B's own
 # wandb/ folder holds a link it makes itself (latest-run); the folder may not be a link.
 RUN_DIR_FOLDERS = ("checkpoints", "logs", "report", "data_cache", "tensorboard")
@@ -38,8 +48,10 @@ RUN_DIR_FOLDERS = ("checkpoints", "logs", "report", "data_cache", "tensorboard")
 def refuse_link(path: Path, error: Type[UserError] = CheckpointError) -> None:
     """Raise ``error`` when ``path`` is a symbolic link (a missing path is fine)."""
     if os.path.islink(path):
-        raise error(f"{path}: is a symbolic link; megaformer does not write through links in a "
-                    "run directory or cache (replace it by a real file or folder)")
+        raise error(
+            f"{path}: is a symbolic link; megaformer does not write through links in a "
+            "run directory or cache (replace it by a real file or folder)"
+        )
 
 
 def check_run_dir(run_dir: Path, error: Type[UserError] = CheckpointError) -> None:
@@ -77,8 +89,14 @@ def make_dir(path: Path, mode: int = 0o777, error: Type[UserError] = CheckpointE
     return path
 
 
-def write_atomic(path: Path, data: str | bytes, *, fsync: bool = True,
-                 error: Type[UserError] = CheckpointError, mode: Optional[int] = 0o644) -> None:
+def write_atomic(
+    path: Path,
+    data: str | bytes,
+    *,
+    fsync: bool = True,
+    error: Type[UserError] = CheckpointError,
+    mode: Optional[int] = 0o644,
+) -> None:
     """Replace ``path`` by ``data``: a random exclusive temporary beside it, flushed, renamed.
 
     ``mode`` (default 0644, as an ordinary file) is applied to the temporary before the rename;
@@ -105,8 +123,9 @@ def write_atomic(path: Path, data: str | bytes, *, fsync: bool = True,
 def temp_path(target: Path, suffix: str = "") -> Path:
     """A new, empty, exclusively created file beside ``target`` with a random name (the caller
     writes it and renames it over ``target``, or deletes it)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{Path(target).name}.", suffix=suffix,
-                               dir=Path(target).parent)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".tmp-{Path(target).name}.", suffix=suffix, dir=Path(target).parent
+    )
     os.close(fd)
     return Path(tmp)
 
@@ -126,8 +145,9 @@ def open_append(path: Path, error: Type[UserError] = CheckpointError):
     return os.fdopen(fd, "a")
 
 
-def read_bounded(path: Path, limit: int = MAX_TEXT_BYTES,
-                 error: Type[UserError] = CheckpointError) -> bytes:
+def read_bounded(
+    path: Path, limit: int = MAX_TEXT_BYTES, error: Type[UserError] = CheckpointError
+) -> bytes:
     """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes, else ``error``.
 
     The check is made on the opened file (``fstat``), so a path swapped between check and read
@@ -152,8 +172,9 @@ def _read_fd(fd: int, path: Path, limit: int, error: Type[UserError]) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise error(f"{path}: not a regular file")
         if st.st_size > limit:
-            raise error(f"{path}: {st.st_size} bytes, more than the {limit} a file of this kind "
-                        "may hold")
+            raise error(
+                f"{path}: {st.st_size} bytes, more than the {limit} a file of this kind may hold"
+            )
         chunks, total = [], 0
         while total <= limit:
             chunk = fh.read(min(READ_CHUNK, limit + 1 - total))
@@ -167,6 +188,7 @@ def _read_fd(fd: int, path: Path, limit: int, error: Type[UserError]) -> bytes:
 
 
 # ----------------------------------------------------------------------------- reading inside a folder
+
 
 def open_inside(root: Path, relative: str | Path, error: Type[UserError] = CheckpointError) -> int:
     """A read-only descriptor of ``root/relative``, opened one component at a time relative to its
@@ -184,10 +206,13 @@ def open_inside(root: Path, relative: str | Path, error: Type[UserError] = Check
         raise error(f"{root}: cannot open ({e.strerror})") from None
     try:
         for i, part in enumerate(parts):
-            here = Path(root).joinpath(*parts[:i + 1])
+            here = Path(root).joinpath(*parts[: i + 1])
             last = i == len(parts) - 1
-            flags = os.O_RDONLY | nofollow | (getattr(os, "O_NONBLOCK", 0) if last
-                                              else getattr(os, "O_DIRECTORY", 0))
+            flags = (
+                os.O_RDONLY
+                | nofollow
+                | (getattr(os, "O_NONBLOCK", 0) if last else getattr(os, "O_DIRECTORY", 0))
+            )
             try:
                 child = os.open(part, flags, dir_fd=fd)
             except OSError as e:
@@ -205,15 +230,23 @@ def open_inside(root: Path, relative: str | Path, error: Type[UserError] = Check
         raise
 
 
-def read_inside(root: Path, relative: str | Path, limit: int = MAX_TEXT_BYTES,
-                error: Type[UserError] = CheckpointError) -> bytes:
+def read_inside(
+    root: Path,
+    relative: str | Path,
+    limit: int = MAX_TEXT_BYTES,
+    error: Type[UserError] = CheckpointError,
+) -> bytes:
     """The bytes of ``root/relative`` (:func:`open_inside`: no link followed below ``root``), a
     regular file of at most ``limit`` bytes."""
     return _read_fd(open_inside(root, relative, error), Path(root, relative), limit, error)
 
 
-def read_text_inside(root: Path, relative: str | Path, limit: int = MAX_TEXT_BYTES,
-                     error: Type[UserError] = CheckpointError) -> str:
+def read_text_inside(
+    root: Path,
+    relative: str | Path,
+    limit: int = MAX_TEXT_BYTES,
+    error: Type[UserError] = CheckpointError,
+) -> str:
     data = read_inside(root, relative, limit, error)
     try:
         return data.decode()
@@ -221,8 +254,9 @@ def read_text_inside(root: Path, relative: str | Path, limit: int = MAX_TEXT_BYT
         raise error(f"{Path(root, relative)}: not a UTF-8 text file") from None
 
 
-def copy_inside(root: Path, relative: str | Path, target: Path,
-                error: Type[UserError] = CheckpointError) -> None:
+def copy_inside(
+    root: Path, relative: str | Path, target: Path, error: Type[UserError] = CheckpointError
+) -> None:
     """Copy ``root/relative`` (opened by :func:`open_inside`) to ``target``, a new file."""
     fd = open_inside(root, relative, error)
     with os.fdopen(fd, "rb") as src, open(target, "xb") as dst:
@@ -242,12 +276,15 @@ def refuse_links_below(root: Path, error: Type[UserError] = CheckpointError) -> 
 def refuse_read_link(path: Path, error: Type[UserError] = CheckpointError) -> None:
     """Raise ``error`` when ``path`` is a symbolic link (a missing path is fine)."""
     if os.path.islink(path):
-        raise error(f"{path}: is a symbolic link; megaformer does not read through links in a "
-                    "run directory or checkpoint")
+        raise error(
+            f"{path}: is a symbolic link; megaformer does not read through links in a "
+            "run directory or checkpoint"
+        )
 
 
-def read_text_bounded(path: Path, limit: int = MAX_TEXT_BYTES,
-                      error: Type[UserError] = CheckpointError) -> str:
+def read_text_bounded(
+    path: Path, limit: int = MAX_TEXT_BYTES, error: Type[UserError] = CheckpointError
+) -> str:
     data = read_bounded(path, limit, error)
     try:
         return data.decode()
@@ -280,8 +317,11 @@ def owned_by_me(path: Path) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
-            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_uid == os.getuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
 
 
 # ----------------------------------------------------------------------------- paths code is run from
@@ -306,13 +346,16 @@ def refuse_code_folders(raw: dict, source: Path, error: Type[UserError] = UserEr
     trusted = os.environ.get(TRUST_TASKS_ENV)
     if trusted and os.path.realpath(trusted) == os.path.realpath(str(value)):  # as lm-eval reads it
         return
-    raise error(f"{source}: eval.tasks_include_path={value!r} names a folder of lm-eval tasks, "
-                "whose Python files run when loaded; a config file may not carry it (give it on "
-                f"the command line, eval.tasks_include_path=DIR, or set {TRUST_TASKS_ENV}=DIR to "
-                "trust that folder)")
+    raise error(
+        f"{source}: eval.tasks_include_path={value!r} names a folder of lm-eval tasks, "
+        "whose Python files run when loaded; a config file may not carry it (give it on "
+        f"the command line, eval.tasks_include_path=DIR, or set {TRUST_TASKS_ENV}=DIR to "
+        "trust that folder)"
+    )
 
 
 # ----------------------------------------------------------------------------- parsing
+
 
 def unreadable_reason(e: BaseException) -> str:
     """One line for why a JSON/YAML document could not be parsed: nesting deeper than Python

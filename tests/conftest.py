@@ -20,21 +20,26 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megaformer.runtime import spawn  # noqa: E402
-from tests.helpers import (cluster_overrides, run_process, step_records, subprocess_env,  # noqa: E402
-                           torchrun_cmd)
+from tests.helpers import cluster_overrides, run_process, step_records, subprocess_env, torchrun_cmd  # noqa: E402
 
 torch.set_num_threads(1)  # 2-core machines: tests and their subprocess ranks must not oversubscribe
 # Ranks and "fresh" CLI processes fork from one server per session that has imported these once.
-spawn.configure(preload=["pytest", "megaformer.cli", "megaformer.training.trainer", "tests.helpers"],
-                env=subprocess_env())
+spawn.configure(
+    preload=["pytest", "megaformer.cli", "megaformer.training.trainer", "tests.helpers"],
+    env=subprocess_env(),
+)
 
 
 def pytest_configure(config: Any) -> None:
-    config.addinivalue_line("markers", "slow: trains a (tiny) model, compiles, or builds the site "
-                                       "(seconds or more each)")
+    config.addinivalue_line(
+        "markers",
+        "slow: trains a (tiny) model, compiles, or builds the site (seconds or more each)",
+    )
     config.addinivalue_line("markers", "multiprocess: runs several ranks (run_ranks, torchrun)")
-    config.addinivalue_line("markers", "cuda: needs a CUDA device (skips with the reason on CPU); "
-                                       "the GPU tier: pytest -m cuda")
+    config.addinivalue_line(
+        "markers",
+        "cuda: needs a CUDA device (skips with the reason on CPU); the GPU tier: pytest -m cuda",
+    )
 
 
 @pytest.fixture
@@ -57,8 +62,11 @@ def ddp_reference(tmp_path_factory: Any) -> Path:
     """An uninterrupted 2-rank torchrun run of :func:`~tests.helpers.cluster_overrides` (the
     numbers to match)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = run_process(torchrun_cmd(2, "train", "configs/quickstart.yaml", *cluster_overrides(),
-                                    "--run-dir", str(run_dir)))
+    proc = run_process(
+        torchrun_cmd(
+            2, "train", "configs/quickstart.yaml", *cluster_overrides(), "--run-dir", str(run_dir)
+        )
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(step_records(run_dir)) == [1, 2, 3, 4, 5, 6]
     return run_dir

@@ -33,12 +33,25 @@ if str(ROOT) not in sys.path:
 #: The tiny run every training test starts from (dotted config keys): a ~30k-parameter model that
 #: trains in about a second per few steps on CPU.
 TINY: dict[str, Any] = {
-    "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-    "model.max_seq_len": 32, "data.source": "stdlib", "data.max_bytes": 200000,
-    "train.steps": 6, "train.micro_batch_size": 4, "train.global_batch_size": 8,
-    "train.lr": 3e-3, "train.warmup_steps": 2, "eval.interval": 3, "eval.iters": 2,
-    "checkpoint.interval": 0, "log.interval": 1, "log.progress_bar": False,
-    "log.tensorboard": False, "log.sample_tokens": 0,
+    "model.d_model": 32,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.max_seq_len": 32,
+    "data.source": "stdlib",
+    "data.max_bytes": 200000,
+    "train.steps": 6,
+    "train.micro_batch_size": 4,
+    "train.global_batch_size": 8,
+    "train.lr": 3e-3,
+    "train.warmup_steps": 2,
+    "eval.interval": 3,
+    "eval.iters": 2,
+    "checkpoint.interval": 0,
+    "log.interval": 1,
+    "log.progress_bar": False,
+    "log.tensorboard": False,
+    "log.sample_tokens": 0,
 }
 
 
@@ -54,41 +67,77 @@ def tiny_model(**kw: Any) -> ModelConfig:
     ``kw`` overrides any field."""
     from megaformer.config import ModelConfig
 
-    base = {"vocab_size": 37, "d_model": TINY["model.d_model"], "n_layers": TINY["model.n_layers"],
-            "n_heads": TINY["model.n_heads"], "max_seq_len": 16}
+    base = {
+        "vocab_size": 37,
+        "d_model": TINY["model.d_model"],
+        "n_layers": TINY["model.n_layers"],
+        "n_heads": TINY["model.n_heads"],
+        "max_seq_len": 16,
+    }
     return ModelConfig(**{**base, **kw})
 
 
 def cluster_overrides(**extra: Any) -> list[str]:
     """The tiny 2-rank run shared by the launcher and fault tests: 6 steps, checkpoints every 2."""
-    return tiny_overrides("stdlib", **{"checkpoint.interval": 2, "checkpoint.keep_last": "null",
-                                       "eval.interval": 0, "eval.at_end": "false", **extra})
+    return tiny_overrides(
+        "stdlib",
+        **{
+            "checkpoint.interval": 2,
+            "checkpoint.keep_last": "null",
+            "eval.interval": 0,
+            "eval.at_end": "false",
+            **extra,
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- running the CLI
+
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This process's environment for a CLI subprocess: one thread, the CPU accelerator, no rank
     variables, and the repository first on ``PYTHONPATH`` -- followed by what ``PYTHONPATH`` held
     already (where a machine's packages live on it, the subprocess imports them too)."""
     env = dict(os.environ)
-    paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                           if p and os.path.abspath(p) != str(ROOT)]
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths), "DS_ACCELERATOR": "cpu",
-                "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"})
+    paths = [str(ROOT)] + [
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and os.path.abspath(p) != str(ROOT)
+    ]
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(paths),
+            "DS_ACCELERATOR": "cpu",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update(extra)
     return env
 
 
-def run_process(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
-                timeout: float = 600) -> subprocess.CompletedProcess:
+def run_process(
+    cmd: list[str],
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd)`` with output captured, in a session of its own: when it times out (or
     the test is interrupted) the whole process group is killed, so no rank or launcher outlives
     the test."""
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=env or subprocess_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd or ROOT,
+        env=env or subprocess_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
@@ -108,16 +157,29 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
-            env: dict | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 600,
+    env: dict | None = None,
+    fresh: bool = False,
+) -> subprocess.CompletedProcess:
     """``python -m megaformer ARGS`` in a process of its own (for the exit-code and no-traceback
     contract, and for runs that must not share this process's state): forked from the preloaded
     server, or with ``fresh=True`` a new interpreter."""
     if fresh:
-        return run_process([sys.executable, "-m", "megaformer", *args], cwd=cwd, env=env,
-                           timeout=timeout)
-    return run_module(1, "megaformer", args, torchrun=False, env=env or subprocess_env(),
-                      cwd=cwd or ROOT, timeout=timeout)
+        return run_process(
+            [sys.executable, "-m", "megaformer", *args], cwd=cwd, env=env, timeout=timeout
+        )
+    return run_module(
+        1,
+        "megaformer",
+        args,
+        torchrun=False,
+        env=env or subprocess_env(),
+        cwd=cwd or ROOT,
+        timeout=timeout,
+    )
 
 
 @contextlib.contextmanager
@@ -160,15 +222,20 @@ def _cli_environment(cwd: Path | None, env: dict[str, str] | None) -> Iterator[N
                 dist.destroy_process_group()
 
 
-def cli_main(*args: str, cwd: Path | None = None,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def cli_main(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``megaformer.cli.main(ARGS)`` in this process, reported as :func:`run_cli` reports a fresh
     one: exit code (argparse's ``SystemExit`` included), stdout and stderr. ``env`` adds variables
     to :func:`subprocess_env`'s; ``cwd`` defaults to the repository root."""
     from megaformer.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with _cli_environment(cwd, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with (
+        _cli_environment(cwd, env),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
         try:
             code = main(list(args))
         except SystemExit as e:  # argparse: --help exits 0, a usage error exits 2
@@ -190,32 +257,57 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
 
 # ----------------------------------------------------------------------------- several processes
 
-def run_torchrun(nproc: int, *args: str, timeout: float = 600,
-                 launcher: bool = False) -> subprocess.CompletedProcess:
+
+def run_torchrun(
+    nproc: int, *args: str, timeout: float = 600, launcher: bool = False
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node N -m megaformer ARGS`` on this machine (gloo): ranks forked
     from the preloaded server with torchrun's environment, or with ``launcher=True`` the real
     torchrun (for tests of the launcher's own behaviour)."""
     if not launcher:
-        return run_module(nproc, "megaformer", args, env=subprocess_env(), cwd=ROOT,
-                          timeout=timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "megaformer", *args]
+        return run_module(
+            nproc, "megaformer", args, env=subprocess_env(), cwd=ROOT, timeout=timeout
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "megaformer",
+        *args,
+    ]
     return run_process(cmd, timeout=timeout)
 
 
 def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", "-m", "megaformer", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        "-m",
+        "megaformer",
+        *args,
+    ]
 
 
 # ----------------------------------------------------------------------------- reading a run
+
 
 def step_records(run_dir: Path) -> dict[int, dict]:
     """``metrics.jsonl``'s training records by step."""
     import json
 
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
+    return {
+        r["step"]: r
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
 
 
 def reference_and_tensor_parallel(cfg: Any, world: int, rank: int, sp: bool) -> tuple:

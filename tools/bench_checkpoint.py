@@ -77,14 +77,30 @@ def build_trainer(args: argparse.Namespace, run_dir: Path, async_save: bool):
 
     root = Path(__file__).resolve().parents[1]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = load_config(root / "configs" / "quickstart.yaml", [
-        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", "model.n_heads=8",
-        "model.n_kv_heads=8", f"model.vocab_size={args.vocab}", "model.max_seq_len=64",
-        "data.source=stdlib", "data.max_bytes=200000", "train.steps=8",
-        "train.micro_batch_size=1", f"train.global_batch_size={world}", "eval.interval=0",
-        "checkpoint.interval=0", "log.progress_bar=false", "log.tensorboard=false",
-        "log.sample_tokens=0", f"parallel.zero_stage={args.zero_stage}",
-        f"checkpoint.async_save={str(async_save).lower()}", "checkpoint.keep_last=null"])
+    cfg = load_config(
+        root / "configs" / "quickstart.yaml",
+        [
+            f"model.d_model={args.d_model}",
+            f"model.n_layers={args.layers}",
+            "model.n_heads=8",
+            "model.n_kv_heads=8",
+            f"model.vocab_size={args.vocab}",
+            "model.max_seq_len=64",
+            "data.source=stdlib",
+            "data.max_bytes=200000",
+            "train.steps=8",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={world}",
+            "eval.interval=0",
+            "checkpoint.interval=0",
+            "log.progress_bar=false",
+            "log.tensorboard=false",
+            "log.sample_tokens=0",
+            f"parallel.zero_stage={args.zero_stage}",
+            f"checkpoint.async_save={str(async_save).lower()}",
+            "checkpoint.keep_last=null",
+        ],
+    )
     trainer = Trainer(cfg, run_dir)
     trainer.setup()
     trainer.train_step()
@@ -102,26 +118,36 @@ def single_writer_save(checkpointer, folder: Path) -> list[str]:
     t, rank = checkpointer.trained, checkpointer.rank
     t.engine.save_checkpoint(str(folder), tag="engine", save_latest=False)
     weights = t.full_weights()
-    state = portable.snapshot_portable_state(t.engine, t.params(), checkpointer.topo,
-                                             checkpointer.cfg.model.vocab_size)
+    state = portable.snapshot_portable_state(
+        t.engine, t.params(), checkpointer.topo, checkpointer.cfg.model.vocab_size
+    )
     names = []
     if rank == 0:
-        write_payload(folder / "model.safetensors",
-                      {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+        write_payload(
+            folder / "model.safetensors",
+            {k: v.detach().cpu().contiguous() for k, v in weights.items()},
+        )
         write_payload(folder / portable.stage_file(0), state)
         names = ["model.safetensors", portable.stage_file(0)]
     dist.barrier()
     engine = folder / "engine"
-    names += [f"engine/{f.name}" for f in engine.glob(f"*rank_{rank:02d}*")
-              if rank > 0] + ([f"engine/{f.name}" for f in engine.glob("*")]
-                              if rank == 0 else [])
+    names += [f"engine/{f.name}" for f in engine.glob(f"*rank_{rank:02d}*") if rank > 0] + (
+        [f"engine/{f.name}" for f in engine.glob("*")] if rank == 0 else []
+    )
     return names
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: Path,
-              out: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(
+    rank: int, world: int, port: int, args: argparse.Namespace, base: Path, out: Any
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import dataclasses
 
@@ -137,8 +163,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: 
     row: dict[str, Any] = {"rank": rank}
     dist.barrier()
     t, mem, ckpt = measured(lambda: checkpointer.save(state))
-    row.update(save_s=t, save_mem=mem,
-               save_bytes=_written(ckpt / sharded.STATE_DIR, [sharded.rank_file(rank)]))
+    row.update(
+        save_s=t,
+        save_mem=mem,
+        save_bytes=_written(ckpt / sharded.STATE_DIR, [sharded.rank_file(rank)]),
+    )
     dist.barrier()
     checkpointer.writer = BackgroundWriter()
     dist.barrier()
@@ -149,8 +178,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: 
     row.update(stall_s=stall, stall_mem=stall_mem, async_total_s=time.perf_counter() - t0)
     checkpointer.writer = None
     dist.barrier()
-    cfg = dataclasses.replace(trainer.cfg, checkpoint=dataclasses.replace(trainer.cfg.checkpoint,
-                                                                          resume=True))
+    cfg = dataclasses.replace(
+        trainer.cfg, checkpoint=dataclasses.replace(trainer.cfg.checkpoint, resume=True)
+    )
 
     def load() -> None:  # a fresh checkpointer on the run: open the shards, set the state
         reader = Checkpointer(cfg, run, world, rank)
@@ -198,8 +228,10 @@ def main() -> None:
             ctx = mp.get_context("spawn")
             q = ctx.SimpleQueue()
             port = _port()
-            procs = [ctx.Process(target=rank_main, args=(r, world, port, args, base, q))
-                     for r in range(world)]
+            procs = [
+                ctx.Process(target=rank_main, args=(r, world, port, args, base, q))
+                for r in range(world)
+            ]
             for p in procs:
                 p.start()
             results[world] = q.get()
@@ -210,25 +242,33 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     mb = 1e6
     first = next(iter(results.values()))[0]
-    print(f"model: {first['state_bytes'] / 12 / 1e6:.1f} M parameters; training state "
-          f"{first['state_bytes'] / 1e9:.2f} GB (fp32 master + 2 Adam moments); ZeRO "
-          f"{args.zero_stage}, fp32, DP = ranks")
-    print(f"{'ranks':>5s} {'design':>13s} {'save s':>7s} {'load s':>7s} {'max MB/rank':>11s} "
-          f"{'share':>6s} {'peak RSS MB':>11s} {'stall s':>8s} {'bg write s':>10s}")
+    print(
+        f"model: {first['state_bytes'] / 12 / 1e6:.1f} M parameters; training state "
+        f"{first['state_bytes'] / 1e9:.2f} GB (fp32 master + 2 Adam moments); ZeRO "
+        f"{args.zero_stage}, fp32, DP = ranks"
+    )
+    print(
+        f"{'ranks':>5s} {'design':>13s} {'save s':>7s} {'load s':>7s} {'max MB/rank':>11s} "
+        f"{'share':>6s} {'peak RSS MB':>11s} {'stall s':>8s} {'bg write s':>10s}"
+    )
     for world, rows in results.items():
         total = rows[0]["state_bytes"]
         save = max(r["save_s"] for r in rows)
         load = max(r["load_s"] for r in rows)
         wrote = max(r["save_bytes"] for r in rows)
-        print(f"{world:>5d} {'sharded':>13s} {save:>7.2f} {load:>7.2f} {wrote / mb:>11.1f} "
-              f"{wrote / total:>6.3f} {max(r['save_mem'] for r in rows) / mb:>11.1f} "
-              f"{max(r['stall_s'] for r in rows):>8.2f} "
-              f"{max(r['async_total_s'] for r in rows):>10.2f}")
+        print(
+            f"{world:>5d} {'sharded':>13s} {save:>7.2f} {load:>7.2f} {wrote / mb:>11.1f} "
+            f"{wrote / total:>6.3f} {max(r['save_mem'] for r in rows) / mb:>11.1f} "
+            f"{max(r['stall_s'] for r in rows):>8.2f} "
+            f"{max(r['async_total_s'] for r in rows):>10.2f}"
+        )
         old = max(r["old_s"] for r in rows)
         old_wrote = max(r["old_bytes"] for r in rows)
-        print(f"{world:>5d} {'single writer':>13s} {old:>7.2f} {'':>7s} {old_wrote / mb:>11.1f} "
-              f"{old_wrote / total:>6.3f} {max(r['old_mem'] for r in rows) / mb:>11.1f} "
-              f"{'':>8s} {'':>10s}   save x{old / save:.2f}, busiest writer x{old_wrote / wrote:.1f}")
+        print(
+            f"{world:>5d} {'single writer':>13s} {old:>7.2f} {'':>7s} {old_wrote / mb:>11.1f} "
+            f"{old_wrote / total:>6.3f} {max(r['old_mem'] for r in rows) / mb:>11.1f} "
+            f"{'':>8s} {'':>10s}   save x{old / save:.2f}, busiest writer x{old_wrote / wrote:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -65,19 +65,31 @@ def _fixed_mmap_threshold() -> None:
 def _model_cfg(T: int):
     from megaformer.config import ModelConfig
 
-    return ModelConfig(vocab_size=VOCAB, d_model=D_MODEL, n_layers=1, n_heads=HEADS,
-                       max_seq_len=T, d_ffn=4 * D_MODEL)
+    return ModelConfig(
+        vocab_size=VOCAB,
+        d_model=D_MODEL,
+        n_layers=1,
+        n_heads=HEADS,
+        max_seq_len=T,
+        d_ffn=4 * D_MODEL,
+    )
 
 
 def estimate_mib(T: int, cp: int, mode: str, attention_only: bool) -> float:
-    from megaformer.analysis.memory import (Layout, activation_bytes, context_transient_bytes,
-                                            layer_activation_bytes)
+    from megaformer.analysis.memory import (
+        Layout,
+        activation_bytes,
+        context_transient_bytes,
+        layer_activation_bytes,
+    )
 
     cfg = _model_cfg(T)
     layout = Layout(cp=cp, cp_mode=mode, device="cpu", precision="fp32")
     if attention_only:
-        return (layer_activation_bytes(cfg, T, layout)["attention"]
-                + context_transient_bytes(cfg, T, layout)) / MiB
+        return (
+            layer_activation_bytes(cfg, T, layout)["attention"]
+            + context_transient_bytes(cfg, T, layout)
+        ) / MiB
     act = activation_bytes(cfg, T, layout, VOCAB)
     return (act["total"] + act["backward_transient"]) / MiB
 
@@ -87,7 +99,9 @@ def analytic_mib(T: int, cp: int, mode: str) -> float:
         return 0.0
     n, e = T / cp, 4
     if mode == "ring":
-        return ((cp - 1) * n * 2 * HEADS * HEAD_DIM * 2 * e + cp * n * 2 * HEADS * HEAD_DIM * 4) / MiB
+        return (
+            (cp - 1) * n * 2 * HEADS * HEAD_DIM * 2 * e + cp * n * 2 * HEADS * HEAD_DIM * 4
+        ) / MiB
     return 2 * (cp - 1) / cp * n * 4 * HEADS * HEAD_DIM * e / MiB
 
 
@@ -112,8 +126,17 @@ def _step(rank: int, world: int, T: int, mode: str, attention_only: bool) -> dic
             if cp is None:
                 y = attention(q, k, v, causal=True)
             else:
-                y = cp.attention(attention, q, k, v, causal=True, dropout_p=0.0, backend="auto",
-                                 doc_ids=None, window=None)
+                y = cp.attention(
+                    attention,
+                    q,
+                    k,
+                    v,
+                    causal=True,
+                    dropout_p=0.0,
+                    backend="auto",
+                    doc_ids=None,
+                    window=None,
+                )
             y.sum().backward()
     else:
         from megaformer.model.transformer import Transformer
@@ -129,6 +152,7 @@ def _step(rank: int, world: int, T: int, mode: str, attention_only: bool) -> dic
         def run() -> None:
             model(ids, ids).backward()
             model.zero_grad(set_to_none=True)
+
     if world > 1:
         dist.barrier()
     base = _status("VmRSS")
@@ -167,8 +191,12 @@ def measure(world: int, T: int, mode: str, attention_only: bool, timeout: float)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, (T, mode, attention_only), out),
-                         daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world, port, (T, mode, attention_only), out), daemon=True
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = []
@@ -185,8 +213,11 @@ def measure(world: int, T: int, mode: str, attention_only: bool, timeout: float)
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return {"mem": max(r["mem"] for r in results), "sent": max(r["sent"] for r in results),
-            "wall": max(r["wall"] for r in results)}
+    return {
+        "mem": max(r["mem"] for r in results),
+        "sent": max(r["sent"] for r in results),
+        "wall": max(r["wall"] for r in results),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,19 +228,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default="ring,all_to_all")
     ap.add_argument("--timeout", type=float, default=1800)
     a = ap.parse_args(argv)
-    header = (f"{'T':>6} {'what':>9} {'CP':>2} {'mode':>10} {'mem MiB':>8} {'est MiB':>8} "
-              f"{'sent MiB':>8} {'model MiB':>9} {'tok/s':>8}")
+    header = (
+        f"{'T':>6} {'what':>9} {'CP':>2} {'mode':>10} {'mem MiB':>8} {'est MiB':>8} "
+        f"{'sent MiB':>8} {'model MiB':>9} {'tok/s':>8}"
+    )
     print(header)
     print("-" * len(header))
     for T in (int(x) for x in a.lengths.split(",")):
         attn = T >= a.attention_only_from
         for cp in (int(x) for x in a.degrees.split(",")):
-            for mode in (("ring",) if cp == 1 else a.modes.split(",")):
+            for mode in ("ring",) if cp == 1 else a.modes.split(","):
                 r = measure(cp, T, mode, attn, a.timeout)
-                print(f"{T:>6} {'attention' if attn else 'model':>9} {cp:>2} "
-                      f"{'-' if cp == 1 else mode:>10} {r['mem']:>8.1f} "
-                      f"{estimate_mib(T, cp, mode, attn):>8.1f} {r['sent']:>8.2f} "
-                      f"{analytic_mib(T, cp, mode):>9.2f} {T / r['wall']:>8.0f}", flush=True)
+                print(
+                    f"{T:>6} {'attention' if attn else 'model':>9} {cp:>2} "
+                    f"{'-' if cp == 1 else mode:>10} {r['mem']:>8.1f} "
+                    f"{estimate_mib(T, cp, mode, attn):>8.1f} {r['sent']:>8.2f} "
+                    f"{analytic_mib(T, cp, mode):>9.2f} {T / r['wall']:>8.0f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

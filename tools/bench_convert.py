@@ -36,18 +36,26 @@ SIZES = {  # name: (d_model, n_layers, n_heads, n_kv_heads)
 VOCAB = 32000
 MB = 1e6
 
-PRELUDE = ("import sys; sys.path.insert(0, %r); import torch, safetensors.torch; "
-           "import megaformer.cli, megaformer.checkpoint.hf.convert; " % str(ROOT))
+PRELUDE = (
+    "import sys; sys.path.insert(0, %r); import torch, safetensors.torch; "
+    "import megaformer.cli, megaformer.checkpoint.hf.convert; " % str(ROOT)
+)
 # VmHWM: the peak resident set of this process's own address space. (getrusage's ru_maxrss is not
 # used: on Linux a child inherits its parent's high-water mark across fork + exec.)
-EPILOGUE = ("; print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
-            "if l.startswith('VmHWM')][0])")
+EPILOGUE = (
+    "; print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
+    "if l.startswith('VmHWM')][0])"
+)
 
 
 def peak_rss(body: str) -> int:
     """Peak RSS in bytes of a fresh Python process running ``body`` after the common imports."""
-    out = subprocess.run([sys.executable, "-c", PRELUDE + body + EPILOGUE], capture_output=True,
-                         text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body + EPILOGUE],
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     if out.returncode != 0:
         raise SystemExit(f"measurement failed:\n{out.stderr[-3000:]}")
     return int(out.stdout.strip().splitlines()[-1])
@@ -63,9 +71,20 @@ def make_checkpoint(run: Path, size: str) -> tuple[int, int]:
     from megaformer.model.transformer import Transformer
 
     d, layers, heads, kv = SIZES[size]
-    cfg = config_from_dict({"model": {"vocab_size": VOCAB, "d_model": d, "n_layers": layers,
-                                      "n_heads": heads, "n_kv_heads": kv, "tie_embeddings": False,
-                                      "max_seq_len": 1024}}, name=size)
+    cfg = config_from_dict(
+        {
+            "model": {
+                "vocab_size": VOCAB,
+                "d_model": d,
+                "n_layers": layers,
+                "n_heads": heads,
+                "n_kv_heads": kv,
+                "tie_embeddings": False,
+                "max_seq_len": 1024,
+            }
+        },
+        name=size,
+    )
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(cfg.model).state_dict().items()}
     g = torch.Generator().manual_seed(0)
@@ -75,7 +94,9 @@ def make_checkpoint(run: Path, size: str) -> tuple[int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the written models")
@@ -91,11 +112,16 @@ def main() -> None:
         params, largest = make_checkpoint(run, size)
         ckpt = next((run / "checkpoints").glob("step_*"))
         model_bytes = (ckpt / "model.safetensors").stat().st_size
-        export = peak_rss(f"megaformer.cli.main(['convert', {str(run)!r}, {str(hf)!r}, '--to', 'hf'])")
-        imp = peak_rss(f"megaformer.cli.main(['convert', {str(hf)!r}, {str(back)!r}, '--to', "
-                       "'megaformer'])")
-        naive = peak_rss(f"w = safetensors.torch.load_file({str(ckpt / 'model.safetensors')!r}); "
-                         f"safetensors.torch.save_file(w, {str(work / 'naive.safetensors')!r})")
+        export = peak_rss(
+            f"megaformer.cli.main(['convert', {str(run)!r}, {str(hf)!r}, '--to', 'hf'])"
+        )
+        imp = peak_rss(
+            f"megaformer.cli.main(['convert', {str(hf)!r}, {str(back)!r}, '--to', 'megaformer'])"
+        )
+        naive = peak_rss(
+            f"w = safetensors.torch.load_file({str(ckpt / 'model.safetensors')!r}); "
+            f"safetensors.torch.save_file(w, {str(work / 'naive.safetensors')!r})"
+        )
         (work / "naive.safetensors").unlink()
         rows.append((size, params, model_bytes, largest, export - base, imp - base, naive - base))
         if not args.keep:
@@ -103,13 +129,17 @@ def main() -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
     print(f"baseline peak RSS (imports only): {base / MB:,.0f} MB\n")
-    print("| model | parameters | weights MB | largest tensor MB | export MB (x model) | "
-          "import MB (x model) | load-all MB (x model) |")
+    print(
+        "| model | parameters | weights MB | largest tensor MB | export MB (x model) | "
+        "import MB (x model) | load-all MB (x model) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for size, params, mb, largest, exp, imp, naive in rows:
-        print(f"| {size} | {params:,} | {mb / MB:,.0f} | {largest / MB:,.0f} | "
-              f"{exp / MB:,.0f} ({exp / mb:.2f}) | {imp / MB:,.0f} ({imp / mb:.2f}) | "
-              f"{naive / MB:,.0f} ({naive / mb:.2f}) |")
+        print(
+            f"| {size} | {params:,} | {mb / MB:,.0f} | {largest / MB:,.0f} | "
+            f"{exp / MB:,.0f} ({exp / mb:.2f}) | {imp / MB:,.0f} ({imp / mb:.2f}) | "
+            f"{naive / MB:,.0f} ({naive / mb:.2f}) |"
+        )
     print("\npeaks are above the baseline; 'x model' = peak / weights file size")
     if not args.keep and args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -48,16 +48,25 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default=None,
-                    help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="default: bf16 on CUDA, fp32 on CPU",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers,
-                      n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
-                      max_seq_len=args.seq)
+    cfg = ModelConfig(
+        vocab_size=257,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=max(1, args.d_model // 64),
+        n_kv_heads=max(1, args.d_model // 128),
+        max_seq_len=args.seq,
+    )
     torch.manual_seed(0)
     model = Transformer(cfg, padded_vocab_size=384).to(device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -68,8 +77,9 @@ def main() -> None:
         return t[:, :-1].to(device), t[:, 1:].to(device)
 
     if not torch.distributed.is_initialized():  # a world of one: the topology's groups of one
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
-                                             world_size=1)
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
     hook = DiagnosticsHook(model, batch(), args.interval, build_topology(1, 0))
     data = [batch() for _ in range(8)]
 
@@ -101,25 +111,32 @@ def main() -> None:
     hook()
     off, on, passes = [], [], []
     for r in range(args.rounds):
-        for with_pass in ((False, True) if r % 2 == 0 else (True, False)):
+        for with_pass in (False, True) if r % 2 == 0 else (True, False):
             tps, t_pass = arm(with_pass)
-            print(f"  round {r + 1}, diagnostics {'on ' if with_pass else 'off'}: {tps:,.0f} tokens/s"
-                  + (f" (pass {1000 * t_pass:.1f} ms)" if with_pass else ""), flush=True)
+            print(
+                f"  round {r + 1}, diagnostics {'on ' if with_pass else 'off'}: {tps:,.0f} tokens/s"
+                + (f" (pass {1000 * t_pass:.1f} ms)" if with_pass else ""),
+                flush=True,
+            )
             (on if with_pass else off).append(tps)
             if with_pass:
                 passes.append(t_pass)
     t_step = args.batch * args.seq / statistics.median(off)
     t_pass = statistics.median(passes)
-    print(f"model: {model.num_parameters():,} parameters, {cfg.n_layers} layers x d_model "
-          f"{cfg.d_model}, {cfg.n_heads} heads | batch {args.batch} x {args.seq} tokens | "
-          f"{device.type} {precision} | interval {args.interval} steps, {args.rounds} rounds per arm")
+    print(
+        f"model: {model.num_parameters():,} parameters, {cfg.n_layers} layers x d_model "
+        f"{cfg.d_model}, {cfg.n_heads} heads | batch {args.batch} x {args.seq} tokens | "
+        f"{device.type} {precision} | interval {args.interval} steps, {args.rounds} rounds per arm"
+    )
     print(f"{'diagnostics':<14}{'tokens/s (median)':>20}   per round")
     for name, xs in (("off", off), ("on", on)):
         print(f"{name:<14}{statistics.median(xs):>20,.0f}   {'  '.join(f'{x:,.0f}' for x in xs)}")
     ratio = statistics.median(on) / statistics.median(off)
     print(f"ratio on/off: {ratio:.4f} (throughput change {100 * (ratio - 1):+.2f}%)")
-    print(f"step {1000 * t_step:.1f} ms | diagnostics pass {1000 * t_pass:.1f} ms | amortised "
-          f"overhead t_pass / (interval x t_step) = {100 * t_pass / (args.interval * t_step):.2f}%")
+    print(
+        f"step {1000 * t_step:.1f} ms | diagnostics pass {1000 * t_pass:.1f} ms | amortised "
+        f"overhead t_pass / (interval x t_step) = {100 * t_pass / (args.interval * t_step):.2f}%"
+    )
 
 
 if __name__ == "__main__":

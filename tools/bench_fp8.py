@@ -35,21 +35,29 @@ RECIPES = ("tensorwise", "rowwise")
 
 # ----------------------------------------------------------------------------- CPU: losses
 
+
 def build(fp8: str, precision: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The quickstart model (same seed, same weights for every ``fp8``) and its AdamW."""
     from megaformer.config import load_config
     from megaformer.parallel.build import build_model
 
-    cfg = load_config("configs/quickstart.yaml", [
-        "model.vocab_size=257", f"model.max_seq_len={seq}", f"train.fp8={fp8}",
-        "train.fp8_emulate=true"])
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [
+            "model.vocab_size=257",
+            f"model.max_seq_len={seq}",
+            f"train.fp8={fp8}",
+            "train.fp8_emulate=true",
+        ],
+    )
     model = build_model(cfg, device="cpu").model
     model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
     return model, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
 
 
-def train_side_by_side(steps: int, precision: str, seq: int = 128, batch: int = 8,
-                       seed: int = 0) -> dict[str, tuple[list[float], float]]:
+def train_side_by_side(
+    steps: int, precision: str, seq: int = 128, batch: int = 8, seed: int = 0
+) -> dict[str, tuple[list[float], float]]:
     """{fp8 mode: (loss per step, median step seconds after the first 3)}: the runs take their
     steps in turn on the same batches, so a machine's changing load reaches all alike."""
     runs = {mode: build(mode, precision, seq) for mode in ("off", *RECIPES)}
@@ -60,7 +68,7 @@ def train_side_by_side(steps: int, precision: str, seq: int = 128, batch: int = 
     times: dict[str, list[float]] = {mode: [] for mode in runs}
     for step in range(steps):
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-        tokens = torch.stack([data[s:s + seq + 1] for s in starts])
+        tokens = torch.stack([data[s : s + seq + 1] for s in starts])
         for mode, (model, opt) in runs.items():
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -71,15 +79,18 @@ def train_side_by_side(steps: int, precision: str, seq: int = 128, batch: int = 
             losses[mode].append(loss.item())
         if (step + 1) % 10 == 0:
             print(f"# step {step + 1}/{steps}", file=sys.stderr, flush=True)
-    return {mode: (losses[mode], sorted(times[mode][3:])[(len(times[mode]) - 3) // 2])
-            for mode in runs}
+    return {
+        mode: (losses[mode], sorted(times[mode][3:])[(len(times[mode]) - 3) // 2]) for mode in runs
+    }
 
 
 def cpu_report(steps: int, every: int, precision: str) -> None:
     runs = train_side_by_side(steps, precision)
     names = [precision] + [f"fp8 {r}" for r in RECIPES]
-    print(f"loss per step (quickstart model, batch 8 x 128 tokens, {precision} master weights; "
-          "FP8 emulated on CPU; the three runs step in turn on the same batches)")
+    print(
+        f"loss per step (quickstart model, batch 8 x 128 tokens, {precision} master weights; "
+        "FP8 emulated on CPU; the three runs step in turn on the same batches)"
+    )
     print("| step | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for i in list(range(0, steps, every)) + ([steps - 1] if (steps - 1) % every else []):
@@ -87,16 +98,22 @@ def cpu_report(steps: int, every: int, precision: str) -> None:
     base_final = sum(runs["off"][0][-5:]) / 5
     base_time = runs["off"][1]
     print()
-    print("| run | final loss (mean of last 5) | ratio to " + precision
-          + " | median step (s) | step-time ratio (emulated: slower) |")
+    print(
+        "| run | final loss (mean of last 5) | ratio to "
+        + precision
+        + " | median step (s) | step-time ratio (emulated: slower) |"
+    )
     print("|---|---|---|---|---|")
     for key, name in zip(runs, names):
         final = sum(runs[key][0][-5:]) / 5
-        print(f"| {name} | {final:.4f} | {final / base_final:.4f} | {runs[key][1]:.3f} | "
-              f"{runs[key][1] / base_time:.2f} |")
+        print(
+            f"| {name} | {final:.4f} | {final / base_final:.4f} | {runs[key][1]:.3f} | "
+            f"{runs[key][1] / base_time:.2f} |"
+        )
 
 
 # ----------------------------------------------------------------------------- GPU: GEMMs
+
 
 def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
     """bf16 vs FP8 forward + backward of an 8B-shaped block's linear layers on CUDA (eager: the
@@ -111,13 +128,22 @@ def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
         raise ConfigError(f"--gpu: {why}")
     d, q, kv, f = (64, 64, 16, 128) if dry else (4096, 4096, 1024, 14336)
     tokens, iters = (min(tokens, 64), 1) if dry else (tokens, iters)
-    shapes = {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "w1": (f, d),
-              "w3": (f, d), "w2": (d, f)}
+    shapes = {
+        "wq": (q, d),
+        "wk": (kv, d),
+        "wv": (kv, d),
+        "wo": (d, q),
+        "w1": (f, d),
+        "w3": (f, d),
+        "w2": (d, f),
+    }
     dev = torch.device("cpu" if dry else "cuda")
     if dry:
         print("no CUDA: a dry run (tiny shapes, emulated FP8 GEMMs, aot_eager); no timings to read")
-    weights = {n: (torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-               for n, s in shapes.items()}
+    weights = {
+        n: (torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        for n, s in shapes.items()
+    }
     x_d = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     x_q = torch.randn(tokens, q, device=dev, dtype=torch.bfloat16, requires_grad=True)
     x_f = torch.randn(tokens, f, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -131,7 +157,8 @@ def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
 
     results = {}
     for name, mm in [("bf16", torch.nn.functional.linear)] + [
-            (f"fp8 {r}", Fp8Matmul(r, emulate=dry)) for r in RECIPES]:
+        (f"fp8 {r}", Fp8Matmul(r, emulate=dry)) for r in RECIPES
+    ]:
         fn = torch.compile(step, backend="aot_eager" if dry else "inductor") if compile_ else step
         for _ in range(1 if dry else 3):
             fn(mm)
@@ -142,9 +169,11 @@ def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
             fn(mm)
         sync()
         results[name] = (time.perf_counter() - t0) / iters
-    print(f"8B-shaped block linears, {tokens} tokens, forward + backward, "
-          f"{'CPU (dry run)' if dry else torch.cuda.get_device_name(dev)}"
-          f"{' (compiled)' if compile_ else ''}")
+    print(
+        f"8B-shaped block linears, {tokens} tokens, forward + backward, "
+        f"{'CPU (dry run)' if dry else torch.cuda.get_device_name(dev)}"
+        f"{' (compiled)' if compile_ else ''}"
+    )
     print("| GEMMs | ms/iter | TFLOP/s | speed-up vs bf16 |")
     print("|---|---|---|---|")
     for name, t in results.items():

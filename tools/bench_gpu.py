@@ -49,12 +49,25 @@ TINY_SEQS = (64, 128)
 def size_config(size: str, seq: int, batch: int, args: argparse.Namespace):
     from megaformer.config import config_from_dict
 
-    model = dict(SIZES[size], vocab_size=32000 if size != "tiny" else 512, max_seq_len=seq,
-                 position="rope", norm="rmsnorm", activation="swiglu", tie_embeddings=False,
-                 loss_chunk_tokens=args.loss_chunk_tokens, kernels=args.model_kernels,
-                 attention_backend=args.attention_backend)
-    train = dict(micro_batch_size=batch, global_batch_size=batch, precision=args.precision,
-                 compile=args.compile, grad_clip=1.0)
+    model = dict(
+        SIZES[size],
+        vocab_size=32000 if size != "tiny" else 512,
+        max_seq_len=seq,
+        position="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        tie_embeddings=False,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+        kernels=args.model_kernels,
+        attention_backend=args.attention_backend,
+    )
+    train = dict(
+        micro_batch_size=batch,
+        global_batch_size=batch,
+        precision=args.precision,
+        compile=args.compile,
+        grad_clip=1.0,
+    )
     return config_from_dict({"model": model, "train": train}, name=f"llama-{size}")
 
 
@@ -62,15 +75,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="125M,350M,1.3B")
     p.add_argument("--seqs", default="2048,4096")
-    p.add_argument("--tokens-per-step", type=int, default=32768,
-                   help="tokens per micro-batch; batch = this / seq (at least 1)")
+    p.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=32768,
+        help="tokens per micro-batch; batch = this / seq (at least 1)",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--loss-chunk-tokens", type=int, default=4096)
-    p.add_argument("--model-kernels", default="auto", choices=("auto", "torch"),
-                   help="model.kernels: auto (fast paths) or torch (plain torch ops)")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "flash", "sdpa", "reference"))
+    p.add_argument(
+        "--model-kernels",
+        default="auto",
+        choices=("auto", "torch"),
+        help="model.kernels: auto (fast paths) or torch (plain torch ops)",
+    )
+    p.add_argument(
+        "--attention-backend", default="auto", choices=("auto", "flash", "sdpa", "reference")
+    )
     p.add_argument("--compile", action="store_true", help="train.compile=true for megaformer")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers model")
     p.add_argument("--no-kernels", action="store_true", help="skip tools/bench_kernels.py")
@@ -82,11 +105,17 @@ def main() -> int:
     args = p.parse_args()
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device here; the 125M-1.3B benchmark needs a GPU "
-              "(use --device cpu --tiny for a smoke run of the same code path)", file=sys.stderr)
+        print(
+            "bench_gpu: no CUDA device here; the 125M-1.3B benchmark needs a GPU "
+            "(use --device cpu --tiny for a smoke run of the same code path)",
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cpu" and not args.tiny:
-        print("bench_gpu: --device cpu runs only with --tiny (the real sizes need a GPU)", file=sys.stderr)
+        print(
+            "bench_gpu: --device cpu runs only with --tiny (the real sizes need a GPU)",
+            file=sys.stderr,
+        )
         return 2
     if args.json and Path(args.json).exists():
         print(f"bench_gpu: {args.json} exists; not overwriting it", file=sys.stderr)
@@ -102,7 +131,9 @@ def main() -> int:
         seqs = [int(s) for s in args.seqs.split(",")]
         unknown = [s for s in sizes if s not in SIZES]
         if unknown:
-            print(f"bench_gpu: unknown size {unknown[0]!r} (known: 125M, 350M, 1.3B)", file=sys.stderr)
+            print(
+                f"bench_gpu: unknown size {unknown[0]!r} (known: 125M, 350M, 1.3B)", file=sys.stderr
+            )
             return 2
 
     from megaformer.analysis.bench import format_bench, run_bench
@@ -112,23 +143,35 @@ def main() -> int:
         for seq in seqs:
             batch = max(1, args.tokens_per_step // seq)
             cfg = size_config(size, seq, batch, args)
-            r = run_bench(cfg, steps=args.steps, warmup=args.warmup, compare_hf=not args.no_hf,
-                          device=args.device, gpu=args.gpu, peak=args.peak_tflops, sequential=True)
+            r = run_bench(
+                cfg,
+                steps=args.steps,
+                warmup=args.warmup,
+                compare_hf=not args.no_hf,
+                device=args.device,
+                gpu=args.gpu,
+                peak=args.peak_tflops,
+                sequential=True,
+            )
             print(format_bench(r), flush=True)
             print()
             everything.append(r)
             for row in r["results"]:
                 summary.append((size, seq, batch, row, r.get("ratio")))
-    print(f"{'size':>5s} {'seq':>5s} {'batch':>5s} {'model':34s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
-          f"{'MFU':>6s} {'peak mem':>9s} {'mf/hf':>6s}")
+    print(
+        f"{'size':>5s} {'seq':>5s} {'batch':>5s} {'model':34s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+        f"{'MFU':>6s} {'peak mem':>9s} {'mf/hf':>6s}"
+    )
     for size, seq, batch, row, ratio in summary:
         if "error" in row:
             print(f"{size:>5s} {seq:>5d} {batch:>5d} {row['name']:34s} {row['error']}")
             continue
         mfu = f"{100 * row['mfu']:.1f}%" if "mfu" in row else "-"
         rat = f"{ratio:.2f}x" if ratio and row["name"] == "megaformer" else ""
-        print(f"{size:>5s} {seq:>5d} {batch:>5d} {row['name']:34s} {row['tokens_per_s']:>10,.0f} "
-              f"{row['tflops_per_device']:>8.2f} {mfu:>6s} {row['peak_mem_gb']:>7.2f}GB {rat:>6s}")
+        print(
+            f"{size:>5s} {seq:>5d} {batch:>5d} {row['name']:34s} {row['tokens_per_s']:>10,.0f} "
+            f"{row['tflops_per_device']:>8.2f} {mfu:>6s} {row['peak_mem_gb']:>7.2f}GB {rat:>6s}"
+        )
     if args.json:
         with open(args.json, "x") as f:
             json.dump(everything, f, indent=2)
@@ -136,8 +179,24 @@ def main() -> int:
         print(flush=True)
         cmd = [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--device", args.device]
         if args.tiny:
-            cmd += ["--tokens", "256", "--d-model", "64", "--d-ffn", "192", "--heads", "4",
-                    "--seq", "64", "--vocab", "512", "--ce-chunk", "64", "--repeat", "3"]
+            cmd += [
+                "--tokens",
+                "256",
+                "--d-model",
+                "64",
+                "--d-ffn",
+                "192",
+                "--heads",
+                "4",
+                "--seq",
+                "64",
+                "--vocab",
+                "512",
+                "--ce-chunk",
+                "64",
+                "--repeat",
+                "3",
+            ]
         return subprocess.call(cmd)
     return 0
 

@@ -55,7 +55,7 @@ def write_corpus(folder: Path, datasets: int, docs: int, mean: float, seed: int 
             continue
         rng = np.random.default_rng([seed, d])
         sigma = 1.0
-        lengths = np.clip(rng.lognormal(math.log(mean) - sigma ** 2 / 2, sigma, docs), 1, 2**30)
+        lengths = np.clip(rng.lognormal(math.log(mean) - sigma**2 / 2, sigma, docs), 1, 2**30)
         lengths = lengths.astype(np.int32)
         with open(bin_path(prefix), "wb") as fh:  # sparse: the size the .idx promises, no data
             fh.truncate(int(lengths.sum(dtype=np.int64)) * 2)
@@ -63,8 +63,14 @@ def write_corpus(folder: Path, datasets: int, docs: int, mean: float, seed: int 
     return prefixes
 
 
-def build_once(prefixes: list[Path], tokens: float, seq_len: int, cache: Path,
-               threads: Optional[int], ranks_per_node: int) -> dict:
+def build_once(
+    prefixes: list[Path],
+    tokens: float,
+    seq_len: int,
+    cache: Path,
+    threads: Optional[int],
+    ranks_per_node: int,
+) -> dict:
     """Rank 0's index build for ``tokens`` training tokens (run in a fresh process), then another
     rank's read of the cache."""
     from megaformer.data import gpt_dataset
@@ -111,15 +117,28 @@ def build_once(prefixes: list[Path], tokens: float, seq_len: int, cache: Path,
     for p in parts:
         for ds in p:
             if ds is not None:
-                old_bytes += ds.doc_idx.size * 4 + ds.sample_idx.shape[0] * 16 + ds.shuffle_idx.size * 4
+                old_bytes += (
+                    ds.doc_idx.size * 4 + ds.sample_idx.shape[0] * 16 + ds.shuffle_idx.size * 4
+                )
                 old_bytes += ds.n_docs * 8  # its int64 copy of the lengths
     old_bytes += (len(train) + len(valid)) * (2 + 8)  # which int16, offset int64
-    return {"tokens": tokens, "samples": n_train, "epochs": epochs, "datasets_s": t_datasets,
-            "blend_s": t_blend, "other_rank_s": t_other,
-            "threads": threads or gpt_dataset.usable_cores(), "total_s": t_datasets + t_blend, "cpu_s": cpu_s,
-            "heap_gb": heap_peak / 2**30, "peak_gb": peak_kb / 2**20,
-            "above_base_gb": (peak_kb - base_kb) / 2**20, "cache_gb": new_bytes / 2**30,
-            "old_resident_gb": old_bytes / 2**30, "blend_samples": len(train) + len(valid)}
+    return {
+        "tokens": tokens,
+        "samples": n_train,
+        "epochs": epochs,
+        "datasets_s": t_datasets,
+        "blend_s": t_blend,
+        "other_rank_s": t_other,
+        "threads": threads or gpt_dataset.usable_cores(),
+        "total_s": t_datasets + t_blend,
+        "cpu_s": cpu_s,
+        "heap_gb": heap_peak / 2**30,
+        "peak_gb": peak_kb / 2**20,
+        "above_base_gb": (peak_kb - base_kb) / 2**20,
+        "cache_gb": new_bytes / 2**30,
+        "old_resident_gb": old_bytes / 2**30,
+        "blend_samples": len(train) + len(valid),
+    }
 
 
 def loop_seconds_per_sample(weights: list[float], sizes: list[int]) -> float:
@@ -141,65 +160,130 @@ def main() -> None:
     ap.add_argument("--mean-doc-tokens", type=float, default=2000.0)
     ap.add_argument("--tokens", default="1e9,1e10,1e12", help="training tokens, comma-separated")
     ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--loop-samples", default="1e6,1e7",
-                    help="sample counts for timing the Python loop (the largest sets the rate)")
+    ap.add_argument(
+        "--loop-samples",
+        default="1e6,1e7",
+        help="sample counts for timing the Python loop (the largest sets the rate)",
+    )
     ap.add_argument("--dir", default=None, help="where the synthetic corpus and caches go")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="threads for the index build (default: the usable cores)")
-    ap.add_argument("--ranks-per-node", type=int, default=8,
-                    help="ranks sharing a node's cores when they read the cached indices")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for the index build (default: the usable cores)",
+    )
+    ap.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=8,
+        help="ranks sharing a node's cores when they read the cached indices",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    folder = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "megaformer_bench_indices"
+    folder = (
+        Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "megaformer_bench_indices"
+    )
     folder.mkdir(parents=True, exist_ok=True)
     if args.child is not None:  # one size in this fresh process; JSON on the last line
         prefixes = write_corpus(folder, args.datasets, args.docs, args.mean_doc_tokens)
         cache = Path(tempfile.mkdtemp(prefix="cache-", dir=folder))
         try:
-            print(json.dumps(build_once(prefixes, float(args.child), args.seq_len, cache,
-                                        args.threads, args.ranks_per_node)))
+            print(
+                json.dumps(
+                    build_once(
+                        prefixes,
+                        float(args.child),
+                        args.seq_len,
+                        cache,
+                        args.threads,
+                        args.ranks_per_node,
+                    )
+                )
+            )
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         return
 
     t0 = time.perf_counter()
     write_corpus(folder, args.datasets, args.docs, args.mean_doc_tokens)
-    corpus_tokens = sum(int(np.fromfile(f"{folder}/synthetic{d}.idx", dtype=np.int32, offset=34,
-                                        count=args.docs).sum(dtype=np.int64))
-                        for d in range(args.datasets))
-    print(f"corpus: {args.datasets} datasets x {args.docs:,} documents, mean {args.mean_doc_tokens:,.0f} "
-          f"tokens/document, {corpus_tokens:.3g} tokens ({time.perf_counter() - t0:.0f}s to write); "
-          f"seq_len {args.seq_len}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    corpus_tokens = sum(
+        int(
+            np.fromfile(
+                f"{folder}/synthetic{d}.idx", dtype=np.int32, offset=34, count=args.docs
+            ).sum(dtype=np.int64)
+        )
+        for d in range(args.datasets)
+    )
+    print(
+        f"corpus: {args.datasets} datasets x {args.docs:,} documents, mean {args.mean_doc_tokens:,.0f} "
+        f"tokens/document, {corpus_tokens:.3g} tokens ({time.perf_counter() - t0:.0f}s to write); "
+        f"seq_len {args.seq_len}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     weights = [1.0] * args.datasets
     rate = loop_seconds_per_sample(weights, [int(float(x)) for x in args.loop_samples.split(",")])
     rows = []
     for tokens in args.tokens.split(","):
-        done = subprocess.run([sys.executable, __file__, "--child", tokens, "--dir", str(folder),
-                               "--datasets", str(args.datasets), "--docs", str(args.docs),
-                               "--mean-doc-tokens", str(args.mean_doc_tokens),
-                               "--seq-len", str(args.seq_len), "--ranks-per-node",
-                               str(args.ranks_per_node)] +
-                              (["--threads", str(args.threads)] if args.threads else []),
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                tokens,
+                "--dir",
+                str(folder),
+                "--datasets",
+                str(args.datasets),
+                "--docs",
+                str(args.docs),
+                "--mean-doc-tokens",
+                str(args.mean_doc_tokens),
+                "--seq-len",
+                str(args.seq_len),
+                "--ranks-per-node",
+                str(args.ranks_per_node),
+            ]
+            + (["--threads", str(args.threads)] if args.threads else []),
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             print(done.stderr[-3000:])
             raise SystemExit(f"the build for {tokens} tokens failed")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = rows[-1]
-        print(f"  {float(tokens):.0e} tokens: {r['total_s']:.1f}s (indices {r['datasets_s']:.1f}s, "
-              f"blend {r['blend_s']:.1f}s), peak arrays {r['heap_gb']:.2f} GB, RSS {r['peak_gb']:.2f} GB; "
-              f"another rank {r['other_rank_s']:.1f}s", flush=True)
+        print(
+            f"  {float(tokens):.0e} tokens: {r['total_s']:.1f}s (indices {r['datasets_s']:.1f}s, "
+            f"blend {r['blend_s']:.1f}s), peak arrays {r['heap_gb']:.2f} GB, RSS {r['peak_gb']:.2f} GB; "
+            f"another rank {r['other_rank_s']:.1f}s",
+            flush=True,
+        )
 
-    head = ("tokens", "samples", "epochs", "threads", "indices s", "blend s", "total s", "CPU s",
-            "peak arrays GB", "peak RSS GB", "RSS above base GB", "cache GB", "other rank s",
-            "old blend loop s", "old resident GB")
+    head = (
+        "tokens",
+        "samples",
+        "epochs",
+        "threads",
+        "indices s",
+        "blend s",
+        "total s",
+        "CPU s",
+        "peak arrays GB",
+        "peak RSS GB",
+        "RSS above base GB",
+        "cache GB",
+        "other rank s",
+        "old blend loop s",
+        "old resident GB",
+    )
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        print(f"| {r['tokens']:.0e} | {r['samples']:,} | {r['epochs']:.2f} | {r['threads']} | "
-              f"{r['datasets_s']:.1f} | {r['blend_s']:.1f} | {r['total_s']:.1f} | {r['cpu_s']:.1f} | "
-              f"{r['heap_gb']:.2f} | {r['peak_gb']:.2f} | {r['above_base_gb']:.2f} | "
-              f"{r['cache_gb']:.2f} | {r['other_rank_s']:.1f} | {rate * r['blend_samples']:.0f} | "
-              f"{r['old_resident_gb']:.2f} |")
+        print(
+            f"| {r['tokens']:.0e} | {r['samples']:,} | {r['epochs']:.2f} | {r['threads']} | "
+            f"{r['datasets_s']:.1f} | {r['blend_s']:.1f} | {r['total_s']:.1f} | {r['cpu_s']:.1f} | "
+            f"{r['heap_gb']:.2f} | {r['peak_gb']:.2f} | {r['above_base_gb']:.2f} | "
+            f"{r['cache_gb']:.2f} | {r['other_rank_s']:.1f} | {rate * r['blend_samples']:.0f} | "
+            f"{r['old_resident_gb']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

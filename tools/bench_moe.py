@@ -40,18 +40,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _model_cfg(args: argparse.Namespace, moe: bool, **moe_kw):
     from megaformer.config import ModelConfig, MoEConfig
 
-    base = dict(vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=4,
-                max_seq_len=args.seq)
+    base = dict(
+        vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=4, max_seq_len=args.seq
+    )
     if not moe:  # the dense model of the same active FFN width
         return ModelConfig(**base, d_ffn=args.top_k * args.d_expert)
-    kw = dict(interval=1, num_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert,
-              aux_loss_coef=0.01)
+    kw = dict(
+        interval=1,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        d_expert=args.d_expert,
+        aux_loss_coef=0.01,
+    )
     kw.update(moe_kw)
     return ModelConfig(**base, moe=MoEConfig(**kw))
 
 
-def _timed(rank: int, world: int, port: int, args: argparse.Namespace, moe: bool,
-           out: "mp.Queue") -> None:
+def _timed(
+    rank: int, world: int, port: int, args: argparse.Namespace, moe: bool, out: "mp.Queue"
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # every rank, and the dense model, on one core: per-rank work compared
     import torch.distributed as dist
@@ -63,8 +70,11 @@ def _timed(rank: int, world: int, port: int, args: argparse.Namespace, moe: bool
     from megaformer.parallel.topology import build_topology
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = Config(model=_model_cfg(args, moe), parallel=ParallelConfig(expert=world),
-                 train=TrainConfig(seed=0, recompute="none"))
+    cfg = Config(
+        model=_model_cfg(args, moe),
+        parallel=ParallelConfig(expert=world),
+        train=TrainConfig(seed=0, recompute="none"),
+    )
     topo = build_topology(world, rank, ep=world)
     model = build_model(cfg, topo).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -82,8 +92,10 @@ def _timed(rank: int, world: int, port: int, args: argparse.Namespace, moe: bool
         dist.barrier()
         times.append(time.perf_counter() - t0)
         # rows this step's routing sends off this rank: assignments to other ranks' experts
-        off = sum(int(m.step_load.sum() - m.step_load[rank * local:(rank + 1) * local].sum())
-                  for m in moe_layers(model))
+        off = sum(
+            int(m.step_load.sum() - m.step_load[rank * local : (rank + 1) * local].sum())
+            for m in moe_layers(model)
+        )
         sent.append(counter.bytes.get("all_to_all", 0))
         implied.append(off)
         end_of_step(model)
@@ -98,8 +110,9 @@ def _run(world: int, args: argparse.Namespace, moe: bool) -> tuple[float, list[i
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_timed, args=(r, world, port, args, moe, out))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_timed, args=(r, world, port, args, moe, out)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = sorted(out.get(timeout=1800) for _ in procs)
@@ -109,8 +122,10 @@ def _run(world: int, args: argparse.Namespace, moe: bool) -> tuple[float, list[i
     # per rank, mean over ranks: every off-rank row crosses 4 times (dispatch and combine, forward
     # and backward), once from its rank and once back to it, so the ranks' totals must agree
     sent = [sum(r[2][i] for r in results) / world for i in range(len(results[0][2]))]
-    implied = [4 * sum(r[3][i] for r in results) * args.d_model * 4 / world
-               for i in range(len(results[0][3]))]
+    implied = [
+        4 * sum(r[3][i] for r in results) * args.d_model * 4 / world
+        for i in range(len(results[0][3]))
+    ]
     return t, sent, implied
 
 
@@ -124,7 +139,7 @@ def _text_batches(args: argparse.Namespace):
     rng = random.Random(0)
     while True:
         starts = [rng.randrange(0, len(ids) - args.seq - 1) for _ in range(args.batch)]
-        w = torch.stack([ids[s:s + args.seq + 1] for s in starts])
+        w = torch.stack([ids[s : s + args.seq + 1] for s in starts])
         yield w[:, :-1], w[:, 1:]
 
 
@@ -164,12 +179,16 @@ def main() -> None:
     ap.add_argument("--balance-steps", type=int, default=200)
     args = ap.parse_args()
 
-    print(f"MoE: d_model {args.d_model}, {args.layers} blocks, {args.experts} experts of width "
-          f"{args.d_expert}, top-{args.top_k}; dense: d_ffn {args.top_k * args.d_expert}; "
-          f"micro-batch {args.batch} x {args.seq} per rank, fp32, gloo")
+    print(
+        f"MoE: d_model {args.d_model}, {args.layers} blocks, {args.experts} experts of width "
+        f"{args.d_expert}, top-{args.top_k}; dense: d_ffn {args.top_k * args.d_expert}; "
+        f"micro-batch {args.batch} x {args.seq} per rank, fp32, gloo"
+    )
     dense, _, _ = _run(1, args, moe=False)
-    print("\n| layout | ms/step/rank | vs dense | all-to-all MB/step/rank | uniform analytic | "
-          "ratio | implied by routing | ratio |")
+    print(
+        "\n| layout | ms/step/rank | vs dense | all-to-all MB/step/rank | uniform analytic | "
+        "ratio | implied by routing | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print(f"| dense (1 process) | {1000 * dense:.0f} | 1.00 | 0 | 0 | n/a | 0 | n/a |")
     N = args.batch * args.seq
@@ -179,18 +198,23 @@ def main() -> None:
         ms, mi = statistics.mean(sent), statistics.mean(implied)
         r1 = f"{ms / analytic:.2f}" if analytic else "n/a"
         r2 = f"{ms / mi:.3f}" if mi else "n/a"
-        print(f"| MoE EP={P} ({P} process{'es' if P > 1 else ''}) | {1000 * t:.0f} | "
-              f"{t / dense:.2f} | {ms / 1e6:.3f} | {analytic / 1e6:.3f} | {r1} | {mi / 1e6:.3f} | "
-              f"{r2} |")
+        print(
+            f"| MoE EP={P} ({P} process{'es' if P > 1 else ''}) | {1000 * t:.0f} | "
+            f"{t / dense:.2f} | {ms / 1e6:.3f} | {analytic / 1e6:.3f} | {r1} | {mi / 1e6:.3f} | "
+            f"{r2} |"
+        )
 
-    print(f"\nExpert-load balance over {args.balance_steps} steps (one process, text): CV = std/mean "
-          "of the per-expert load per step, mean over blocks")
+    print(
+        f"\nExpert-load balance over {args.balance_steps} steps (one process, text): CV = std/mean "
+        "of the per-expert load per step, mean over blocks"
+    )
     print("\n| balancing | CV, first 10 steps | CV, last 50 steps | final loss |")
     print("|---|---|---|---|")
-    for name, kw in (("load-balancing loss (aux 0.01)", dict(aux_loss_coef=0.01)),
-                     ("aux-loss-free bias (rate 0.001)", dict(aux_loss_coef=0.0,
-                                                              bias_update_rate=0.001)),
-                     ("neither", dict(aux_loss_coef=0.0))):
+    for name, kw in (
+        ("load-balancing loss (aux 0.01)", dict(aux_loss_coef=0.01)),
+        ("aux-loss-free bias (rate 0.001)", dict(aux_loss_coef=0.0, bias_update_rate=0.001)),
+        ("neither", dict(aux_loss_coef=0.0)),
+    ):
         late, early, loss = _balance(args, **kw)
         print(f"| {name} | {early:.3f} | {late:.3f} | {loss:.3f} |")
 

@@ -61,10 +61,23 @@ class LiveActivations:
             del self.live[key]
 
 
-def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, recompute: str,
-           out: "mp.Queue") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+def _stage(
+    rank: int,
+    world: int,
+    port: int,
+    args: argparse.Namespace,
+    m: int,
+    recompute: str,
+    out: "mp.Queue",
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     import logging
 
@@ -79,15 +92,29 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     topo = build_topology(world, rank, pp=world)
-    cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8,
-                      max_seq_len=args.seq, tie_embeddings=False)
-    run = Config(model=cfg, parallel=ParallelConfig(pipeline=world, pipeline_partition="layers"),
-                 train=TrainConfig(seed=0, recompute=recompute))
+    cfg = ModelConfig(
+        vocab_size=257,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=8,
+        max_seq_len=args.seq,
+        tie_embeddings=False,
+    )
+    run = Config(
+        model=cfg,
+        parallel=ParallelConfig(pipeline=world, pipeline_partition="layers"),
+        train=TrainConfig(seed=0, recompute=recompute),
+    )
     pipe = build_model(run, topo).model  # the pipeline stages, as training builds them
-    ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": m,
-          "train_batch_size": args.batch * m, "steps_per_print": 2**31 - 1}
-    engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1e-4),
-                                           config=ds)
+    ds = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": args.batch * m,
+        "steps_per_print": 2**31 - 1,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1e-4), config=ds
+    )
     busy = [0.0]
 
     def timed(fn):
@@ -97,6 +124,7 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
                 return fn(*a, **k)
             finally:
                 busy[0] += time.perf_counter() - t0
+
         return run
 
     from deepspeed.runtime.pipe import schedule
@@ -118,8 +146,9 @@ def _stage(rank: int, world: int, port: int, args: argparse.Namespace, m: int, r
             engine.train_batch(iter(batches))
         step_times.append(time.perf_counter() - t0)
         busy_times.append(busy[0])
-    out.put((rank, sum(busy_times) / len(busy_times), sum(step_times) / len(step_times),
-             tracker.peak))
+    out.put(
+        (rank, sum(busy_times) / len(busy_times), sum(step_times) / len(step_times), tracker.peak)
+    )
 
 
 def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tuple]:
@@ -128,8 +157,10 @@ def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tu
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_stage, args=(r, world, port, args, m, recompute, q))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_stage, args=(r, world, port, args, m, recompute, q))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     res = sorted(q.get(timeout=900) for _ in procs)
@@ -139,7 +170,9 @@ def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--layers", type=int, default=8)
@@ -149,8 +182,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
     p = args.stages
-    print(f"PP={p}, {args.layers} layers, d_model {args.d_model}, seq {args.seq}, micro-batch "
-          f"{args.batch}, fp32, gloo on {os.cpu_count()} CPU cores")
+    print(
+        f"PP={p}, {args.layers} layers, d_model {args.d_model}, seq {args.seq}, micro-batch "
+        f"{args.batch}, fp32, gloo on {os.cpu_count()} CPU cores"
+    )
     print(f"{'m':>3} {'bubble (measured, per stage)':<34} {'mean':>6} {'theory':>7}")
     for m in args.micro_batches:
         res = run(p, args, m, "none")

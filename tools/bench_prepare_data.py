@@ -49,7 +49,7 @@ def make_corpus(path: Path, megabytes: int, seed: int = 0) -> None:
             words = vocab[ids]
             pos = 0
             for n in n_words:
-                text = " ".join(words[pos:pos + n])
+                text = " ".join(words[pos : pos + n])
                 pos += n
                 line = json.dumps({"text": text}) + "\n"
                 fh.write(line)
@@ -129,7 +129,9 @@ def main() -> int:
         if not path.exists():
             t0 = time.perf_counter()
             make_corpus(path, mb, seed=mb)
-            print(f"# wrote {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f}s")
+            print(
+                f"# wrote {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f}s"
+            )
     tok = work / f"bpe{args.vocab}.json"
     if not tok.exists():
         from megaformer.data.sources import open_source
@@ -153,13 +155,18 @@ def main() -> int:
     print(f"\n### prepare-data throughput ({args.mb} MB .jsonl, bpe:{args.vocab}, {cores} cores)\n")
     print("| measurement | tokens | seconds | tokens/s | vs raw all cores |")
     print("|---|---|---|---|---|")
-    for name, r in [("raw encode_batch, 1 thread", raw1), (f"raw encode_batch, {cores} threads", rawN),
-                    (f"raw encode_batch_fast, {cores} threads", fastN),
-                    ("prepare-data --workers 1 (1 thread)", prep1),
-                    (f"prepare-data --workers {cores}", prepN)]:
+    for name, r in [
+        ("raw encode_batch, 1 thread", raw1),
+        (f"raw encode_batch, {cores} threads", rawN),
+        (f"raw encode_batch_fast, {cores} threads", fastN),
+        ("prepare-data --workers 1 (1 thread)", prep1),
+        (f"prepare-data --workers {cores}", prepN),
+    ]:
         rows.append((name, r))
-        print(f"| {name} | {r['tokens']:,} | {r['seconds']:.1f} | {rate(r):,.0f} | "
-              f"{rate(r) / rate(rawN):.2f} |")
+        print(
+            f"| {name} | {r['tokens']:,} | {r['seconds']:.1f} | {rate(r):,.0f} | "
+            f"{rate(r) / rate(rawN):.2f} |"
+        )
     print(f"\n### peak memory (max RSS, prepare-data --workers {cores})\n")
     print("| corpus | main process MB | largest worker MB |")
     print("|---|---|---|")
@@ -171,8 +178,10 @@ def main() -> int:
         print("|---|---|---|---|---|")
         for mean_len, seq_len in ((1000, 2048), (100, 2048), (1000, 128)):
             r = child(CHILD_INDEX, str(work / f"synthetic{mean_len}"), str(mean_len), str(seq_len))
-            print(f"| {r['docs']:,} ({mean_len}) | {seq_len} | {r['samples']:,} | {r['open_s']:.2f} | "
-                  f"{r['build_s']:.2f} |")
+            print(
+                f"| {r['docs']:,} ({mean_len}) | {seq_len} | {r['samples']:,} | {r['open_s']:.2f} | "
+                f"{r['build_s']:.2f} |"
+            )
             for suffix in (".bin", ".idx"):
                 (work / f"synthetic{mean_len}{suffix}").unlink()
     print(f"\n# files in {work}")

@@ -29,8 +29,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _one(rank: int, world: int, port: int, args: argparse.Namespace, sp: bool, layers: int,
-         out: "mp.Queue") -> None:
+def _one(
+    rank: int,
+    world: int,
+    port: int,
+    args: argparse.Namespace,
+    sp: bool,
+    layers: int,
+    out: "mp.Queue",
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import torch.distributed as dist
@@ -41,11 +48,15 @@ def _one(rank: int, world: int, port: int, args: argparse.Namespace, sp: bool, l
     from megaformer.parallel.topology import build_topology
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=layers, n_heads=8,
-                      max_seq_len=args.seq)
+    cfg = ModelConfig(
+        vocab_size=257, d_model=args.d_model, n_layers=layers, n_heads=8, max_seq_len=args.seq
+    )
     topo = build_topology(world, rank, tp=world)
-    run = Config(model=cfg, parallel=ParallelConfig(tensor=world, sequence_parallel=sp),
-                 train=TrainConfig(seed=0, recompute="none"))
+    run = Config(
+        model=cfg,
+        parallel=ParallelConfig(tensor=world, sequence_parallel=sp),
+        train=TrainConfig(seed=0, recompute="none"),
+    )
     model = build_model(run, topo).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
@@ -60,8 +71,9 @@ def _one(rank: int, world: int, port: int, args: argparse.Namespace, sp: bool, l
             opt.step()
         times.append(time.perf_counter() - t0)
         counted = counter
-    out.put((rank, counted.total_bytes, dict(counted.calls),
-             sum(times[args.warmup:]) / args.steps))
+    out.put(
+        (rank, counted.total_bytes, dict(counted.calls), sum(times[args.warmup :]) / args.steps)
+    )
     dist.destroy_process_group()
 
 
@@ -71,7 +83,9 @@ def measure(world: int, args: argparse.Namespace, sp: bool, layers: int) -> tupl
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_one, args=(r, world, port, args, sp, layers, q)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_one, args=(r, world, port, args, sp, layers, q)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = [q.get(timeout=600) for _ in procs]
@@ -97,7 +111,9 @@ def analytic(world: int, args: argparse.Namespace, sp: bool, layers: int) -> tup
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
@@ -107,22 +123,28 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     args = ap.parse_args()
     tokens = args.batch * args.seq
-    header = (f"{'layout':<10} {'layer MB/step':>14} {'analytic':>10} {'ratio':>6} "
-              f"{'step MB':>9} {'analytic':>9} {'ratio':>6} {'tokens/s':>9}")
-    print(f"model: d_model {args.d_model}, {args.layers} layers, seq {args.seq}, micro-batch "
-          f"{args.batch}, fp32; bytes sent per rank per training step")
+    header = (
+        f"{'layout':<10} {'layer MB/step':>14} {'analytic':>10} {'ratio':>6} "
+        f"{'step MB':>9} {'analytic':>9} {'ratio':>6} {'tokens/s':>9}"
+    )
+    print(
+        f"model: d_model {args.d_model}, {args.layers} layers, seq {args.seq}, micro-batch "
+        f"{args.batch}, fp32; bytes sent per rank per training step"
+    )
     print(header)
     print("-" * len(header))
     for tp in args.tp:
-        for sp in ([False] if tp == 1 else [False, True]):
+        for sp in [False] if tp == 1 else [False, True]:
             full, t = measure(tp, args, sp, args.layers)
             half, _ = measure(tp, args, sp, args.layers // 2)
             per_layer = (full - half) / (args.layers - args.layers // 2)
             a_layer, a_total = analytic(tp, args, sp, args.layers)
             ratio = lambda m, a: f"{m / a:6.2f}" if a else "   n/a"  # noqa: E731
             name = f"TP={tp}{' +SP' if sp else ''}"
-            print(f"{name:<10} {per_layer / 1e6:14.3f} {a_layer / 1e6:10.3f} {ratio(per_layer, a_layer)} "
-                  f"{full / 1e6:9.3f} {a_total / 1e6:9.3f} {ratio(full, a_total)} {tokens / t:9,.0f}")
+            print(
+                f"{name:<10} {per_layer / 1e6:14.3f} {a_layer / 1e6:10.3f} {ratio(per_layer, a_layer)} "
+                f"{full / 1e6:9.3f} {a_total / 1e6:9.3f} {ratio(full, a_total)} {tokens / t:9,.0f}"
+            )
 
 
 if __name__ == "__main__":

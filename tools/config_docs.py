@@ -44,8 +44,10 @@ def main(argv: list[str]) -> int:
         new = updated(text)
         if "--check" in argv:
             if new != text:
-                print(f"{PAGE.relative_to(ROOT)}: the config table is out of date: "
-                      "run python tools/config_docs.py --write")
+                print(
+                    f"{PAGE.relative_to(ROOT)}: the config table is out of date: "
+                    "run python tools/config_docs.py --write"
+                )
                 return 1
             return 0
         PAGE.write_text(new)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Checkpoint conversion (megaformer <-> Hugging Face, reshard): a thin wrapper over ``megaformer convert``.
 
-    python tools/convert.py runs/quickstart hf/quickstart --to hf --arch llama
-    python tools/convert.py hf/model runs/continued --to megaformer --tp 2 --pp 2
+python tools/convert.py runs/quickstart hf/quickstart --to hf --arch llama
+python tools/convert.py hf/model runs/continued --to megaformer --tp 2 --pp 2
 """
 
 import sys

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training throughput (tokens/s, TFLOP/s, MFU, peak memory): a thin wrapper over ``megaformer bench``.
 
-    python tools/throughput.py configs/quickstart.yaml [KEY=VALUE ...] [--steps N] [--compare-hf]
+python tools/throughput.py configs/quickstart.yaml [KEY=VALUE ...] [--steps N] [--compare-hf]
 """
 
 import sys

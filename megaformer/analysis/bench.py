@@ -43,8 +43,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megaformer.analysis.flops import step_flops
 from megaformer.accelerators import find_accelerator, peak_tflops
+from megaformer.analysis.flops import step_flops
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config, ModelConfig, precision_dtype
 from megaformer.errors import UserError
@@ -62,41 +62,74 @@ except ImportError:  # not a Unix: no page-fault counts
 
 # ----------------------------------------------------------------------------- Hugging Face twin
 
+
 def hf_model(cfg: ModelConfig) -> torch.nn.Module:
     """The transformers model with ``cfg``'s architecture (LlamaForCausalLM or GPT2LMHeadModel)."""
-    llama = (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"
-             and cfg.residual == "sequential" and cfg.rotary_fraction == 1.0)
-    gpt2 = (cfg.position == "learned" and cfg.norm == "layernorm" and cfg.bias
-            and cfg.activation in ("gelu", "gelu_tanh") and cfg.residual == "sequential"
-            and cfg.tie_embeddings and cfg.kv_heads == cfg.n_heads)
+    llama = (
+        cfg.position == "rope"
+        and cfg.norm == "rmsnorm"
+        and cfg.activation == "swiglu"
+        and cfg.residual == "sequential"
+        and cfg.rotary_fraction == 1.0
+    )
+    gpt2 = (
+        cfg.position == "learned"
+        and cfg.norm == "layernorm"
+        and cfg.bias
+        and cfg.activation in ("gelu", "gelu_tanh")
+        and cfg.residual == "sequential"
+        and cfg.tie_embeddings
+        and cfg.kv_heads == cfg.n_heads
+    )
     if llama:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                         intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
-                         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-                         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                         attention_bias=cfg.bias, mlp_bias=cfg.bias, hidden_act="silu",
-                         attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std)
+        hc = LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model,
+            intermediate_size=cfg.ffn_dim,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads,
+            max_position_embeddings=cfg.max_seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta,
+            tie_word_embeddings=cfg.tie_embeddings,
+            attention_bias=cfg.bias,
+            mlp_bias=cfg.bias,
+            hidden_act="silu",
+            attention_dropout=cfg.attention_dropout,
+            initializer_range=cfg.init_std,
+        )
         hc._attn_implementation = "sdpa"
         return LlamaForCausalLM(hc)
     if gpt2:
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        hc = GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-                        n_head=cfg.n_heads, n_positions=cfg.max_seq_len, n_inner=cfg.ffn_dim,
-                        activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
-                        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                        attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.norm_eps,
-                        initializer_range=cfg.init_std)
+        hc = GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_positions=cfg.max_seq_len,
+            n_inner=cfg.ffn_dim,
+            activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.attention_dropout,
+            layer_norm_epsilon=cfg.norm_eps,
+            initializer_range=cfg.init_std,
+        )
         hc._attn_implementation = "sdpa"
         return GPT2LMHeadModel(hc)
-    raise UserError("bench --compare-hf: no transformers twin for this architecture (Llama: rope + "
-                    "rmsnorm + swiglu, full rotary; GPT-2: learned + layernorm + gelu + bias, tied, MHA)")
+    raise UserError(
+        "bench --compare-hf: no transformers twin for this architecture (Llama: rope + "
+        "rmsnorm + swiglu, full rotary; GPT-2: learned + layernorm + gelu + bias, tied, MHA)"
+    )
 
 
 # ----------------------------------------------------------------------------- one runner per model
+
 
 @dataclasses.dataclass
 class Runner:
@@ -154,7 +187,9 @@ def _kernel_plan(cfg: Config, dev: torch.device) -> list[list[str]]:
     return [[op, c.impl, c.reason] for op, c in plan]
 
 
-def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> list[Callable[[], Runner]]:
+def _runner_factories(
+    cfg: Config, device: torch.device, compare_hf: bool
+) -> list[Callable[[], Runner]]:
     """Builders of the runners (megaformer, then optionally transformers), called when needed."""
     t = cfg.train
     if t.precision == "fp16" and device.type != "cuda":
@@ -162,8 +197,11 @@ def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> li
     dtype = precision_dtype(t.precision) if t.precision != "fp32" else None  # autocast
 
     def autocast() -> Any:
-        return (torch.autocast(device.type, dtype=dtype) if dtype is not None
-                else contextlib.nullcontext())
+        return (
+            torch.autocast(device.type, dtype=dtype)
+            if dtype is not None
+            else contextlib.nullcontext()
+        )
 
     def megaformer_runner() -> Runner:
         # model.document_mask: random tokens, so documents end wherever id 0 falls
@@ -175,8 +213,14 @@ def _runner_factories(cfg: Config, device: torch.device, compare_hf: bool) -> li
         torch.manual_seed(t.seed)
         hf = hf_model(cfg.model).to(device)
         hf.train()
-        return Runner(f"transformers {type(hf).__name__}", hf, _adamw(hf, cfg),
-                      lambda x: hf(input_ids=x, labels=x).loss, t.grad_clip, autocast)
+        return Runner(
+            f"transformers {type(hf).__name__}",
+            hf,
+            _adamw(hf, cfg),
+            lambda x: hf(input_ids=x, labels=x).loss,
+            t.grad_clip,
+            autocast,
+        )
 
     return [megaformer_runner] + ([hf_runner] if compare_hf else [])
 
@@ -192,15 +236,29 @@ def _peak_memory(r: Runner, x: torch.Tensor, device: torch.device) -> float:
     return (base + measure(lambda: r.step(x)).peak) / 1e9
 
 
-def _row(r: Runner, x: torch.Tensor, dev: torch.device, tokens: int, flops: float,
-         peak_value: Optional[float]) -> dict:
+def _row(
+    r: Runner,
+    x: torch.Tensor,
+    dev: torch.device,
+    tokens: int,
+    flops: float,
+    peak_value: Optional[float],
+) -> dict:
     t = statistics.median(r.times)
-    row = {"name": r.name, "step_time_s": t, "step_times_s": r.times,
-           "tokens_per_s": tokens / t, "tflops_per_device": flops / t / 1e12,
-           "page_faults_per_step": statistics.median(r.page_faults),
-           "parameters": (r.model.num_parameters() if hasattr(r.model, "num_parameters")
-                          else sum(p.numel() for p in r.model.parameters())),
-           "peak_mem_gb": _peak_memory(r, x, dev)}
+    row = {
+        "name": r.name,
+        "step_time_s": t,
+        "step_times_s": r.times,
+        "tokens_per_s": tokens / t,
+        "tflops_per_device": flops / t / 1e12,
+        "page_faults_per_step": statistics.median(r.page_faults),
+        "parameters": (
+            r.model.num_parameters()
+            if hasattr(r.model, "num_parameters")
+            else sum(p.numel() for p in r.model.parameters())
+        ),
+        "peak_mem_gb": _peak_memory(r, x, dev),
+    }
     if peak_value:
         row["mfu"] = row["tflops_per_device"] / peak_value
     return row
@@ -218,8 +276,16 @@ def _runner_name(make: Callable[[], Runner], r: Optional[Runner]) -> str:
     return r.name if r is not None else make.__name__
 
 
-def _run_one(make: Callable[[], Runner], x: torch.Tensor, dev: torch.device, warmup: int, steps: int,
-             tokens: int, flops: float, peak_value: Optional[float]) -> dict:
+def _run_one(
+    make: Callable[[], Runner],
+    x: torch.Tensor,
+    dev: torch.device,
+    warmup: int,
+    steps: int,
+    tokens: int,
+    flops: float,
+    peak_value: Optional[float],
+) -> dict:
     """Build, warm up, time and free one model; an error (CUDA out of memory or any other, except
     a user error in the configuration) is this model's result, not a crash of the bench."""
     r = None
@@ -240,9 +306,16 @@ def _run_one(make: Callable[[], Runner], x: torch.Tensor, dev: torch.device, war
             torch.cuda.empty_cache()
 
 
-def _run_alternating(factories: list[Callable[[], Runner]], x: torch.Tensor, dev: torch.device,
-                     warmup: int, steps: int, tokens: int, flops: float,
-                     peak_value: Optional[float]) -> list[dict]:
+def _run_alternating(
+    factories: list[Callable[[], Runner]],
+    x: torch.Tensor,
+    dev: torch.device,
+    warmup: int,
+    steps: int,
+    tokens: int,
+    flops: float,
+    peak_value: Optional[float],
+) -> list[dict]:
     """Build every model, then alternate their steps; a model that fails gets an error row and
     drops out, the others go on."""
     rows: list[Optional[dict]] = [None] * len(factories)
@@ -269,7 +342,7 @@ def _run_alternating(factories: list[Callable[[], Runner]], x: torch.Tensor, dev
             guarded(i, lambda: r.step(x), r)
     for k in range(steps):
         order = list(runners.items())
-        for i, r in (order if k % 2 == 0 else order[::-1]):  # each goes first every other step
+        for i, r in order if k % 2 == 0 else order[::-1]:  # each goes first every other step
             if i in runners:
                 guarded(i, lambda: r.timed(x, dev), r)
     for i, r in list(runners.items()):
@@ -277,9 +350,16 @@ def _run_alternating(factories: list[Callable[[], Runner]], x: torch.Tensor, dev
     return [row for row in rows if row is not None]
 
 
-def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = False,
-              device: Optional[str] = None, gpu: Optional[str] = None,
-              peak: Optional[float] = None, sequential: bool = False) -> dict:
+def run_bench(
+    cfg: Config,
+    steps: int = 10,
+    warmup: int = 2,
+    compare_hf: bool = False,
+    device: Optional[str] = None,
+    gpu: Optional[str] = None,
+    peak: Optional[float] = None,
+    sequential: bool = False,
+) -> dict:
     """Time ``steps`` training steps per model after ``warmup``; returns a dict.
 
     Steps of the two models alternate (same machine state for both); ``sequential`` instead builds,
@@ -303,8 +383,9 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
     B, s = cfg.train.micro_batch_size or cfg.train.global_batch_size, cfg.seq_len  # one process
     gen = torch.Generator().manual_seed(cfg.train.seed)
     x = torch.randint(0, cfg.model.vocab_size, (B, s), generator=gen).to(dev)
-    flops = step_flops(cfg.model, s, B, recompute=cfg.train.recompute,
-                       recompute_every=cfg.train.recompute_every).model
+    flops = step_flops(
+        cfg.model, s, B, recompute=cfg.train.recompute, recompute_every=cfg.train.recompute_every
+    ).model
     host_malloc = configure_host_allocator(cfg.train.cpu_malloc, dev)  # process-wide: both models
     factories = _runner_factories(cfg, dev, compare_hf)
     results = []
@@ -313,10 +394,20 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
             results.append(_run_one(make, x, dev, warmup, steps, B * s, flops, peak_value))
     else:
         results = _run_alternating(factories, x, dev, warmup, steps, B * s, flops, peak_value)
-    out = {"config": cfg.name, "device": str(dev), "threads": torch.get_num_threads(),
-           "precision": cfg.train.precision, "batch": [B, s], "steps": steps, "warmup": warmup,
-           "model_flops_per_step": flops, "peak_tflops": peak_value, "results": results,
-           "sequential": sequential, "host_malloc": host_malloc}
+    out = {
+        "config": cfg.name,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "precision": cfg.train.precision,
+        "batch": [B, s],
+        "steps": steps,
+        "warmup": warmup,
+        "model_flops_per_step": flops,
+        "peak_tflops": peak_value,
+        "results": results,
+        "sequential": sequential,
+        "host_malloc": host_malloc,
+    }
     out["kernels"] = _kernel_plan(cfg, dev)
     if dev.type == "cpu":
         out["native_kernels"] = native.status()
@@ -326,7 +417,9 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
             # median of the per-pair ratios (step i of each, run back to back): robust to drift
             pairs = [h / m for m, h in zip(results[0]["step_times_s"], results[1]["step_times_s"])]
             out["ratio_paired"] = statistics.median(pairs)
-            if len(pairs) >= 4:  # the spread of the pair ratios: how far one run's figure can be trusted
+            if (
+                len(pairs) >= 4
+            ):  # the spread of the pair ratios: how far one run's figure can be trusted
                 q1, _, q3 = statistics.quantiles(pairs, n=4)
                 out["ratio_paired_quartiles"] = [q1, q3]
     return out
@@ -334,34 +427,50 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, compare_hf: bool = 
 
 def format_bench(r: dict) -> str:
     B, s = r["batch"]
-    lines = [f"bench {r['config']}: {r['device']} ({r['threads']} threads), {r['precision']}, batch "
-             f"{B} x {s} tokens, {r['warmup']} warm-up + {r['steps']} timed steps per model "
-             f"({'one model after the other' if r.get('sequential') else 'alternating'}), "
-             f"median step time",
-             f"{'model':34s} {'params':>12s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
-             f"{'MFU':>6s} {'peak mem':>9s} {'faults':>8s}"]
+    lines = [
+        f"bench {r['config']}: {r['device']} ({r['threads']} threads), {r['precision']}, batch "
+        f"{B} x {s} tokens, {r['warmup']} warm-up + {r['steps']} timed steps per model "
+        f"({'one model after the other' if r.get('sequential') else 'alternating'}), "
+        f"median step time",
+        f"{'model':34s} {'params':>12s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+        f"{'MFU':>6s} {'peak mem':>9s} {'faults':>8s}",
+    ]
     for x in r["results"]:
         if "error" in x:
             lines.append(f"{x['name']:34s} {x['error']}")
             continue
         mfu = f"{100 * x['mfu']:.1f}%" if "mfu" in x else "-"
-        lines.append(f"{x['name']:34s} {x['parameters']:>12,} {1000 * x['step_time_s']:>9.1f} "
-                     f"{x['tokens_per_s']:>10,.0f} {x['tflops_per_device']:>8.4f} {mfu:>6s} "
-                     f"{x['peak_mem_gb']:>7.3f}GB {x['page_faults_per_step']:>8,.0f}")
+        lines.append(
+            f"{x['name']:34s} {x['parameters']:>12,} {1000 * x['step_time_s']:>9.1f} "
+            f"{x['tokens_per_s']:>10,.0f} {x['tflops_per_device']:>8.4f} {mfu:>6s} "
+            f"{x['peak_mem_gb']:>7.3f}GB {x['page_faults_per_step']:>8,.0f}"
+        )
     if "ratio_paired" in r:
-        lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (median of back-to-back "
-                     f"pairs: {r['ratio_paired']:.2f}x"
-                     + (", quartiles {:.2f}-{:.2f}x".format(*r["ratio_paired_quartiles"])
-                        if "ratio_paired_quartiles" in r else "") + ")")
+        lines.append(
+            f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (median of back-to-back "
+            f"pairs: {r['ratio_paired']:.2f}x"
+            + (
+                ", quartiles {:.2f}-{:.2f}x".format(*r["ratio_paired_quartiles"])
+                if "ratio_paired_quartiles" in r
+                else ""
+            )
+            + ")"
+        )
     elif "ratio" in r:
-        lines.append(f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (one model after the other)")
+        lines.append(
+            f"megaformer / transformers tokens/s: {r['ratio']:.2f}x (one model after the other)"
+        )
     if r["device"] == "cpu":
-        lines.append(f"host allocator: {r.get('host_malloc', 'default')} (train.cpu_malloc; process-wide, "
-                     f"the same for both models); faults = minor page faults per step (median)")
+        lines.append(
+            f"host allocator: {r.get('host_malloc', 'default')} (train.cpu_malloc; process-wide, "
+            f"the same for both models); faults = minor page faults per step (median)"
+        )
         if "native_kernels" in r:
             lines.append(r["native_kernels"])
     if "kernels" in r:
-        lines.append("megaformer side: " + ", ".join(f"{op} {impl}" for op, impl, _ in r["kernels"]))
+        lines.append(
+            "megaformer side: " + ", ".join(f"{op} {impl}" for op, impl, _ in r["kernels"])
+        )
     if r["peak_tflops"] is None:
         lines.append("MFU: no peak for this device (give --gpu NAME or --peak-tflops)")
     return "\n".join(lines)

@@ -43,10 +43,18 @@ import torch
 import torch.distributed as dist
 
 from megaformer.accelerators import UnknownGPUError, find_accelerator, peak_tflops
+from megaformer.analysis.kernel_checks import (  # noqa: F401
+    _DTYPE_NAMES,
+    KERNEL_CHECKS,
+    TOLERANCE,
+    KernelCheck,
+    KernelOutcome,
+    first_line,
+    has_bf16,
+    run_dropout_check,
+    run_kernel_check,
+)
 from megaformer.errors import UserError
-from megaformer.analysis.kernel_checks import (_DTYPE_NAMES, KERNEL_CHECKS, TOLERANCE,  # noqa: F401
-                                               KernelCheck, KernelOutcome, first_line, has_bf16,
-                                               run_dropout_check, run_kernel_check)
 from megaformer.kernels import attention as attention_ops
 
 PASS, FAIL, WARN, INFO, SKIP = "pass", "FAIL", "warn", "info", "skip"
@@ -60,8 +68,8 @@ LOW_PEAK_RATIO = 0.5
 DEFAULT_SIZES = {"cuda": (1 << 20, 16 << 20, 256 << 20), "cpu": (256 << 10, 4 << 20)}
 
 
-
 # ----------------------------------------------------------------------------- throughput
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -92,8 +100,8 @@ def _seconds(device: torch.device) -> float:
 @dataclass
 class Throughput:
     tflops: float
-    what: str          # the measured shape, e.g. "bf16 8192x8192x8192"
-    dtype: str         # peak-table column
+    what: str  # the measured shape, e.g. "bf16 8192x8192x8192"
+    dtype: str  # peak-table column
 
 
 def matmul_throughput(device: torch.device, n: Optional[int] = None) -> Throughput:
@@ -105,41 +113,56 @@ def matmul_throughput(device: torch.device, n: Optional[int] = None) -> Throughp
         dtype, n = torch.float32, n or 1024
     a, b, c = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
     seconds = time_per_call(lambda: torch.mm(a, b, out=c), device, _seconds(device))
-    return Throughput(2 * n ** 3 / seconds / 1e12, f"{_DTYPE_NAMES[dtype]} {n}x{n}x{n}",
-                      _DTYPE_NAMES[dtype])
+    return Throughput(
+        2 * n**3 / seconds / 1e12, f"{_DTYPE_NAMES[dtype]} {n}x{n}x{n}", _DTYPE_NAMES[dtype]
+    )
 
 
-def attention_throughput(device: torch.device, batch: int = 4, heads: int = 16, seq: int = 4096,
-                         head_dim: int = 128) -> Throughput:
+def attention_throughput(
+    device: torch.device, batch: int = 4, heads: int = 16, seq: int = 4096, head_dim: int = 128
+) -> Throughput:
     """Causal self-attention forward through the attention dispatch: 4 B H T^2 D / 2 FLOP."""
     dtype = torch.bfloat16 if has_bf16(device) else torch.float16
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype) for _ in range(3)
+    )
     with torch.no_grad():
-        seconds = time_per_call(lambda: attention_ops.attention(q, k, v, causal=True), device,
-                                _seconds(device))
+        seconds = time_per_call(
+            lambda: attention_ops.attention(q, k, v, causal=True), device, _seconds(device)
+        )
     flops = 4 * batch * heads * seq * seq * head_dim / 2
-    return Throughput(flops / seconds / 1e12,
-                      f"{_DTYPE_NAMES[dtype]} causal fwd B={batch} H={heads} T={seq} D={head_dim}",
-                      _DTYPE_NAMES[dtype])
+    return Throughput(
+        flops / seconds / 1e12,
+        f"{_DTYPE_NAMES[dtype]} causal fwd B={batch} H={heads} T={seq} D={head_dim}",
+        _DTYPE_NAMES[dtype],
+    )
 
 
 # ----------------------------------------------------------------------------- all-reduce
 
+
 @dataclass
 class AllReduceSample:
     bytes: int
-    seconds: float     # per all-reduce, this rank's wall clock
-    algbw: float       # GB/s
-    busbw: float       # GB/s
-    correct: bool      # the sum arrived
+    seconds: float  # per all-reduce, this rank's wall clock
+    algbw: float  # GB/s
+    busbw: float  # GB/s
+    correct: bool  # the sum arrived
 
 
 def parse_sizes(text: str) -> list[int]:
     """'1MiB,64MiB,1GB' -> bytes (KiB/MiB/GiB: powers of 1024; KB/MB/GB: of 1000; a bare number:
     bytes), each at least 4 (one fp32 element)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,
-             "MIB": 1 << 20, "GIB": 1 << 30}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 1 << 10,
+        "MIB": 1 << 20,
+        "GIB": 1 << 30,
+    }
     out = []
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", part)
@@ -158,9 +181,12 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float
     return algbw, algbw * 2 * (world - 1) / world
 
 
-def allreduce_bandwidth(sizes: Sequence[int], device: torch.device,
-                        group: Optional[dist.ProcessGroup] = None, iters: int = 0
-                        ) -> list[AllReduceSample]:
+def allreduce_bandwidth(
+    sizes: Sequence[int],
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
+    iters: int = 0,
+) -> list[AllReduceSample]:
     """This rank's all-reduce (fp32 sum) bandwidth for each message size in ``sizes`` (bytes).
 
     Each rank contributes rank + 1, so every element must arrive as n (n + 1) / 2. Timed after
@@ -188,6 +214,7 @@ def allreduce_bandwidth(sizes: Sequence[int], device: torch.device,
 
 # ----------------------------------------------------------------------------- one rank
 
+
 @dataclass
 class RankReport:
     """What one rank measured (gathered to every rank, so it must pickle)."""
@@ -196,11 +223,11 @@ class RankReport:
     host: str
     device_type: str
     device_name: str
-    kernels: dict = field(default_factory=dict)        # check name -> KernelOutcome
+    kernels: dict = field(default_factory=dict)  # check name -> KernelOutcome
     matmul: Optional[Throughput] = None
     attention: Optional[Throughput] = None
-    allreduce: list = field(default_factory=list)      # AllReduceSample per size
-    errors: dict = field(default_factory=dict)         # measurement -> exception text
+    allreduce: list = field(default_factory=list)  # AllReduceSample per size
+    errors: dict = field(default_factory=dict)  # measurement -> exception text
 
 
 def device_name(device: torch.device) -> str:
@@ -218,9 +245,12 @@ def _measure(report: RankReport, key: str, fn: Callable[[], Any]) -> Any:
         return None
 
 
-def check_rank(device: torch.device, group: Optional[dist.ProcessGroup] = None,
-               sizes: Optional[Sequence[int]] = None,
-               checks: Optional[Sequence[KernelCheck]] = None) -> RankReport:
+def check_rank(
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
+    sizes: Optional[Sequence[int]] = None,
+    checks: Optional[Sequence[KernelCheck]] = None,
+) -> RankReport:
     """Every measurement on this rank's device; the all-reduce with the ranks of ``group`` when
     it has more than one (a collective: every rank of ``group`` must call this). ``checks``:
     these kernel checks only (default: :data:`KERNEL_CHECKS` and dropout)."""
@@ -239,13 +269,15 @@ def check_rank(device: torch.device, group: Optional[dist.ProcessGroup] = None,
         torch.cuda.empty_cache()
     if world > 1:
         sizes = sizes or DEFAULT_SIZES.get(device.type, DEFAULT_SIZES["cpu"])
-        report.allreduce = _measure(report, "all-reduce",
-                                    lambda: allreduce_bandwidth(sizes, device, group)) or []
+        report.allreduce = (
+            _measure(report, "all-reduce", lambda: allreduce_bandwidth(sizes, device, group)) or []
+        )
     return report
 
 
-def gather_reports(report: RankReport, group: Optional[dist.ProcessGroup] = None
-                   ) -> list[RankReport]:
+def gather_reports(
+    report: RankReport, group: Optional[dist.ProcessGroup] = None
+) -> list[RankReport]:
     """Every rank's report, in rank order, on every rank."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [report]
@@ -255,6 +287,7 @@ def gather_reports(report: RankReport, group: Optional[dist.ProcessGroup] = None
 
 
 # ----------------------------------------------------------------------------- the table
+
 
 @dataclass
 class Row:
@@ -270,8 +303,11 @@ def slow_peers(values: Sequence[float], tolerance: float = PEER_TOLERANCE) -> li
     values = list(values)
     if len(values) < 2:
         return []
-    return [i for i, v in enumerate(values)
-            if v < (1 - tolerance) * statistics.median(values[:i] + values[i + 1:])]
+    return [
+        i
+        for i, v in enumerate(values)
+        if v < (1 - tolerance) * statistics.median(values[:i] + values[i + 1 :])
+    ]
 
 
 def _who(r: RankReport, many_hosts: bool) -> str:
@@ -285,8 +321,10 @@ def _kernel_row(name: str, reports: list[RankReport], many_hosts: bool) -> Row:
     errors = {dt: max(o.errors.get(dt, 0.0) for _, o in outcomes) for dt in first.errors}
     values = {"max_rel_error": errors}
     if bad:
-        shown = "; ".join(f"{_who(r, many_hosts)}: {o.failure}" if len(reports) > 1 else o.failure
-                          for r, o in bad[:3])
+        shown = "; ".join(
+            f"{_who(r, many_hosts)}: {o.failure}" if len(reports) > 1 else o.failure
+            for r, o in bad[:3]
+        )
         more = f" (+{len(bad) - 3} more ranks)" if len(bad) > 3 else ""
         return Row(f"kernel {name}", FAIL, shown + more, values)
     tol = "/".join(f"{TOLERANCE[dt]:.0e}" for dt in (_dtype(n) for n in errors))
@@ -302,8 +340,9 @@ def _dtype(name: str) -> torch.dtype:
     return {v: k for k, v in _DTYPE_NAMES.items()}[name]
 
 
-def _peak(reports: list[RankReport], dtype: str, explicit: Optional[float]
-          ) -> tuple[Optional[float], str]:
+def _peak(
+    reports: list[RankReport], dtype: str, explicit: Optional[float]
+) -> tuple[Optional[float], str]:
     """(peak TFLOP/s, its description) for the GPUs of ``reports``; (None, why) without one."""
     if explicit is not None:
         return peak_tflops(None, dtype, explicit), f"--peak-tflops {explicit:g}"
@@ -317,8 +356,14 @@ def _peak(reports: list[RankReport], dtype: str, explicit: Optional[float]
         return None, f"{names[0]} is not in the peak table (give --peak-tflops)"
 
 
-def _throughput_row(check: str, key: str, reports: list[RankReport], peak: Optional[float],
-                    many_hosts: bool, low_ratio: Optional[float]) -> Row:
+def _throughput_row(
+    check: str,
+    key: str,
+    reports: list[RankReport],
+    peak: Optional[float],
+    many_hosts: bool,
+    low_ratio: Optional[float],
+) -> Row:
     got = [(r, getattr(r, key)) for r in reports]
     errors = [(r, r.errors[key]) for r in reports if key in r.errors]
     if errors:
@@ -335,8 +380,10 @@ def _throughput_row(check: str, key: str, reports: list[RankReport], peak: Optio
     if len(reports) == 1:
         detail = f"{tflops[0]:.3g} TFLOP/s ({what})"
     else:
-        detail = (f"median {med:.3g} TFLOP/s, min {min(tflops):.3g} (rank {tflops.index(min(tflops))})"
-                  f" over {len(reports)} ranks ({what})")
+        detail = (
+            f"median {med:.3g} TFLOP/s, min {min(tflops):.3g} (rank {tflops.index(min(tflops))})"
+            f" over {len(reports)} ranks ({what})"
+        )
     result = INFO  # a figure without a criterion, unless one below applies
     if not gpu:
         detail += "; no peak: the table lists accelerators only"
@@ -369,23 +416,33 @@ def _allreduce_row(reports: list[RankReport], many_hosts: bool) -> Row:
         return Row("all-reduce busbw", FAIL, f"{_who(r, many_hosts)}: {e}")
     wrong = [r for r in reports if not all(s.correct for s in r.allreduce)]
     sizes = [s.bytes for s in reports[0].allreduce]
-    busbw = [[s.busbw for s in r.allreduce] for r in reports]   # [rank][size]
+    busbw = [[s.busbw for s in r.allreduce] for r in reports]  # [rank][size]
     per_size = [[b[i] for b in busbw] for i in range(len(sizes))]
     values = {"bytes": sizes, "busbw_gbps": busbw}
-    detail = ", ".join(f"{_size(n)} {statistics.median(col):.3g}" for n, col in zip(sizes, per_size))
+    detail = ", ".join(
+        f"{_size(n)} {statistics.median(col):.3g}" for n, col in zip(sizes, per_size)
+    )
     detail = f"median GB/s per size: {detail} ({world} ranks, {dist_backend(reports)})"
     if wrong:
-        return Row("all-reduce busbw", FAIL, "wrong sums on " + ", ".join(
-            _who(r, many_hosts) for r in wrong) + "; " + detail, values)
+        return Row(
+            "all-reduce busbw",
+            FAIL,
+            "wrong sums on " + ", ".join(_who(r, many_hosts) for r in wrong) + "; " + detail,
+            values,
+        )
     largest = per_size[-1]
     slow = slow_peers(largest)
     if slow:
         names = ", ".join(f"{_who(reports[i], many_hosts)} {largest[i]:.3g} GB/s" for i in slow)
         values["slow_ranks"] = [reports[i].rank for i in slow]
         gpu = reports[0].device_type == "cuda"
-        return Row("all-reduce busbw", FAIL if gpu else WARN,
-                   f"{names} at {_size(sizes[-1])}: more than {PEER_TOLERANCE:.0%} below its peers; "
-                   + detail, values)
+        return Row(
+            "all-reduce busbw",
+            FAIL if gpu else WARN,
+            f"{names} at {_size(sizes[-1])}: more than {PEER_TOLERANCE:.0%} below its peers; "
+            + detail,
+            values,
+        )
     return Row("all-reduce busbw", PASS, detail, values)
 
 
@@ -410,27 +467,46 @@ def build_rows(reports: list[RankReport], peak: Optional[float] = None) -> list[
     versions = f"torch {torch.__version__}"
     if gpu and torch.version.cuda:
         versions += f", CUDA {torch.version.cuda}"
-    rows = [Row("device", INFO, f"{world} x {', '.join(models)} on {len(hosts)} host(s); {versions}")]
+    rows = [
+        Row("device", INFO, f"{world} x {', '.join(models)} on {len(hosts)} host(s); {versions}")
+    ]
     names = list(dict.fromkeys(n for r in reports for n in r.kernels))
     rows += [_kernel_row(n, reports, many_hosts) for n in names]
     if not gpu:
-        rows.append(Row("kernels bf16/fp16", SKIP,
-                        "needs a GPU: the low-precision paths (Triton kernels, flash-attn, SDPA's "
-                        "CUDA backends) run on CUDA only; checked here in fp32"))
-    rows.append(_throughput_row("matmul TFLOP/s", "matmul", reports, peak, many_hosts,
-                                LOW_PEAK_RATIO))
+        rows.append(
+            Row(
+                "kernels bf16/fp16",
+                SKIP,
+                "needs a GPU: the low-precision paths (Triton kernels, flash-attn, SDPA's "
+                "CUDA backends) run on CUDA only; checked here in fp32",
+            )
+        )
+    rows.append(
+        _throughput_row("matmul TFLOP/s", "matmul", reports, peak, many_hosts, LOW_PEAK_RATIO)
+    )
     if gpu:
-        rows.append(_throughput_row("attention TFLOP/s", "attention", reports, peak, many_hosts,
-                                    None))
+        rows.append(
+            _throughput_row("attention TFLOP/s", "attention", reports, peak, many_hosts, None)
+        )
     else:
-        rows.append(Row("attention TFLOP/s", SKIP,
-                        "needs a GPU: measures the flash / SDPA CUDA path against the bf16 peak"))
+        rows.append(
+            Row(
+                "attention TFLOP/s",
+                SKIP,
+                "needs a GPU: measures the flash / SDPA CUDA path against the bf16 peak",
+            )
+        )
     if world > 1:
         rows.append(_allreduce_row(reports, many_hosts))
     else:
-        rows.append(Row("all-reduce busbw", SKIP,
-                        "needs more than one rank: launch with torchrun or srun "
-                        "(e.g. torchrun --nproc_per_node 8 -m megaformer check)"))
+        rows.append(
+            Row(
+                "all-reduce busbw",
+                SKIP,
+                "needs more than one rank: launch with torchrun or srun "
+                "(e.g. torchrun --nproc_per_node 8 -m megaformer check)",
+            )
+        )
     return rows
 
 
@@ -442,11 +518,15 @@ def format_table(rows: Sequence[Row]) -> str:
     """check | result | detail, one line per row."""
     w_check = max(len("check"), *(len(r.check) for r in rows))
     w_result = max(len("result"), *(len(r.result) for r in rows))
-    lines = [f"{'check':<{w_check}} | {'result':<{w_result}} | detail",
-             f"{'-' * w_check}-+-{'-' * w_result}-+-{'-' * 40}"]
+    lines = [
+        f"{'check':<{w_check}} | {'result':<{w_result}} | detail",
+        f"{'-' * w_check}-+-{'-' * w_result}-+-{'-' * 40}",
+    ]
     lines += [f"{r.check:<{w_check}} | {r.result:<{w_result}} | {r.detail}" for r in rows]
     n_fail = sum(r.result == FAIL for r in rows)
-    lines.append(f"{n_fail} failed" if n_fail else "all checks passed (warn/info/skip rows do not fail)")
+    lines.append(
+        f"{n_fail} failed" if n_fail else "all checks passed (warn/info/skip rows do not fail)"
+    )
     return "\n".join(lines)
 
 
@@ -461,15 +541,27 @@ def _finite(v: Any) -> Any:
 
 def to_json(rows: Sequence[Row]) -> dict:
     """{"failed": bool, "rows": [{"check", "result", "detail", "values" (figures, when any)}]}."""
-    return {"failed": failed(rows),
-            "rows": [{"check": r.check, "result": r.result, "detail": r.detail, **(
-                {"values": _finite(r.values)} if r.values else {})} for r in rows]}
+    return {
+        "failed": failed(rows),
+        "rows": [
+            {
+                "check": r.check,
+                "result": r.result,
+                "detail": r.detail,
+                **({"values": _finite(r.values)} if r.values else {}),
+            }
+            for r in rows
+        ],
+    }
 
 
-def run_check(device: torch.device, group: Optional[dist.ProcessGroup] = None,
-              sizes: Optional[Sequence[int]] = None, peak: Optional[float] = None) -> list[Row]:
+def run_check(
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
+    sizes: Optional[Sequence[int]] = None,
+    peak: Optional[float] = None,
+) -> list[Row]:
     """All checks on this rank, gathered; the rows (the same on every rank)."""
     if peak is not None:
         peak_tflops(None, "bf16", peak)  # validates it (> 0) before any work
     return build_rows(gather_reports(check_rank(device, group, sizes), group), peak)
-

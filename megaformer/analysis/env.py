@@ -80,7 +80,9 @@ def _flash_attn() -> str:
     if fa2 is not None or importlib.util.find_spec("flash_attn") is not None:
         parts.append(f"flash_attn {fa2 or '(version unknown)'}")
     if importlib.util.find_spec("flash_attn_interface") is not None:
-        parts.append(f"flash_attn_interface (FA3) {_dist_version('flash-attn-3', 'flash_attn_3') or ''}".strip())
+        parts.append(
+            f"flash_attn_interface (FA3) {_dist_version('flash-attn-3', 'flash_attn_3') or ''}".strip()
+        )
     if _dist_version("flash-attn-4", "flash_attn_4"):
         parts.append(f"flash-attn-4 {_dist_version('flash-attn-4', 'flash_attn_4')}")
     return ", ".join(parts) if parts else "not installed (torch SDPA runs)"
@@ -90,9 +92,12 @@ def _apex() -> str:
     if importlib.util.find_spec("apex") is None:
         return "not installed"
     fused = importlib.util.find_spec("fused_layer_norm_cuda") is not None
-    return ("NVIDIA apex with fused_layer_norm_cuda (fused norms)" if fused else
-            "an 'apex' without fused_layer_norm_cuda (not used: NVIDIA apex built with --cuda_ext "
-            "is needed)")
+    return (
+        "NVIDIA apex with fused_layer_norm_cuda (fused norms)"
+        if fused
+        else "an 'apex' without fused_layer_norm_cuda (not used: NVIDIA apex built with --cuda_ext "
+        "is needed)"
+    )
 
 
 def gpu_rows() -> list[Row]:
@@ -110,8 +115,13 @@ def gpu_rows() -> list[Row]:
             entry = f"peak table: {acc.name} ({peaks} TFLOP/s dense)"
         except UnknownGPUError:
             entry = "not in the peak table (MFU needs --peak-tflops / log.peak_tflops)"
-        rows.append((f"GPU {i}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
-                                 f"compute capability {props.major}.{props.minor}; {entry}"))
+        rows.append(
+            (
+                f"GPU {i}",
+                f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
+                f"compute capability {props.major}.{props.minor}; {entry}",
+            )
+        )
     return rows
 
 
@@ -126,8 +136,9 @@ def compiler_row() -> str:
     return f"{compiler} ({path}): {first[0] if first else 'no version output'}"
 
 
-def kernel_plan(model_cfg: object = None, device: Optional[str] = None,
-                dtype: Optional[torch.dtype] = None) -> tuple[str, str]:
+def kernel_plan(
+    model_cfg: object = None, device: Optional[str] = None, dtype: Optional[torch.dtype] = None
+) -> tuple[str, str]:
     """(heading, formatted plan): which implementation runs for each op of ``model_cfg`` (default:
     a default ModelConfig) on ``device`` (cuda when visible, else cpu) in ``dtype`` (bf16 on CUDA,
     fp32 on CPU)."""
@@ -143,11 +154,15 @@ def kernel_plan(model_cfg: object = None, device: Optional[str] = None,
     return f"{device}, {str(dtype).replace('torch.', '')}", format_plan(plan)
 
 
-def collect(model_cfg: object = None, device: Optional[str] = None,
-            dtype: Optional[torch.dtype] = None) -> tuple[list[Row], str, str]:
+def collect(
+    model_cfg: object = None, device: Optional[str] = None, dtype: Optional[torch.dtype] = None
+) -> tuple[list[Row], str, str]:
     """(rows, kernel heading, kernel plan): everything :func:`format_report` prints."""
     rows: list[Row] = [
-        ("megaformer", f"{__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})"),
+        (
+            "megaformer",
+            f"{__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})",
+        ),
         ("Python", f"{platform.python_version()} ({sys.executable})"),
         ("platform", _safe(lambda: f"{platform.platform()}, {os.cpu_count()} CPUs")),
         ("torch", _safe(_torch)),

@@ -97,8 +97,9 @@ class ForwardFlops:
         return self.layers + self.logits
 
 
-def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = True,
-                  vocab: Optional[int] = None) -> ForwardFlops:
+def forward_flops(
+    cfg: ModelConfig, seq_len: int, causal: bool = True, vocab: Optional[int] = None
+) -> ForwardFlops:
     """Forward FLOPs of one sequence of ``seq_len`` tokens; ``vocab`` defaults to cfg.vocab_size."""
     V = cfg.vocab_size if vocab is None else vocab
     if not isinstance(V, int) or isinstance(V, bool):
@@ -108,8 +109,14 @@ def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = True,
     pairs = attention_pairs(s, causal, cfg.sliding_window)
     n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
-    moe_mlp = (2 * s * d * (cfg.moe.num_experts + cfg.moe.shared_gate)
-               + n_mats * 2 * s * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim)) if moe else 0
+    moe_mlp = (
+        (
+            2 * s * d * (cfg.moe.num_experts + cfg.moe.shared_gate)
+            + n_mats * 2 * s * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim)
+        )
+        if moe
+        else 0
+    )
     return ForwardFlops(
         qkv=L * (2 * s * d * hq + 2 * 2 * s * d * hkv),
         attn_scores=L * 2 * pairs * hq,
@@ -137,10 +144,10 @@ class StepFlops:
 
     tokens: int
     seq_len: int
-    model: int          # 3 x forward, real vocabulary: the numerator of MFU
-    hardware: int       # + recomputation, padded vocabulary: the numerator of HFU
-    forward: int        # model forward only
-    recompute: int      # hardware-only recomputation
+    model: int  # 3 x forward, real vocabulary: the numerator of MFU
+    hardware: int  # + recomputation, padded vocabulary: the numerator of HFU
+    forward: int  # model forward only
+    recompute: int  # hardware-only recomputation
 
     @property
     def model_per_token(self) -> float:
@@ -156,17 +163,28 @@ class StepFlops:
         return out
 
 
-def step_flops(cfg: ModelConfig, seq_len: int, sequences: int, *, causal: bool = True,
-               recompute: str = "none", recompute_every: int = 1,
-               padded_vocab: Optional[int] = None) -> StepFlops:
+def step_flops(
+    cfg: ModelConfig,
+    seq_len: int,
+    sequences: int,
+    *,
+    causal: bool = True,
+    recompute: str = "none",
+    recompute_every: int = 1,
+    padded_vocab: Optional[int] = None,
+) -> StepFlops:
     """Model and hardware FLOPs of a step of ``sequences`` sequences of ``seq_len`` tokens."""
     real = forward_flops(cfg, seq_len, causal)
     padded = forward_flops(cfg, seq_len, causal, padded_vocab) if padded_vocab else real
     extra = recompute_flops(padded, cfg.n_layers, recompute, recompute_every)
-    return StepFlops(tokens=sequences * seq_len, seq_len=seq_len,
-                     model=3 * real.total * sequences,
-                     hardware=(3 * padded.total + extra) * sequences,
-                     forward=real.total * sequences, recompute=extra * sequences)
+    return StepFlops(
+        tokens=sequences * seq_len,
+        seq_len=seq_len,
+        model=3 * real.total * sequences,
+        hardware=(3 * padded.total + extra) * sequences,
+        forward=real.total * sequences,
+        recompute=extra * sequences,
+    )
 
 
 def config_step_flops(cfg: Config, causal: bool = True) -> StepFlops:
@@ -176,9 +194,15 @@ def config_step_flops(cfg: Config, causal: bool = True) -> StepFlops:
 
     p, t = cfg.parallel, cfg.train
     padded = padded_vocab_size(cfg.model.vocab_size, p.tensor, p.vocab_multiple)
-    return step_flops(cfg.model, cfg.seq_len, t.global_batch_size, causal=causal,
-                      recompute=t.recompute, recompute_every=t.recompute_every,
-                      padded_vocab=padded)
+    return step_flops(
+        cfg.model,
+        cfg.seq_len,
+        t.global_batch_size,
+        causal=causal,
+        recompute=t.recompute,
+        recompute_every=t.recompute_every,
+        padded_vocab=padded,
+    )
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
@@ -190,13 +214,14 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     n_mats = 3 if cfg.activation == "swiglu" else 2
     block = d * hq + 2 * d * hkv + hq * d + n_mats * d * f
     moe = cfg.moe_layers
-    moe_mlp = (d * (cfg.moe.num_experts + cfg.moe.shared_gate)
-               + n_mats * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim))
-    return (cfg.n_layers * block + moe * (moe_mlp - n_mats * d * f)
-            + cfg.vocab_size * d)
+    moe_mlp = d * (cfg.moe.num_experts + cfg.moe.shared_gate) + n_mats * d * (
+        cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim
+    )
+    return cfg.n_layers * block + moe * (moe_mlp - n_mats * d * f) + cfg.vocab_size * d
 
 
 # ----------------------------------------------------------------------------- FP8 share
+
 
 def fp8_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
     """Forward FLOPs of one sequence in the linear layers ``train.fp8`` runs in FP8: q, k, v and
@@ -211,8 +236,11 @@ def fp8_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
-    return (L * (2 * s * d * (hq + 2 * hkv) + 2 * s * hq * d) + (L - moe) * n_mats * 2 * s * d * f
-            + moe * n_mats * 2 * s * d * (cfg.shared_dim if moe else 0))
+    return (
+        L * (2 * s * d * (hq + 2 * hkv) + 2 * s * hq * d)
+        + (L - moe) * n_mats * 2 * s * d * f
+        + moe * n_mats * 2 * s * d * (cfg.shared_dim if moe else 0)
+    )
 
 
 def fp8_share(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
@@ -228,6 +256,7 @@ def mixed_peak(share: float, fp8_peak: float, hp_peak: float) -> float:
 
 
 # ----------------------------------------------------------------------------- closed forms
+
 
 def narayanan_full_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
     """Narayanan et al. 2021 (SC21), eq. (3): 96 B s L h^2 (1 + s/(6h) + V/(16 L h)), full recompute."""
@@ -246,17 +275,22 @@ def palm_per_token(N: int, L: int, heads: int, head_dim: int, s: int) -> float:
 
 # ----------------------------------------------------------------------------- utilisation
 
-def utilisation(flops: StepFlops, step_time_s: float, world_size: int,
-                peak_tflops: Optional[float]) -> dict:
+
+def utilisation(
+    flops: StepFlops, step_time_s: float, world_size: int, peak_tflops: Optional[float]
+) -> dict:
     """tokens/s, TFLOPs per device (model and hardware) and, when a peak is known, MFU and HFU.
 
-        TFLOPs/GPU = model FLOPs per step / step time / world size / 1e12
-        MFU        = TFLOPs/GPU / peak;   HFU = hardware TFLOPs/GPU / peak
+    TFLOPs/GPU = model FLOPs per step / step time / world size / 1e12
+    MFU        = TFLOPs/GPU / peak;   HFU = hardware TFLOPs/GPU / peak
     """
     model_tf = flops.model / step_time_s / world_size / 1e12
     hw_tf = flops.hardware / step_time_s / world_size / 1e12
-    out = {"tokens_per_s": flops.tokens / step_time_s, "tflops_per_gpu": model_tf,
-           "hw_tflops_per_gpu": hw_tf}
+    out = {
+        "tokens_per_s": flops.tokens / step_time_s,
+        "tflops_per_gpu": model_tf,
+        "hw_tflops_per_gpu": hw_tf,
+    }
     if peak_tflops:
         out.update(mfu=model_tf / peak_tflops, hfu=hw_tf / peak_tflops)
     return out

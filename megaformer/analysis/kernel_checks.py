@@ -46,6 +46,7 @@ def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tenso
 
 # attention: q [B, H, T, D], k, v [B, Hkv, T, D] (grouped-query: H = 2 Hkv)
 
+
 def _attention_inputs(large: bool, gen: torch.Generator) -> tuple:
     B, H, T, D = (2, 8, 256, 128) if large else (2, 4, 128, 64)
     return _randn(gen, B, H, T, D), _randn(gen, B, H // 2, T, D), _randn(gen, B, H // 2, T, D)
@@ -54,9 +55,9 @@ def _attention_inputs(large: bool, gen: torch.Generator) -> tuple:
 def _document_inputs(large: bool, gen: torch.Generator) -> tuple:
     q, k, v = _attention_inputs(large, gen)
     B, T = q.shape[0], q.shape[2]
-    starts = torch.rand(B, T, generator=gen) < 8.0 / T            # about 8 documents per row
+    starts = torch.rand(B, T, generator=gen) < 8.0 / T  # about 8 documents per row
     starts[:, 0] = False
-    return q, k, v, starts.cumsum(dim=-1).to(torch.int32)          # doc_ids [B, T]
+    return q, k, v, starts.cumsum(dim=-1).to(torch.int32)  # doc_ids [B, T]
 
 
 def _attention_reference(q, k, v, causal: bool, doc_ids=None) -> torch.Tensor:
@@ -78,7 +79,7 @@ def _gelu_reference(h, b) -> torch.Tensor:
     0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), concatenated."""
     x = h + b
     exact = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-    tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
     return torch.cat([exact, tanh])
 
 
@@ -103,7 +104,8 @@ def _layer_norm_reference(x, w, b) -> torch.Tensor:
 def _rope_inputs(large: bool, gen: torch.Generator) -> tuple:
     B, H, T, D = (2, 8, 256, 128) if large else (2, 4, 64, 32)
     angles = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (
-        -torch.arange(0, D, 2, dtype=torch.float64) / D)
+        -torch.arange(0, D, 2, dtype=torch.float64) / D
+    )
     emb = torch.cat([angles, angles], dim=-1)
     return _randn(gen, B, H, T, D), emb.cos().float(), emb.sin().float()
 
@@ -123,7 +125,7 @@ def _ce_inputs(large: bool, gen: torch.Generator) -> tuple:
     n, d, padded = (512, 512, 1024) if large else (192, 128, 1024)
     labels = torch.randint(0, _CE_VOCAB, (n,), generator=gen)
     labels[::7] = -100  # ignored positions
-    return _randn(gen, n, d), _randn(gen, padded, d, scale=d ** -0.5), labels
+    return _randn(gen, n, d), _randn(gen, padded, d, scale=d**-0.5), labels
 
 
 def _ce_reference(h, w, labels) -> torch.Tensor:
@@ -145,46 +147,80 @@ def _ce_logits_reference(z, labels) -> torch.Tensor:
 
 def _linear_inputs(large: bool, gen: torch.Generator) -> tuple:
     n, k, m = (512, 1024, 1536) if large else (256, 256, 384)
-    return _randn(gen, 4, n // 4, k), _randn(gen, m, k, scale=k ** -0.5), _randn(gen, m)
+    return _randn(gen, 4, n // 4, k), _randn(gen, m, k, scale=k**-0.5), _randn(gen, m)
 
 
 #: (name, kernel, reference, inputs): the kernels' public dispatch functions, called through their
 #: modules so that replacing a module attribute reaches the check.
 KERNEL_CHECKS: list[KernelCheck] = [
-    KernelCheck("attention (causal, GQA)",
-                lambda q, k, v: attention_ops.attention(q, k, v, causal=True),
-                lambda q, k, v: _attention_reference(q, k, v, True), _attention_inputs),
-    KernelCheck("attention (full)",
-                lambda q, k, v: attention_ops.attention(q, k, v, causal=False),
-                lambda q, k, v: _attention_reference(q, k, v, False), _attention_inputs),
-    KernelCheck("attention (documents)",
-                lambda q, k, v, d: attention_ops.attention(q, k, v, causal=True, doc_ids=d),
-                lambda q, k, v, d: _attention_reference(q, k, v, True, d), _document_inputs),
-    KernelCheck("swiglu",
-                lambda g, u: activations.swiglu(g, u),
-                lambda g, u: g * torch.sigmoid(g) * u,
-                lambda large, gen: (_randn(gen, 256, 2048 if large else 256, scale=2.0),
-                                    _randn(gen, 256, 2048 if large else 256))),
-    KernelCheck("bias_gelu",
-                lambda h, b: torch.cat([activations.bias_gelu(h, b, "none"),
-                                        activations.bias_gelu(h, b, "tanh")]),
-                _gelu_reference,
-                lambda large, gen: (_randn(gen, 256, 2048 if large else 256, scale=2.0),
-                                    _randn(gen, 2048 if large else 256))),
-    KernelCheck("rms_norm", lambda x, w: norm.rms_norm(x, w, 1e-5), _rms_reference,
-                lambda large, gen: _norm_inputs(large, gen)[:2]),
-    KernelCheck("layer_norm", lambda x, w, b: norm.layer_norm(x, w, b, 1e-5),
-                _layer_norm_reference, _norm_inputs),
-    KernelCheck("rope", lambda x, c, s: rope_ops.rope(x, c, s), _rope_reference, _rope_inputs,
-                grads=(0,)),
-    KernelCheck("cross_entropy", lambda z, y: cross_entropy.cross_entropy(z, y, _CE_VOCAB),
-                _ce_logits_reference, _ce_logits_inputs),
-    KernelCheck("cross_entropy (chunked)",
-                lambda h, w, y: cross_entropy.chunked_cross_entropy(h, w, y, 64,
-                                                                    vocab_size=_CE_VOCAB),
-                _ce_reference, _ce_inputs),
-    KernelCheck("linear", lambda x, w, b: gemm.linear(x, w, b), lambda x, w, b: x @ w.T + b,
-                _linear_inputs),
+    KernelCheck(
+        "attention (causal, GQA)",
+        lambda q, k, v: attention_ops.attention(q, k, v, causal=True),
+        lambda q, k, v: _attention_reference(q, k, v, True),
+        _attention_inputs,
+    ),
+    KernelCheck(
+        "attention (full)",
+        lambda q, k, v: attention_ops.attention(q, k, v, causal=False),
+        lambda q, k, v: _attention_reference(q, k, v, False),
+        _attention_inputs,
+    ),
+    KernelCheck(
+        "attention (documents)",
+        lambda q, k, v, d: attention_ops.attention(q, k, v, causal=True, doc_ids=d),
+        lambda q, k, v, d: _attention_reference(q, k, v, True, d),
+        _document_inputs,
+    ),
+    KernelCheck(
+        "swiglu",
+        lambda g, u: activations.swiglu(g, u),
+        lambda g, u: g * torch.sigmoid(g) * u,
+        lambda large, gen: (
+            _randn(gen, 256, 2048 if large else 256, scale=2.0),
+            _randn(gen, 256, 2048 if large else 256),
+        ),
+    ),
+    KernelCheck(
+        "bias_gelu",
+        lambda h, b: torch.cat(
+            [activations.bias_gelu(h, b, "none"), activations.bias_gelu(h, b, "tanh")]
+        ),
+        _gelu_reference,
+        lambda large, gen: (
+            _randn(gen, 256, 2048 if large else 256, scale=2.0),
+            _randn(gen, 2048 if large else 256),
+        ),
+    ),
+    KernelCheck(
+        "rms_norm",
+        lambda x, w: norm.rms_norm(x, w, 1e-5),
+        _rms_reference,
+        lambda large, gen: _norm_inputs(large, gen)[:2],
+    ),
+    KernelCheck(
+        "layer_norm",
+        lambda x, w, b: norm.layer_norm(x, w, b, 1e-5),
+        _layer_norm_reference,
+        _norm_inputs,
+    ),
+    KernelCheck(
+        "rope", lambda x, c, s: rope_ops.rope(x, c, s), _rope_reference, _rope_inputs, grads=(0,)
+    ),
+    KernelCheck(
+        "cross_entropy",
+        lambda z, y: cross_entropy.cross_entropy(z, y, _CE_VOCAB),
+        _ce_logits_reference,
+        _ce_logits_inputs,
+    ),
+    KernelCheck(
+        "cross_entropy (chunked)",
+        lambda h, w, y: cross_entropy.chunked_cross_entropy(h, w, y, 64, vocab_size=_CE_VOCAB),
+        _ce_reference,
+        _ce_inputs,
+    ),
+    KernelCheck(
+        "linear", lambda x, w, b: gemm.linear(x, w, b), lambda x, w, b: x @ w.T + b, _linear_inputs
+    ),
 ]
 
 
@@ -192,9 +228,9 @@ KERNEL_CHECKS: list[KernelCheck] = [
 class KernelOutcome:
     """One kernel on one rank: the worst relative error per dtype name, and what failed."""
 
-    errors: dict = field(default_factory=dict)        # dtype name -> worst relative error
-    failure: Optional[str] = None                     # first dtype out of tolerance, or an exception
-    via: list = field(default_factory=list)           # implementations that ran
+    errors: dict = field(default_factory=dict)  # dtype name -> worst relative error
+    failure: Optional[str] = None  # first dtype out of tolerance, or an exception
+    via: list = field(default_factory=list)  # implementations that ran
 
 
 def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -215,8 +251,9 @@ def _exact_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _check_dtype(check: KernelCheck, device: torch.device, dtype: torch.dtype,
-                 seed: int) -> tuple[float, str]:
+def _check_dtype(
+    check: KernelCheck, device: torch.device, dtype: torch.dtype, seed: int
+) -> tuple[float, str]:
     """(worst relative error, which tensor) of one kernel in one dtype, forward and backward."""
     gen = torch.Generator().manual_seed(seed)
     base = check.inputs(device.type == "cuda", gen)
@@ -254,8 +291,9 @@ def check_dtypes(device: torch.device) -> list[torch.dtype]:
     return ([torch.bfloat16] if has_bf16(device) else []) + [torch.float16, torch.float32]
 
 
-def _per_dtype(measure: Callable[[torch.dtype], tuple[float, str]],
-               dtypes: Sequence[torch.dtype]) -> KernelOutcome:
+def _per_dtype(
+    measure: Callable[[torch.dtype], tuple[float, str]], dtypes: Sequence[torch.dtype]
+) -> KernelOutcome:
     """``measure(dtype)`` -> (error, what) for each dtype, against :data:`TOLERANCE`; an
     exception is a failure (reported, not raised: a kernel that crashes on this device fails)."""
     out = KernelOutcome()
@@ -269,20 +307,29 @@ def _per_dtype(measure: Callable[[torch.dtype], tuple[float, str]],
                 continue
             out.errors[name] = err
             if not err <= TOLERANCE[dtype] and out.failure is None:
-                out.failure = (f"{name}: {what} not finite" if math.isinf(err) else
-                               f"{name}: {what} rel. error {err:.1e} > {TOLERANCE[dtype]:.0e}")
+                out.failure = (
+                    f"{name}: {what} not finite"
+                    if math.isinf(err)
+                    else f"{name}: {what} rel. error {err:.1e} > {TOLERANCE[dtype]:.0e}"
+                )
     out.via = _implementations(ran)
     return out
 
 
-def run_kernel_check(check: KernelCheck, device: torch.device,
-                     dtypes: Optional[Sequence[torch.dtype]] = None, seed: int = 0) -> KernelOutcome:
+def run_kernel_check(
+    check: KernelCheck,
+    device: torch.device,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    seed: int = 0,
+) -> KernelOutcome:
     """One kernel against its reference in every dtype of ``dtypes`` (default :func:`check_dtypes`)."""
-    return _per_dtype(lambda dt: _check_dtype(check, device, dt, seed), dtypes or check_dtypes(device))
+    return _per_dtype(
+        lambda dt: _check_dtype(check, device, dt, seed), dtypes or check_dtypes(device)
+    )
 
 
 def _implementations(ran: dict) -> list[str]:
-    """"op: impl" for what ran (one op's implementations joined by "+"), e.g. ["rms_norm: triton"]."""
+    """ "op: impl" for what ran (one op's implementations joined by "+"), e.g. ["rms_norm: triton"]."""
     return [f"{op}: {'+'.join(sorted(impls))}" for op, impls in sorted(ran.items())]
 
 
@@ -313,7 +360,8 @@ def _check_dropout(device: torch.device, dtype: torch.dtype, seed: int) -> tuple
     return (ey, "output") if ey >= edx else (edx, "grad of argument 0")
 
 
-def run_dropout_check(device: torch.device, dtypes: Optional[Sequence[torch.dtype]] = None,
-                      seed: int = 0) -> KernelOutcome:
+def run_dropout_check(
+    device: torch.device, dtypes: Optional[Sequence[torch.dtype]] = None, seed: int = 0
+) -> KernelOutcome:
     """The dropout kernel (random by nature: checked by its rate and its kept values)."""
     return _per_dtype(lambda dt: _check_dropout(device, dt, seed), dtypes or check_dtypes(device))

@@ -35,8 +35,8 @@ from torch.profiler import ProfilerActivity, profile
 
 @dataclass(frozen=True)
 class Measured:
-    peak: int      # max live bytes above the start
-    end: int       # live bytes at the end above the start (what the call left allocated)
+    peak: int  # max live bytes above the start
+    end: int  # live bytes at the end above the start (what the call left allocated)
     result: Any = None
 
 
@@ -69,8 +69,11 @@ def _redirect_fds(fds: tuple[int, ...], keep: Callable[[str], bool]) -> Iterator
                 for fd, old in zip(fds, saved):
                     os.dup2(old, fd)
                 sink.seek(0)
-                kept = [line for line in sink.read().decode(errors="replace").splitlines(True)
-                        if keep(line)]
+                kept = [
+                    line
+                    for line in sink.read().decode(errors="replace").splitlines(True)
+                    if keep(line)
+                ]
                 if kept:
                     os.write(2, "".join(kept).encode())
     finally:
@@ -91,8 +94,11 @@ def measure(fn: Callable[[], Any]) -> Measured:
     finally:
         with _redirect_fds((1, 2), keep=lambda line: False):
             prof.__exit__(None, None, None)
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
@@ -112,5 +118,9 @@ def tensor_bytes(tensors: Any) -> int:
 
 
 def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in opt.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return [
+        v
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]

@@ -77,10 +77,10 @@ class Layout:
 
     # the degrees, in the order of megaformer.parallel.topology.DEGREES
     tp: int = 1
-    cp: int = 1                 # context parallelism: each sequence split over cp ranks
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
     dp: int = 1
     pp: int = 1
-    ep: int = 1                 # expert parallelism: routed experts split over ep of the dp ranks
+    ep: int = 1  # expert parallelism: routed experts split over ep of the dp ranks
     zero: int = 0
     micro_batch: int = 1
     grad_accum: int = 1
@@ -88,8 +88,8 @@ class Layout:
     recompute_every: int = 1
     sequence_parallel: bool = False
     precision: str = "fp32"
-    device: str = "cuda"        # cuda or cpu (which norm and dropout implementations run)
-    cp_mode: str = "ring"       # ring or all_to_all
+    device: str = "cuda"  # cuda or cpu (which norm and dropout implementations run)
+    cp_mode: str = "ring"  # ring or all_to_all
 
     @property
     def degrees(self) -> Degrees:
@@ -108,21 +108,32 @@ class Layout:
 
 # ----------------------------------------------------------------------------- model states
 
+
 def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> int:
     """Parameters held by the busiest TP x PP rank (before ZeRO-3 partitioning)."""
     from megaformer.analysis.params import attention_params, mlp_params, norm_params
 
     t, V = layout.tp, padded_vocab or cfg.vocab_size
     d = cfg.d_model
-    block = (attention_params(cfg) - (d if cfg.bias else 0) + mlp_params(cfg) - (d if cfg.bias else 0)) // t \
-        + (2 * d if cfg.bias else 0) + 2 * norm_params(cfg)              # row-parallel biases replicated
+    block = (
+        (attention_params(cfg) - (d if cfg.bias else 0) + mlp_params(cfg) - (d if cfg.bias else 0))
+        // t
+        + (2 * d if cfg.bias else 0)
+        + 2 * norm_params(cfg)
+    )  # row-parallel biases replicated
     layers = math.ceil(cfg.n_layers / layout.pp)
-    if cfg.moe_layers:  # the worst stage's MoE blocks: its E / EP experts / TP, the router replicated
+    if (
+        cfg.moe_layers
+    ):  # the worst stage's MoE blocks: its E / EP experts / TP, the router replicated
         from megaformer.analysis.params import moe_mlp_params
 
         router = d * cfg.moe.num_experts
-        moe_delta = (moe_mlp_params(cfg, cfg.moe.num_experts // layout.ep) - router) // t + router \
-            - (mlp_params(cfg) - (d if cfg.bias else 0)) // t - (d if cfg.bias else 0)
+        moe_delta = (
+            (moe_mlp_params(cfg, cfg.moe.num_experts // layout.ep) - router) // t
+            + router
+            - (mlp_params(cfg) - (d if cfg.bias else 0)) // t
+            - (d if cfg.bias else 0)
+        )
         block_sum = layers * block + min(layers, math.ceil(cfg.moe_layers / layout.pp)) * moe_delta
     else:
         block_sum = layers * block
@@ -141,7 +152,9 @@ def expert_params_per_rank(cfg: ModelConfig, layout: Layout) -> int:
     m = 3 if cfg.activation == "swiglu" else 2
     layers = math.ceil(cfg.n_layers / layout.pp)
     n_moe = min(layers, math.ceil(cfg.moe_layers / layout.pp))
-    return n_moe * (cfg.moe.num_experts // layout.ep) * m * cfg.d_model * cfg.expert_dim // layout.tp
+    return (
+        n_moe * (cfg.moe.num_experts // layout.ep) * m * cfg.d_model * cfg.expert_dim // layout.tp
+    )
 
 
 def largest_module_params(cfg: ModelConfig, padded_vocab: Optional[int] = None) -> int:
@@ -150,7 +163,9 @@ def largest_module_params(cfg: ModelConfig, padded_vocab: Optional[int] = None) 
     from megaformer.analysis.params import attention_params, mlp_params, moe_mlp_params, norm_params
 
     dense = attention_params(cfg) + 2 * norm_params(cfg)
-    block = dense + (moe_mlp_params(cfg, cfg.moe.num_experts) if cfg.moe_layers else mlp_params(cfg))
+    block = dense + (
+        moe_mlp_params(cfg, cfg.moe.num_experts) if cfg.moe_layers else mlp_params(cfg)
+    )
     return max(block, (padded_vocab or cfg.vocab_size) * cfg.d_model)
 
 
@@ -191,13 +206,22 @@ def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = 
             return P * bytes_per_param
         return ((P - X) / layout.replicas + X / layout.expert_replicas) * bytes_per_param
 
-    weights, grads, optim = share(w, layout.zero >= 3), share(g, layout.zero >= 2), \
-        share(o, layout.zero >= 1)
-    return {"params": P, "weights": weights, "grads": grads, "optimizer": optim,
-            "total": weights + grads + optim}
+    weights, grads, optim = (
+        share(w, layout.zero >= 3),
+        share(g, layout.zero >= 2),
+        share(o, layout.zero >= 1),
+    )
+    return {
+        "params": P,
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optim,
+        "total": weights + grads + optim,
+    }
 
 
 # ----------------------------------------------------------------------------- activations
+
 
 def _plan(cfg: ModelConfig, layout: Layout) -> dict:
     """op -> the implementation that runs for this model and layout (the rule training follows,
@@ -205,7 +229,11 @@ def _plan(cfg: ModelConfig, layout: Layout) -> dict:
     from megaformer.kernels.selection import model_plan
 
     autocast = layout.precision != "fp32"
-    dtype = precision_dtype(layout.precision) if layout.device == "cuda" or not autocast else torch.float32
+    dtype = (
+        precision_dtype(layout.precision)
+        if layout.device == "cuda" or not autocast
+        else torch.float32
+    )
     return {op: c.impl for op, c in model_plan(cfg, layout.device, dtype, autocast=autocast)}
 
 
@@ -250,29 +278,34 @@ def _moe_mlp_bytes(cfg: ModelConfig, n: int, layout: Layout, e: int) -> float:
     k, d, E, t = cfg.moe.top_k, cfg.d_model, cfg.moe.num_experts, layout.tp
     expert = (4 if cfg.activation == "swiglu" else 2) * cfg.expert_dim
     shared = _mlp_elems(cfg, layout) * cfg.shared_dim // cfg.ffn_dim if cfg.shared_dim else 0
-    received = 2 * k * d * e if layout.ep > 1 else 0  # expert parallelism: received + reordered rows
-    return n * (3 * k * d * e + received + (k * expert + shared) * e / t + (3 * E + 3 * k) * 4
-                + 3 * k * 8)
+    received = (
+        2 * k * d * e if layout.ep > 1 else 0
+    )  # expert parallelism: received + reordered rows
+    return n * (
+        3 * k * d * e + received + (k * expert + shared) * e / t + (3 * E + 3 * k) * 4 + 3 * k * 8
+    )
 
 
-def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
-                           moe: bool = False) -> dict:
+def layer_activation_bytes(
+    cfg: ModelConfig, seq_len: int, layout: Layout, moe: bool = False
+) -> dict:
     """Bytes one block keeps for backward for one micro-batch, by part (fused attention); ``moe``:
     a block with the MoE FFN."""
     e = DTYPE_BYTES[layout.precision]
-    n = layout.micro_batch * seq_len // layout.cp       # the tokens of this context rank
+    n = layout.micro_batch * seq_len // layout.cp  # the tokens of this context rank
     t = layout.tp
     sp = t if layout.sequence_parallel and t > 1 else 1
     d = cfg.d_model
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     per_norm = _norm_elems(cfg, layout)
     norms = 2 * per_norm - (d if cfg.residual == "parallel" else 0)  # parallel: one shared input
-    lse = n * cfg.n_heads * 4 / t                                       # fp32 log-sum-exp
+    lse = n * cfg.n_heads * 4 / t  # fp32 log-sum-exp
     parts = {
         "norms": n * norms * e / sp,
-        "attention": n * (2 * hq + 2 * hkv) * e / t + (0 if layout.recompute == "selective" else lse)
-                     + (n * (hq + hkv) * e / t if cfg.qk_norm else 0)   # q, k before their norms
-                     + context_saved_bytes(cfg, seq_len, layout),
+        "attention": n * (2 * hq + 2 * hkv) * e / t
+        + (0 if layout.recompute == "selective" else lse)
+        + (n * (hq + hkv) * e / t if cfg.qk_norm else 0)  # q, k before their norms
+        + context_saved_bytes(cfg, seq_len, layout),
         "mlp": _moe_mlp_bytes(cfg, n, layout, e) if moe else n * _mlp_elems(cfg, layout) * e / t,
         "dropout_masks": (2 * n * d * _mask_bytes(layout, cfg) / sp) if cfg.dropout > 0 else 0,
     }
@@ -280,23 +313,24 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     return parts
 
 
-def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
-                     padded_vocab: Optional[int] = None) -> dict:
+def activation_bytes(
+    cfg: ModelConfig, seq_len: int, layout: Layout, padded_vocab: Optional[int] = None
+) -> dict:
     """Activation bytes held at the end of a micro-batch's forward on the busiest rank, and the
     extra live during its backward; see the module docstring for the terms."""
     e = DTYPE_BYTES[layout.precision]
-    n = layout.micro_batch * seq_len // layout.cp       # the tokens of this context rank
+    n = layout.micro_batch * seq_len // layout.cp  # the tokens of this context rank
     t = layout.tp
     sp = t if layout.sequence_parallel and t > 1 else 1
     d, V = cfg.d_model, cfg.vocab_size
     layer = layer_activation_bytes(cfg, seq_len, layout)["total"]
     layers = math.ceil(cfg.n_layers / layout.pp)
-    n_moe = min(layers, math.ceil(cfg.moe_layers / layout.pp))   # on the busiest stage
+    n_moe = min(layers, math.ceil(cfg.moe_layers / layout.pp))  # on the busiest stage
     moe_layer = layer_activation_bytes(cfg, seq_len, layout, moe=True)["total"] if n_moe else 0.0
     if layout.recompute == "full":
         ckpt = math.ceil(layers / layout.recompute_every)
         kept = ckpt * n * d * e / sp + (layers - ckpt) * max(layer, moe_layer)
-        recompute_live = max(layer, moe_layer)      # one block rebuilt at a time in backward
+        recompute_live = max(layer, moe_layer)  # one block rebuilt at a time in backward
     else:
         kept, recompute_live = (layers - n_moe) * layer + n_moe * moe_layer, 0.0
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
@@ -306,7 +340,7 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     native_loss = _native_cpu(cfg, layout) and t == 1 and cfg.loss_chunk_tokens == 0
     # final norm + what the loss keeps: fp32 log-probs, or (native kernel) the padded logits + lse
     output = n * per_norm * e / sp + (n * (Vp + 1) * 4 if native_loss else n * V * 4 / t)
-    tables = 2 * rot * seq_len * 4                           # RoPE cos/sin, once per forward
+    tables = 2 * rot * seq_len * 4  # RoPE cos/sin, once per forward
     dropout_emb = n * d * _mask_bytes(layout, cfg) / sp if cfg.dropout > 0 else 0
     total = kept * in_flight + output + tables + dropout_emb
     # backward transient: at the output layer the logits grad (padded, dtype e) + fp32 log-prob
@@ -317,8 +351,14 @@ def activation_bytes(cfg: ModelConfig, seq_len: int, layout: Layout,
     mlp_grad = swiglu_grad if cfg.activation == "swiglu" else cfg.ffn_dim
     head_grad = n * Vp * e if native_loss else n * (Vp * e + V * 4) / t
     transient = max(head_grad, n * mlp_grad * e / t, context_transient_bytes(cfg, seq_len, layout))
-    return {"per_layer": layer, "layers": kept * in_flight, "output": output + tables + dropout_emb,
-            "total": total, "backward_transient": transient, "recompute_live": recompute_live}
+    return {
+        "per_layer": layer,
+        "layers": kept * in_flight,
+        "output": output + tables + dropout_emb,
+        "total": total,
+        "backward_transient": transient,
+        "recompute_live": recompute_live,
+    }
 
 
 def _kv_repeat(cfg: ModelConfig, layout: Layout) -> int:
@@ -330,8 +370,12 @@ def _kv_repeat(cfg: ModelConfig, layout: Layout) -> int:
 
 def _context_sizes(cfg: ModelConfig, seq_len: int, layout: Layout) -> tuple[int, int, float, float]:
     """(bytes per element, local tokens b s / cp, query width and KV width per TP rank)."""
-    return (DTYPE_BYTES[layout.precision], layout.micro_batch * seq_len // layout.cp,
-            cfg.n_heads * cfg.head_dim / layout.tp, cfg.kv_heads * cfg.head_dim / layout.tp)
+    return (
+        DTYPE_BYTES[layout.precision],
+        layout.micro_batch * seq_len // layout.cp,
+        cfg.n_heads * cfg.head_dim / layout.tp,
+        cfg.kv_heads * cfg.head_dim / layout.tp,
+    )
 
 
 def context_saved_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
@@ -362,9 +406,14 @@ def context_transient_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> f
         return 0.0
     e, n, hq, hkv = _context_sizes(cfg, seq_len, layout)
     if layout.cp_mode == "ring":
-        tiles = 2 * layout.micro_batch * (cfg.n_heads // layout.tp) * RING_TILE ** 2 * 4
-        return (n * 2 * 2 * hkv * e + n * 2 * 2 * hkv * 4 + n * hq * 4
-                + (2 * n * hq * 4 if e < 4 else 0) + tiles)
+        tiles = 2 * layout.micro_batch * (cfg.n_heads // layout.tp) * RING_TILE**2 * 4
+        return (
+            n * 2 * 2 * hkv * e
+            + n * 2 * 2 * hkv * 4
+            + n * hq * 4
+            + (2 * n * hq * 4 if e < 4 else 0)
+            + tiles
+        )
     return n * (2 * hq + 2 * hkv * _kv_repeat(cfg, layout)) * e
 
 
@@ -395,12 +444,15 @@ def expert_comm_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
         return 0.0
     e = DTYPE_BYTES[layout.precision]
     n = layout.micro_batch * seq_len / layout.cp
-    return 4 * (layout.ep - 1) / layout.ep * n * cfg.moe.top_k * cfg.d_model * e \
+    return (
+        4 * (layout.ep - 1) / layout.ep * n * cfg.moe.top_k * cfg.d_model * e
         + 2 * 8 * cfg.moe.num_experts
+    )
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                            recompute: str = "none") -> float:
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
     """Korthikanti et al. 2022, table 2: activation bytes per layer (16-bit, Megatron kernels)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
@@ -442,12 +494,20 @@ class MemoryEstimate:
         return dict(asdict(self), total=self.total)
 
 
-def estimate(cfg: ModelConfig, seq_len: int, layout: Layout,
-             padded_vocab: Optional[int] = None) -> MemoryEstimate:
+def estimate(
+    cfg: ModelConfig, seq_len: int, layout: Layout, padded_vocab: Optional[int] = None
+) -> MemoryEstimate:
     """Peak bytes per GPU: the larger of a training step's (states + activations + the backward
     transient) and the model's build (:func:`build_bytes`)."""
     st = state_bytes(cfg, layout, padded_vocab)
     act = activation_bytes(cfg, seq_len, layout, padded_vocab)
-    return MemoryEstimate(st["weights"], st["grads"], st["optimizer"], act["total"],
-                          act["backward_transient"], act["recompute_live"], layout.grad_accum > 1,
-                          build_bytes(cfg, layout, padded_vocab))
+    return MemoryEstimate(
+        st["weights"],
+        st["grads"],
+        st["optimizer"],
+        act["total"],
+        act["backward_transient"],
+        act["recompute_live"],
+        layout.grad_accum > 1,
+        build_bytes(cfg, layout, padded_vocab),
+    )

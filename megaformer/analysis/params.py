@@ -42,7 +42,9 @@ def moe_mlp_params(cfg: ModelConfig, experts: int) -> int:
     """An MoE block's FFN with ``experts`` routed experts counted (all E, or the top_k a token uses)."""
     d, m = cfg.d_model, (3 if cfg.activation == "swiglu" else 2)
     gate = d if cfg.moe.shared_gate else 0
-    return d * cfg.moe.num_experts + experts * m * d * cfg.expert_dim + m * d * cfg.shared_dim + gate
+    return (
+        d * cfg.moe.num_experts + experts * m * d * cfg.expert_dim + m * d * cfg.shared_dim + gate
+    )
 
 
 def norm_params(cfg: ModelConfig) -> int:
@@ -58,7 +60,9 @@ def count_parameters(cfg: ModelConfig) -> dict:
     ``embedding`` is the token embedding, learned positions and an untied lm_head.
     """
     if not isinstance(cfg.vocab_size, int) or isinstance(cfg.vocab_size, bool):
-        raise ValueError(f"model.vocab_size must be an int to count parameters, got {cfg.vocab_size!r}")
+        raise ValueError(
+            f"model.vocab_size must be an int to count parameters, got {cfg.vocab_size!r}"
+        )
     d, V = cfg.d_model, cfg.vocab_size
     embedding = V * d
     if cfg.position == "learned":
@@ -69,9 +73,16 @@ def count_parameters(cfg: ModelConfig) -> dict:
     non_embedding = cfg.n_layers * block + norm_params(cfg)
     moe = cfg.moe_layers
     if moe == 0:
-        return {"total": embedding + non_embedding, "embedding": embedding,
-                "non_embedding": non_embedding}
+        return {
+            "total": embedding + non_embedding,
+            "embedding": embedding,
+            "non_embedding": non_embedding,
+        }
     non_embedding += moe * (moe_mlp_params(cfg, cfg.moe.num_experts) - mlp_params(cfg))
     inactive = moe * (moe_mlp_params(cfg, cfg.moe.num_experts) - moe_mlp_params(cfg, cfg.moe.top_k))
-    return {"total": embedding + non_embedding, "embedding": embedding,
-            "non_embedding": non_embedding, "active": embedding + non_embedding - inactive}
+    return {
+        "total": embedding + non_embedding,
+        "embedding": embedding,
+        "non_embedding": non_embedding,
+        "active": embedding + non_embedding - inactive,
+    }

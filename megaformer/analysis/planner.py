@@ -51,9 +51,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.flops import fp8_forward_flops, fp8_share, step_flops
 from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate
-from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.checkpoint.sharded import BYTES_PER_ELEMENT
 from megaformer.config import Config
@@ -62,7 +62,9 @@ from megaformer.parallel.plan import padded_vocab_size
 
 RESERVE_GB = 2.0
 GB = 1e9
-CHECKPOINT_BYTES_PER_PARAM = BYTES_PER_ELEMENT  # fp32 master weight + Adam's first and second moments
+CHECKPOINT_BYTES_PER_PARAM = (
+    BYTES_PER_ELEMENT  # fp32 master weight + Adam's first and second moments
+)
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,9 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
     padded = padded_vocab_size(m.vocab_size, lay.tp, cfg.parallel.vocab_multiple)
     mem = estimate(m, s, lay, padded)
     gbs = cfg.train.global_batch_size
-    fl = step_flops(m, s, gbs, recompute=lay.recompute, recompute_every=lay.recompute_every,
-                    padded_vocab=padded)
+    fl = step_flops(
+        m, s, gbs, recompute=lay.recompute, recompute_every=lay.recompute_every, padded_vocab=padded
+    )
     peak = hw.peak_tflops * 1e12
     micro = lay.grad_accum
     work = fl.hardware / peak  # GPU-seconds at full peak
@@ -103,7 +106,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         f8 = 3 * fp8_forward_flops(m, s) * gbs + share * fl.recompute
         work = (fl.hardware - f8) / peak + f8 / (hw.fp8_tflops * 1e12)
     compute = work / (hw.gpus * hw.efficiency) * (1 + (lay.pp - 1) / micro)
-    act = lay.micro_batch * s // lay.cp * m.d_model * e      # one context rank's part
+    act = lay.micro_batch * s // lay.cp * m.d_model * e  # one context rank's part
     node = hw.gpus_per_node
 
     def bw(span: int) -> float:  # a group of `span` adjacent ranks: NVLink if it fits a node
@@ -112,36 +115,65 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
     layers = math.ceil(m.n_layers / lay.pp)
     n_ar = 6 if lay.recompute == "full" else 4
     tp_time = micro * layers * n_ar * _allreduce_s(act, lay.tp, bw(lay.tp))
-    from megaformer.analysis.memory import (context_comm_bytes, expert_comm_bytes,
-                                            expert_params_per_rank, params_per_rank)
+    from megaformer.analysis.memory import (
+        context_comm_bytes,
+        expert_comm_bytes,
+        expert_params_per_rank,
+        params_per_rank,
+    )
 
     P, X = params_per_rank(m, lay, padded), expert_params_per_rank(m, lay)
     dp_bw = bw(lay.tp * lay.cp * lay.dp)
-    dp_time = (_allreduce_s((P - X) * e, lay.replicas, dp_bw)
-               + _allreduce_s(X * e, lay.expert_replicas, dp_bw)) * (1.5 if lay.zero == 3 else 1.0)
+    dp_time = (
+        _allreduce_s((P - X) * e, lay.replicas, dp_bw)
+        + _allreduce_s(X * e, lay.expert_replicas, dp_bw)
+    ) * (1.5 if lay.zero == 3 else 1.0)
     pp_bw = hw.inter_gbps if lay.tp * lay.pp > node else hw.intra_gbps
     pp_time = 2 * micro * (lay.pp - 1) * act / (pp_bw * GB) / max(lay.pp, 1) if lay.pp > 1 else 0.0
     cp_time = micro * layers * context_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp) * GB)
     moe_layers = min(layers, math.ceil(m.moe_layers / lay.pp)) if m.moe_layers else 0
-    ep_time = micro * moe_layers * expert_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp * lay.ep) * GB)
+    ep_time = (
+        micro * moe_layers * expert_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp * lay.ep) * GB)
+    )
     step = compute + tp_time + dp_time + pp_time + cp_time + ep_time
     from megaformer.analysis.params import count_parameters
 
     per_rank = CHECKPOINT_BYTES_PER_PARAM * ((P - X) / lay.replicas + X / lay.expert_replicas)
     return {
-        "layout": asdict(lay), "memory_gb": mem.total / GB,
+        "layout": asdict(lay),
+        "memory_gb": mem.total / GB,
         "memory": {k: float(v) / GB for k, v in mem.as_dict().items() if not isinstance(v, bool)},
         "step_time_s": step,
-        "time": {"compute": compute, "tp_comm": tp_time, "dp_comm": dp_time, "pp_comm": pp_time,
-                 "cp_comm": cp_time, "ep_comm": ep_time},
-        "mfu": fl.model / (step * hw.gpus * peak), "tokens_per_s": fl.tokens / step,
-        "checkpoint": {"total_gb": CHECKPOINT_BYTES_PER_PARAM * count_parameters(m)["total"] / GB,
-                       "per_rank_gb": per_rank / GB, "async_staging_gb": per_rank / GB},
+        "time": {
+            "compute": compute,
+            "tp_comm": tp_time,
+            "dp_comm": dp_time,
+            "pp_comm": pp_time,
+            "cp_comm": cp_time,
+            "ep_comm": ep_time,
+        },
+        "mfu": fl.model / (step * hw.gpus * peak),
+        "tokens_per_s": fl.tokens / step,
+        "checkpoint": {
+            "total_gb": CHECKPOINT_BYTES_PER_PARAM * count_parameters(m)["total"] / GB,
+            "per_rank_gb": per_rank / GB,
+            "async_staging_gb": per_rank / GB,
+        },
     }
 
 
-def _reject_reason(cfg: Config, tp: int, cp: int, dp: int, pp: int, ep: int, *, zero: int, mb: int,
-                   cp_mode: str = "ring") -> Optional[str]:
+def _reject_reason(
+    cfg: Config,
+    tp: int,
+    cp: int,
+    dp: int,
+    pp: int,
+    ep: int,
+    *,
+    zero: int,
+    mb: int,
+    cp_mode: str = "ring",
+) -> Optional[str]:
     m, gbs = cfg.model, cfg.train.global_batch_size
     if cp > 1 and cp_mode == "ring" and cfg.seq_len % (2 * cp):
         return f"CP={cp} (ring) needs the sequence {cfg.seq_len} divisible by {2 * cp}"
@@ -152,7 +184,9 @@ def _reject_reason(cfg: Config, tp: int, cp: int, dp: int, pp: int, ep: int, *, 
     if ep > 1 and (m.moe.num_experts % ep or dp % ep):
         return f"EP={ep} does not divide the experts {m.moe.num_experts} / DP {dp}"
     if m.n_heads % tp or m.kv_heads % tp or m.ffn_dim % tp:
-        return f"TP={tp} does not divide heads {m.n_heads} / KV heads {m.kv_heads} / FFN {m.ffn_dim}"
+        return (
+            f"TP={tp} does not divide heads {m.n_heads} / KV heads {m.kv_heads} / FFN {m.ffn_dim}"
+        )
     if m.moe_layers and (m.expert_dim % tp or m.shared_dim % tp):
         return f"TP={tp} does not divide the expert FFN {m.expert_dim} / shared FFN {m.shared_dim}"
     if m.moe_layers and zero == 3:
@@ -175,8 +209,12 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
     cfg = resolve_vocab(cfg)
     feasible, rejected = [], []
     long = cfg.seq_len >= 8192
-    contexts = [(1, "ring")] + [(c, mode) for c in (2, 4, 8, 16) if long and hw.gpus % c == 0
-                                for mode in ("ring", "all_to_all")]
+    contexts = [(1, "ring")] + [
+        (c, mode)
+        for c in (2, 4, 8, 16)
+        if long and hw.gpus % c == 0
+        for mode in ("ring", "all_to_all")
+    ]
     for tp in _divisors(hw.gpus):
         for cp, cp_mode in contexts:
             if hw.gpus % (tp * cp):
@@ -184,8 +222,9 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
             for pp in _divisors(hw.gpus // (tp * cp)):
                 dp = hw.gpus // (tp * cp * pp)
                 experts = _divisors(dp) if cfg.model.moe_layers else [1]
-                for ep, zero, mb in ((ep, z, mb) for ep in experts for z in (0, 1, 2, 3)
-                                     for mb in micro_batches):
+                for ep, zero, mb in (
+                    (ep, z, mb) for ep in experts for z in (0, 1, 2, 3) for mb in micro_batches
+                ):
                     why = _reject_reason(cfg, tp, cp, dp, pp, ep, zero=zero, mb=mb, cp_mode=cp_mode)
                     key = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "micro_batch": mb}
                     if cp > 1:
@@ -197,24 +236,49 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                         continue
                     accum = cfg.train.global_batch_size // (mb * dp)
                     for rc in ("none", "selective", "full"):
-                        lay = Layout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, zero=zero, micro_batch=mb,
-                                     grad_accum=accum, recompute=rc, sequence_parallel=tp > 1,
-                                     precision=cfg.train.precision, device="cuda",
-                                     cp_mode=cp_mode)
+                        lay = Layout(
+                            tp=tp,
+                            cp=cp,
+                            dp=dp,
+                            pp=pp,
+                            ep=ep,
+                            zero=zero,
+                            micro_batch=mb,
+                            grad_accum=accum,
+                            recompute=rc,
+                            sequence_parallel=tp > 1,
+                            precision=cfg.train.precision,
+                            device="cuda",
+                            cp_mode=cp_mode,
+                        )
                         r = evaluate(cfg, hw, lay)
                         need = r["memory_gb"] + RESERVE_GB
                         if need > hw.memory_gb:
-                            rejected.append({**key, "recompute": rc, "memory_gb": need,
-                                             "reason": f"needs {need:.1f} GB > {hw.memory_gb:g} GB"})
+                            rejected.append(
+                                {
+                                    **key,
+                                    "recompute": rc,
+                                    "memory_gb": need,
+                                    "reason": f"needs {need:.1f} GB > {hw.memory_gb:g} GB",
+                                }
+                            )
                         else:
                             feasible.append(r)
     feasible.sort(key=lambda r: (r["step_time_s"], r["memory_gb"]))
-    return {"config": cfg.name, "assumptions": dict(asdict(hw), reserve_gb=RESERVE_GB,
-                                                    overlap="none", seq_len=cfg.seq_len,
-                                                    global_batch=cfg.train.global_batch_size,
-                                                    precision=cfg.train.precision,
-                                                    fp8=cfg.train.fp8),
-            "feasible": feasible, "rejected": rejected}
+    return {
+        "config": cfg.name,
+        "assumptions": dict(
+            asdict(hw),
+            reserve_gb=RESERVE_GB,
+            overlap="none",
+            seq_len=cfg.seq_len,
+            global_batch=cfg.train.global_batch_size,
+            precision=cfg.train.precision,
+            fp8=cfg.train.fp8,
+        ),
+        "feasible": feasible,
+        "rejected": rejected,
+    }
 
 
 def plan_from_args(cfg: Config, args: argparse.Namespace) -> dict:
@@ -223,7 +287,9 @@ def plan_from_args(cfg: Config, args: argparse.Namespace) -> dict:
     acc = find_accelerator(args.gpu) if args.gpu else None
     peak = peak_tflops(args.gpu, cfg.train.precision, args.peak_tflops)
     if peak is None:
-        raise UserError("plan: give --gpu NAME (peak table) or --peak-tflops for the step-time model")
+        raise UserError(
+            "plan: give --gpu NAME (peak table) or --peak-tflops for the step-time model"
+        )
     mem = args.gpu_mem or (acc.memory_gb if acc else None)
     if not mem or mem <= 0:
         raise UserError("plan: give --gpu-mem GB (or a --gpu from the table)")
@@ -236,8 +302,10 @@ def plan_from_args(cfg: Config, args: argparse.Namespace) -> dict:
     fp8 = None
     if cfg.train.fp8 != "off":
         if acc is None or "fp8" not in acc.peaks:
-            raise UserError(f"plan: train.fp8={cfg.train.fp8} needs a --gpu with an FP8 peak in the "
-                            "table (see megaformer/accelerators.py)")
+            raise UserError(
+                f"plan: train.fp8={cfg.train.fp8} needs a --gpu with an FP8 peak in the "
+                "table (see megaformer/accelerators.py)"
+            )
         fp8 = acc.peak("fp8")
     hw = Hardware(args.gpus, args.nodes_of, mem, peak, intra, inter, args.efficiency, fp8)
     return plan(cfg, hw)
@@ -245,42 +313,54 @@ def plan_from_args(cfg: Config, args: argparse.Namespace) -> dict:
 
 def format_plan(r: dict, top: int = 10) -> str:
     a = r["assumptions"]
-    lines = [f"plan {r['config']}: {a['gpus']} GPUs ({a['gpus_per_node']} per node), {a['memory_gb']:g} GB "
-             f"each, peak {a['peak_tflops']:g} TFLOP/s x efficiency {a['efficiency']:g}; NVLink/intra "
-             f"{a['intra_gbps']:g} GB/s, network {a['inter_gbps']:g} GB/s per GPU; no overlap; "
-             f"{a['reserve_gb']:g} GB reserved; global batch {a['global_batch']} x {a['seq_len']}",
-             f"{'TP':>3s} {'PP':>3s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} {'recompute':>9s} "
-             f"{'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "
-             "time split (compute/TP/DP/PP)"]
+    lines = [
+        f"plan {r['config']}: {a['gpus']} GPUs ({a['gpus_per_node']} per node), {a['memory_gb']:g} GB "
+        f"each, peak {a['peak_tflops']:g} TFLOP/s x efficiency {a['efficiency']:g}; NVLink/intra "
+        f"{a['intra_gbps']:g} GB/s, network {a['inter_gbps']:g} GB/s per GPU; no overlap; "
+        f"{a['reserve_gb']:g} GB reserved; global batch {a['global_batch']} x {a['seq_len']}",
+        f"{'TP':>3s} {'PP':>3s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} {'recompute':>9s} "
+        f"{'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "
+        "time split (compute/TP/DP/PP)",
+    ]
     if a.get("fp8", "off") != "off" and a.get("fp8_tflops"):
-        lines.insert(1, f"train.fp8={a['fp8']}: the block GEMMs at the FP8 peak "
-                        f"{a['fp8_tflops']:g} TFLOP/s; MFU is against the {a['peak_tflops']:g} "
-                        "TFLOP/s peak (above 100% when FP8 pays)")
+        lines.insert(
+            1,
+            f"train.fp8={a['fp8']}: the block GEMMs at the FP8 peak "
+            f"{a['fp8_tflops']:g} TFLOP/s; MFU is against the {a['peak_tflops']:g} "
+            "TFLOP/s peak (above 100% when FP8 pays)",
+        )
     shown = r["feasible"][:top]
     cp_col = any(x["layout"]["cp"] > 1 for x in shown)
     ep_col = any(x["layout"]["ep"] > 1 for x in shown)
     extra = ("/CP" if cp_col else "") + ("/EP" if ep_col else "")
     lines[-1] = (lines[-1][:-1] + extra + ")").replace(
-        f"{'DP':>4s} ", f"{'DP':>4s} " + (f"{'CP':>13s} " if cp_col else "") +
-        (f"{'EP':>3s} " if ep_col else ""), 1)
+        f"{'DP':>4s} ",
+        f"{'DP':>4s} " + (f"{'CP':>13s} " if cp_col else "") + (f"{'EP':>3s} " if ep_col else ""),
+        1,
+    )
     for x in shown:
         L, t = x["layout"], x["time"]
         cp = f"{L['cp']} {L['cp_mode']}" if L["cp"] > 1 else "1"
-        lines.append(f"{L['tp']:>3d} {L['pp']:>3d} {L['dp']:>4d} "
-                     + (f"{cp:>13s} " if cp_col else "") + (f"{L['ep']:>3d} " if ep_col else "")
-                     + f"{L['zero']:>4d} {L['micro_batch']:>3d} "
-                     f"{L['recompute']:>9s} {x['memory_gb']:>7.1f} {x['step_time_s']:>8.3f} "
-                     f"{100 * x['mfu']:>5.1f}% {x['checkpoint']['per_rank_gb']:>12.2f}  "
-                     f"{t['compute']:.3f}/{t['tp_comm']:.3f}/"
-                     f"{t['dp_comm']:.3f}/{t['pp_comm']:.3f}"
-                     + (f"/{t['cp_comm']:.3f}" if cp_col else "")
-                     + (f"/{t['ep_comm']:.3f}" if ep_col else ""))
+        lines.append(
+            f"{L['tp']:>3d} {L['pp']:>3d} {L['dp']:>4d} "
+            + (f"{cp:>13s} " if cp_col else "")
+            + (f"{L['ep']:>3d} " if ep_col else "")
+            + f"{L['zero']:>4d} {L['micro_batch']:>3d} "
+            f"{L['recompute']:>9s} {x['memory_gb']:>7.1f} {x['step_time_s']:>8.3f} "
+            f"{100 * x['mfu']:>5.1f}% {x['checkpoint']['per_rank_gb']:>12.2f}  "
+            f"{t['compute']:.3f}/{t['tp_comm']:.3f}/"
+            f"{t['dp_comm']:.3f}/{t['pp_comm']:.3f}"
+            + (f"/{t['cp_comm']:.3f}" if cp_col else "")
+            + (f"/{t['ep_comm']:.3f}" if ep_col else "")
+        )
     if r["feasible"]:
         c = r["feasible"][0]["checkpoint"]
-        lines.append(f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + Adam "
-                     f"moments), written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
-                     f"first layout (= each rank's pinned host staging arena on a GPU, "
-                     f"held for the run)")
+        lines.append(
+            f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + Adam "
+            f"moments), written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
+            f"first layout (= each rank's pinned host staging arena on a GPU, "
+            f"held for the run)"
+        )
     if not r["feasible"]:
         lines.append("no feasible layout")
     lines.append(f"{len(r['feasible'])} feasible, {len(r['rejected'])} rejected; e.g.:")
@@ -290,9 +370,11 @@ def format_plan(r: dict, top: int = 10) -> str:
         if kind in seen:
             continue
         seen.add(kind)
-        lines.append(f"  TP {x['tp']} PP {x['pp']} DP {x['dp']}"
-                     + (f" CP {x['cp']} {x['cp_mode']}" if "cp" in x else "")
-                     + (f" EP {x['ep']}" if "ep" in x else "")
-                     + f" ZeRO {x['zero']} mb {x['micro_batch']}"
-                     f"{' ' + x['recompute'] if 'recompute' in x else ''}: {x['reason']}")
+        lines.append(
+            f"  TP {x['tp']} PP {x['pp']} DP {x['dp']}"
+            + (f" CP {x['cp']} {x['cp_mode']}" if "cp" in x else "")
+            + (f" EP {x['ep']}" if "ep" in x else "")
+            + f" ZeRO {x['zero']} mb {x['micro_batch']}"
+            f"{' ' + x['recompute'] if 'recompute' in x else ''}: {x['reason']}"
+        )
     return "\n".join(lines)

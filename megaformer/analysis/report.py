@@ -38,21 +38,36 @@ PLOTS = [
     ("loss", "Loss", [("loss", "train"), ("val_loss", "validation")], "nats/token"),
     ("lr", "Learning rate", [("lr", "lr")], "lr"),
     ("tokens_per_s", "Throughput", [("tokens_per_s", "tokens/s")], "tokens/s"),
-    ("tflops_per_gpu", "TFLOP/s per GPU",
-     [("tflops_per_gpu", "model"), ("hw_tflops_per_gpu", "hardware"),
-      ("fp8_tflops_per_gpu", "model, in FP8 GEMMs")], "TFLOP/s"),
-    ("mfu", "Utilisation", [("mfu", "MFU"), ("hfu", "HFU"), ("mfu_mixed", "MFU vs mixed FP8 peak")],
-     "fraction of peak"),
+    (
+        "tflops_per_gpu",
+        "TFLOP/s per GPU",
+        [
+            ("tflops_per_gpu", "model"),
+            ("hw_tflops_per_gpu", "hardware"),
+            ("fp8_tflops_per_gpu", "model, in FP8 GEMMs"),
+        ],
+        "TFLOP/s",
+    ),
+    (
+        "mfu",
+        "Utilisation",
+        [("mfu", "MFU"), ("hfu", "HFU"), ("mfu_mixed", "MFU vs mixed FP8 peak")],
+        "fraction of peak",
+    ),
     ("memory", "Peak memory", [("peak_mem_gb", "peak")], "GB"),
 ]
-MEDIANS = [("tokens_per_s", "tokens/s", "{:,.0f}"), ("step_time_s", "step time (s)", "{:.4g}"),
-           ("tflops_per_gpu", "TFLOP/s per GPU (model)", "{:.4g}"),
-           ("hw_tflops_per_gpu", "TFLOP/s per GPU (hardware)", "{:.4g}"),
-           ("fp8_tflops_per_gpu", "TFLOP/s per GPU in FP8 GEMMs (model)", "{:.4g}"),
-           ("mfu", "MFU", "{:.2%}"), ("hfu", "HFU", "{:.2%}"),
-           ("mfu_mixed", "MFU vs mixed FP8/bf16 peak", "{:.2%}"),
-           ("peak_mem_gb", "peak memory (GB)", "{:.3g}"),
-           ("grad_norm", "grad norm", "{:.3g}")]
+MEDIANS = [
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("step_time_s", "step time (s)", "{:.4g}"),
+    ("tflops_per_gpu", "TFLOP/s per GPU (model)", "{:.4g}"),
+    ("hw_tflops_per_gpu", "TFLOP/s per GPU (hardware)", "{:.4g}"),
+    ("fp8_tflops_per_gpu", "TFLOP/s per GPU in FP8 GEMMs (model)", "{:.4g}"),
+    ("mfu", "MFU", "{:.2%}"),
+    ("hfu", "HFU", "{:.2%}"),
+    ("mfu_mixed", "MFU vs mixed FP8/bf16 peak", "{:.2%}"),
+    ("peak_mem_gb", "peak memory (GB)", "{:.3g}"),
+    ("grad_norm", "grad norm", "{:.3g}"),
+]
 
 
 def _number(v: object) -> bool:
@@ -111,7 +126,9 @@ def load_records(run_dir: Path) -> tuple[list[dict], str]:
     elif tb.is_dir():
         records, source = read_tensorboard(tb), str(tb)
     else:
-        raise UserError(f"{run_dir}: no {METRICS_FILE} and no tensorboard/ events; is it a run directory?")
+        raise UserError(
+            f"{run_dir}: no {METRICS_FILE} and no tensorboard/ events; is it a run directory?"
+        )
     if not records:
         raise UserError(f"{source}: no metrics recorded yet")
     # a resumed run may have re-logged steps: keep the last record of each step
@@ -150,8 +167,9 @@ def plot(records: list[dict], out: Path) -> list[Path]:
             ax.set_ylim(bottom=0)  # from zero: a few percent of drift is not a leak
         baseline = _series(records, "unigram_baseline")[1] if stem == "loss" else []
         if baseline:  # what a model that learned only token frequencies would score
-            ax.axhline(baseline[-1], color="grey", linestyle="--", linewidth=1,
-                       label="unigram baseline")
+            ax.axhline(
+                baseline[-1], color="grey", linestyle="--", linewidth=1, label="unigram baseline"
+            )
         if len(series) > 1 or baseline:
             ax.legend()
         ax.grid(alpha=0.3)
@@ -180,14 +198,21 @@ def summary_markdown(run_dir: Path, records: list[dict], source: str, plots: lis
     losses = _series(records, "loss")
     vals = _series(records, "val_loss")
     med = medians(records)
-    lines = [f"# Run report: {run_dir.name}", "",
-             f"Source: `{source}` ({len(records)} records, last step {last['step']}).", ""]
+    lines = [
+        f"# Run report: {run_dir.name}",
+        "",
+        f"Source: `{source}` ({len(records)} records, last step {last['step']}).",
+        "",
+    ]
     if losses[1]:
-        lines.append(f"- train loss: {losses[1][0]:.4f} at step {losses[0][0]} -> "
-                     f"{losses[1][-1]:.4f} at step {losses[0][-1]}")
+        lines.append(
+            f"- train loss: {losses[1][0]:.4f} at step {losses[0][0]} -> "
+            f"{losses[1][-1]:.4f} at step {losses[0][-1]}"
+        )
     if vals[1]:
-        lines.append(f"- validation loss: {vals[1][-1]:.4f} at step {vals[0][-1]} "
-                     f"(best {min(vals[1]):.4f})")
+        lines.append(
+            f"- validation loss: {vals[1][-1]:.4f} at step {vals[0][-1]} (best {min(vals[1]):.4f})"
+        )
     if "consumed_tokens" in last and math.isfinite(last["consumed_tokens"]):
         lines.append(f"- tokens consumed: {int(last['consumed_tokens']):,}")
     lines += ["", "| metric | median |", "|---|---|"]
@@ -195,8 +220,11 @@ def summary_markdown(run_dir: Path, records: list[dict], source: str, plots: lis
     if "fp8_tflops_per_gpu" in med:
         lines += ["", "FP8 run: MFU and HFU are against the bf16 peak."]
     if "mfu" not in med:
-        lines += ["", "No MFU: the run had no known peak (a CPU, or a GPU without log.gpu / "
-                      "log.peak_tflops)."]
+        lines += [
+            "",
+            "No MFU: the run had no known peak (a CPU, or a GPU without log.gpu / "
+            "log.peak_tflops).",
+        ]
     lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -213,19 +241,29 @@ def write_report(run_dir: str | Path, out: Optional[str | Path] = None) -> dict:
 
     plots = plot(records, out_dir) + plot_diagnostics(records, out_dir)
     summary = out_dir / "summary.md"
-    write_atomic(summary, summary_markdown(run_dir, records, source, plots), fsync=False,
-                 error=UserError)
-    return {"summary": str(summary), "plots": [str(p) for p in plots], "records": len(records),
-            "medians": medians(records)}
+    write_atomic(
+        summary, summary_markdown(run_dir, records, source, plots), fsync=False, error=UserError
+    )
+    return {
+        "summary": str(summary),
+        "plots": [str(p) for p in plots],
+        "records": len(records),
+        "medians": medians(records),
+    }
 
 
 # ----------------------------------------------------------------------------- two runs
 
 # (key or layer family, what it is): the quantities a comparison reports on
-COMPARED = [("loss", "train loss"), ("val_loss", "validation loss"),
-            ("diag_resid_rms", "residual RMS"), ("diag_attn_max_logit", "max attention logit"),
-            ("diag_attn_write_rms", "attention write RMS"), ("diag_mlp_write_rms", "MLP write RMS"),
-            ("diag_logit_lens_loss", "logit-lens loss")]
+COMPARED = [
+    ("loss", "train loss"),
+    ("val_loss", "validation loss"),
+    ("diag_resid_rms", "residual RMS"),
+    ("diag_attn_max_logit", "max attention logit"),
+    ("diag_attn_write_rms", "attention write RMS"),
+    ("diag_mlp_write_rms", "MLP write RMS"),
+    ("diag_logit_lens_loss", "logit-lens loss"),
+]
 Series = dict[str, tuple[list[int], list[float]]]
 
 
@@ -258,9 +296,17 @@ def first_divergence(sa: Series, sb: Series, threshold: float) -> dict:
             rel = _relative(va[step], vb[step])
             points += 1
             largest = max(largest, rel)
-            if rel > threshold and (first is None or (step, depth) < (first["step"], first["_depth"])):
-                first = {"step": step, "layer": name or None, "a": va[step], "b": vb[step],
-                         "rel": rel, "_depth": depth}
+            if rel > threshold and (
+                first is None or (step, depth) < (first["step"], first["_depth"])
+            ):
+                first = {
+                    "step": step,
+                    "layer": name or None,
+                    "a": va[step],
+                    "b": vb[step],
+                    "rel": rel,
+                    "_depth": depth,
+                }
     if first is not None:
         first.pop("_depth")
     return {"points": points, "largest": largest, "first": first}
@@ -285,8 +331,9 @@ def _plot_losses(a: list[dict], b: list[dict], labels: tuple[str, str], out: Pat
     (xa, ya), (xb, yb) = _series(a, "loss"), _series(b, "loss")
     if not (xa and xb):
         return []
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.4), dpi=100, sharex=True,
-                                      gridspec_kw={"height_ratios": [2, 1]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(6.4, 5.4), dpi=100, sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
     top.plot(xa, ya, label=labels[0])
     top.plot(xb, yb, label=labels[1], linestyle="--")
     top.set_title("Train loss")
@@ -294,7 +341,9 @@ def _plot_losses(a: list[dict], b: list[dict], labels: tuple[str, str], out: Pat
     top.legend()
     vb = dict(zip(xb, yb))
     common = [(x, y) for x, y in zip(xa, ya) if x in vb]
-    bottom.plot([x for x, _ in common], [100 * (vb[x] - y) / abs(y) if y else 0.0 for x, y in common])
+    bottom.plot(
+        [x for x, _ in common], [100 * (vb[x] - y) / abs(y) if y else 0.0 for x, y in common]
+    )
     bottom.axhline(0, color="grey", linewidth=0.5)
     bottom.set_ylabel(f"{labels[1]} vs {labels[0]} (%)", fontsize=8)
     bottom.set_xlabel("step")
@@ -311,21 +360,35 @@ def _fmt(v: float) -> str:
     return f"{v:.5g}"
 
 
-def comparison_markdown(labels: tuple[str, str], sources: tuple[str, str], result: dict,
-                        threshold: float, plots: list[Path]) -> str:
+def comparison_markdown(
+    labels: tuple[str, str],
+    sources: tuple[str, str],
+    result: dict,
+    threshold: float,
+    plots: list[Path],
+) -> str:
     names = dict(COMPARED)
-    lines = [f"# Comparison: {labels[0]} (A) vs {labels[1]} (B)", "",
-             f"A: `{sources[0]}`; B: `{sources[1]}`. Diverged: |B - A| > {threshold:g} |A| at a "
-             "step both runs logged (per-layer quantities: the first such step, then the "
-             "shallowest layer).", "",
-             "| quantity | points compared | first divergence | A | B | difference | largest difference |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Comparison: {labels[0]} (A) vs {labels[1]} (B)",
+        "",
+        f"A: `{sources[0]}`; B: `{sources[1]}`. Diverged: |B - A| > {threshold:g} |A| at a "
+        "step both runs logged (per-layer quantities: the first such step, then the "
+        "shallowest layer).",
+        "",
+        "| quantity | points compared | first divergence | A | B | difference | largest difference |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, r in result.items():
         f = r["first"]
-        where = "none" if f is None else f"step {f['step']}" + (f", {f['layer']}" if f["layer"] else "")
+        where = (
+            "none" if f is None else f"step {f['step']}" + (f", {f['layer']}" if f["layer"] else "")
+        )
         vals = ["", "", ""] if f is None else [_fmt(f["a"]), _fmt(f["b"]), f"{f['rel']:.2%}"]
-        lines.append(f"| {names[key]} | {r['points']} | {where} | " + " | ".join(vals)
-                     + f" | {r['largest']:.2%} |")
+        lines.append(
+            f"| {names[key]} | {r['points']} | {where} | "
+            + " | ".join(vals)
+            + f" | {r['largest']:.2%} |"
+        )
     lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -337,17 +400,25 @@ def divergence_lines(result: dict, threshold: float) -> list[str]:
     for key, r in result.items():
         f = r["first"]
         if f is None:
-            out.append(f"{names[key]}: within {threshold:.1%} at all {r['points']} points "
-                       f"(largest {r['largest']:.2%})")
+            out.append(
+                f"{names[key]}: within {threshold:.1%} at all {r['points']} points "
+                f"(largest {r['largest']:.2%})"
+            )
         else:
-            out.append(f"{names[key]}: first diverges at step {f['step']}"
-                       + (f", {f['layer']}" if f["layer"] else "")
-                       + f" (A {_fmt(f['a'])}, B {_fmt(f['b'])}, {f['rel']:.2%} > {threshold:.1%})")
+            out.append(
+                f"{names[key]}: first diverges at step {f['step']}"
+                + (f", {f['layer']}" if f["layer"] else "")
+                + f" (A {_fmt(f['a'])}, B {_fmt(f['b'])}, {f['rel']:.2%} > {threshold:.1%})"
+            )
     return out
 
 
-def write_comparison(run_a: Union[str, Path], run_b: Union[str, Path],
-                     out: Optional[Union[str, Path]] = None, threshold: float = 0.05) -> dict:
+def write_comparison(
+    run_a: Union[str, Path],
+    run_b: Union[str, Path],
+    out: Optional[Union[str, Path]] = None,
+    threshold: float = 0.05,
+) -> dict:
     """Compare two run directories (see the module docstring); returns {'summary', 'plots',
     'divergence': compare_runs(...), 'lines': divergence_lines(...)}."""
     if not (threshold > 0 and math.isfinite(threshold)):
@@ -366,7 +437,15 @@ def write_comparison(run_a: Union[str, Path], run_b: Union[str, Path],
         raise UserError(f"{run_a} and {run_b}: no quantity logged by both runs at common steps")
     plots = _plot_losses(a, b, labels, out_dir) + plot_comparison(a, b, labels, out_dir)
     summary = out_dir / "comparison.md"
-    write_atomic(summary, comparison_markdown(labels, (source_a, source_b), result, threshold, plots),
-                 fsync=False, error=UserError)
-    return {"summary": str(summary), "plots": [str(p) for p in plots], "divergence": result,
-            "lines": divergence_lines(result, threshold)}
+    write_atomic(
+        summary,
+        comparison_markdown(labels, (source_a, source_b), result, threshold, plots),
+        fsync=False,
+        error=UserError,
+    )
+    return {
+        "summary": str(summary),
+        "plots": [str(p) for p in plots],
+        "divergence": result,
+        "lines": divergence_lines(result, threshold),
+    }

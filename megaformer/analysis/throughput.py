@@ -30,9 +30,14 @@ from typing import Optional
 
 import torch
 
-from megaformer.analysis.flops import (StepFlops, config_step_flops, fp8_share, mixed_peak,
-                                       utilisation)
 from megaformer.accelerators import UnknownGPUError, find_accelerator
+from megaformer.analysis.flops import (
+    StepFlops,
+    config_step_flops,
+    fp8_share,
+    mixed_peak,
+    utilisation,
+)
 from megaformer.config import Config
 from megaformer.errors import ConfigError
 
@@ -100,15 +105,18 @@ class TrainingMeter:
     peak_tflops: Optional[float]
     peak_source: str
     device: torch.device
-    fp8_share: float = 0.0              # of the model FLOPs, under train.fp8
+    fp8_share: float = 0.0  # of the model FLOPs, under train.fp8
     fp8_peak_tflops: Optional[float] = None
 
     @classmethod
     def for_run(cls, cfg: Config, device: torch.device, world_size: int) -> "TrainingMeter":
         peak, source = resolve_peak(cfg, device)
-        share = fp8_share(cfg.model, cfg.seq_len) if getattr(cfg.train, "fp8", "off") != "off" else 0.0
-        return cls(config_step_flops(cfg), world_size, peak, source, device, share,
-                   fp8_peak(cfg, device))
+        share = (
+            fp8_share(cfg.model, cfg.seq_len) if getattr(cfg.train, "fp8", "off") != "off" else 0.0
+        )
+        return cls(
+            config_step_flops(cfg), world_size, peak, source, device, share, fp8_peak(cfg, device)
+        )
 
     def record(self, mean_step_time_s: float) -> dict:
         """tflops_per_gpu, hw_tflops_per_gpu, [mfu, hfu], peak_mem_gb for an interval; under
@@ -120,18 +128,27 @@ class TrainingMeter:
             u["fp8_tflops_per_gpu"] = self.fp8_share * tf
             u["hp_tflops_per_gpu"] = (1 - self.fp8_share) * tf
             if self.peak_tflops and self.fp8_peak_tflops:
-                u["mfu_mixed"] = tf / mixed_peak(self.fp8_share, self.fp8_peak_tflops,
-                                                 self.peak_tflops)
+                u["mfu_mixed"] = tf / mixed_peak(
+                    self.fp8_share, self.fp8_peak_tflops, self.peak_tflops
+                )
         u["peak_mem_gb"] = peak_memory_bytes(self.device) / GB
         return u
 
     def summary(self) -> str:
         f = self.flops
-        return (f"FLOPs: {f.model_per_token / 1e6:,.2f} MFLOP/token model, "
-                f"{f.hardware_per_token / 1e6:,.2f} hardware (recompute, padded vocabulary) | "
-                f"{f.model / 1e12:,.4g} TFLOP/step | peak: "
-                + (f"{self.peak_tflops:g} TFLOP/s ({self.peak_source})" if self.peak_tflops
-                   else self.peak_source)
-                + (f" | FP8: {100 * self.fp8_share:.1f}% of the FLOPs, MFU vs bf16 peak"
-                   + (f", FP8 peak {self.fp8_peak_tflops:g} TFLOP/s" if self.fp8_peak_tflops else "")
-                   if self.fp8_share else ""))
+        return (
+            f"FLOPs: {f.model_per_token / 1e6:,.2f} MFLOP/token model, "
+            f"{f.hardware_per_token / 1e6:,.2f} hardware (recompute, padded vocabulary) | "
+            f"{f.model / 1e12:,.4g} TFLOP/step | peak: "
+            + (
+                f"{self.peak_tflops:g} TFLOP/s ({self.peak_source})"
+                if self.peak_tflops
+                else self.peak_source
+            )
+            + (
+                f" | FP8: {100 * self.fp8_share:.1f}% of the FLOPs, MFU vs bf16 peak"
+                + (f", FP8 peak {self.fp8_peak_tflops:g} TFLOP/s" if self.fp8_peak_tflops else "")
+                if self.fp8_share
+                else ""
+            )
+        )

@@ -51,16 +51,24 @@ from megaformer.checkpoint import sharded
 from megaformer.checkpoint.compat import check_resume_compatible, layout_changes
 from megaformer.checkpoint.files import BackgroundWriter
 from megaformer.checkpoint.index_checks import check_data_position
-from megaformer.checkpoint.layout import (CHECKPOINTS, CONFIG, META, WEIGHTS, half_written,
-                                          is_weights_only, latest_checkpoint, read_meta)
+from megaformer.checkpoint.layout import (
+    CHECKPOINTS,
+    CONFIG,
+    META,
+    WEIGHTS,
+    half_written,
+    is_weights_only,
+    latest_checkpoint,
+    read_meta,
+)
 from megaformer.checkpoint.legacy import portable
 from megaformer.checkpoint.legacy.engine_files import load_engine_state
 from megaformer.checkpoint.optimizer_state import OptimizerAccess, restore_schedule
 from megaformer.checkpoint.rng import load_rng_state
 from megaformer.checkpoint.router_state import load_router_state, router_files
 from megaformer.checkpoint.save import save_checkpoint
-from megaformer.checkpoint.staging import HostStaging
 from megaformer.checkpoint.sliced import SlicedWeights
+from megaformer.checkpoint.staging import HostStaging
 from megaformer.checkpoint.weights import expected_shapes
 from megaformer.errors import CheckpointError
 from megaformer.runtime.collectives import host_group
@@ -115,16 +123,20 @@ class Checkpointer:
         self.root = self.run_dir / CHECKPOINTS
         self.source = latest_checkpoint(self.root)
         if self.source is not None and not cfg.checkpoint.resume:
-            raise CheckpointError(f"{run_dir} already holds checkpoints (latest "
-                                  f"{self.source.name}); resume with checkpoint.resume=true "
-                                  "or choose another --run-dir")
+            raise CheckpointError(
+                f"{run_dir} already holds checkpoints (latest "
+                f"{self.source.name}); resume with checkpoint.resume=true "
+                "or choose another --run-dir"
+            )
         if self.source is not None:
             check_resume_compatible(cfg, self.source)
         self.kind = resume_kind(self.source)
         if self.kind == "engine" and cfg.parallel.expert > 1:
-            raise CheckpointError(f"{self.source}: parallel.expert={cfg.parallel.expert} "
-                                  "resumes from a sharded checkpoint only (this one holds "
-                                  "DeepSpeed's per-rank files); resume with parallel.expert=1")
+            raise CheckpointError(
+                f"{self.source}: parallel.expert={cfg.parallel.expert} "
+                "resumes from a sharded checkpoint only (this one holds "
+                "DeepSpeed's per-rank files); resume with parallel.expert=1"
+            )
         # what about the layout changed in a way DeepSpeed's per-rank files cannot load
         self.changes: list[str] = []
         if self.kind == "sharded":
@@ -183,8 +195,9 @@ class Checkpointer:
         dist = torch.distributed
         if self.writer is not None and dist.is_initialized() and dist.get_world_size() > 1:
             # the writer threads' own group: they meet once per save while training goes on
-            self.thread_group = dist.new_group(backend="gloo",
-                                               timeout=datetime.timedelta(minutes=minutes))
+            self.thread_group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(minutes=minutes)
+            )
         if trained.engine is not None and _on_accelerator(trained.engine):
             self.staging = HostStaging()
 
@@ -193,14 +206,19 @@ class Checkpointer:
         is the saved one). None for a fresh run or one seeded with weights only (step 0)."""
         if self.kind is None:
             if self.cfg.model.init_from is not None:
-                log.info("starting from the weights of %s (fresh optimizer, step 0)",
-                         self.cfg.model.init_from)
+                log.info(
+                    "starting from the weights of %s (fresh optimizer, step 0)",
+                    self.cfg.model.init_from,
+                )
             return None
         if self.kind == "weights":
             log.info("starting from the weights of %s (fresh optimizer, step 0)", self.source)
             return None
-        state = {"sharded": self._resume_sharded, "portable": self._resume_portable,
-                 "engine": self._resume_engine}[self.kind]()
+        state = {
+            "sharded": self._resume_sharded,
+            "portable": self._resume_portable,
+            "engine": self._resume_engine,
+        }[self.kind]()
         self._saved = None  # the readers' open files are released
         load_router_state(self.trained.engine.module, self.source)  # MoE aux-loss-free biases
         return state
@@ -211,13 +229,23 @@ class Checkpointer:
 
     def _resumed(self, state: TrainState, how: str) -> TrainState:
         if self.changes:
-            log.warning("resumed from %s at a new layout (%s; step %d, %s samples consumed)%s; RNG "
-                        "streams are per rank and do not carry over, so dropout masks differ from "
-                        "the saved layout's continuation", self.source, ", ".join(self.changes),
-                        state.step, f"{state.consumed_samples:,}", how)
+            log.warning(
+                "resumed from %s at a new layout (%s; step %d, %s samples consumed)%s; RNG "
+                "streams are per rank and do not carry over, so dropout masks differ from "
+                "the saved layout's continuation",
+                self.source,
+                ", ".join(self.changes),
+                state.step,
+                f"{state.consumed_samples:,}",
+                how,
+            )
         else:
-            log.info("resumed from %s (step %d, %s samples consumed)", self.source, state.step,
-                     f"{state.consumed_samples:,}")
+            log.info(
+                "resumed from %s (step %d, %s samples consumed)",
+                self.source,
+                state.step,
+                f"{state.consumed_samples:,}",
+            )
         return state
 
     def _resume_sharded(self) -> TrainState:
@@ -229,9 +257,11 @@ class Checkpointer:
         access = OptimizerAccess(t.engine, self.topo)
         params = t.params()
         if not access.covered(params):
-            raise CheckpointError(f"{ckpt}: its sharded state cannot be loaded into this "
-                                  f"optimizer ({type(t.engine.optimizer).__name__}); resume "
-                                  "with train.precision bf16 or fp32")
+            raise CheckpointError(
+                f"{ckpt}: its sharded state cannot be loaded into this "
+                f"optimizer ({type(t.engine.optimizer).__name__}); resume "
+                "with train.precision bf16 or fp32"
+            )
         access.prepare(saved.adam_step)
         # ZeRO 1/2/3: the moments' owned ranges are disjoint over the replica group, read as
         # they are; the master weights' pieces were read for the model build, exchanged again.
@@ -240,7 +270,9 @@ class Checkpointer:
         for o in owned:
             for key in sharded.KEYS:
                 shared = key == "master" or access.plain
-                access.set_owned(o, key, saved.fill_shared(o, key) if shared else saved.fill(o, key))
+                access.set_owned(
+                    o, key, saved.fill_shared(o, key) if shared else saved.fill(o, key)
+                )
         self._log_reads(saved, owned)
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
         if not self.changes:
@@ -254,24 +286,33 @@ class Checkpointer:
         :meth:`ShardedState.share` group) over the group's size, or 1 when it reads alone."""
         from megaformer.comm import size
 
-        held = sum(math.prod(box[1]) for o in owned
-                   for box, _, _ in replace(o, start=0, stop=math.prod(o.local_shape)).boxes())
+        held = sum(
+            math.prod(box[1])
+            for o in owned
+            for box, _, _ in replace(o, start=0, stop=math.prod(o.local_shape)).boxes()
+        )
         fair = sharded.BYTES_PER_ELEMENT * held / (size(saved.group) if saved.group else 1)
         reads = self._gather_to_main((saved.bytes_read, saved.bytes_read / max(fair, 1.0)))
         if self.rank == 0:
             total = max(saved.state_bytes(), 1)
-            log.info("sharded state read per rank: at most %.1f%%, at least %.1f%% of %.1f MB "
-                     "(1/world = %.1f%%); at most %.3fx its shards' state over its replica group",
-                     100 * max(r for r, _ in reads) / total, 100 * min(r for r, _ in reads) / total,
-                     total / 1e6, 100 / len(reads), max(x for _, x in reads))
+            log.info(
+                "sharded state read per rank: at most %.1f%%, at least %.1f%% of %.1f MB "
+                "(1/world = %.1f%%); at most %.3fx its shards' state over its replica group",
+                100 * max(r for r, _ in reads) / total,
+                100 * min(r for r, _ in reads) / total,
+                total / 1e6,
+                100 / len(reads),
+                max(x for _, x in reads),
+            )
 
     def _resume_portable(self) -> TrainState:
         """Master weights, Adam moments, LR schedule and data position from the first release's
         layout-free state (another layout than the saved one)."""
         ckpt, t = self.source, self.trained
         state = self._position(read_meta(ckpt), ckpt / META)
-        portable.restore_portable_state(t.engine, t.params(), self.topo, t.padded_vocab,
-                                        self._saved, ckpt)
+        portable.restore_portable_state(
+            t.engine, t.params(), self.topo, t.padded_vocab, self._saved, ckpt
+        )
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
         return self._resumed(state, " from its layout-free state")
 
@@ -286,12 +327,16 @@ class Checkpointer:
         """Step, samples consumed and skipped steps as saved, checked before they are used: a
         crafted record cannot move the data position beyond what the saved steps read."""
         step, skipped = record.get("step"), record.get("skipped_steps", 0)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                   for v in (step, skipped)):
-            raise CheckpointError(f"{where}: step {str(step)[:40]!r} / skipped_steps "
-                                  f"{str(skipped)[:40]!r} are not non-negative integers")
-        consumed = check_data_position(step, record.get("consumed_samples"),
-                                       self.cfg.train.global_batch_size, self.source)
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, skipped)
+        ):
+            raise CheckpointError(
+                f"{where}: step {str(step)[:40]!r} / skipped_steps "
+                f"{str(skipped)[:40]!r} are not non-negative integers"
+            )
+        consumed = check_data_position(
+            step, record.get("consumed_samples"), self.cfg.train.global_batch_size, self.source
+        )
         return TrainState(step, consumed, skipped)
 
     # ------------------------------------------------------------------------- save
@@ -305,14 +350,27 @@ class Checkpointer:
         if self.writer is not None:
             self.writer.wait()  # one save in flight at a time; raises if the last one failed
         consumed = state.consumed_samples
-        meta = {"consumed_samples": consumed, "consumed_tokens": consumed * cfg.seq_len,
-                "parallel": {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-                             "data": self.topo.dp, "expert": cfg.parallel.expert,
-                             "context": cfg.parallel.context,
-                             "sequence_parallel": cfg.parallel.sequence_parallel},
-                "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision}
-        info = {"step": state.step, "consumed_samples": consumed, "layout": meta["parallel"],
-                "lr": t.scheduler.get_last_lr(), "precision": cfg.train.precision}
+        meta = {
+            "consumed_samples": consumed,
+            "consumed_tokens": consumed * cfg.seq_len,
+            "parallel": {
+                "tensor": cfg.parallel.tensor,
+                "pipeline": cfg.parallel.pipeline,
+                "data": self.topo.dp,
+                "expert": cfg.parallel.expert,
+                "context": cfg.parallel.context,
+                "sequence_parallel": cfg.parallel.sequence_parallel,
+            },
+            "zero_stage": cfg.parallel.zero_stage,
+            "precision": cfg.train.precision,
+        }
+        info = {
+            "step": state.step,
+            "consumed_samples": consumed,
+            "layout": meta["parallel"],
+            "lr": t.scheduler.get_last_lr(),
+            "precision": cfg.train.precision,
+        }
         access = OptimizerAccess(t.engine, self.topo)
         # fp16's loss scaler lives in DeepSpeed's files: that optimizer saves through them
         shard = cfg.train.precision != "fp16" and access.covered(t.params())
@@ -321,27 +379,49 @@ class Checkpointer:
         pieces: list = []
         t0 = time.perf_counter()
         path = save_checkpoint(
-            t.engine, self.run_dir, state.step, rank=self.rank, world_size=self.world_size,
-            client_state={"step": state.step, "consumed_samples": consumed,
-                          "skipped_steps": state.skipped_steps},
-            snapshot=lambda tmp, memo: self._snapshot(tmp, memo, state, meta,
-                                                      access if shard else None, pieces),
-            keep_last=cfg.checkpoint.keep_last, barrier=self._barrier, group=self.group,
+            t.engine,
+            self.run_dir,
+            state.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            client_state={
+                "step": state.step,
+                "consumed_samples": consumed,
+                "skipped_steps": state.skipped_steps,
+            },
+            snapshot=lambda tmp, memo: self._snapshot(
+                tmp, memo, state, meta, access if shard else None, pieces
+            ),
+            keep_last=cfg.checkpoint.keep_last,
+            barrier=self._barrier,
+            group=self.group,
             extra_rng={"tensor_parallel": t.tp_rng.state_dict()} if t.tp_rng else None,
             background=self.writer,
             before_commit=(lambda: t.before_commit(state.step)) if t.before_commit else None,
             engine_files=not shard,
             before_seal=(lambda tmp: sharded.write_index(tmp, pieces, info)) if shard else None,
-            thread_sync=self._threads_agree if self.thread_group is not None else None)
+            thread_sync=self._threads_agree if self.thread_group is not None else None,
+        )
         if path is not None and self.writer is None:
             log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
         elif path is not None:
-            log.info("checkpoint %s: training stalled %.2f s for the host copy of each rank's "
-                     "shard; writing in the background", path.name, time.perf_counter() - t0)
+            log.info(
+                "checkpoint %s: training stalled %.2f s for the host copy of each rank's "
+                "shard; writing in the background",
+                path.name,
+                time.perf_counter() - t0,
+            )
         return path
 
-    def _snapshot(self, tmp: Path, memo: Optional[dict], state: TrainState, meta: dict,
-                  access: Optional[OptimizerAccess], pieces: list) -> dict[str, Any]:
+    def _snapshot(
+        self,
+        tmp: Path,
+        memo: Optional[dict],
+        state: TrainState,
+        meta: dict,
+        access: Optional[OptimizerAccess],
+        pieces: list,
+    ) -> dict[str, Any]:
         """This rank's share of a checkpoint's files, on the host (collective): its shard of the
         training state (``access``; None: DeepSpeed's files hold it), and on rank 0 the files
         that describe the checkpoint. Copies where ``memo`` is given (asynchronous save).
@@ -350,12 +430,17 @@ class Checkpointer:
         files: dict[str, Any] = {}
         if access is not None:
             owned = access.owned(t.params(), cfg.model.vocab_size, for_save=True)
-            tensors, where = sharded.snapshot(access, owned, copy=memo is not None,
-                                              staging=self.staging)
-            files[f"{sharded.STATE_DIR}/{sharded.rank_file(self.rank)}"] = \
-                sharded.rank_payload(tensors, where)
-            pieces.extend(self._gather_to_main(
-                sharded.piece_description(self.rank, tensors, where, owned, self.topo.tp)))
+            tensors, where = sharded.snapshot(
+                access, owned, copy=memo is not None, staging=self.staging
+            )
+            files[f"{sharded.STATE_DIR}/{sharded.rank_file(self.rank)}"] = sharded.rank_payload(
+                tensors, where
+            )
+            pieces.extend(
+                self._gather_to_main(
+                    sharded.piece_description(self.rank, tensors, where, owned, self.topo.tp)
+                )
+            )
         files.update(router_files(t.engine.module, self.topo))  # aux-loss-free biases
         weights = t.full_weights() if cfg.checkpoint.export_weights and t.full_weights else None
         if self.rank == 0:
@@ -364,11 +449,15 @@ class Checkpointer:
             files[CONFIG] = cfg.to_yaml()
             if t.tokenizer is not None:
                 t.tokenizer.save(tmp / "tokenizer.json")
-            full_meta = {"megaformer_version": __version__, "step": state.step,
-                         "world_size": self.world_size,
-                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                         "skipped_steps": state.skipped_steps,
-                         "state": "sharded" if access is not None else "deepspeed", **meta}
+            full_meta = {
+                "megaformer_version": __version__,
+                "step": state.step,
+                "world_size": self.world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "skipped_steps": state.skipped_steps,
+                "state": "sharded" if access is not None else "deepspeed",
+                **meta,
+            }
             files[META] = json.dumps(full_meta, indent=2)  # last: marks it complete
         return files
 
@@ -380,8 +469,9 @@ class Checkpointer:
     def _threads_agree(self, ok: bool) -> bool:
         """The writer threads of all ranks meet once: True when every rank wrote its files."""
         flag = torch.tensor([1 if ok else 0])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
-                                     group=self.thread_group)
+        torch.distributed.all_reduce(
+            flag, op=torch.distributed.ReduceOp.MIN, group=self.thread_group
+        )
         return bool(flag.item())
 
     def _gather_to_main(self, obj: Any) -> list[Any]:

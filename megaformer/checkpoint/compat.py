@@ -21,11 +21,28 @@ from megaformer.config import Config, config_from_dict
 from megaformer.errors import CheckpointError, ConfigError
 
 # Model keys that do not change the weights, so a resumed run may set them differently.
-RESUME_MAY_CHANGE = {"dropout", "attention_dropout", "attention_backend", "init_std", "kernels",
-                     "loss_chunk_tokens", "document_mask", "init_from"}
+RESUME_MAY_CHANGE = {
+    "dropout",
+    "attention_dropout",
+    "attention_backend",
+    "init_std",
+    "kernels",
+    "loss_chunk_tokens",
+    "document_mask",
+    "init_from",
+}
 # Data keys that define the sample stream the saved position (consumed samples) indexes.
-RESUME_DATA_KEYS = ("seq_len", "tokenizer", "source", "text_field", "max_bytes", "valid_fraction",
-                    "paths", "weights", "split")
+RESUME_DATA_KEYS = (
+    "seq_len",
+    "tokenizer",
+    "source",
+    "text_field",
+    "max_bytes",
+    "valid_fraction",
+    "paths",
+    "weights",
+    "split",
+)
 
 
 def check_resume_compatible(cfg: Config, ckpt: Path) -> None:
@@ -34,14 +51,18 @@ def check_resume_compatible(cfg: Config, ckpt: Path) -> None:
         saved = ckpt_layout.read_config_yaml(ckpt)  # bounded regular file, no YAML aliases
         saved_cfg = config_from_dict(saved)
     except (OSError, yaml.YAMLError, ConfigError) as e:
-        raise CheckpointError(f"{ckpt}: its {ckpt_layout.CONFIG} is missing or invalid ({e})") from None
+        raise CheckpointError(
+            f"{ckpt}: its {ckpt_layout.CONFIG} is missing or invalid ({e})"
+        ) from None
     for f in dataclasses.fields(saved_cfg.model):
         new, old = getattr(cfg.model, f.name), getattr(saved_cfg.model, f.name)
         if f.name in RESUME_MAY_CHANGE or (f.name == "vocab_size" and new is None):
             continue
         if new != old:
-            raise CheckpointError(f"model.{f.name}={new!r} differs from the checkpoint {ckpt} "
-                                  f"({old!r}); use another --run-dir or the checkpoint's model")
+            raise CheckpointError(
+                f"model.{f.name}={new!r} differs from the checkpoint {ckpt} "
+                f"({old!r}); use another --run-dir or the checkpoint's model"
+            )
     if ckpt_layout.is_weights_only(ckpt):  # a fresh run from these weights: any data, any layout
         return
     for key in RESUME_DATA_KEYS:
@@ -50,7 +71,8 @@ def check_resume_compatible(cfg: Config, ckpt: Path) -> None:
             raise CheckpointError(
                 f"data.{key}={new!r} differs from the checkpoint {ckpt} ({old!r}): the saved data "
                 "position would point into another sample stream; resume with the checkpoint's "
-                "data settings, or start a new run from its weights")
+                "data settings, or start a new run from its weights"
+            )
 
 
 def layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
@@ -60,16 +82,27 @@ def layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:
     meta = ckpt_layout.read_meta(ckpt)
     if not meta.get("engine_state", True):
         return ["resharded offline (no engine state)"]
-    saved = dict(meta.get("parallel", {}), zero_stage=meta.get("zero_stage"),
-                 precision=meta.get("precision"))
+    saved = dict(
+        meta.get("parallel", {}), zero_stage=meta.get("zero_stage"), precision=meta.get("precision")
+    )
     p = cfg.parallel
     dp = world_size // (p.tensor * p.pipeline * p.context)
-    now = {"tensor": p.tensor, "pipeline": p.pipeline, "data": dp, "context": p.context,
-           "expert": p.expert, "zero_stage": p.zero_stage, "precision": cfg.train.precision}
+    now = {
+        "tensor": p.tensor,
+        "pipeline": p.pipeline,
+        "data": dp,
+        "context": p.context,
+        "expert": p.expert,
+        "zero_stage": p.zero_stage,
+        "precision": cfg.train.precision,
+    }
     saved.setdefault("context", 1)  # checkpoints from before context and expert parallelism
     saved.setdefault("expert", 1)
     keys = ["tensor", "pipeline", "context", "expert", "zero_stage", "precision"]
     if cfg.parallel.zero_stage > 0 or saved.get("zero_stage", 0) > 0:  # ZeRO files are per DP rank
         keys.append("data")
-    return [f"{k} {saved[k]} -> {now[k]}" for k in keys
-            if saved.get(k) is not None and saved[k] != now[k]]
+    return [
+        f"{k} {saved[k]} -> {now[k]}"
+        for k in keys
+        if saved.get(k) is not None and saved[k] != now[k]
+    ]

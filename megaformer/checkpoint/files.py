@@ -38,8 +38,9 @@ def fsync_dirs(path: Path) -> None:
         fsync_dir(Path(folder))
 
 
-def flush_own_files(tmp: Path, rank: int, world_size: int, own: list[Path],
-                    shared_tree: bool) -> None:
+def flush_own_files(
+    tmp: Path, rank: int, world_size: int, own: list[Path], shared_tree: bool
+) -> None:
     """Every rank flushes what it wrote, so that the seal flushes folders only and rank 0's work
     does not grow with the world: ``own`` (its files not written by :func:`write_payload`, which
     flushes), on rank 0 also the checkpoint's top-level files (rank 0 writes them all), and with
@@ -100,8 +101,9 @@ def wait_for(folder: Path, names: list[str], timeout_s: float) -> None:
         if not missing:
             return
         if time.monotonic() > deadline:
-            raise CheckpointError(f"{folder}: other ranks did not write {missing[:3]} within "
-                                  f"{timeout_s:.0f} s")
+            raise CheckpointError(
+                f"{folder}: other ranks did not write {missing[:3]} within {timeout_s:.0f} s"
+            )
         time.sleep(0.02)
 
 
@@ -151,12 +153,12 @@ class BackgroundWriter:
             e, self._error = self._error, None
             if isinstance(e, CheckpointError):
                 raise e
-            raise CheckpointError(f"writing {self._what} failed: {type(e).__name__}: "
-                                  f"{' '.join(str(e).split())[:300]}") from None
+            raise CheckpointError(
+                f"writing {self._what} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            ) from None
 
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self.check()
-

@@ -43,8 +43,10 @@ def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[Any], where:
     total = math.prod(shape)
     volume = sum(math.prod(b[3]) for b in boxes)
     if volume != total:
-        raise CheckpointError(f"{where}: the boxes of {key} hold {volume} elements, the tensor "
-                              f"{total} (part of it missing or saved twice)")
+        raise CheckpointError(
+            f"{where}: the boxes of {key} hold {volume} elements, the tensor "
+            f"{total} (part of it missing or saved twice)"
+        )
     active: list[tuple[list[int], list[int]]] = []
     budget = MAX_COMPARISONS
     for off, size in sorted(((b[2], b[3]) for b in boxes), key=lambda ob: ob[0]):
@@ -52,13 +54,17 @@ def check_exact_cover(key: str, shape: tuple[int, ...], boxes: list[Any], where:
             active = [a for a in active if a[0][0] + a[1][0] > off[0]]
         budget -= len(active)
         if budget < 0:
-            raise CheckpointError(f"{where}: the boxes of {key} are too fragmented to check "
-                                  f"(more than {MAX_COMPARISONS} overlapping candidates)")
+            raise CheckpointError(
+                f"{where}: the boxes of {key} are too fragmented to check "
+                f"(more than {MAX_COMPARISONS} overlapping candidates)"
+            )
         for other in active:
             if _overlap((off, size), other):
-                raise CheckpointError(f"{where}: two boxes of {key} overlap (at offsets "
-                                      f"{other[0]} and {off}); a saved state covers each "
-                                      "element once")
+                raise CheckpointError(
+                    f"{where}: two boxes of {key} overlap (at offsets "
+                    f"{other[0]} and {off}); a saved state covers each "
+                    "element once"
+                )
         active.append((off, size))
 
 
@@ -77,18 +83,23 @@ def check_shard_bytes(folder: Path, files: dict[str, int], boxes: dict[str, list
         except OSError:
             raise CheckpointError(f"{path}: missing shard of the checkpoint") from None
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: not a regular file (links, devices and folders are "
-                                  "refused)")
+            raise CheckpointError(
+                f"{path}: not a regular file (links, devices and folders are refused)"
+            )
         if st.st_size != size:
-            raise CheckpointError(f"{path}: {st.st_size} bytes, the checkpoint's index says "
-                                  f"{size} (truncated or replaced)")
+            raise CheckpointError(
+                f"{path}: {st.st_size} bytes, the checkpoint's index says "
+                f"{size} (truncated or replaced)"
+            )
         if need[file] > size:
-            raise CheckpointError(f"{path}: the index places {need[file]} bytes of tensors in this "
-                                  f"{size}-byte file")
+            raise CheckpointError(
+                f"{path}: the index places {need[file]} bytes of tensors in this {size}-byte file"
+            )
 
 
-def check_index_coverage(shapes: dict[str, tuple[int, ...]], boxes: dict[str, list],
-                         files: dict[str, int], where: Path) -> None:
+def check_index_coverage(
+    shapes: dict[str, tuple[int, ...]], boxes: dict[str, list], files: dict[str, int], where: Path
+) -> None:
     """Every parameter has master weights, every saved tensor ``NAME/KEY`` is covered exactly by
     its boxes (:func:`check_exact_cover`), and the shard files hold the bytes the boxes need
     (:func:`check_shard_bytes`)."""
@@ -114,7 +125,9 @@ def check_data_position(step: int, consumed: Any, global_batch_size: int, ckpt: 
     where = ckpt / "meta.json"
     bound = max(0, int(step)) * max(global_batch_sizes)
     if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= bound:
-        raise CheckpointError(f"{where}: consumed_samples {str(consumed)[:40]} is not a count "
-                              f"that {step} steps of at most {max(global_batch_sizes)} samples "
-                              "could have read")
+        raise CheckpointError(
+            f"{where}: consumed_samples {str(consumed)[:40]} is not a count "
+            f"that {step} steps of at most {max(global_batch_sizes)} samples "
+            "could have read"
+        )
     return consumed

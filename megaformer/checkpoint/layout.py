@@ -31,8 +31,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaformer.errors import CheckpointError
-from megaformer.safe_files import (read_text_bounded, read_text_inside, refuse_links_below,
-                                   refuse_read_link)
+from megaformer.safe_files import (
+    read_text_bounded,
+    read_text_inside,
+    refuse_links_below,
+    refuse_read_link,
+)
 
 log = logging.getLogger("megaformer")
 
@@ -65,8 +69,12 @@ def step_of(ckpt: Path) -> Optional[int]:
 
 
 def is_complete(ckpt: Path) -> bool:
-    return (not ckpt.is_symlink() and ckpt.is_dir() and not ckpt.name.startswith(TMP_PREFIX)
-            and (ckpt / META).is_file())
+    return (
+        not ckpt.is_symlink()
+        and ckpt.is_dir()
+        and not ckpt.name.startswith(TMP_PREFIX)
+        and (ckpt / META).is_file()
+    )
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -94,14 +102,20 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     if pointer.is_file():
         name = read_text_bounded(pointer, 4096).strip()
         if STEP_NAME.fullmatch(name) is None:
-            raise CheckpointError(f"{pointer}: names {name[:80]!r}; expected step_<digits>, a "
-                                  f"checkpoint inside {root}")
+            raise CheckpointError(
+                f"{pointer}: names {name[:80]!r}; expected step_<digits>, a "
+                f"checkpoint inside {root}"
+            )
         named = root / name
         if is_complete(named):
             return named
         if found:
-            log.warning("%s names %s, which is missing or incomplete; using %s instead",
-                        pointer, named.name, found[-1].name)
+            log.warning(
+                "%s names %s, which is missing or incomplete; using %s instead",
+                pointer,
+                named.name,
+                found[-1].name,
+            )
     return found[-1] if found else None
 
 
@@ -114,8 +128,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{p}: no such run directory or checkpoint")
     if is_complete(p):
         if not (p / WEIGHTS).is_file() and not (p / "state" / "index.json").is_file():
-            raise CheckpointError(f"{p}: checkpoint has neither {WEIGHTS} nor a sharded state "
-                                  "(state/index.json)")
+            raise CheckpointError(
+                f"{p}: checkpoint has neither {WEIGHTS} nor a sharded state (state/index.json)"
+            )
         refuse_links_below(p)
         return p
     refuse_read_link(p / CHECKPOINTS)
@@ -125,8 +140,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             if found is not None:
                 refuse_links_below(found)
                 return found
-    raise CheckpointError(f"{p}: not a megaformer run directory or checkpoint (no {CHECKPOINTS}/ "
-                          f"with a complete checkpoint, no {META})")
+    raise CheckpointError(
+        f"{p}: not a megaformer run directory or checkpoint (no {CHECKPOINTS}/ "
+        f"with a complete checkpoint, no {META})"
+    )
 
 
 def read_config_yaml(ckpt: Path) -> Any:
@@ -172,15 +189,21 @@ def prune(root: Path, keep_last: int, sealed: Path) -> list[Path]:
     """Delete all but the ``keep_last`` newest checkpoints by step number, never ``sealed`` (the
     one just written: a planted later-named folder cannot push it out) and never a link."""
     sealed_step = step_of(sealed)
-    older = [p for p in complete_checkpoints(root)
-             if p.name != sealed.name and (sealed_step is None or step_of(p) < sealed_step)]
+    older = [
+        p
+        for p in complete_checkpoints(root)
+        if p.name != sealed.name and (sealed_step is None or step_of(p) < sealed_step)
+    ]
     newer = [p for p in complete_checkpoints(root) if p.name != sealed.name and p not in older]
     if newer:
-        log.warning("%s holds checkpoints with steps after %s (%s); keep_last leaves them alone",
-                    root, sealed.name, ", ".join(p.name for p in newer[:3]))
-    doomed = older[:max(0, len(older) - (keep_last - 1))]
+        log.warning(
+            "%s holds checkpoints with steps after %s (%s); keep_last leaves them alone",
+            root,
+            sealed.name,
+            ", ".join(p.name for p in newer[:3]),
+        )
+    doomed = older[: max(0, len(older) - (keep_last - 1))]
     for old in doomed:
         if not old.is_symlink():
             shutil.rmtree(old)
     return doomed
-

@@ -33,8 +33,9 @@ from megaformer.checkpoint.sharded import VOCAB_TABLES, Owned
 from megaformer.deepspeed_attrs import has_hp_mapping, pipe_replicated, zero3_partitioned
 
 
-def local_parameters(module: torch.nn.Module,
-                     names: Optional[dict[int, str]] = None) -> list[tuple[str, torch.nn.Parameter]]:
+def local_parameters(
+    module: torch.nn.Module, names: Optional[dict[int, str]] = None
+) -> list[tuple[str, torch.nn.Parameter]]:
     """This rank's parameters once each, under their plain-model names (``names`` maps the
     pipeline's parameters back: :func:`megaformer.parallel.pipeline.original_names`)."""
     seen: set[int] = set()
@@ -102,8 +103,9 @@ class OptimizerAccess:
                 self.wrapper._hp_optimizer_states_linked = False  # re-link to the current tensors
             link()
 
-    def owned(self, params: list[tuple[str, torch.nn.Parameter]], vocab_size: int,
-              for_save: bool) -> list[Owned]:
+    def owned(
+        self, params: list[tuple[str, torch.nn.Parameter]], vocab_size: int, for_save: bool
+    ) -> list[Owned]:
         """The flat range of each parameter's shard this rank owns: for saving (every byte once)
         or for loading (what this rank's optimizer holds: whole shards for ZeRO-0)."""
         topo, out = self.topo, []
@@ -141,10 +143,21 @@ class OptimizerAccess:
             if for_save and not split and topo.tp > 1:  # replicated over TP: each writes 1/tp
                 lo, hi = topo.tp_rank * n // topo.tp, (topo.tp_rank + 1) * n // topo.tp
                 start, stop = max(start, lo), max(min(stop, hi), max(start, lo))
-            out.append(Owned(name, p, shape, start, stop, dim,
-                             topo.tp_rank * shape[dim] if split else 0,
-                             vocab_size if name in VOCAB_TABLES else None, base,
-                             topo.ep_rank * shape[0] if expert else 0, topo.ep if expert else 1))
+            out.append(
+                Owned(
+                    name,
+                    p,
+                    shape,
+                    start,
+                    stop,
+                    dim,
+                    topo.tp_rank * shape[dim] if split else 0,
+                    vocab_size if name in VOCAB_TABLES else None,
+                    base,
+                    topo.ep_rank * shape[0] if expert else 0,
+                    topo.ep if expert else 1,
+                )
+            )
         return out
 
     def get_owned(self, o: Owned, key: str) -> torch.Tensor:
@@ -160,15 +173,18 @@ class OptimizerAccess:
                 if key not in state:
                     return torch.zeros(n)
                 src = state[key].detach()
-            return src.reshape(-1)[o.start:o.stop].float()
+            return src.reshape(-1)[o.start : o.stop].float()
         if zero3_partitioned(p):
             from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
-            t = (safe_get_local_fp32_param(p) if key == "master"
-                 else safe_get_local_optimizer_state(p, key))
-            return t.reshape(-1)[o.start - o.base:o.stop - o.base].float()
+            t = (
+                safe_get_local_fp32_param(p)
+                if key == "master"
+                else safe_get_local_optimizer_state(p, key)
+            )
+            return t.reshape(-1)[o.start - o.base : o.stop - o.base].float()
         frag = p._hp_mapping.get_hp_fragment(None if key == "master" else key)
-        return frag.reshape(-1)[o.start - o.base:o.stop - o.base].float()
+        return frag.reshape(-1)[o.start - o.base : o.stop - o.base].float()
 
     def set_owned(self, o: Owned, key: str, value: torch.Tensor) -> None:
         p = o.param
@@ -185,15 +201,14 @@ class OptimizerAccess:
             from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
             full = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=value.device)
-            full[:value.numel()] = value
+            full[: value.numel()] = value
             if key == "master":
                 safe_set_local_fp32_param(p, full)
             else:
                 safe_set_local_optimizer_state(p, full, key)
             return
         frag = p._hp_mapping.get_hp_fragment(None if key == "master" else key)
-        frag.data.reshape(-1)[o.start - o.base:o.stop - o.base].copy_(value.reshape(-1))
-
+        frag.data.reshape(-1)[o.start - o.base : o.stop - o.base].copy_(value.reshape(-1))
 
 
 def restore_schedule(engine: Any, scheduler: Any, step: int, global_batch_size: int) -> None:
@@ -207,4 +222,3 @@ def restore_schedule(engine: Any, scheduler: Any, step: int, global_batch_size: 
     scheduler._last_lr = lrs
     engine.global_steps = step
     engine.global_samples = step * global_batch_size
-

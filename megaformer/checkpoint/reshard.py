@@ -89,8 +89,10 @@ def _check_state(ckpt: Path) -> list[Path]:
     want = {f"{n}/{k}": s for n, s in weights.items() for k in portable.KEYS}
     if state != want:
         odd = sorted(set(state.items()) ^ set(want.items()))[:3]
-        raise CheckpointError(f"{ckpt / portable.STATE_DIR}: optimizer state does not match "
-                              f"{ckpt_layout.WEIGHTS} (e.g. {odd})")
+        raise CheckpointError(
+            f"{ckpt / portable.STATE_DIR}: optimizer state does not match "
+            f"{ckpt_layout.WEIGHTS} (e.g. {odd})"
+        )
     return files
 
 
@@ -109,10 +111,15 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
             raise ConfigError(f"{name} {value}: must be a positive integer")
     meta = ckpt_layout.read_meta(ckpt)
     weights_only = bool(meta.get("weights_only", False))
-    if (not weights_only and not portable.has_portable_state(ckpt)
-            and not sharded.has_sharded_state(ckpt)):
-        raise CheckpointError(f"{ckpt}: has no layout-free optimizer state "
-                              f"({portable.STATE_DIR}/); it predates resharding")
+    if (
+        not weights_only
+        and not portable.has_portable_state(ckpt)
+        and not sharded.has_sharded_state(ckpt)
+    ):
+        raise CheckpointError(
+            f"{ckpt}: has no layout-free optimizer state "
+            f"({portable.STATE_DIR}/); it predates resharding"
+        )
     config_yaml = _new_config(ckpt, tensor, pipeline)
     files = _check_state(ckpt)
     root = dst / ckpt_layout.CHECKPOINTS
@@ -125,15 +132,22 @@ def reshard_checkpoint(src: Path, dst: Path, tensor: int, pipeline: int) -> Path
             target.parent.mkdir(parents=True, exist_ok=True)
             copy_inside(ckpt, f.relative_to(ckpt), target)
         if not weights_only and portable.has_portable_state(ckpt):
-            copy_inside(ckpt, Path(portable.STATE_DIR, portable.STATE_JSON),
-                        tmp / portable.STATE_DIR / portable.STATE_JSON)
+            copy_inside(
+                ckpt,
+                Path(portable.STATE_DIR, portable.STATE_JSON),
+                tmp / portable.STATE_DIR / portable.STATE_JSON,
+            )
         copy_inside(ckpt, "tokenizer.json", tmp / "tokenizer.json")
         (tmp / ckpt_layout.CONFIG).write_text(config_yaml)
-        new_meta = {**meta, "engine_state": False,
-                    "resharded_from": str(ckpt.resolve()), "resharded_by": __version__,
-                    "resharded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "saved_parallel": meta.get("parallel"),
-                    "parallel": {"tensor": tensor, "pipeline": pipeline}}
+        new_meta = {
+            **meta,
+            "engine_state": False,
+            "resharded_from": str(ckpt.resolve()),
+            "resharded_by": __version__,
+            "resharded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "saved_parallel": meta.get("parallel"),
+            "parallel": {"tensor": tensor, "pipeline": pipeline},
+        }
         new_meta.pop("world_size", None)
         (tmp / ckpt_layout.META).write_text(json.dumps(new_meta, indent=2))
     except OSError as e:

@@ -73,9 +73,15 @@ def load_rng_state(ckpt: Path, rank: int) -> dict:
     try:
         rng = safe_torch_load(str(path))
         set_rng_state(rng)
-    except (RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError,
-            pickle.UnpicklingError) as e:
+    except (
+        RuntimeError,
+        KeyError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        pickle.UnpicklingError,
+    ) as e:
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: corrupt RNG state ({why})") from None
     return rng
-

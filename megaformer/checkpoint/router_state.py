@@ -22,8 +22,10 @@ ROUTER_DIR = "moe_router"
 
 def router_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The aux-loss-free biases of ``module``'s MoE blocks, by plain-model name."""
-    return {f"layers.{m.layer}.mlp.expert_bias": m.expert_bias.detach().float().cpu().clone()
-            for m in moe_layers(module)}
+    return {
+        f"layers.{m.layer}.mlp.expert_bias": m.expert_bias.detach().float().cpu().clone()
+        for m in moe_layers(module)
+    }
 
 
 def router_files(module: nn.Module, topo: Any) -> dict[str, dict[str, torch.Tensor]]:
@@ -62,8 +64,10 @@ def load_router_state(module: nn.Module, ckpt: Path) -> int:
         if t is None:
             continue
         if tuple(t.shape) != tuple(m.expert_bias.shape):
-            raise CheckpointError(f"{folder}: layers.{m.layer}.mlp.expert_bias has shape "
-                                  f"{list(t.shape)}, the model needs {list(m.expert_bias.shape)}")
+            raise CheckpointError(
+                f"{folder}: layers.{m.layer}.mlp.expert_bias has shape "
+                f"{list(t.shape)}, the model needs {list(m.expert_bias.shape)}"
+            )
         m.expert_bias.copy_(t.to(m.expert_bias.dtype))
         n += 1
     return n

@@ -52,8 +52,10 @@ def weights_only_forced() -> Iterator[None]:
     of :func:`install_safe_checkpoint_engine`. It uses torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
     switch, read by ``torch.load`` at every call."""
     with _FORCE_LOCK:
-        saved = {k: os.environ.get(k) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD",
-                                                 "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+        saved = {
+            k: os.environ.get(k)
+            for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+        }
         os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
         os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
         try:
@@ -73,8 +75,14 @@ def host_copy(obj: Any, memo: Optional[dict] = None) -> Any:
     keeps each source tensor alive beside its copy, so no address is reused while it is in use."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),
-               obj.stride(), obj.dtype, obj.device)
+        key = (
+            obj.untyped_storage().data_ptr(),
+            obj.storage_offset(),
+            tuple(obj.shape),
+            obj.stride(),
+            obj.dtype,
+            obj.device,
+        )
         if key not in memo:
             memo[key] = (obj, obj.detach().to("cpu", copy=True))
         return memo[key][1]

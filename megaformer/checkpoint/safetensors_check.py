@@ -20,21 +20,39 @@ from pathlib import Path
 
 from megaformer.errors import CheckpointError
 
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-            "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 MAX_HEADER = 100 * 1024 * 1024
 
 
 def read_header(path: Path) -> dict:
     """The header of ``path`` (tensor name -> dtype/shape/data_offsets), after checking that the
     file's size and every tensor's byte range agree with it."""
+
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path}: truncated or tampered: corrupt safetensors file ({why})")
 
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: not a regular file (devices, folders and FIFOs are refused)")
+            raise CheckpointError(
+                f"{path}: not a regular file (devices, folders and FIFOs are refused)"
+            )
         size = st.st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
@@ -57,8 +75,10 @@ def read_header(path: Path) -> dict:
         try:
             begin, stop = entry["data_offsets"]
             shape = entry["shape"]
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                       for d in [*shape, begin, stop]):
+            if not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                for d in [*shape, begin, stop]
+            ):
                 raise ValueError
             need = math.prod(shape) * ITEMSIZE[entry["dtype"]]
         except (KeyError, TypeError, ValueError):

@@ -32,16 +32,26 @@ from megaformer.safe_files import make_dir, refuse_link
 log = logging.getLogger("megaformer")
 
 
-def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_size: int,
-                    client_state: dict, snapshot: Callable[[Path, Optional[dict]], dict[str, Any]],
-                    keep_last: Optional[int], barrier: Any,
-                    extra_rng: Optional[dict] = None, background: Any = None,
-                    wait_timeout_s: float = 1800.0,
-                    before_commit: Optional[Callable[[], None]] = None,
-                    engine_files: bool = True,
-                    before_seal: Optional[Callable[[Path], None]] = None,
-                    group: Any = None,
-                    thread_sync: Optional[Callable[[bool], bool]] = None) -> Optional[Path]:
+def save_checkpoint(
+    engine: Any,
+    run_dir: Path,
+    step: int,
+    *,
+    rank: int,
+    world_size: int,
+    client_state: dict,
+    snapshot: Callable[[Path, Optional[dict]], dict[str, Any]],
+    keep_last: Optional[int],
+    barrier: Any,
+    extra_rng: Optional[dict] = None,
+    background: Any = None,
+    wait_timeout_s: float = 1800.0,
+    before_commit: Optional[Callable[[], None]] = None,
+    engine_files: bool = True,
+    before_seal: Optional[Callable[[Path], None]] = None,
+    group: Any = None,
+    thread_sync: Optional[Callable[[bool], bool]] = None,
+) -> Optional[Path]:
     """Collective: every rank calls it. Returns the checkpoint path (None if it already existed).
 
     Synchronous on every rank: DeepSpeed's ``engine.save_checkpoint``, the RNG files, and
@@ -93,8 +103,9 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
         ds_files.memo = memo
     if engine_files:
         try:
-            engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state,
-                                   save_latest=False)
+            engine.save_checkpoint(
+                str(root), tag=tmp.name, client_state=client_state, save_latest=False
+            )
         finally:
             if defer:
                 ds_files.deferring = False
@@ -139,8 +150,9 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
             raise
         if not thread_sync(True):  # type: ignore[misc]
             if rank == 0:
-                raise CheckpointError(f"{tmp}: another rank failed to write its files; the "
-                                      "checkpoint is not sealed")
+                raise CheckpointError(
+                    f"{tmp}: another rank failed to write its files; the checkpoint is not sealed"
+                )
             return
         if rank == 0:
             if before_seal is not None:
@@ -170,4 +182,3 @@ def save_checkpoint(engine: Any, run_dir: Path, step: int, *, rank: int, world_s
 
     background.submit(write_and_seal, f"checkpoint {final}")
     return final
-

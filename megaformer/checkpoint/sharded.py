@@ -71,8 +71,10 @@ def rank_file(rank: int) -> str:
 
 # ----------------------------------------------------------------------------- geometry
 
-def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...],
-                                                                        tuple[int, ...], int]]:
+
+def flat_boxes(
+    shape: tuple[int, ...], start: int, stop: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """Elements [start, stop) of a row-major array of ``shape`` as boxes
     ``(offsets, sizes, flat_start)``, in order; each box is a contiguous flat run."""
     if stop <= start:
@@ -84,16 +86,20 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tupl
     row = start // inner
     if start % inner:  # partial first row
         end = min(stop, (row + 1) * inner)
-        out += [((row, *off), (1, *size), row * inner + flat)
-                for off, size, flat in flat_boxes(shape[1:], start - row * inner, end - row * inner)]
+        out += [
+            ((row, *off), (1, *size), row * inner + flat)
+            for off, size, flat in flat_boxes(shape[1:], start - row * inner, end - row * inner)
+        ]
         start, row = end, row + 1
     full = stop // inner - row
     if full > 0:  # whole rows
         out.append(((row, *([0] * (len(shape) - 1))), (full, *shape[1:]), start))
         start, row = start + full * inner, row + full
     if start < stop:  # partial last row
-        out += [((row, *off), (1, *size), row * inner + flat)
-                for off, size, flat in flat_boxes(shape[1:], 0, stop - start)]
+        out += [
+            ((row, *off), (1, *size), row * inner + flat)
+            for off, size, flat in flat_boxes(shape[1:], 0, stop - start)
+        ]
     return out
 
 
@@ -111,21 +117,22 @@ def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
 
 # ----------------------------------------------------------------------------- ownership
 
+
 @dataclass
 class Owned:
     """A parameter's shard on this rank and the flat range of it this rank owns."""
 
     name: str
     param: torch.nn.Parameter
-    local_shape: tuple[int, ...]   # the tensor-parallel shard (vocabulary rows padded)
-    start: int                     # owned flat range of the shard
+    local_shape: tuple[int, ...]  # the tensor-parallel shard (vocabulary rows padded)
+    start: int  # owned flat range of the shard
     stop: int
-    dim: Optional[int]             # the tensor-parallel split dimension, or None
-    tp_offset: int                 # where the shard starts along ``dim`` in the whole tensor
-    rows: Optional[int]            # vocabulary tables: the real rows (padding beyond is dropped)
-    base: int = 0                  # the flat index where the optimizer's local tensor starts
-    ep_offset: int = 0             # expert parameters: this rank's first expert (dim 0)
-    ep: int = 1                    # expert parameters: the expert-parallel degree
+    dim: Optional[int]  # the tensor-parallel split dimension, or None
+    tp_offset: int  # where the shard starts along ``dim`` in the whole tensor
+    rows: Optional[int]  # vocabulary tables: the real rows (padding beyond is dropped)
+    base: int = 0  # the flat index where the optimizer's local tensor starts
+    ep_offset: int = 0  # expert parameters: this rank's first expert (dim 0)
+    ep: int = 1  # expert parameters: the expert-parallel degree
 
     def boxes(self) -> list[tuple[Box, tuple[int, ...], int]]:
         """The owned range as (box in whole-tensor coordinates, the box's size in the shard,
@@ -158,14 +165,15 @@ class Owned:
 
 # ----------------------------------------------------------------------------- save
 
+
 def owned_elements(owned: list[Owned]) -> int:
     """The elements of one key (master, exp_avg or exp_avg_sq) this rank's boxes hold."""
     return sum(math.prod(box[1]) for o in owned for box, _, _ in o.boxes())
 
 
-def snapshot(access: Any, owned: list[Owned], copy: bool,
-             staging: Optional[HostStaging] = None) -> tuple[dict[str, torch.Tensor],
-                                                             dict[str, list]]:
+def snapshot(
+    access: Any, owned: list[Owned], copy: bool, staging: Optional[HostStaging] = None
+) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
     """This rank's boxes on the host: ({"NAME/KEY/i": tensor}, {"NAME/KEY/i": offsets}), read
     through ``access`` (:class:`megaformer.checkpoint.optimizer_state.OptimizerAccess`).
     ``copy``: own the memory (an asynchronous save: training goes on and changes the state).
@@ -182,13 +190,15 @@ def snapshot(access: Any, owned: list[Owned], copy: bool,
         for key in KEYS:
             flat = access.get_owned(o, key)
             for i, ((off, cut), uncut, pos) in enumerate(boxes):
-                box = flat[pos:pos + math.prod(uncut)].view(uncut)[:cut[0]]
+                box = flat[pos : pos + math.prod(uncut)].view(uncut)[: cut[0]]
                 if staging is not None:
                     if arena is None:
                         arena = staging.arena(owned_elements(owned) * BYTES_PER_ELEMENT)
                     tensors[f"{o.name}/{key}/{i}"] = arena.put(box)  # queued, not waited for
                 elif copy:
-                    tensors[f"{o.name}/{key}/{i}"] = box.clone(memory_format=torch.contiguous_format)
+                    tensors[f"{o.name}/{key}/{i}"] = box.clone(
+                        memory_format=torch.contiguous_format
+                    )
                 else:
                     tensors[f"{o.name}/{key}/{i}"] = box.contiguous()
                 where[f"{o.name}/{key}/{i}"] = list(off)
@@ -229,15 +239,27 @@ def build_index(pieces: list[dict], info: dict) -> str:
     files = {piece["file"]: piece["bytes"] for piece in pieces}
     for name, shape in shapes.items():  # every element of every tensor saved exactly once
         local, _, rows = shards.get(name, (shape, None, None))
-        check_tiling(name, entries.get(name, []), math.prod(local), math.prod(shape),
-                     rows is not None)
+        check_tiling(
+            name, entries.get(name, []), math.prod(local), math.prod(shape), rows is not None
+        )
     ranges = {name: compress_ranges(e) for name, e in entries.items()}
-    return json.dumps({"format": FORMAT, **info, "shapes": shapes, "files": files,
-                       "shards": shards, "ranges": ranges}, sort_keys=True, separators=(",", ":"))
+    return json.dumps(
+        {
+            "format": FORMAT,
+            **info,
+            "shapes": shapes,
+            "files": files,
+            "shards": shards,
+            "ranges": ranges,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
 
 
-def check_tiling(name: str, entries: list[tuple[int, ...]], n_local: int, n_whole: int,
-                 padded: bool) -> None:
+def check_tiling(
+    name: str, entries: list[tuple[int, ...]], n_local: int, n_whole: int, padded: bool
+) -> None:
     """Each saved shard of ``name`` (entries (rank, tp_offset, ep_offset, start, stop)) is tiled
     exactly by its ranges, and the shards hold the whole tensor (``padded``: a vocabulary table,
     whose shards' padding rows are not saved, may hold more)."""
@@ -246,13 +268,19 @@ def check_tiling(name: str, entries: list[tuple[int, ...]], n_local: int, n_whol
         by_shard.setdefault((tp_off, ep_off), []).append((start, stop))
     for ranges in by_shard.values():
         ranges.sort()
-        if ranges[0][0] != 0 or ranges[-1][1] != n_local or any(
-                a[1] != b[0] for a, b in itertools.pairwise(ranges)):
-            raise CheckpointError(f"sharded save: {name} is not saved exactly once (a rank's "
-                                  "ownership is wrong)")
+        if (
+            ranges[0][0] != 0
+            or ranges[-1][1] != n_local
+            or any(a[1] != b[0] for a, b in itertools.pairwise(ranges))
+        ):
+            raise CheckpointError(
+                f"sharded save: {name} is not saved exactly once (a rank's ownership is wrong)"
+            )
     if len(by_shard) * n_local < n_whole or (not padded and len(by_shard) * n_local != n_whole):
-        raise CheckpointError(f"sharded save: {name} has {len(by_shard)} shards of {n_local} of "
-                              f"{n_whole} elements (a rank's ownership is wrong)")
+        raise CheckpointError(
+            f"sharded save: {name} has {len(by_shard)} shards of {n_local} of "
+            f"{n_whole} elements (a rank's ownership is wrong)"
+        )
 
 
 def compress_ranges(entries: list[tuple[int, ...]]) -> list[list[int]]:
@@ -268,8 +296,12 @@ def compress_ranges(entries: list[tuple[int, ...]]) -> list[list[int]]:
         r0, tp_off, ep_off, lo, _ = ordered[i]
         j = i + 1  # the longest contiguous stretch of one shard with a constant rank step
         step = ordered[i + 1][0] - r0 if i + 1 < len(ordered) else 1
-        while (j < len(ordered) and ordered[j][1:3] == (tp_off, ep_off)
-               and ordered[j][3] == ordered[j - 1][4] and ordered[j][0] - ordered[j - 1][0] == step):
+        while (
+            j < len(ordered)
+            and ordered[j][1:3] == (tp_off, ep_off)
+            and ordered[j][3] == ordered[j - 1][4]
+            and ordered[j][0] - ordered[j - 1][0] == step
+        ):
             j += 1
         run = [tuple(e) for e in ordered[i:j]]
         count, hi = len(run), run[-1][4]
@@ -284,8 +316,9 @@ def compress_ranges(entries: list[tuple[int, ...]]) -> list[list[int]]:
     return runs
 
 
-def expand_run(run: list[int], first: int = 0,
-               last: Optional[int] = None) -> list[tuple[int, int, int, int, int]]:
+def expand_run(
+    run: list[int], first: int = 0, last: Optional[int] = None
+) -> list[tuple[int, int, int, int, int]]:
     """The entries (rank, tp_offset, ep_offset, start, stop) of a run of :func:`compress_ranges`
     (entries ``first`` to ``last`` of it)."""
     r0, step, count, tp_off, ep_off, lo, part, hi = run
@@ -299,21 +332,29 @@ def expand_run(run: list[int], first: int = 0,
     return out
 
 
-def piece_description(rank: int, tensors: dict[str, torch.Tensor], where: dict[str, list],
-                      owned: list[Owned], tp: int) -> dict:
+def piece_description(
+    rank: int, tensors: dict[str, torch.Tensor], where: dict[str, list], owned: list[Owned], tp: int
+) -> dict:
     """What rank 0 needs to know of this rank's file for the index (small: no tensor data, one
     flat range per parameter; ``tensors`` and ``where`` are the file's, described by rule)."""
-    return {"rank": rank, "file": rank_file(rank), "bytes": None,
-            "ranges": {o.name: [o.tp_offset, o.ep_offset, o.start, o.stop]
-                       for o in owned if o.stop > o.start},
-            "shards": {o.name: [list(o.local_shape), o.dim, o.rows] for o in owned},
-            "shapes": {o.name: list(o.whole_shape(tp)) for o in owned}}
+    return {
+        "rank": rank,
+        "file": rank_file(rank),
+        "bytes": None,
+        "ranges": {
+            o.name: [o.tp_offset, o.ep_offset, o.start, o.stop] for o in owned if o.stop > o.start
+        },
+        "shards": {o.name: [list(o.local_shape), o.dim, o.rows] for o in owned},
+        "shapes": {o.name: list(o.whole_shape(tp)) for o in owned},
+    }
 
 
 # ----------------------------------------------------------------------------- load
 
-def origin_of(local: tuple[int, ...], dim: Optional[int], tp_offset: int,
-              ep_offset: int) -> list[int]:
+
+def origin_of(
+    local: tuple[int, ...], dim: Optional[int], tp_offset: int, ep_offset: int
+) -> list[int]:
     """Where a saved shard of shape ``local`` starts in the whole tensor."""
     origin = [0] * len(local)
     if dim is not None:
@@ -341,12 +382,20 @@ class ShardedState:
                 self._shards: dict[str, list] = self.index["shards"]
                 self._ranges: dict[str, list] = self.index["ranges"]
                 missing = [n for n in self.shapes if n not in self._ranges or n not in self._shards]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError,
-                RecursionError):
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            CheckpointError,
+            RecursionError,
+        ):
             raise CheckpointError(f"{path}: missing or corrupt") from None
         if self.format not in (1, FORMAT):
-            raise CheckpointError(f"{path}: format {self.format!r}; this megaformer reads formats "
-                                  f"1 and {FORMAT}")
+            raise CheckpointError(
+                f"{path}: format {self.format!r}; this megaformer reads formats 1 and {FORMAT}"
+            )
         for name in self.files:
             if Path(name).name != name or not name.endswith(".safetensors"):
                 raise CheckpointError(f"{path}: names file {name[:80]!r} outside {self.folder}")
@@ -391,11 +440,12 @@ class ShardedState:
                 self._pieces[o.name] = piece
         width = -(-n // k)  # pieces padded to one width for the all-gather
         buf = torch.zeros(width, dtype=torch.float32, device=collective_device(self.group))
-        buf[:piece.numel()] = piece.to(buf.device)
+        buf[: piece.numel()] = piece.to(buf.device)
         parts = all_gather_cat(buf, self.group, 0).cpu()
-        whole = torch.cat([parts[i * width:i * width + (i + 1) * n // k - i * n // k]
-                           for i in range(k)])
-        return whole[o.start:o.stop].clone()
+        whole = torch.cat(
+            [parts[i * width : i * width + (i + 1) * n // k - i * n // k] for i in range(k)]
+        )
+        return whole[o.start : o.stop].clone()
 
     def state_bytes(self) -> int:
         """The bytes of the whole saved state (every key of every parameter, fp32)."""
@@ -408,14 +458,18 @@ class ShardedState:
             for pkey, entries in boxes.items():
                 shape = self.shapes[pkey.rsplit("/", 1)[0]]
                 for file, tkey, off, size in entries:
-                    if (len(off) != len(shape) or len(size) != len(shape)
-                            or any(o < 0 or z < 1 or o + z > d
-                                   for o, z, d in zip(off, size, shape))):
+                    if (
+                        len(off) != len(shape)
+                        or len(size) != len(shape)
+                        or any(o < 0 or z < 1 or o + z > d for o, z, d in zip(off, size, shape))
+                    ):
                         raise ValueError(tkey)
                     self._expect[file][tkey] = list(size)
         except (KeyError, ValueError, TypeError, AttributeError):
-            raise CheckpointError(f"{self.folder / INDEX}: corrupt (a box outside its tensor, or "
-                                  "in a file it does not list)") from None
+            raise CheckpointError(
+                f"{self.folder / INDEX}: corrupt (a box outside its tensor, or "
+                "in a file it does not list)"
+            ) from None
 
     def _check_runs(self) -> None:
         """Format 2, by arithmetic on the runs (none is expanded: O(runs), whatever the world):
@@ -429,26 +483,37 @@ class ShardedState:
             for name, shape in self.shapes.items():
                 local, dim, rows = self._shards[name]
                 local = tuple(int(d) for d in local)
-                if len(local) != len(shape) or dim not in (None, *range(len(shape))) or (
-                        rows is not None and int(rows) != shape[0]):
+                if (
+                    len(local) != len(shape)
+                    or dim not in (None, *range(len(shape)))
+                    or (rows is not None and int(rows) != shape[0])
+                ):
                     raise ValueError(name)
                 n_local = math.prod(local)
                 runs = [[int(v) for v in run] for run in self._ranges[name]]
                 tiles: dict[tuple[int, int], list[tuple[int, int]]] = {}
                 for r0, step, count, tp_off, ep_off, lo, part, hi in runs:
-                    if (count < 1 or not 0 <= lo < hi <= n_local or part < 0
-                            or (part > 0 and not (count - 1) * part < hi - lo <= count * part)
-                            or (part == 0 and count > hi - lo)
-                            or any(rank_file(r) not in self.files
-                                   for r in (r0, r0 + (count - 1) * step))
-                            or (count > 1 and step == 0)):
+                    if (
+                        count < 1
+                        or not 0 <= lo < hi <= n_local
+                        or part < 0
+                        or (part > 0 and not (count - 1) * part < hi - lo <= count * part)
+                        or (part == 0 and count > hi - lo)
+                        or any(
+                            rank_file(r) not in self.files for r in (r0, r0 + (count - 1) * step)
+                        )
+                        or (count > 1 and step == 0)
+                    ):
                         raise ValueError(name)
                     tiles.setdefault((tp_off, ep_off), []).append((lo, hi))
                 shard_boxes = []
                 for (tp_off, ep_off), spans in tiles.items():
                     spans.sort()
-                    if spans[0][0] != 0 or spans[-1][1] != n_local or any(
-                            a[1] != b[0] for a, b in itertools.pairwise(spans)):
+                    if (
+                        spans[0][0] != 0
+                        or spans[-1][1] != n_local
+                        or any(a[1] != b[0] for a, b in itertools.pairwise(spans))
+                    ):
                         raise ValueError(name)
                     if dim is None and tp_off:
                         raise ValueError(name)
@@ -459,15 +524,20 @@ class ShardedState:
                     if size[0] > 0:
                         shard_boxes.append(["", name, origin, size])
                 check_exact_cover(name, shape, shard_boxes, where)
-                self._runs[name] = [((tuple(origin_of(local, dim, r[3], r[4])), local), r)
-                                    for r in runs]
+                self._runs[name] = [
+                    ((tuple(origin_of(local, dim, r[3], r[4])), local), r) for r in runs
+                ]
                 claimed += BYTES_PER_ELEMENT * math.prod(shape)  # each element saved once
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError):
-            raise CheckpointError(f"{where}: corrupt (the ranges or shards of a parameter)") from None
+            raise CheckpointError(
+                f"{where}: corrupt (the ranges or shards of a parameter)"
+            ) from None
         have = sum(int(v) for v in self.files.values())
         if claimed > have:
-            raise CheckpointError(f"{self.folder}: the index places {claimed} bytes of tensors in "
-                                  f"{have} bytes of shard files")
+            raise CheckpointError(
+                f"{self.folder}: the index places {claimed} bytes of tensors in "
+                f"{have} bytes of shard files"
+            )
 
     def _boxes_in(self, name: str, key: str, target: Box) -> list:
         """The saved boxes of ``name``'s ``key`` that may meet ``target``: those of the run
@@ -477,7 +547,7 @@ class ShardedState:
             return self.boxes.get(f"{name}/{key}", [])
         local, dim, rows = self._shards[name]
         local = tuple(int(d) for d in local)
-        strides = [math.prod(local[k + 1:]) for k in range(len(local))]
+        strides = [math.prod(local[k + 1 :]) for k in range(len(local))]
         out = []
         for (origin, _), (r0, step, count, tp_off, ep_off, lo, part, hi) in self._runs[name]:
             common = intersect(target, (origin, local))
@@ -495,8 +565,17 @@ class ShardedState:
                 last = min(count - 1, (b - 1 - lo) * count // (hi - lo) + 1)
             run = [r0, step, count, tp_off, ep_off, lo, part, hi]
             for rank, _, _, start, stop in expand_run(run, first, last):
-                o = Owned(name, None, local, start, stop, dim, tp_off, rows,  # type: ignore
-                          ep_offset=ep_off)
+                o = Owned(
+                    name,
+                    None,
+                    local,
+                    start,
+                    stop,
+                    dim,
+                    tp_off,
+                    rows,  # type: ignore
+                    ep_offset=ep_off,
+                )
                 for i, ((off, cut), _, _) in enumerate(o.boxes()):
                     out.append([rank_file(rank), f"{name}/{key}/{i}", list(off), list(cut)])
         return out
@@ -523,12 +602,22 @@ class ShardedState:
                 for rank, tp_off, ep_off, start, stop in expand_run([int(v) for v in run]):
                     if not 0 <= start < stop <= math.prod(local):
                         raise ValueError(run)
-                    o = Owned(name, None, local, start, stop, dim, tp_off, rows,  # type: ignore
-                              ep_offset=ep_off)
+                    o = Owned(
+                        name,
+                        None,
+                        local,
+                        start,
+                        stop,
+                        dim,
+                        tp_off,
+                        rows,  # type: ignore
+                        ep_offset=ep_off,
+                    )
                     for i, ((off, cut), _, _) in enumerate(o.boxes()):
                         for k in KEYS:
-                            expanded[k].append([rank_file(rank), f"{name}/{k}/{i}", list(off),
-                                                list(cut)])
+                            expanded[k].append(
+                                [rank_file(rank), f"{name}/{k}/{i}", list(off), list(cut)]
+                            )
         except (KeyError, ValueError, TypeError, AttributeError, IndexError):
             raise CheckpointError(f"{where}: corrupt (the ranges of {name[:80]})") from None
         boxes = {f"{name}/{k}": v for k, v in expanded.items()}
@@ -555,8 +644,10 @@ class ShardedState:
                 raise CheckpointError(f"{path}: missing shard of the checkpoint")
             size = path.stat().st_size
             if size != self.files[file]:
-                raise CheckpointError(f"{path}: {size} bytes, the checkpoint's index says "
-                                      f"{self.files[file]} (truncated or replaced)")
+                raise CheckpointError(
+                    f"{path}: {size} bytes, the checkpoint's index says "
+                    f"{self.files[file]} (truncated or replaced)"
+                )
             self._headers[file] = read_header(path)  # every tensor's byte range in the file
             for tkey, size in self._expect[file].items():
                 self._check_header(file, tkey, size)
@@ -568,10 +659,14 @@ class ShardedState:
         if file not in self._headers:
             self.open_file(file)
         entry = self._headers[file].get(tkey)
-        if not isinstance(entry, dict) or entry.get("dtype") != "F32" \
-                or entry.get("shape") != list(size):
-            raise CheckpointError(f"{self.folder / file}: {tkey} is missing or does not match "
-                                  f"{self.folder / INDEX}")
+        if (
+            not isinstance(entry, dict)
+            or entry.get("dtype") != "F32"
+            or entry.get("shape") != list(size)
+        ):
+            raise CheckpointError(
+                f"{self.folder / file}: {tkey} is missing or does not match {self.folder / INDEX}"
+            )
 
     def read(self, name: str, key: str, target: Box, out: torch.Tensor) -> int:
         """Fill ``out`` (a tensor of ``target``'s size) with the saved values inside ``target``;
@@ -587,8 +682,9 @@ class ShardedState:
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors' own errors
-                raise CheckpointError(f"{self.folder / file}: cannot read {tkey} "
-                                      f"({str(e)[:200]})") from None
+                raise CheckpointError(
+                    f"{self.folder / file}: cannot read {tkey} ({str(e)[:200]})"
+                ) from None
             out[_slices(common, target[0])] = part.to(out.dtype)
             found += math.prod(common[1])
             self.bytes_read += part.numel() * part.element_size()
@@ -609,14 +705,23 @@ class ShardedState:
         """The flat range ``o`` owns of ``key``, fp32 (vocabulary padding rows: zeros)."""
         flat = torch.zeros(o.stop - o.start, dtype=torch.float32)
         for box, uncut, pos in o.boxes():
-            target = flat[pos:pos + math.prod(uncut)].view(uncut)[:box[1][0]]
+            target = flat[pos : pos + math.prod(uncut)].view(uncut)[: box[1][0]]
             if self.read(o.name, key, box, target) != math.prod(box[1]):
-                raise CheckpointError(f"{self.folder}: {o.name}/{key} does not cover this "
-                                      "layout's shard (saved for another model?)")
+                raise CheckpointError(
+                    f"{self.folder}: {o.name}/{key} does not cover this "
+                    "layout's shard (saved for another model?)"
+                )
         return flat
 
-    def shard(self, name: str, shape: tuple[int, ...], dim: Optional[int], tp_offset: int,
-              key: str = "master", ep_offset: int = 0) -> torch.Tensor:
+    def shard(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dim: Optional[int],
+        tp_offset: int,
+        key: str = "master",
+        ep_offset: int = 0,
+    ) -> torch.Tensor:
         """A parameter's tensor-parallel shard of ``key`` (``shape``, starting at ``tp_offset``
         along ``dim`` and at ``ep_offset`` along dim 0 for an expert-parallel slice of experts;
         the weights a rank builds its model from), vocabulary padding rows zero; read once per
@@ -624,8 +729,17 @@ class ShardedState:
         if name not in self.shapes:
             raise CheckpointError(f"{self.folder}: no parameter {name}")
         rows = self.shapes[name][0] if name in VOCAB_TABLES else None
-        o = Owned(name, None, shape, 0, math.prod(shape), dim, tp_offset, rows,  # type: ignore
-                  ep_offset=ep_offset)
+        o = Owned(
+            name,
+            None,
+            shape,
+            0,
+            math.prod(shape),
+            dim,
+            tp_offset,
+            rows,  # type: ignore
+            ep_offset=ep_offset,
+        )
         return self.fill_shared(o, key).view(shape)
 
     def check_model(self, expected: dict[str, tuple[int, ...]]) -> None:
@@ -633,12 +747,16 @@ class ShardedState:
         tied_extra = set(expected) - set(self.shapes) - {"lm_head.weight"}
         extra = set(self.shapes) - set(expected)
         if tied_extra or extra:
-            raise CheckpointError(f"{self.folder}: parameters do not fit the configured model "
-                                  f"(missing {sorted(tied_extra)[:3]}, unexpected {sorted(extra)[:3]})")
+            raise CheckpointError(
+                f"{self.folder}: parameters do not fit the configured model "
+                f"(missing {sorted(tied_extra)[:3]}, unexpected {sorted(extra)[:3]})"
+            )
         for name, shape in self.shapes.items():
             if tuple(expected[name]) != shape:
-                raise CheckpointError(f"{self.folder}: {name} has shape {list(shape)}, the "
-                                      f"configured model needs {list(expected[name])}")
+                raise CheckpointError(
+                    f"{self.folder}: {name} has shape {list(shape)}, the "
+                    f"configured model needs {list(expected[name])}"
+                )
 
 
 class ShardedWeights:

@@ -66,8 +66,10 @@ class SlicedWeights:
             names.discard("lm_head.weight")
         missing, extra = sorted(want - names), sorted(names - want)
         if missing or extra:
-            raise CheckpointError(f"{ckpt / WEIGHTS}: weights do not fit the configured model "
-                                  f"(missing {missing[:3]}, unexpected {extra[:3]})")
+            raise CheckpointError(
+                f"{ckpt / WEIGHTS}: weights do not fit the configured model "
+                f"(missing {missing[:3]}, unexpected {extra[:3]})"
+            )
         check_shapes(((n, source.meta(n).shape) for n in names), expected, str(ckpt / WEIGHTS))
         plan = [rename(n, n) for n in sorted(names)]
         if model_cfg.tie_embeddings:
@@ -96,8 +98,15 @@ class SlicedWeights:
         self.bytes_read += part.numel() * part.element_size()
         return part
 
-    def shard(self, name: str, shape: tuple[int, ...], dim: Optional[int], tp_offset: int,
-              key: str = "master", ep_offset: int = 0) -> torch.Tensor:
+    def shard(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dim: Optional[int],
+        tp_offset: int,
+        key: str = "master",
+        ep_offset: int = 0,
+    ) -> torch.Tensor:
         """The box of ``name`` of local ``shape`` at ``tp_offset`` along ``dim`` and ``ep_offset``
         along dim 0 (``key``: only ``master``, the weights), vocabulary padding rows zero."""
         e = self._entry(name)
@@ -111,17 +120,21 @@ class SlicedWeights:
         if name in VOCAB_TABLES:  # rows past the real vocabulary: padding, zeros
             stop[0] = min(stop[0], whole[0])
         if len(whole) != len(shape) or any(b > w for b, w in zip(stop, whole)):
-            raise CheckpointError(f"{self.where}: {name} has shape {list(whole)}, too small for "
-                                  f"this layout's shard {list(shape)} at {start}")
+            raise CheckpointError(
+                f"{self.where}: {name} has shape {list(whole)}, too small for "
+                f"this layout's shard {list(shape)} at {start}"
+            )
         box = tuple(slice(a, max(a, b)) for a, b in zip(start, stop))
         if is_rename(e):
             part = self._slice(e.inputs[0], box)
         elif is_stack(e):  # experts stacked along dim 0: only this rank's, each sliced
-            part = torch.stack([self._slice(e.inputs[k], box[1:])
-                                for k in range(box[0].start, box[0].stop)])
+            part = torch.stack(
+                [self._slice(e.inputs[k], box[1:]) for k in range(box[0].start, box[0].stop)]
+            )
         else:  # computed from whole inputs (this stage's layers only), then sliced
-            inputs = [self._slice(n, (slice(None),) * len(self.source.meta(n).shape))
-                      for n in e.inputs]
+            inputs = [
+                self._slice(n, (slice(None),) * len(self.source.meta(n).shape)) for n in e.inputs
+            ]
             part = e.fn(*inputs)[box]
         if tuple(part.shape) == tuple(shape):
             return part
@@ -131,5 +144,7 @@ class SlicedWeights:
 
     def total_bytes(self) -> int:
         """The bytes of every source tensor (what a whole read costs)."""
-        return sum(math.prod(t.shape) * t.element_size()
-                   for t in (self.source.meta(n) for n in self.source.keys()))
+        return sum(
+            math.prod(t.shape) * t.element_size()
+            for t in (self.source.meta(n) for n in self.source.keys())
+        )

@@ -30,8 +30,10 @@ def pin_host(nbytes: int) -> torch.Tensor:
     if nbytes and torch.cuda.is_available():
         err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, PORTABLE))
         if err:
-            raise RuntimeError(f"page-locking {nbytes} bytes of host memory for checkpoint "
-                               f"staging failed (cudaError {err})")
+            raise RuntimeError(
+                f"page-locking {nbytes} bytes of host memory for checkpoint "
+                f"staging failed (cudaError {err})"
+            )
     return buffer
 
 

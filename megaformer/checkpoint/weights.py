@@ -38,16 +38,18 @@ def expected_shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def check_shapes(specs: Any, expected: dict[str, tuple[int, ...]], where: str,
-                 error: type = CheckpointError) -> None:
+def check_shapes(
+    specs: Any, expected: dict[str, tuple[int, ...]], where: str, error: type = CheckpointError
+) -> None:
     """Every (name, shape) in ``specs`` named in ``expected`` has exactly that shape, checked on
     shapes alone, before any tensor is read or allocated: a config describing a huge model beside
     small tensors (a "shape bomb") is refused instead of building what the config says."""
     for name, shape in specs:
         want = expected.get(name)
         if want is not None and tuple(shape) != tuple(want):
-            raise error(f"{where}: tensor {name} has shape {list(shape)}, the config describes "
-                        f"{list(want)}")
+            raise error(
+                f"{where}: tensor {name} has shape {list(shape)}, the config describes {list(want)}"
+            )
 
 
 def check_weights(ckpt: Path, model_cfg: Any) -> None:
@@ -62,8 +64,10 @@ def check_weights(ckpt: Path, model_cfg: Any) -> None:
     header = read_header(f)
     header.pop("__metadata__", None)
     if len(header) < model_cfg.n_layers:  # every block has tensors: bounds the meta model too
-        raise CheckpointError(f"{f}: {len(header)} tensors cannot hold the {model_cfg.n_layers} "
-                              f"blocks {ckpt / CONFIG} describes")
+        raise CheckpointError(
+            f"{f}: {len(header)} tensors cannot hold the {model_cfg.n_layers} "
+            f"blocks {ckpt / CONFIG} describes"
+        )
     check_shapes(((n, e["shape"]) for n, e in header.items()), expected_shapes(model_cfg), str(f))
 
 
@@ -87,9 +91,14 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{f}: corrupt weights file ({str(e)[:200]})") from None
 
 
-def save_weights_checkpoint(run_dir: Path, step: int,
-                            weights: dict[str, torch.Tensor] | Callable[[Path], None],
-                            config_yaml: str, tokenizer: Any, meta: dict) -> Path:
+def save_weights_checkpoint(
+    run_dir: Path,
+    step: int,
+    weights: dict[str, torch.Tensor] | Callable[[Path], None],
+    config_yaml: str,
+    tokenizer: Any,
+    meta: dict,
+) -> Path:
     """A weights-only checkpoint (one process): what ``megaformer convert`` writes.
 
     Same layout as a training checkpoint minus the engine state and RNG: ``model.safetensors``
@@ -113,14 +122,22 @@ def save_weights_checkpoint(run_dir: Path, step: int,
     if callable(weights):
         weights(tmp / WEIGHTS)
     else:
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS),
-                  metadata={"format": "pt", "megaformer_version": __version__})
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in weights.items()},
+            str(tmp / WEIGHTS),
+            metadata={"format": "pt", "megaformer_version": __version__},
+        )
     (tmp / CONFIG).write_text(config_yaml)
     tokenizer.save(tmp / "tokenizer.json")
-    full_meta = {"megaformer_version": __version__, "step": step, "weights_only": True,
-                 "consumed_samples": 0, "consumed_tokens": 0,
-                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta}
+    full_meta = {
+        "megaformer_version": __version__,
+        "step": step,
+        "weights_only": True,
+        "consumed_samples": 0,
+        "consumed_tokens": 0,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **meta,
+    }
     (tmp / META).write_text(json.dumps(full_meta, indent=2))
     seal(tmp, final, keep_last=None)
     return final
-

@@ -17,23 +17,46 @@ import sys
 from typing import Optional, Sequence
 
 from megaformer import __version__
-from megaformer.cli import (bench, check, convert, env, flops, generate, plan, prepare_data, report,
-                            train)
+from megaformer.cli import (
+    bench,
+    check,
+    convert,
+    env,
+    flops,
+    generate,
+    plan,
+    prepare_data,
+    report,
+    train,
+)
 from megaformer.cli import eval as eval_command
 from megaformer.cli import inspect as inspect_command
 from megaformer.errors import ConfigError, DataError, UserError
 
 EXIT_USER_ERROR = 2
 
-SUBCOMMANDS = [train, generate, prepare_data, convert, inspect_command, flops, plan, report, bench,
-               check, env, eval_command]
+SUBCOMMANDS = [
+    train,
+    generate,
+    prepare_data,
+    convert,
+    inspect_command,
+    flops,
+    plan,
+    report,
+    bench,
+    check,
+    env,
+    eval_command,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megaformer`` parser with every subcommand's; each subparser carries its handler as
     ``run``."""
     parser = argparse.ArgumentParser(
-        prog="megaformer", description="Distributed pretraining of decoder-only Transformers.")
+        prog="megaformer", description="Distributed pretraining of decoder-only Transformers."
+    )
     parser.add_argument("--version", action="version", version=f"megaformer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in SUBCOMMANDS:
@@ -69,7 +92,9 @@ def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> ar
         if hasattr(args, "overrides") and len(overrides) == len(extra):
             args.overrides = list(args.overrides or []) + overrides
         else:
-            parser.error(f"unrecognized arguments: {' '.join(e for e in extra if e not in overrides)}")
+            parser.error(
+                f"unrecognized arguments: {' '.join(e for e in extra if e not in overrides)}"
+            )
     return args
 
 

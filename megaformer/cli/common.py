@@ -11,8 +11,12 @@ from typing import Any, Iterator
 def config_args(p: argparse.ArgumentParser) -> None:
     """CONFIG, KEY=VALUE overrides and --json."""
     p.add_argument("config", help="YAML config file (see configs/)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted config overrides, e.g. train.global_batch_size=512")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted config overrides, e.g. train.global_batch_size=512",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -29,9 +33,13 @@ def layout_args(p: argparse.ArgumentParser, experts: bool = False) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under a launcher (1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
     if experts:
-        p.add_argument("--ep", type=int, default=1,
-                       help="expert-parallel size under a launcher (1): divides the data-parallel "
-                            "ranks and the number of experts")
+        p.add_argument(
+            "--ep",
+            type=int,
+            default=1,
+            help="expert-parallel size under a launcher (1): divides the data-parallel "
+            "ranks and the number of experts",
+        )
 
 
 def launch_process(command: str, device: str, tp: int, pp: int, ep: int = 1) -> Any:
@@ -45,14 +53,16 @@ def launch_process(command: str, device: str, tp: int, pp: int, ep: int = 1) -> 
             raise UserError(f"{flag} {value}: must be >= 1")
     proc = detect_process(device)
     if proc.world_size % (tp * pp):
-        raise UserError(f"--tp {tp} x --pp {pp} does not divide the world size "
-                        f"{proc.world_size}")
+        raise UserError(f"--tp {tp} x --pp {pp} does not divide the world size {proc.world_size}")
     if (proc.world_size // (tp * pp)) % ep:
-        raise UserError(f"--ep {ep} does not divide the {proc.world_size // (tp * pp)} "
-                        "data-parallel ranks")
+        raise UserError(
+            f"--ep {ep} does not divide the {proc.world_size // (tp * pp)} data-parallel ranks"
+        )
     if proc.world_size == 1 and tp * pp * ep > 1:
-        raise UserError(f"--tp {tp} --pp {pp} --ep {ep}: launch {tp * pp * ep} or more processes "
-                        f"(torchrun --nproc_per_node N -m megaformer {command} ...)")
+        raise UserError(
+            f"--tp {tp} --pp {pp} --ep {ep}: launch {tp * pp * ep} or more processes "
+            f"(torchrun --nproc_per_node N -m megaformer {command} ...)"
+        )
     return proc
 
 

@@ -10,14 +10,19 @@ NAME = "env"
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     env = sub.add_parser(
-        "env", help="versions, GPUs and kernels of this machine, for an issue report",
+        "env",
+        help="versions, GPUs and kernels of this machine, for an issue report",
         description="Print what an issue report needs: megaformer, Python, torch (with its CUDA, "
-                    "cuDNN and NCCL), deepspeed, flash-attn, triton, apex, transformers, the GPUs "
-                    "with their peak-table entry, which implementation runs for each op, and the C "
-                    "compiler of the native CPU kernels.")
-    env.add_argument("--config", metavar="CONFIG",
-                     help="YAML config whose model and train.precision the kernel rows describe "
-                          "(default: the default model section, bf16 on CUDA, fp32 on CPU)")
+        "cuDNN and NCCL), deepspeed, flash-attn, triton, apex, transformers, the GPUs "
+        "with their peak-table entry, which implementation runs for each op, and the C "
+        "compiler of the native CPU kernels.",
+    )
+    env.add_argument(
+        "--config",
+        metavar="CONFIG",
+        help="YAML config whose model and train.precision the kernel rows describe "
+        "(default: the default model section, bf16 on CUDA, fp32 on CPU)",
+    )
     return env
 
 

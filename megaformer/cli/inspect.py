@@ -10,14 +10,16 @@ NAME = "inspect"
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     ins = sub.add_parser(
-        "inspect", help="logit lens and attention heatmaps of a prompt",
+        "inspect",
+        help="logit lens and attention heatmaps of a prompt",
         description="Run a prompt through a trained model (its latest checkpoint when given a run "
-                    "directory) and print, for every position, the top-k next tokens that the "
-                    "output layer reads from the residual stream after the embedding and after each "
-                    "layer (the logit lens; the last row is the model's prediction). With --out, "
-                    "also write one PNG per layer with a heatmap of each head's attention pattern, "
-                    "and the table as logit_lens.txt.",
-        epilog="example: megaformer inspect runs/quickstart --prompt 'def main():' --out inspect/")
+        "directory) and print, for every position, the top-k next tokens that the "
+        "output layer reads from the residual stream after the embedding and after each "
+        "layer (the logit lens; the last row is the model's prediction). With --out, "
+        "also write one PNG per layer with a heatmap of each head's attention pattern, "
+        "and the table as logit_lens.txt.",
+        epilog="example: megaformer inspect runs/quickstart --prompt 'def main():' --out inspect/",
+    )
     ins.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT")
     ins.add_argument("--prompt", required=True, help="text to inspect (at most max_seq_len tokens)")
     ins.add_argument("--out", metavar="DIR", help="new folder for the heatmaps (not overwritten)")

@@ -13,22 +13,27 @@ NAME = "plan"
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     pl = sub.add_parser(
-        "plan", help="feasible parallel layouts with estimated memory and MFU, best first",
+        "plan",
+        help="feasible parallel layouts with estimated memory and MFU, best first",
         description="Enumerate (TP, PP, DP, ZeRO stage, micro-batch, recompute) layouts of CONFIG on "
-                    "N GPUs, estimate memory per GPU and step time from a compute + communication "
-                    "model, and list the feasible ones best first and the rejected ones with reasons. "
-                    "Context parallelism (CP, ring or all-to-all) is considered for sequences of "
-                    "8192 tokens and more, expert parallelism (EP) for MoE models.")
+        "N GPUs, estimate memory per GPU and step time from a compute + communication "
+        "model, and list the feasible ones best first and the rejected ones with reasons. "
+        "Context parallelism (CP, ring or all-to-all) is considered for sequences of "
+        "8192 tokens and more, expert parallelism (EP) for MoE models.",
+    )
     config_args(pl)
     pl.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    pl.add_argument("--gpu-mem", type=float, help="memory per GPU in GB (default: the table's, with --gpu)")
+    pl.add_argument(
+        "--gpu-mem", type=float, help="memory per GPU in GB (default: the table's, with --gpu)"
+    )
     pl.add_argument("--gpu", help="accelerator name (peak FLOP/s and default bandwidths)")
     pl.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per GPU instead of the table's")
     pl.add_argument("--nodes-of", type=int, default=8, help="GPUs per node (8)")
     pl.add_argument("--intra-bw", type=float, help="GB/s per GPU within a node (unidirectional)")
     pl.add_argument("--inter-bw", type=float, help="GB/s per GPU between nodes (unidirectional)")
-    pl.add_argument("--efficiency", type=float, default=0.6,
-                    help="fraction of peak the matmuls reach (0.6)")
+    pl.add_argument(
+        "--efficiency", type=float, default=0.6, help="fraction of peak the matmuls reach (0.6)"
+    )
     pl.add_argument("--top", type=int, default=10, help="feasible layouts to print (10)")
     return pl
 

@@ -43,8 +43,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank, failure = e.get_first_failure()
         code = exit_code(failure.exitcode)
         if code not in (EXIT_USER_ERROR, EXIT_INTERRUPTED):  # those ranks said it already
-            print(f"megaformer: rank {rank} exited with code {failure.exitcode} (its output is "
-                  f"above); {len(e.failures)} rank(s) failed", file=sys.stderr)
+            print(
+                f"megaformer: rank {rank} exited with code {failure.exitcode} (its output is "
+                f"above); {len(e.failures)} rank(s) failed",
+                file=sys.stderr,
+            )
         return code
     except SignalException as e:  # the launcher itself was signalled (Ctrl-C, SIGTERM)
         return 128 + int(e.sigval)

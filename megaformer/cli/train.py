@@ -26,34 +26,50 @@ def _config_help() -> str:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     tr = sub.add_parser(
-        "train", help="pretrain a model from a YAML config",
+        "train",
+        help="pretrain a model from a YAML config",
         description="Pretrain a model described by CONFIG. Resumes from the run directory's latest "
-                    "complete checkpoint when there is one; SIGTERM or SIGUSR1 saves a checkpoint "
-                    "and exits 0, Ctrl-C (SIGINT) saves one and exits 130 (a second Ctrl-C stops "
-                    "at once). Launch several processes with torchrun, srun, mpirun or the "
-                    "DeepSpeed launcher (scripts in launch/); "
-                    "parallel.tensor / parallel.context / parallel.pipeline split them into "
-                    "tensor, context, pipeline and data parallelism (DP = world / (TP*CP*PP)), "
-                    "parallel.expert splits the experts over data-parallel ranks and "
-                    "parallel.zero_stage the optimizer state.",
+        "complete checkpoint when there is one; SIGTERM or SIGUSR1 saves a checkpoint "
+        "and exits 0, Ctrl-C (SIGINT) saves one and exits 130 (a second Ctrl-C stops "
+        "at once). Launch several processes with torchrun, srun, mpirun or the "
+        "DeepSpeed launcher (scripts in launch/); "
+        "parallel.tensor / parallel.context / parallel.pipeline split them into "
+        "tensor, context, pipeline and data parallelism (DP = world / (TP*CP*PP)), "
+        "parallel.expert splits the experts over data-parallel ranks and "
+        "parallel.zero_stage the optimizer state.",
         epilog="example: megaformer train configs/quickstart.yaml train.steps=50 model.n_layers=2\n"
-               "run `megaformer train --help-config` for every config key.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "run `megaformer train --help-config` for every config key.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     tr.add_argument("config", nargs="?", help="YAML config file (see configs/)")
-    tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                    help="dotted overrides, e.g. train.steps=50 parallel.zero_stage=1")
+    tr.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. train.steps=50 parallel.zero_stage=1",
+    )
     tr.add_argument("--run-dir", help="run directory (default: runs/<config name>)")
-    tr.add_argument("--dry-run", action="store_true",
-                    help="validate the config (with train.device=cuda also the rules that need "
-                         "only the device type, e.g. FP8 needs train.compile) and that data.paths "
-                         "exist and match data.tokenizer, print the resolved config and parameter "
-                         "counts, exit")
-    tr.add_argument("--init-from", metavar="HF_DIR",
-                    help="start from the weights of a Hugging Face model folder, read without a "
-                         "converted copy (sets model.init_from; its config.json gives the model)")
+    tr.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config (with train.device=cuda also the rules that need "
+        "only the device type, e.g. FP8 needs train.compile) and that data.paths "
+        "exist and match data.tokenizer, print the resolved config and parameter "
+        "counts, exit",
+    )
+    tr.add_argument(
+        "--init-from",
+        metavar="HF_DIR",
+        help="start from the weights of a Hugging Face model folder, read without a "
+        "converted copy (sets model.init_from; its config.json gives the model)",
+    )
     tr.add_argument("--help-config", action="store_true", help="list every config key and exit")
-    tr.add_argument("--world-size", type=int, default=None,
-                    help="with --dry-run: also check the parallel layout for this many processes")
+    tr.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="with --dry-run: also check the parallel layout for this many processes",
+    )
     return tr
 
 
@@ -116,10 +132,9 @@ def _dry_run(cfg: Any, run_dir: Path) -> int:
     prepared data matches the tokenizer), print the resolved config."""
     from megaformer.analysis.params import count_parameters
     from megaformer.analysis.summary import resolve_vocab
+    from megaformer.checkpoint.hf.init_from import with_hf_model
     from megaformer.config import validate_for_training
     from megaformer.data.setup import check_data_paths
-
-    from megaformer.checkpoint.hf.init_from import with_hf_model
 
     cfg = with_hf_model(cfg)  # model.init_from: the folder's model
     validate_for_training(cfg)
@@ -133,9 +148,11 @@ def _dry_run(cfg: Any, run_dir: Path) -> int:
     counts = count_parameters(model)
     print(cfg.to_yaml().rstrip())
     print(f"# run dir: {run_dir}")
-    print(f"# parameters: {counts['total']:,} total | {counts['non_embedding']:,} non-embedding | "
-          f"{counts['embedding']:,} embedding"
-          + (f" | {counts['active']:,} active per token (MoE)" if "active" in counts else ""))
+    print(
+        f"# parameters: {counts['total']:,} total | {counts['non_embedding']:,} non-embedding | "
+        f"{counts['embedding']:,} embedding"
+        + (f" | {counts['active']:,} active per token (MoE)" if "active" in counts else "")
+    )
     return 0
 
 
@@ -143,18 +160,27 @@ def _print_result(r: Any, resume: str) -> None:
     import math
 
     if r.stopped is not None:
-        print(f"\nstopped at step {r.step} ({r.stopped}); checkpoint: {r.checkpoint}\n"
-              f"resume from it with the same command: {resume}")
+        print(
+            f"\nstopped at step {r.step} ({r.stopped}); checkpoint: {r.checkpoint}\n"
+            f"resume from it with the same command: {resume}"
+        )
         return
     if math.isnan(r.train_loss) and r.val_loss is None:  # resumed at train.steps: no step ran
-        print(f"\nnothing to train: {r.run_dir} is already at step {r.step} (train.steps); raise "
-              "train.steps to continue, or give another --run-dir")
+        print(
+            f"\nnothing to train: {r.run_dir} is already at step {r.step} (train.steps); raise "
+            "train.steps to continue, or give another --run-dir"
+        )
         return
     print(f"\ndone: step {r.step} in {r.wall_s:.1f}s | {r.tokens_per_s:,.0f} tokens/s (training)")
-    val = (f"val loss {r.val_loss:.4f} (ppl {math.exp(min(r.val_loss, 50)):.2f})"
-           if r.val_loss is not None else "val loss not evaluated")
-    print(f"final: train loss {r.train_loss:.4f} | {val} | unigram baseline {r.unigram_loss:.4f} "
-          "nats/token")
+    val = (
+        f"val loss {r.val_loss:.4f} (ppl {math.exp(min(r.val_loss, 50)):.2f})"
+        if r.val_loss is not None
+        else "val loss not evaluated"
+    )
+    print(
+        f"final: train loss {r.train_loss:.4f} | {val} | unigram baseline {r.unigram_loss:.4f} "
+        "nats/token"
+    )
     if r.checkpoint is not None:
         print(f"checkpoint: {r.checkpoint}")
     print(f"tensorboard: {_venv_command('tensorboard')} --logdir {r.run_dir / 'tensorboard'}")

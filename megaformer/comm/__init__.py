@@ -16,22 +16,73 @@ module                 what
 """
 
 from megaformer.comm.all_to_all import AllToAll, all_to_all
-from megaformer.comm.collectives import (all_gather_objects, all_reduce_mean, barrier,
-                                         broadcast_from_main, broadcast_with_shape, gather_to_main)
+from megaformer.comm.collectives import (
+    all_gather_objects,
+    all_reduce_mean,
+    barrier,
+    broadcast_from_main,
+    broadcast_with_shape,
+    gather_to_main,
+)
 from megaformer.comm.counters import CommCounter, no_counting, record, record_collective
-from megaformer.comm.groups import (KINDS, ProcessGroups, UnknownGroupError, check_kind, rank, ranks,
-                                    size)
+from megaformer.comm.groups import (
+    KINDS,
+    ProcessGroups,
+    UnknownGroupError,
+    check_kind,
+    rank,
+    ranks,
+    size,
+)
 from megaformer.comm.p2p import RingPass, recv_with_shape, send_with_shape
-from megaformer.comm.tensor_parallel import (ProcessGroup, all_gather_cat, all_gather_seq, all_reduce,
-                                             copy_to_tp, gather_seq, gather_seq_split_bwd,
-                                             reduce_from_tp, reduce_scatter_seq,
-                                             reduce_scatter_to_seq, scatter_seq, split_seq)
+from megaformer.comm.tensor_parallel import (
+    ProcessGroup,
+    all_gather_cat,
+    all_gather_seq,
+    all_reduce,
+    copy_to_tp,
+    gather_seq,
+    gather_seq_split_bwd,
+    reduce_from_tp,
+    reduce_scatter_seq,
+    reduce_scatter_to_seq,
+    scatter_seq,
+    split_seq,
+)
 
 __all__ = [
-    "AllToAll", "CommCounter", "KINDS", "ProcessGroup", "ProcessGroups", "RingPass",
-    "UnknownGroupError", "all_gather_cat", "all_gather_objects", "all_gather_seq", "all_reduce",
-    "all_reduce_mean", "all_to_all", "barrier", "broadcast_from_main", "broadcast_with_shape", "check_kind", "copy_to_tp", "gather_seq", "gather_seq_split_bwd",
-    "gather_to_main", "no_counting", "rank", "ranks", "record", "record_collective",
-    "recv_with_shape", "reduce_from_tp", "reduce_scatter_seq", "reduce_scatter_to_seq",
-    "scatter_seq", "send_with_shape", "size", "split_seq",
+    "AllToAll",
+    "CommCounter",
+    "KINDS",
+    "ProcessGroup",
+    "ProcessGroups",
+    "RingPass",
+    "UnknownGroupError",
+    "all_gather_cat",
+    "all_gather_objects",
+    "all_gather_seq",
+    "all_reduce",
+    "all_reduce_mean",
+    "all_to_all",
+    "barrier",
+    "broadcast_from_main",
+    "broadcast_with_shape",
+    "check_kind",
+    "copy_to_tp",
+    "gather_seq",
+    "gather_seq_split_bwd",
+    "gather_to_main",
+    "no_counting",
+    "rank",
+    "ranks",
+    "record",
+    "record_collective",
+    "recv_with_shape",
+    "reduce_from_tp",
+    "reduce_scatter_seq",
+    "reduce_scatter_to_seq",
+    "scatter_seq",
+    "send_with_shape",
+    "size",
+    "split_seq",
 ]

@@ -28,8 +28,13 @@ def _equal(rows: int, n: int) -> list[int]:
     return [rows // n] * n
 
 
-def all_to_all(x: torch.Tensor, out_splits: Optional[list[int]], in_splits: Optional[list[int]],
-               group: dist.ProcessGroup, kind: Optional[str] = "all_to_all") -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    out_splits: Optional[list[int]],
+    in_splits: Optional[list[int]],
+    group: dist.ProcessGroup,
+    kind: Optional[str] = "all_to_all",
+) -> torch.Tensor:
     """Rows ``in_splits[q]`` of ``x`` (in order) to rank q of ``group``; rows ``out_splits[q]``
     from rank q, concatenated in rank order (``None``: equal blocks of dim 0). The bytes sent to
     other ranks are recorded under ``kind`` (``None``: not recorded)."""
@@ -49,8 +54,9 @@ class AllToAll(torch.autograd.Function):
     ``out_splits``; backward sends the gradient back with the splits swapped."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return all_to_all(x, out_splits, in_splits, group)
 

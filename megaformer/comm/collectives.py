@@ -51,8 +51,9 @@ def broadcast_from_main(obj: Any, group: Optional[dist.ProcessGroup] = None) -> 
     return box[0]
 
 
-def broadcast_with_shape(x: Optional[torch.Tensor], src: int, group: dist.ProcessGroup,
-                         dtype: torch.dtype) -> torch.Tensor:
+def broadcast_with_shape(
+    x: Optional[torch.Tensor], src: int, group: dist.ProcessGroup, dtype: torch.dtype
+) -> torch.Tensor:
     """Global rank ``src``'s ``x`` (any shape up to 7 dimensions, ``dtype``; None elsewhere) on
     every rank of ``group``: a header of the shape, then the values (host tensors: a gloo group)."""
     if size(group) == 1:
@@ -61,9 +62,9 @@ def broadcast_with_shape(x: Optional[torch.Tensor], src: int, group: dist.Proces
     header = torch.zeros(8, dtype=torch.long)
     if x is not None:
         header[0] = x.dim()
-        header[1:1 + x.dim()] = torch.tensor(x.shape)
+        header[1 : 1 + x.dim()] = torch.tensor(x.shape)
     dist.broadcast(header, src=src, group=group)
-    shape = tuple(int(d) for d in header[1:1 + int(header[0])])
+    shape = tuple(int(d) for d in header[1 : 1 + int(header[0])])
     out = x.contiguous() if x is not None else torch.empty(shape, dtype=dtype)
     dist.broadcast(out, src=src, group=group)
     return out

@@ -53,8 +53,10 @@ class ProcessGroups:
     def __post_init__(self) -> None:
         missing = [f.name for f in fields(self) if getattr(self, f.name) is None]
         if missing:
-            raise ValueError(f"process groups {missing} are None: every kind needs a real group "
-                             "(a group of one at degree 1)")
+            raise ValueError(
+                f"process groups {missing} are None: every kind needs a real group "
+                "(a group of one at degree 1)"
+            )
 
     def get(self, kind: str) -> dist.ProcessGroup:
         """The group of ``kind``; a misspelled kind raises :class:`UnknownGroupError`."""
@@ -64,7 +66,9 @@ class ProcessGroups:
 def check_kind(kind: str) -> str:
     """``kind`` if it names a group (:data:`KINDS`), else :class:`UnknownGroupError`."""
     if kind not in KINDS:
-        raise UnknownGroupError(f"unknown process group kind {kind!r}: choose from {', '.join(KINDS)}")
+        raise UnknownGroupError(
+            f"unknown process group kind {kind!r}: choose from {', '.join(KINDS)}"
+        )
     return kind
 
 

@@ -24,8 +24,14 @@ class RingPass:
     """One asynchronous pass: send ``t`` to the next rank of ``ranks`` (this rank is ``ranks[me]``),
     receive the previous one's; :meth:`wait` returns the received block."""
 
-    def __init__(self, t: torch.Tensor, group: dist.ProcessGroup, ranks: list[int], me: int,
-                 kind: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        t: torch.Tensor,
+        group: dist.ProcessGroup,
+        ranks: list[int],
+        me: int,
+        kind: Optional[str] = None,
+    ) -> None:
         self.recv = torch.empty_like(t)
         n = len(ranks)
         nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
@@ -45,18 +51,20 @@ def send_with_shape(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None
     x = x.contiguous()
     if x.dim() >= _HEADER:
         raise ValueError(f"send_with_shape: {x.dim()} dimensions, at most {_HEADER - 1}")
-    meta = torch.tensor([x.dim(), *x.shape] + [0] * (_HEADER - 1 - x.dim()), dtype=torch.long,
-                        device=x.device)
+    meta = torch.tensor(
+        [x.dim(), *x.shape] + [0] * (_HEADER - 1 - x.dim()), dtype=torch.long, device=x.device
+    )
     dist.send(meta, dst, group=group)
     dist.send(x, dst, group=group)
 
 
-def recv_with_shape(src: int, group: dist.ProcessGroup, dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor:
+def recv_with_shape(
+    src: int, group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The tensor :func:`send_with_shape` sent from global rank ``src``."""
     meta = torch.empty(_HEADER, dtype=torch.long, device=device)
     dist.recv(meta, src, group=group)
-    shape = meta[1:1 + int(meta[0])].tolist()
+    shape = meta[1 : 1 + int(meta[0])].tolist()
     x = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(x, src, group=group)
     return x

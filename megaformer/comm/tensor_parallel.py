@@ -36,8 +36,9 @@ from megaformer.comm.groups import size as _world
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
-def all_reduce(x: torch.Tensor, group: ProcessGroup,
-               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(
+    x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
     """In-place all-reduce of ``x`` over ``group`` (returned; a no-op for a group of one)."""
     if _world(group) == 1:
         return x

@@ -19,8 +19,12 @@ from megaformer.config.checkpoint import CheckpointConfig
 from megaformer.config.checks import check_rope_scaling, validate
 from megaformer.config.checks.launch import validate_for_training, validate_for_world
 from megaformer.config.data import DataConfig
-from megaformer.config.deepspeed import (DEEPSPEED_ALLOWED, DERIVED_DEEPSPEED_KEYS,
-                                         check_deepspeed_section, deepspeed_keys_doc)
+from megaformer.config.deepspeed import (
+    DEEPSPEED_ALLOWED,
+    DERIVED_DEEPSPEED_KEYS,
+    check_deepspeed_section,
+    deepspeed_keys_doc,
+)
 from megaformer.config.evaluation import EvalConfig
 from megaformer.config.fields import option
 from megaformer.config.loading import RENAMED_KEYS, config_from_dict, load_config
@@ -35,10 +39,35 @@ from megaformer.config.yaml_safe import MAX_CONFIG_BYTES, safe_yaml_load
 from megaformer.errors import ConfigError
 
 __all__ = [
-    "DEEPSPEED_ALLOWED", "DERIVED_DEEPSPEED_KEYS", "MAX_CONFIG_BYTES", "PRECISIONS", "RENAMED_KEYS",
-    "ROPE_SCALING_KEYS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "EvalConfig", "LogConfig", "ModelConfig", "ModelKeys", "MoEConfig", "ParallelConfig",
-    "TrainConfig", "apply_overrides", "check_deepspeed_section", "check_rope_scaling",
-    "config_from_dict", "deepspeed_keys_doc", "describe_keys", "load_config", "option",
-    "precision_dtype", "safe_yaml_load", "validate", "validate_for_training", "validate_for_world",
+    "DEEPSPEED_ALLOWED",
+    "DERIVED_DEEPSPEED_KEYS",
+    "MAX_CONFIG_BYTES",
+    "PRECISIONS",
+    "RENAMED_KEYS",
+    "ROPE_SCALING_KEYS",
+    "SECTIONS",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "LogConfig",
+    "ModelConfig",
+    "ModelKeys",
+    "MoEConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "check_deepspeed_section",
+    "check_rope_scaling",
+    "config_from_dict",
+    "deepspeed_keys_doc",
+    "describe_keys",
+    "load_config",
+    "option",
+    "precision_dtype",
+    "safe_yaml_load",
+    "validate",
+    "validate_for_training",
+    "validate_for_world",
 ]

@@ -28,21 +28,40 @@ DERIVED_DEEPSPEED_KEYS = {
 _OFFLOAD = {"device": {"cpu", "none"}, "pin_memory": None}
 DEEPSPEED_ALLOWED: dict = {
     "zero_optimization": {
-        "reduce_bucket_size": None, "allgather_bucket_size": None, "overlap_comm": None,
-        "contiguous_gradients": None, "reduce_scatter": None, "allgather_partitions": None,
-        "round_robin_gradients": None, "sub_group_size": None, "stage3_prefetch_bucket_size": None,
-        "stage3_param_persistence_threshold": None, "stage3_max_live_parameters": None,
-        "stage3_max_reuse_distance": None, "stage3_gather_16bit_weights_on_model_save": None,
-        "offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD,
+        "reduce_bucket_size": None,
+        "allgather_bucket_size": None,
+        "overlap_comm": None,
+        "contiguous_gradients": None,
+        "reduce_scatter": None,
+        "allgather_partitions": None,
+        "round_robin_gradients": None,
+        "sub_group_size": None,
+        "stage3_prefetch_bucket_size": None,
+        "stage3_param_persistence_threshold": None,
+        "stage3_max_live_parameters": None,
+        "stage3_max_reuse_distance": None,
+        "stage3_gather_16bit_weights_on_model_save": None,
+        "offload_optimizer": _OFFLOAD,
+        "offload_param": _OFFLOAD,
     },
-    "communication_data_type": None, "prescale_gradients": None, "gradient_predivide_factor": None,
-    "zero_allow_untested_optimizer": None, "zero_force_ds_cpu_optimizer": None,
-    "steps_per_print": None, "wall_clock_breakdown": None, "memory_breakdown": None,
+    "communication_data_type": None,
+    "prescale_gradients": None,
+    "gradient_predivide_factor": None,
+    "zero_allow_untested_optimizer": None,
+    "zero_force_ds_cpu_optimizer": None,
+    "steps_per_print": None,
+    "wall_clock_breakdown": None,
+    "memory_breakdown": None,
     "pipeline": {"pipe_partitioned": None, "grad_partitioned": None},
     "data_types": {"grad_accum_dtype": None},
     "comms_logger": {"enabled": None, "verbose": None, "prof_all": None, "debug": None},
-    "flops_profiler": {"enabled": None, "profile_step": None, "module_depth": None,
-                       "top_modules": None, "detailed": None},
+    "flops_profiler": {
+        "enabled": None,
+        "profile_step": None,
+        "module_depth": None,
+        "top_modules": None,
+        "detailed": None,
+    },
 }
 
 
@@ -60,8 +79,9 @@ def deepspeed_keys_doc(allowed: Optional[dict] = None, prefix: str = "") -> str:
     return ", ".join(out)
 
 
-def check_deepspeed_section(ds: Any, allowed: Optional[dict] = None,
-                            prefix: str = "deepspeed") -> None:
+def check_deepspeed_section(
+    ds: Any, allowed: Optional[dict] = None, prefix: str = "deepspeed"
+) -> None:
     """Raise ConfigError naming the first ``deepspeed:`` key (or value) that is not reviewed."""
     allowed = DEEPSPEED_ALLOWED if allowed is None else allowed
     if not isinstance(ds, dict):
@@ -69,15 +89,17 @@ def check_deepspeed_section(ds: Any, allowed: Optional[dict] = None,
     for key, value in ds.items():
         name = f"{prefix}.{key}"
         if key not in allowed:
-            raise ConfigError(f"{name}: not a DeepSpeed key megaformer accepts (accepted here: "
-                              f"{', '.join(allowed)})")
+            raise ConfigError(
+                f"{name}: not a DeepSpeed key megaformer accepts (accepted here: "
+                f"{', '.join(allowed)})"
+            )
         rule = allowed[key]
         if isinstance(rule, dict):
             check_deepspeed_section(value, rule, name)
             continue
         if not (value is None or isinstance(value, (bool, int, float, str))):
-            raise ConfigError(f"{name}={value!r}: expected a single value, got "
-                              f"{type(value).__name__}")
+            raise ConfigError(
+                f"{name}={value!r}: expected a single value, got {type(value).__name__}"
+            )
         if isinstance(rule, set) and value not in rule:
             raise ConfigError(f"{name}={value!r}: must be one of {', '.join(sorted(rule))}")
-

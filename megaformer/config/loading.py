@@ -35,12 +35,19 @@ def _current_name(section: str, key: str, values: dict, warn: bool) -> str:
     if new is None:
         return key
     if new in values:
-        raise ConfigError(f"{section}.{key} and {section}.{new}: the same key ({key} is its old "
-                          f"name); keep {section}.{new}")
+        raise ConfigError(
+            f"{section}.{key} and {section}.{new}: the same key ({key} is its old "
+            f"name); keep {section}.{new}"
+        )
     if warn and (section, key) not in _warned:
         _warned.add((section, key))
-        log.warning("%s.%s is now called %s.%s; the old name will stop working in a later "
-                    "release", section, key, section, new)
+        log.warning(
+            "%s.%s is now called %s.%s; the old name will stop working in a later release",
+            section,
+            key,
+            section,
+            new,
+        )
     return new
 
 
@@ -76,7 +83,9 @@ def _coerce(key: str, value: Any, tp: Any, warn: bool = False) -> Any:
         if ok:
             value = float(value)
     elif tp is str:
-        if value is False and allowed is not None and "off" in allowed:  # YAML 1.1 reads off as false
+        if (
+            value is False and allowed is not None and "off" in allowed
+        ):  # YAML 1.1 reads off as false
             value = "off"
         ok = isinstance(value, str)
     elif tp is dict:
@@ -84,13 +93,15 @@ def _coerce(key: str, value: Any, tp: Any, warn: bool = False) -> Any:
     if not ok:
         raise ConfigError(f"{key}={value!r}: expected {type_name(tp)}, got {type(value).__name__}")
     if allowed is not None and value not in allowed:
-        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(str(c) for c in allowed)}"
-                          f"{_did_you_mean(value, allowed)}")
+        raise ConfigError(
+            f"{key}={value!r}: must be one of {', '.join(str(c) for c in allowed)}"
+            f"{_did_you_mean(value, allowed)}"
+        )
     return value
 
 
 def _did_you_mean(word: str, candidates: Any, prefix: str = "") -> str:
-    """", did you mean 'x'?" for the closest candidate of a likely typo, else ""."""
+    """ ", did you mean 'x'?" for the closest candidate of a likely typo, else ""."""
     import difflib
 
     close = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.6)
@@ -110,9 +121,11 @@ def _build_section(name: str, cls: type, values: Any, warn: bool = False) -> Any
     for written, value in values.items():
         key = _current_name(name, written, values, warn)
         if key not in fields:
-            raise ConfigError(f"unknown config key '{name}.{key}'"
-                              f"{_did_you_mean(key, fields, name + '.')} "
-                              f"(known keys in '{name}': {', '.join(fields)})")
+            raise ConfigError(
+                f"unknown config key '{name}.{key}'"
+                f"{_did_you_mean(key, fields, name + '.')} "
+                f"(known keys in '{name}': {', '.join(fields)})"
+            )
         kwargs[key] = _coerce(f"{name}.{written}", value, hints[key], warn)
     return cls(**kwargs)
 
@@ -125,8 +138,10 @@ def config_from_dict(raw: dict, name: str = "megaformer", *, warn_renamed: bool 
     known = list(SECTIONS) + ["deepspeed"]
     for key in raw:
         if key not in known:
-            raise ConfigError(f"unknown config section '{key}'{_did_you_mean(key, known)} "
-                              f"(known sections: {', '.join(known)})")
+            raise ConfigError(
+                f"unknown config section '{key}'{_did_you_mean(key, known)} "
+                f"(known sections: {', '.join(known)})"
+            )
     sections = {n: _build_section(n, cls, raw.get(n), warn_renamed) for n, cls in SECTIONS.items()}
     ds = raw.get("deepspeed") or {}
     if not isinstance(ds, dict):

@@ -19,28 +19,38 @@ class LogConfig:
     sample_prompt: str = option("def ", "Prompt of the text sample printed after training.")
     sample_tokens: int = option(200, "Tokens of the sample printed after training (0 = none).")
     gpu: Optional[str] = option(
-        None, "Accelerator name for MFU/HFU (a name from the peak table, e.g. H100-SXM, A100, MI300X); "
-              "null = the CUDA device's own name when the table knows it. CPUs have no peak: MFU is "
-              "then not logged unless log.peak_tflops is set.")
+        None,
+        "Accelerator name for MFU/HFU (a name from the peak table, e.g. H100-SXM, A100, MI300X); "
+        "null = the CUDA device's own name when the table knows it. CPUs have no peak: MFU is "
+        "then not logged unless log.peak_tflops is set.",
+    )
     peak_tflops: Optional[float] = option(
-        None, "Peak dense TFLOP/s per device for the training dtype; overrides log.gpu's table value.")
+        None,
+        "Peak dense TFLOP/s per device for the training dtype; overrides log.gpu's table value.",
+    )
     diagnostics: bool = option(
-        False, "Residual-stream diagnostics every log.diagnostics_interval steps on a fixed held-out "
-               "micro-batch: per layer the RMS of the residual stream and of the attention and MLP "
-               "writes, the largest attention logit and the logit-lens loss; per head the norm of "
-               "its write and its attention entropy (metrics.jsonl and TensorBoard: resid/*, "
-               "attn_write/*, mlp_write/*, attn/*, logit_lens/*). Off: no cost at all.")
+        False,
+        "Residual-stream diagnostics every log.diagnostics_interval steps on a fixed held-out "
+        "micro-batch: per layer the RMS of the residual stream and of the attention and MLP "
+        "writes, the largest attention logit and the logit-lens loss; per head the norm of "
+        "its write and its attention entropy (metrics.jsonl and TensorBoard: resid/*, "
+        "attn_write/*, mlp_write/*, attn/*, logit_lens/*). Off: no cost at all.",
+    )
     diagnostics_interval: int = option(
-        100, "Steps between diagnostics passes when log.diagnostics is on (one extra no-grad "
-             "forward of one micro-batch each).")
+        100,
+        "Steps between diagnostics passes when log.diagnostics is on (one extra no-grad "
+        "forward of one micro-batch each).",
+    )
     wandb: bool = option(
-        False, "Also log to Weights & Biases (rank 0): the metrics.jsonl scalars, the resolved "
-               "config, and the report plots found in RUN_DIR/report at the end (needs pip install "
-               "megaformer[wandb]; never imported when off).")
+        False,
+        "Also log to Weights & Biases (rank 0): the metrics.jsonl scalars, the resolved "
+        "config, and the report plots found in RUN_DIR/report at the end (needs pip install "
+        "megaformer[wandb]; never imported when off).",
+    )
     wandb_project: str = option("megaformer", "W&B project of the run.")
     wandb_mode: Literal["online", "offline"] = option(
-        "online", "online (sync as it runs) or offline (files only; wandb sync uploads them "
-                  "later).")
+        "online", "online (sync as it runs) or offline (files only; wandb sync uploads them later)."
+    )
     wandb_dir: Optional[str] = option(
-        None, "Folder under which W&B writes its files (null = the run directory: RUN_DIR/wandb).")
-
+        None, "Folder under which W&B writes its files (null = the run directory: RUN_DIR/wandb)."
+    )

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 
 from megaformer.config.fields import option
 
+
 @dataclass
 class MoEConfig:
     """Mixture-of-Experts FFN (``model.moe``): token-choice top-k routing over E experts.
@@ -16,48 +17,71 @@ class MoEConfig:
     each parallelism does with the experts."""
 
     interval: int = option(
-        0, "An MoE FFN in every n-th block (block i, counting from 0, is MoE when (i + 1) % n == 0; "
-           "1 = every block), a dense FFN elsewhere; 0 = no MoE (a dense model).")
+        0,
+        "An MoE FFN in every n-th block (block i, counting from 0, is MoE when (i + 1) % n == 0; "
+        "1 = every block), a dense FFN elsewhere; 0 = no MoE (a dense model).",
+    )
     num_experts: int = option(8, "Routed experts E per MoE block.")
     top_k: int = option(2, "Experts each token is routed to (1..8, at most num_experts).")
     score: Literal["softmax", "sigmoid"] = option(
-        "softmax", "Router score s = softmax(logits) over the experts (Switch, Mixtral, Qwen-MoE) or "
-                   "sigmoid(logits) per expert (DeepSeek-V3).")
+        "softmax",
+        "Router score s = softmax(logits) over the experts (Switch, Mixtral, Qwen-MoE) or "
+        "sigmoid(logits) per expert (DeepSeek-V3).",
+    )
     renormalize: bool = option(
-        True, "Divide the k selected scores by their sum, so each token's expert weights sum to 1 "
-              "(Mixtral, Qwen3-MoE norm_topk_prob, DeepSeek-V3).")
+        True,
+        "Divide the k selected scores by their sum, so each token's expert weights sum to 1 "
+        "(Mixtral, Qwen3-MoE norm_topk_prob, DeepSeek-V3).",
+    )
     d_expert: Optional[int] = option(
-        None, "Hidden width of each routed expert's FFN; null = the dense FFN width (model.d_ffn "
-              "or its default).")
+        None,
+        "Hidden width of each routed expert's FFN; null = the dense FFN width (model.d_ffn "
+        "or its default).",
+    )
     num_shared_experts: int = option(
-        0, "Shared experts every token passes through besides its routed ones (DeepSeek-style); "
-           "they run as one FFN of num_shared_experts * d_shared hidden units.")
+        0,
+        "Shared experts every token passes through besides its routed ones (DeepSeek-style); "
+        "they run as one FFN of num_shared_experts * d_shared hidden units.",
+    )
     d_shared: Optional[int] = option(
-        None, "Hidden width of each shared expert; null = model.moe.d_expert.")
+        None, "Hidden width of each shared expert; null = model.moe.d_expert."
+    )
     shared_gate: bool = option(
-        False, "Scale the shared experts' output per token by sigmoid(x w_g), w_g a learned [1, "
-               "d_model] vector (Qwen2-MoE's shared_expert_gate); needs shared experts.")
+        False,
+        "Scale the shared experts' output per token by sigmoid(x w_g), w_g a learned [1, "
+        "d_model] vector (Qwen2-MoE's shared_expert_gate); needs shared experts.",
+    )
     dropless: bool = option(
-        True, "Every routed token is computed (no capacity limit, nothing dropped; a token's output "
-              "does not depend on the other tokens in the batch). false needs "
-              "model.moe.capacity_factor.")
+        True,
+        "Every routed token is computed (no capacity limit, nothing dropped; a token's output "
+        "does not depend on the other tokens in the batch). false needs "
+        "model.moe.capacity_factor.",
+    )
     capacity_factor: Optional[float] = option(
-        None, "With dropless=false: each expert takes at most ceil(capacity_factor * tokens * top_k "
-              "/ num_experts) token assignments per micro-batch, first come first served in token "
-              "order; the rest are dropped (that expert adds nothing for the token) and counted.")
+        None,
+        "With dropless=false: each expert takes at most ceil(capacity_factor * tokens * top_k "
+        "/ num_experts) token assignments per micro-batch, first come first served in token "
+        "order; the rest are dropped (that expert adds nothing for the token) and counted.",
+    )
     aux_loss_coef: float = option(
-        0.01, "Coefficient alpha of the load-balancing loss alpha * E * sum_e f_e P_e per MoE block "
-              "(Switch Transformer / Mixtral; f_e the fraction of the top-k assignments sent to "
-              "expert e, P_e its mean router probability; 1 when balanced), added to the training "
-              "loss; 0 = off.")
+        0.01,
+        "Coefficient alpha of the load-balancing loss alpha * E * sum_e f_e P_e per MoE block "
+        "(Switch Transformer / Mixtral; f_e the fraction of the top-k assignments sent to "
+        "expert e, P_e its mean router probability; 1 when balanced), added to the training "
+        "loss; 0 = off.",
+    )
     z_loss_coef: float = option(
-        0.0, "Coefficient of the router z-loss mean_tokens(logsumexp(logits)^2) per MoE block "
-             "(ST-MoE), added to the training loss; 0 = off.")
+        0.0,
+        "Coefficient of the router z-loss mean_tokens(logsumexp(logits)^2) per MoE block "
+        "(ST-MoE), added to the training loss; 0 = off.",
+    )
     bias_update_rate: float = option(
-        0.0, "Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias b_e is added to "
-             "the scores for the top-k selection only (not to the expert weights), and after each "
-             "optimizer step b_e += rate * sign(mean load - load_e), the load counted over the "
-             "step's tokens on all data-parallel ranks; 0 = off.")
+        0.0,
+        "Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias b_e is added to "
+        "the scores for the top-k selection only (not to the expert weights), and after each "
+        "optimizer step b_e += rate * sign(mean load - load_e), the load counted over the "
+        "step's tokens on all data-parallel ranks; 0 = off.",
+    )
 
 
 @dataclass
@@ -66,84 +90,121 @@ class ModelKeys:
     :class:`ModelConfig` adds the widths derived from them."""
 
     vocab_size: Optional[int] = option(
-        None, "Vocabulary size of the embedding and output layer; null takes it from the tokenizer.")
+        None, "Vocabulary size of the embedding and output layer; null takes it from the tokenizer."
+    )
     d_model: int = option(256, "Width of the residual stream (d_model).")
     n_layers: int = option(4, "Number of Transformer blocks.")
     n_heads: int = option(4, "Attention heads h; each has d_k = d_model / h (or model.head_dim).")
     n_kv_heads: Optional[int] = option(
-        None, "Key/value heads for grouped-query attention; null = n_heads (MHA), 1 = MQA.")
+        None, "Key/value heads for grouped-query attention; null = n_heads (MHA), 1 = MQA."
+    )
     d_ffn: Optional[int] = option(
-        None, "Hidden width of the FFN; null = 4*d_model for gelu, and 2/3 of that rounded up to a "
-              "multiple of 64 for swiglu (same parameter count, Llama's convention).")
+        None,
+        "Hidden width of the FFN; null = 4*d_model for gelu, and 2/3 of that rounded up to a "
+        "multiple of 64 for swiglu (same parameter count, Llama's convention).",
+    )
     head_dim: Optional[int] = option(
-        None, "Width d_k of each attention head; null = d_model / n_heads. Set where a model's "
-              "heads are wider or narrower than that (Qwen3: n_heads * head_dim != d_model).")
-    max_seq_len: int = option(256, "Longest sequence the model accepts (size of the position table).")
+        None,
+        "Width d_k of each attention head; null = d_model / n_heads. Set where a model's "
+        "heads are wider or narrower than that (Qwen3: n_heads * head_dim != d_model).",
+    )
+    max_seq_len: int = option(
+        256, "Longest sequence the model accepts (size of the position table)."
+    )
     position: Literal["sinusoidal", "learned", "rope", "none"] = option(
-        "rope", "Positional encoding.")
+        "rope", "Positional encoding."
+    )
     rope_theta: float = option(10000.0, "Base theta of rotary embeddings.")
     rope_scaling: Optional[dict] = option(
-        None, "Scaled rotary frequencies for a longer context, as transformers computes them: "
-              "null (unscaled), {rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
-              "original_max_position_embeddings} (Llama 3.1+), or {rope_type: yarn, factor, "
-              "original_max_position_embeddings, and optionally beta_fast, beta_slow, mscale, "
-              "mscale_all_dim, attention_factor, truncate} (YaRN, whose attention factor scales "
-              "cos and sin). docs/checkpoints.md explains the keys.")
+        None,
+        "Scaled rotary frequencies for a longer context, as transformers computes them: "
+        "null (unscaled), {rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
+        "original_max_position_embeddings} (Llama 3.1+), or {rope_type: yarn, factor, "
+        "original_max_position_embeddings, and optionally beta_fast, beta_slow, mscale, "
+        "mscale_all_dim, attention_factor, truncate} (YaRN, whose attention factor scales "
+        "cos and sin). docs/checkpoints.md explains the keys.",
+    )
     rotary_fraction: float = option(
-        1.0, "Fraction of each head's dimensions that rotary embeddings rotate (GPT-NeoX uses 0.25).")
+        1.0,
+        "Fraction of each head's dimensions that rotary embeddings rotate (GPT-NeoX uses 0.25).",
+    )
     norm: Literal["layernorm", "rmsnorm"] = option("rmsnorm", "Normalisation layer.")
     norm_eps: float = option(1e-5, "Epsilon of the normalisation layers.")
     activation: Literal["gelu", "gelu_tanh", "swiglu"] = option(
-        "swiglu", "FFN form: gelu (exact erf GELU, two matrices), gelu_tanh (GPT-2's tanh "
-                  "approximation) or swiglu (three matrices).")
+        "swiglu",
+        "FFN form: gelu (exact erf GELU, two matrices), gelu_tanh (GPT-2's tanh "
+        "approximation) or swiglu (three matrices).",
+    )
     residual: Literal["sequential", "parallel"] = option(
-        "sequential", "Pre-norm residual form: sequential (x += attn(ln(x)); x += mlp(ln(x))) or "
-                      "parallel (x += attn(ln1(x)) + mlp(ln2(x))).")
+        "sequential",
+        "Pre-norm residual form: sequential (x += attn(ln(x)); x += mlp(ln(x))) or "
+        "parallel (x += attn(ln1(x)) + mlp(ln2(x))).",
+    )
     tie_embeddings: bool = option(True, "Share the token embedding with the output layer.")
     bias: bool = option(False, "Biases in the linear layers (and LayerNorm).")
     qkv_bias: Optional[bool] = option(
-        None, "Biases in the query/key/value projections; null = model.bias (Qwen2: true with "
-              "model.bias false).")
+        None,
+        "Biases in the query/key/value projections; null = model.bias (Qwen2: true with "
+        "model.bias false).",
+    )
     qk_norm: bool = option(
-        False, "RMSNorm over each head's d_k dimensions of the queries and keys, before rotary "
-               "embeddings (Qwen3).")
+        False,
+        "RMSNorm over each head's d_k dimensions of the queries and keys, before rotary "
+        "embeddings (Qwen3).",
+    )
     sliding_window: Optional[int] = option(
-        None, "Each token attends to at most this many most recent positions, itself included "
-              "(Mistral 7B v0.1: 4096); null = the whole causal context. flash-attn's window_size "
-              "on CUDA, a banded mask elsewhere (the native CPU attention kernel is not used).")
+        None,
+        "Each token attends to at most this many most recent positions, itself included "
+        "(Mistral 7B v0.1: 4096); null = the whole causal context. flash-attn's window_size "
+        "on CUDA, a banded mask elsewhere (the native CPU attention kernel is not used).",
+    )
     dropout: float = option(0.0, "Dropout on embeddings and on each residual write.")
     attention_dropout: float = option(0.0, "Dropout on the attention probabilities.")
-    init_std: float = option(0.02, "Std of the normal initialisation; residual-output projections "
-                                   "use init_std / sqrt(2 * n_layers).")
+    init_std: float = option(
+        0.02,
+        "Std of the normal initialisation; residual-output projections "
+        "use init_std / sqrt(2 * n_layers).",
+    )
     attention_backend: Literal["auto", "flash", "sdpa", "reference"] = option(
-        "auto", "Attention kernel: auto (flash-attn on CUDA fp16/bf16; megaformer's native CPU "
-                "FlashAttention-2 kernel on fp32 CPU in eager mode without attention dropout, "
-                "document mask or sliding window, head_dim a multiple of 16; else torch SDPA, whose own backend "
-                "choice MEGAFORMER_SDPA_BACKENDS can override), or force one.")
+        "auto",
+        "Attention kernel: auto (flash-attn on CUDA fp16/bf16; megaformer's native CPU "
+        "FlashAttention-2 kernel on fp32 CPU in eager mode without attention dropout, "
+        "document mask or sliding window, head_dim a multiple of 16; else torch SDPA, whose own backend "
+        "choice MEGAFORMER_SDPA_BACKENDS can override), or force one.",
+    )
     kernels: Literal["auto", "torch"] = option(
-        "auto", "Which implementation runs each op (norms, activations, rotary embeddings, "
-                "cross-entropy, dropout, GEMMs): auto, the fastest that runs here (Triton, apex, "
-                "oneDNN, megaformer's native CPU kernels); torch, plain torch ops everywhere "
-                "(model.attention_backend chooses attention's). The trainer logs which one runs "
-                "per op; docs/kernels.md lists them. Formerly model.fused_kernels.")
+        "auto",
+        "Which implementation runs each op (norms, activations, rotary embeddings, "
+        "cross-entropy, dropout, GEMMs): auto, the fastest that runs here (Triton, apex, "
+        "oneDNN, megaformer's native CPU kernels); torch, plain torch ops everywhere "
+        "(model.attention_backend chooses attention's). The trainer logs which one runs "
+        "per op; docs/kernels.md lists them. Formerly model.fused_kernels.",
+    )
     loss_chunk_tokens: int = option(
-        0, "0 = logits then cross-entropy (materialises [tokens, vocab] fp32 logits); N > 0 = the "
-           "output projection fused with the cross-entropy over N tokens at a time (its gradients "
-           "computed chunk by chunk in forward), so only [N, vocab] logits exist at once (vocab-parallel under TP; not with "
-           "parallel.pipeline > 1).")
+        0,
+        "0 = logits then cross-entropy (materialises [tokens, vocab] fp32 logits); N > 0 = the "
+        "output projection fused with the cross-entropy over N tokens at a time (its gradients "
+        "computed chunk by chunk in forward), so only [N, vocab] logits exist at once (vocab-parallel under TP; not with "
+        "parallel.pipeline > 1).",
+    )
     document_mask: bool = option(
-        False, "Packed documents do not attend to each other: a token attends only to earlier tokens "
-               "of its own document (documents end at the tokenizer's EOD token). Varlen flash-attn "
-               "on CUDA when installed, else a block-diagonal causal mask (SDPA/reference). Not with "
-               "parallel.pipeline > 1.")
+        False,
+        "Packed documents do not attend to each other: a token attends only to earlier tokens "
+        "of its own document (documents end at the tokenizer's EOD token). Varlen flash-attn "
+        "on CUDA when installed, else a block-diagonal causal mask (SDPA/reference). Not with "
+        "parallel.pipeline > 1.",
+    )
     init_from: Optional[str] = option(
-        None, "A Hugging Face model folder (safetensors, a config.json of a class megaformer "
-              "convert reads) to start training from, read without a converted copy: its "
-              "config.json gives every key that shapes the weights, each rank reads only its "
-              "shards; null = initialise from train.seed. Ignored when the run directory holds "
-              "a checkpoint (it resumes). megaformer train CONFIG --init-from DIR sets it.")
-    moe: MoEConfig = option(None, "Mixture-of-Experts FFN: see the model.moe.* keys.",
-                            factory=MoEConfig)
+        None,
+        "A Hugging Face model folder (safetensors, a config.json of a class megaformer "
+        "convert reads) to start training from, read without a converted copy: its "
+        "config.json gives every key that shapes the weights, each rank reads only its "
+        "shards; null = initialise from train.seed. Ignored when the run directory holds "
+        "a checkpoint (it resumes). megaformer train CONFIG --init-from DIR sets it.",
+    )
+    moe: MoEConfig = option(
+        None, "Mixture-of-Experts FFN: see the model.moe.* keys.", factory=MoEConfig
+    )
 
 
 class ModelConfig(ModelKeys):
@@ -208,8 +269,12 @@ class ModelConfig(ModelKeys):
 
 
 ROPE_SCALING_KEYS = {
-    "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
-               set()),
-    "yarn": ({"factor", "original_max_position_embeddings"},
-             {"beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}),
+    "llama3": (
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+        set(),
+    ),
+    "yarn": (
+        {"factor", "original_max_position_embeddings"},
+        {"beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"},
+    ),
 }

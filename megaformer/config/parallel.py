@@ -12,38 +12,58 @@ from megaformer.config.fields import option
 class ParallelConfig:
     """How the world is split. Data parallelism is world_size / (tensor * context * pipeline)."""
 
-    tensor: int = option(1, "Tensor-parallel degree: each layer's matrices split over this many "
-                            "adjacent ranks (Megatron-style); must divide heads, KV heads, d_ffn.")
-    pipeline: int = option(1, "Pipeline-parallel degree: stages of consecutive blocks, run by "
-                              "DeepSpeed's pipeline engine (1F1B over the micro-batches).")
+    tensor: int = option(
+        1,
+        "Tensor-parallel degree: each layer's matrices split over this many "
+        "adjacent ranks (Megatron-style); must divide heads, KV heads, d_ffn.",
+    )
+    pipeline: int = option(
+        1,
+        "Pipeline-parallel degree: stages of consecutive blocks, run by "
+        "DeepSpeed's pipeline engine (1F1B over the micro-batches).",
+    )
     pipeline_partition: str = option(
-        "layers", "How blocks are split over stages: 'layers' (equal block counts), 'parameters' "
-                  "(balanced parameter counts) or an explicit list of blocks per stage, e.g. '3,3,2'. "
-                  "The embedding goes with the first stage, the final norm and head with the last.")
+        "layers",
+        "How blocks are split over stages: 'layers' (equal block counts), 'parameters' "
+        "(balanced parameter counts) or an explicit list of blocks per stage, e.g. '3,3,2'. "
+        "The embedding goes with the first stage, the final norm and head with the last.",
+    )
     context: int = option(
-        1, "Context-parallel degree: each sequence split into this many parts over adjacent ranks "
-           "(after the tensor-parallel ranks); attention exchanges keys/values or heads between "
-           "them (parallel.context_mode). Gradients are averaged over data x context ranks.")
+        1,
+        "Context-parallel degree: each sequence split into this many parts over adjacent ranks "
+        "(after the tensor-parallel ranks); attention exchanges keys/values or heads between "
+        "them (parallel.context_mode). Gradients are averaged over data x context ranks.",
+    )
     context_mode: Literal["ring", "all_to_all"] = option(
-        "ring", "How attention sees the whole sequence under context parallelism: 'ring' (K/V "
-                "blocks passed around the context group, online softmax, two opposite chunks per "
-                "rank so causal work is balanced; sequence divisible by 2 * context) or "
-                "'all_to_all' (DeepSpeed-Ulysses: sequence-sharded to head-sharded around the "
-                "attention core and back; heads per tensor-parallel rank divisible by context).")
+        "ring",
+        "How attention sees the whole sequence under context parallelism: 'ring' (K/V "
+        "blocks passed around the context group, online softmax, two opposite chunks per "
+        "rank so causal work is balanced; sequence divisible by 2 * context) or "
+        "'all_to_all' (DeepSpeed-Ulysses: sequence-sharded to head-sharded around the "
+        "attention core and back; heads per tensor-parallel rank divisible by context).",
+    )
     expert: int = option(
-        1, "Expert-parallel degree (model.moe): the routed experts split over this many "
-           "data-parallel ranks, tokens sent to their experts' ranks and back with all-to-all; "
-           "expert gradients are averaged over the remaining data-parallel ranks. Must divide "
-           "model.moe.num_experts and the data-parallel size.")
+        1,
+        "Expert-parallel degree (model.moe): the routed experts split over this many "
+        "data-parallel ranks, tokens sent to their experts' ranks and back with all-to-all; "
+        "expert gradients are averaged over the remaining data-parallel ranks. Must divide "
+        "model.moe.num_experts and the data-parallel size.",
+    )
     zero_stage: Literal[0, 1, 2, 3] = option(
-        0, "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), 3 (+parameters).")
+        0, "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), 3 (+parameters)."
+    )
     sequence_parallel: bool = option(
-        False, "Split the residual stream along the sequence across the tensor-parallel group "
-               "(all-gather / reduce-scatter instead of all-reduce); no effect when tensor = 1.")
+        False,
+        "Split the residual stream along the sequence across the tensor-parallel group "
+        "(all-gather / reduce-scatter instead of all-reduce); no effect when tensor = 1.",
+    )
     vocab_multiple: int = option(
-        128, "Pad the vocabulary to a multiple of vocab_multiple * tensor rows; the padding never "
-             "reaches the loss, generation or exported weights.")
+        128,
+        "Pad the vocabulary to a multiple of vocab_multiple * tensor rows; the padding never "
+        "reaches the loss, generation or exported weights.",
+    )
     collective_timeout_minutes: float = option(
-        30.0, "Timeout of the process group's collectives (init_process_group(timeout=...)): a rank "
-              "waiting longer than this for the others fails instead of hanging.")
-
+        30.0,
+        "Timeout of the process group's collectives (init_process_group(timeout=...)): a rank "
+        "waiting longer than this for the others fails instead of hanging.",
+    )

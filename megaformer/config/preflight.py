@@ -61,15 +61,18 @@ def check_packages(cfg: Config) -> None:
     """The optional packages the config's features need are installed (each named with its
     extra); nothing is imported."""
     if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("log.wandb=true: Weights & Biases is not installed: "
-                          "pip install megaformer[wandb]")
+        raise ConfigError(
+            "log.wandb=true: Weights & Biases is not installed: pip install megaformer[wandb]"
+        )
     if cfg.eval.tasks and importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError("eval.tasks: lm-evaluation-harness is not installed: "
-                          "pip install megaformer[eval]")
+        raise ConfigError(
+            "eval.tasks: lm-evaluation-harness is not installed: pip install megaformer[eval]"
+        )
 
 
 def kernel_plan(cfg: Config, device: torch.device) -> list[tuple[str, Choice]]:
     """The implementation of each op of a training step here; refuses a forced attention backend
     that cannot run on ``device`` before anything is built."""
-    return model_plan(cfg.model, device, precision_dtype(cfg.train.precision),
-                      compiled=cfg.train.compile)
+    return model_plan(
+        cfg.model, device, precision_dtype(cfg.train.precision), compiled=cfg.train.compile
+    )

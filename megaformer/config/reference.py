@@ -26,15 +26,29 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
             if allowed:
                 doc += " One of: " + ", ".join(str(c) for c in allowed) + "."
             default = f.default
-            rows.append((f"{prefix}.{f.name}", type_name(hints[f.name]),
-                         "null" if default is None else repr(default).strip("'"), doc))
+            rows.append(
+                (
+                    f"{prefix}.{f.name}",
+                    type_name(hints[f.name]),
+                    "null" if default is None else repr(default).strip("'"),
+                    doc,
+                )
+            )
 
     for section, cls in SECTIONS.items():
         add(section, cls)
-    rows.append(("deepspeed", "dict", "{}", "Passed through into the derived DeepSpeed config "
-                 "(deep-merged); batch, precision, clipping and ZeRO-stage keys are derived from the "
-                 "sections above and refused here. Only these reviewed keys are accepted (any other, "
-                 "e.g. checkpoint, monitors, NVMe offload or torch_autocast, is refused by name; "
-                 "DeepSpeed's universal-checkpoint loading is always off): "
-                 + deepspeed_keys_doc() + "."))
+    rows.append(
+        (
+            "deepspeed",
+            "dict",
+            "{}",
+            "Passed through into the derived DeepSpeed config "
+            "(deep-merged); batch, precision, clipping and ZeRO-stage keys are derived from the "
+            "sections above and refused here. Only these reviewed keys are accepted (any other, "
+            "e.g. checkpoint, monitors, NVMe offload or torch_autocast, is refused by name; "
+            "DeepSpeed's universal-checkpoint loading is always off): "
+            + deepspeed_keys_doc()
+            + ".",
+        )
+    )
     return rows

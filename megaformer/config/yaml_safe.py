@@ -19,8 +19,11 @@ class SafeNoAliasLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             raise yaml.composer.ComposerError(
-                None, None, "YAML anchors and aliases (&name / *name) are not accepted in configs",
-                event.start_mark)
+                None,
+                None,
+                "YAML anchors and aliases (&name / *name) are not accepted in configs",
+                event.start_mark,
+            )
         return super().compose_node(parent, index)
 
 

@@ -69,16 +69,38 @@ def _build_scheduler() -> tuple[Optional[ctypes.CDLL], str]:
     if shutil.which(compiler) is None:
         return None, f"blend scheduler: Python loop (no C compiler '{compiler}' on PATH)"
     try:
-        target, private = native.build_library(compiler, SOURCE, _C_FLAGS, "libmegaformer_blend.so",
-                                               "blend", cpu_specific=False)
+        target, private = native.build_library(
+            compiler, SOURCE, _C_FLAGS, "libmegaformer_blend.so", "blend", cpu_specific=False
+        )
         lib = ctypes.CDLL(str(target))
-        lib.mf_blend.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_double,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        lib.mf_blend.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            ctypes.c_double,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        )
         lib.mf_blend.restype = ctypes.c_int
-        lib.mf_epoch_rows.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int)
+        lib.mf_epoch_rows.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        )
         lib.mf_epoch_rows.restype = ctypes.c_int
         lib.mf_shuffle.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
         lib.mf_shuffle.restype = None
@@ -106,8 +128,9 @@ def normalise(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-def _schedule_py(w: np.ndarray, active: list[int], delta: float, i0: int, n: int,
-                 count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _schedule_py(
+    w: np.ndarray, active: list[int], delta: float, i0: int, n: int, count: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Slots ``[i0, i0 + n)`` by the heap loop; ``count`` (samples per dataset before ``i0``) is
     updated in place."""
     which = np.zeros(n, dtype=np.int32)
@@ -130,9 +153,14 @@ def _schedule_py(w: np.ndarray, active: list[int], delta: float, i0: int, n: int
     return which, offset
 
 
-def blend_chunks(weights: Sequence[float], n: int, chunk: int = CHUNK, native: bool = True,
-                 out: Optional[tuple[np.ndarray, np.ndarray]] = None,
-                 counts: Optional[np.ndarray] = None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+def blend_chunks(
+    weights: Sequence[float],
+    n: int,
+    chunk: int = CHUNK,
+    native: bool = True,
+    out: Optional[tuple[np.ndarray, np.ndarray]] = None,
+    counts: Optional[np.ndarray] = None,
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """``(start, which, offset)`` for global samples ``[start, start + len(which))``, chunk by chunk,
     covering ``[0, n)``: :func:`blend_index` without holding all of it (int32 / int64 chunks), or,
     given ``out`` (two contiguous integer arrays of length >= n), views of ``out`` filled in place.
@@ -147,12 +175,13 @@ def blend_chunks(weights: Sequence[float], n: int, chunk: int = CHUNK, native: b
         delta = 1.0 / (2 * (len(active) - 1))
         w_c = np.ascontiguousarray(w)
         act = np.asarray(active, dtype=np.int32)
-        scratch = np.zeros(2 * len(active), dtype=np.dtype([("key", np.float64), ("d", np.int32)],
-                                                             align=True))
+        scratch = np.zeros(
+            2 * len(active), dtype=np.dtype([("key", np.float64), ("d", np.int32)], align=True)
+        )
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         if out is not None:
-            which, offset = out[0][start:start + m], out[1][start:start + m]
+            which, offset = out[0][start : start + m], out[1][start : start + m]
         else:
             which, offset = np.empty(m, dtype=np.int32), np.empty(m, dtype=np.int64)
         if len(active) <= 1:
@@ -162,16 +191,28 @@ def blend_chunks(weights: Sequence[float], n: int, chunk: int = CHUNK, native: b
         elif lib is None:
             which[:], offset[:] = _schedule_py(w, active, delta, start, m, count)
         else:
-            rc = lib.mf_blend(w_c.ctypes.data, act.ctypes.data, len(active), delta, start, m,
-                              count.ctypes.data, which.ctypes.data, which.itemsize,
-                              offset.ctypes.data, offset.itemsize, scratch.ctypes.data)
+            rc = lib.mf_blend(
+                w_c.ctypes.data,
+                act.ctypes.data,
+                len(active),
+                delta,
+                start,
+                m,
+                count.ctypes.data,
+                which.ctypes.data,
+                which.itemsize,
+                offset.ctypes.data,
+                offset.itemsize,
+                scratch.ctypes.data,
+            )
             if rc != 0:
                 raise AssertionError("blend schedule: no dataset ready at a slot")
         yield start, which, offset
 
 
-def blend_index(weights: Sequence[float], n: int, native: bool = True
-                ) -> tuple[np.ndarray, np.ndarray]:
+def blend_index(
+    weights: Sequence[float], n: int, native: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """(which dataset, its sample number) for global samples 0..n-1 (Tijdeman's schedule), in the
     smallest integer types that hold them."""
     which = np.empty(n, dtype=smallest_int(max(len(weights) - 1, 0)))
@@ -184,8 +225,9 @@ def blend_index(weights: Sequence[float], n: int, native: bool = True
 SCHEDULE_SLACK = 1e-6  # floating-point slack on the bound |c_d(n) - w_d n| < 1
 
 
-def check_schedule(which: np.ndarray, offset: np.ndarray, weights: np.ndarray,
-                   counts: np.ndarray, start: int) -> None:
+def check_schedule(
+    which: np.ndarray, offset: np.ndarray, weights: np.ndarray, counts: np.ndarray, start: int
+) -> None:
     """ValueError unless entries ``start, start + 1, ...`` of a cached blend (``which``,
     ``offset``; ``counts`` the samples per dataset before ``start``) are a schedule this module
     could have written: each dataset's samples taken in order, each once
@@ -203,8 +245,9 @@ def check_schedule(which: np.ndarray, offset: np.ndarray, weights: np.ndarray,
         raise ValueError("a dataset's samples are not taken in order, each once")
     g = np.arange(start, start + len(which), dtype=np.float64)
     share = w[which.astype(np.int64)]
-    if (share * g - off >= 1 + SCHEDULE_SLACK).any() or \
-            (off + 1 - share * (g + 1) >= 1 + SCHEDULE_SLACK).any():
+    if (share * g - off >= 1 + SCHEDULE_SLACK).any() or (
+        off + 1 - share * (g + 1) >= 1 + SCHEDULE_SLACK
+    ).any():
         raise ValueError("the datasets' shares are not the weights")
 
 
@@ -217,25 +260,40 @@ class BlendedDataset:
 
     shuffled = True
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], n: int,
-                 cache_dir: Optional[Path] = None, build: bool = True) -> None:
+    def __init__(
+        self,
+        datasets: Sequence,
+        weights: Sequence[float],
+        n: int,
+        cache_dir: Optional[Path] = None,
+        build: bool = True,
+    ) -> None:
         self.datasets = list(datasets)
         self.weights = normalise(weights)
         self.cache_dir = cache_dir
         self._build(n, build)
 
     def _key(self) -> str:
-        parts = [[str(getattr(getattr(d, "data", None), "prefix", "")), getattr(d, "split", ""),
-                  getattr(d, "start", 0), getattr(d, "end", 0), getattr(d, "seq_len", 0),
-                  getattr(d, "seed", 0)] for d in self.datasets]
+        parts = [
+            [
+                str(getattr(getattr(d, "data", None), "prefix", "")),
+                getattr(d, "split", ""),
+                getattr(d, "start", 0),
+                getattr(d, "end", 0),
+                getattr(d, "seq_len", 0),
+                getattr(d, "seed", 0),
+            ]
+            for d in self.datasets
+        ]
         text = json.dumps({"v": 1, "datasets": parts, "weights": self.weights.tolist()})
         return "blend-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def _paths(self) -> dict[str, Path]:
         assert self.cache_dir is not None
         key = self._key()
-        return {name: self.cache_dir / f"{key}-{name}.npy" for name in ("which", "offset")} | \
-            {"meta": self.cache_dir / f"{key}.json"}
+        return {name: self.cache_dir / f"{key}-{name}.npy" for name in ("which", "offset")} | {
+            "meta": self.cache_dir / f"{key}.json"
+        }
 
     def _load_cached(self, n: int) -> bool:
         """The cached index when it holds at least ``n`` samples, its files are this user's own (not
@@ -247,30 +305,47 @@ class BlendedDataset:
         if not (paths["meta"].is_file() or paths["meta"].is_symlink()):
             return False
         if not all(owned_by_me(p) for p in paths.values()):
-            log.warning("data: ignoring the cached blend index %s: its files must be regular files "
-                        "of this user, not writable by group or others", paths["meta"])
+            log.warning(
+                "data: ignoring the cached blend index %s: its files must be regular files "
+                "of this user, not writable by group or others",
+                paths["meta"],
+            )
             return False
         try:
             if int(json.loads(read_text_bounded(paths["meta"], 1 << 16, DataError))["samples"]) < n:
                 return False
             which = np.load(paths["which"], mmap_mode="r", allow_pickle=False)
             offset = np.load(paths["offset"], mmap_mode="r", allow_pickle=False)
-            if (which.ndim != 1 or which.shape != offset.shape or len(which) < n
-                    or which.dtype.kind not in "iu" or offset.dtype.kind not in "iu"):
-                raise ValueError(f"shapes {which.shape} ({which.dtype}), {offset.shape} ({offset.dtype})")
+            if (
+                which.ndim != 1
+                or which.shape != offset.shape
+                or len(which) < n
+                or which.dtype.kind not in "iu"
+                or offset.dtype.kind not in "iu"
+            ):
+                raise ValueError(
+                    f"shapes {which.shape} ({which.dtype}), {offset.shape} ({offset.dtype})"
+                )
             counts = np.zeros(len(self.datasets), dtype=np.int64)
             for a in range(0, len(which), CHUNK):
-                wh, off = which[a:a + CHUNK], offset[a:a + CHUNK]
-                if wh.min() < 0 or wh.max() >= len(self.datasets) or off.min() < 0 or \
-                        (off > np.arange(a, a + len(off))).any():
+                wh, off = which[a : a + CHUNK], offset[a : a + CHUNK]
+                if (
+                    wh.min() < 0
+                    or wh.max() >= len(self.datasets)
+                    or off.min() < 0
+                    or (off > np.arange(a, a + len(off))).any()
+                ):
                     raise ValueError("entries out of range")
                 check_schedule(wh, off, self.weights, counts, a)
                 counts += np.bincount(wh, minlength=len(self.datasets))
             if (self.weights * len(which) - counts >= 1 + SCHEDULE_SLACK).any():
                 raise ValueError("a dataset falls short of its share")
         except (OSError, ValueError, KeyError, TypeError, DataError) as e:
-            log.warning("data: ignoring the cached blend index %s (%s); rebuilding it", paths["meta"],
-                        " ".join(str(e).split())[:200])
+            log.warning(
+                "data: ignoring the cached blend index %s (%s); rebuilding it",
+                paths["meta"],
+                " ".join(str(e).split())[:200],
+            )
             return False
         self.which, self.offset, self._counts = which, offset, counts
         return True
@@ -299,8 +374,9 @@ class BlendedDataset:
         finally:
             for sink in sinks.values():
                 sink.abort()
-        write_atomic(paths["meta"], json.dumps({"samples": n, "datasets": D}), fsync=False,
-                     error=DataError)
+        write_atomic(
+            paths["meta"], json.dumps({"samples": n, "datasets": D}), fsync=False, error=DataError
+        )
         self.which = np.load(paths["which"], mmap_mode="r", allow_pickle=False)
         self.offset = np.load(paths["offset"], mmap_mode="r", allow_pickle=False)
         self._counts = counts
@@ -310,12 +386,21 @@ class BlendedDataset:
             self._ensure_parts()
             return
         if save:
-            log.info("data: building the blend index of %d datasets for %s samples (rank 0; the "
-                     "other ranks wait)", len(self.datasets), f"{n:,}")
+            log.info(
+                "data: building the blend index of %d datasets for %s samples (rank 0; the "
+                "other ranks wait)",
+                len(self.datasets),
+                f"{n:,}",
+            )
         t0 = time.perf_counter()
         self._compute(n, self._paths() if self.cache_dir is not None and save else None)
-        log.info("data: blend of %d datasets (weights %s): %s samples in %.2fs", len(self.datasets),
-                 ", ".join(f"{w:.3f}" for w in self.weights), f"{n:,}", time.perf_counter() - t0)
+        log.info(
+            "data: blend of %d datasets (weights %s): %s samples in %.2fs",
+            len(self.datasets),
+            ", ".join(f"{w:.3f}" for w in self.weights),
+            f"{n:,}",
+            time.perf_counter() - t0,
+        )
         self._ensure_parts()
 
     def _ensure_parts(self) -> None:
@@ -331,7 +416,7 @@ class BlendedDataset:
         """Samples per dataset among the first n."""
         counts = np.zeros(len(self.datasets), dtype=np.int64)
         for a in range(0, min(n, len(self.which)), CHUNK):
-            counts += np.bincount(self.which[a:min(a + CHUNK, n)], minlength=len(self.datasets))
+            counts += np.bincount(self.which[a : min(a + CHUNK, n)], minlength=len(self.datasets))
         return counts
 
     def sample(self, g: int) -> np.ndarray:

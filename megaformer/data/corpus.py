@@ -23,7 +23,9 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 def stdlib_files() -> list[Path]:
     """The standard library's .py files, without installed third-party packages, in sorted order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(f for f in root.rglob("*.py") if not _SKIP_DIRS.intersection(f.relative_to(root).parts))
+    return sorted(
+        f for f in root.rglob("*.py") if not _SKIP_DIRS.intersection(f.relative_to(root).parts)
+    )
 
 
 def source_files(source: str) -> list[Path]:
@@ -31,21 +33,29 @@ def source_files(source: str) -> list[Path]:
     if source == "stdlib":
         files = stdlib_files()
         if not files:
-            raise DataError("data.source=stdlib: no .py files found in this Python's standard library")
+            raise DataError(
+                "data.source=stdlib: no .py files found in this Python's standard library"
+            )
         return files
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"data.source={source!r}: no such file or folder")
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
-                       and not _SKIP_DIRS.intersection(f.parts))
+        files = sorted(
+            f
+            for f in path.rglob("*")
+            if f.is_file() and f.suffix in TEXT_SUFFIXES and not _SKIP_DIRS.intersection(f.parts)
+        )
         if not files:
-            raise DataError(f"data.source={source!r}: folder holds no text files "
-                            f"({', '.join(TEXT_SUFFIXES)})")
+            raise DataError(
+                f"data.source={source!r}: folder holds no text files ({', '.join(TEXT_SUFFIXES)})"
+            )
         return files
     if path.suffix not in TEXT_SUFFIXES:
-        raise DataError(f"data.source={source!r}: unsupported file type '{path.suffix}' "
-                        f"(use one of {', '.join(TEXT_SUFFIXES)})")
+        raise DataError(
+            f"data.source={source!r}: unsupported file type '{path.suffix}' "
+            f"(use one of {', '.join(TEXT_SUFFIXES)})"
+        )
     return [path]
 
 
@@ -78,8 +88,9 @@ def _json_documents(path: Path, text_field: str) -> Iterator[str]:
         yield text_of(record, f"{path}[{i}]")
 
 
-def iter_documents(source: str, text_field: str = "text",
-                   max_bytes: Optional[int] = None) -> Iterator[str]:
+def iter_documents(
+    source: str, text_field: str = "text", max_bytes: Optional[int] = None
+) -> Iterator[str]:
     """Yield the non-empty documents of ``source``, stopping after ``max_bytes`` bytes of text."""
     total = 0
     for path in source_files(source):

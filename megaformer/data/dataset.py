@@ -46,14 +46,19 @@ def _concat(token_lists: Sequence[Sequence[int]], eod: int, dtype: np.dtype) -> 
     out = np.empty(total, dtype=dtype)
     pos = 0
     for toks in token_lists:
-        out[pos:pos + len(toks)] = toks
+        out[pos : pos + len(toks)] = toks
         out[pos + len(toks)] = eod
         pos += len(toks) + 1
     return out
 
 
-def tokenize_corpus(documents: Sequence[str], tokenizer: Tokenizer, valid_fraction: float,
-                    seed: int, batch: int = 256) -> TokenizedCorpus:
+def tokenize_corpus(
+    documents: Sequence[str],
+    tokenizer: Tokenizer,
+    valid_fraction: float,
+    seed: int,
+    batch: int = 256,
+) -> TokenizedCorpus:
     """Tokenize ``documents`` and split them into train/validation streams.
 
     A seeded ``valid_fraction`` of the documents (at least one) goes to validation. A corpus of a
@@ -64,7 +69,7 @@ def tokenize_corpus(documents: Sequence[str], tokenizer: Tokenizer, valid_fracti
         raise DataError("the corpus is empty: no non-empty documents were found")
     tokens: list[Sequence[int]] = []
     for i in range(0, n, batch):
-        tokens.extend(tokenizer.encode_batch(list(documents[i:i + batch])))
+        tokens.extend(tokenizer.encode_batch(list(documents[i : i + batch])))
     dtype = token_dtype(tokenizer.vocab_size)
     if n == 1:
         stream = _concat(tokens, tokenizer.eod_id, dtype)
@@ -73,7 +78,9 @@ def tokenize_corpus(documents: Sequence[str], tokenizer: Tokenizer, valid_fracti
     n_valid = min(n - 1, max(1, round(valid_fraction * n)))
     perm = np.random.default_rng(seed).permutation(n)
     valid_ids = set(perm[:n_valid].tolist())
-    train = _concat([t for i, t in enumerate(tokens) if i not in valid_ids], tokenizer.eod_id, dtype)
+    train = _concat(
+        [t for i, t in enumerate(tokens) if i not in valid_ids], tokenizer.eod_id, dtype
+    )
     valid = _concat([t for i, t in enumerate(tokens) if i in valid_ids], tokenizer.eod_id, dtype)
     return TokenizedCorpus(train, valid, n, n_valid)
 
@@ -86,8 +93,10 @@ class PackedDataset:
         self.seq_len = seq_len
         self.n_samples = (len(tokens) - 1) // seq_len
         if self.n_samples < 1:
-            raise DataError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
-                            f"{seq_len + 1}: use more data or a shorter data.seq_len")
+            raise DataError(
+                f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = "
+                f"{seq_len + 1}: use more data or a shorter data.seq_len"
+            )
 
     def __len__(self) -> int:
         return self.n_samples
@@ -95,7 +104,7 @@ class PackedDataset:
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), each [len(indices), seq_len] int64."""
         L = self.seq_len
-        rows = np.stack([self.tokens[i * L:i * L + L + 1] for i in indices]).astype(np.int64)
+        rows = np.stack([self.tokens[i * L : i * L + L + 1] for i in indices]).astype(np.int64)
         t = torch.from_numpy(rows)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
@@ -155,11 +164,21 @@ class TrainLoader:
     step's micro-batches to the others (one exchange per step, on the reading thread).
     """
 
-    def __init__(self, dataset: PackedDataset, micro_batch_size: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, seed: int, consumed_samples: int = 0,
-                 prefetch: int = 0, stop_at: Optional[int] = None,
-                 part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 device: Optional[torch.device] = None, readers: Any = None) -> None:
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        micro_batch_size: int,
+        grad_accum: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        consumed_samples: int = 0,
+        prefetch: int = 0,
+        stop_at: Optional[int] = None,
+        part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        device: Optional[torch.device] = None,
+        readers: Any = None,
+    ) -> None:
         self.dataset = dataset
         self.readers = readers if readers is not None and comm.size(readers) > 1 else None
         self.source = comm.ranks(self.readers)[0] if self.readers is not None else None
@@ -168,8 +187,11 @@ class TrainLoader:
         self.grad_accum = grad_accum
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.order = IdentityOrder() if getattr(dataset, "shuffled", False) \
+        self.order = (
+            IdentityOrder()
+            if getattr(dataset, "shuffled", False)
             else ShuffledOrder(len(dataset), seed)
+        )
         self.consumed_samples = consumed_samples
         self.prefetch = prefetch
         self.stop_at = stop_at
@@ -185,9 +207,17 @@ class TrainLoader:
 
     def read_step(self, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of the global batch that starts at sample ``consumed``."""
-        batches = [self.dataset.batch(self.order[np.arange(start, start + self.mbs)])
-                   for start in (consumed + (j * self.dp_size + self.dp_rank) * self.mbs
-                                 for j in range(self.grad_accum))] if self.reads else None
+        batches = (
+            [
+                self.dataset.batch(self.order[np.arange(start, start + self.mbs)])
+                for start in (
+                    consumed + (j * self.dp_size + self.dp_rank) * self.mbs
+                    for j in range(self.grad_accum)
+                )
+            ]
+            if self.reads
+            else None
+        )
         if self.readers is not None:  # [grad_accum, 2, mbs, seq] from the group's reader
             both = torch.stack([torch.stack(b) for b in batches]) if batches is not None else None
             both = comm.broadcast_with_shape(both, self.source, self.readers, torch.int64)
@@ -231,10 +261,15 @@ class TrainLoader:
             self._pool = None
 
 
-def validation_batches(dataset: PackedDataset, micro_batch_size: int, grad_accum: int, iters: int,
-                       dp_rank: int, dp_size: int,
-                       part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def validation_batches(
+    dataset: PackedDataset,
+    micro_batch_size: int,
+    grad_accum: int,
+    iters: int,
+    dp_rank: int,
+    dp_size: int,
+    part: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of ``iters`` global batches of validation windows, in fixed order.
 
     Global batch ``it`` holds windows ``[it*G, (it+1)*G)`` (cycled if the split is small), split into

@@ -79,12 +79,15 @@ def build_document_index(n_docs: int, start: int, n_epochs: int, seed: int) -> n
     dtype = np.int32 if start + n_docs < 2**31 else np.int64
     out = np.empty(n_epochs * n_docs, dtype=dtype)
     for e in range(n_epochs):
-        out[e * n_docs:(e + 1) * n_docs] = start + np.random.default_rng([seed, e]).permutation(n_docs)
+        out[e * n_docs : (e + 1) * n_docs] = start + np.random.default_rng([seed, e]).permutation(
+            n_docs
+        )
     return out
 
 
-def build_sample_index(doc_lengths: np.ndarray, seq_len: int, n_samples: int,
-                       chunk: int = 1 << 22) -> np.ndarray:
+def build_sample_index(
+    doc_lengths: np.ndarray, seq_len: int, n_samples: int, chunk: int = 1 << 22
+) -> np.ndarray:
     """[n_samples + 1, 2]: (document-index position, offset) of stream token i * seq_len; int32
     when positions and document lengths fit it (else int64), built ``chunk`` samples at a time."""
     ends = np.cumsum(doc_lengths, dtype=np.int64)
@@ -95,8 +98,8 @@ def build_sample_index(doc_lengths: np.ndarray, seq_len: int, n_samples: int,
         pos = np.searchsorted(ends, targets, side="right")
         if pos[-1] >= len(doc_lengths):
             raise AssertionError("sample index ran past the document index")
-        out[a:a + len(pos), 0] = pos
-        out[a:a + len(pos), 1] = targets - (ends[pos] - doc_lengths[pos])
+        out[a : a + len(pos), 0] = pos
+        out[a : a + len(pos), 1] = targets - (ends[pos] - doc_lengths[pos])
     return out
 
 
@@ -104,7 +107,9 @@ def build_shuffle_index(block: int, n_blocks: int, seed: int) -> np.ndarray:
     dtype = np.int32 if block * n_blocks < 2**31 else np.int64
     out = np.empty(block * n_blocks, dtype=dtype)
     for k in range(n_blocks):
-        out[k * block:(k + 1) * block] = k * block + np.random.default_rng([seed, k, 1]).permutation(block)
+        out[k * block : (k + 1) * block] = k * block + np.random.default_rng(
+            [seed, k, 1]
+        ).permutation(block)
     return out
 
 
@@ -143,8 +148,12 @@ def _unit_slot(unit_bytes: int, share: int) -> Iterator[None]:
     threads = max(1, (THREADS or usable_cores()) // share)
     limit = BUILD_MEMORY // share
     with _budget:
-        _budget.wait_for(lambda: _running["units"] == 0 or (
-            _running["units"] < threads and _running["bytes"] + unit_bytes <= limit))
+        _budget.wait_for(
+            lambda: (
+                _running["units"] == 0
+                or (_running["units"] < threads and _running["bytes"] + unit_bytes <= limit)
+            )
+        )
         _running["units"] += 1
         _running["bytes"] += unit_bytes
     try:
@@ -166,8 +175,14 @@ def run_units(units: Sequence[Callable[[], None]], unit_bytes: int, share: int =
         with _unit_slot(unit_bytes, share):
             unit()
 
-    threads = max(1, min((THREADS or usable_cores()) // share,
-                         BUILD_MEMORY // share // max(unit_bytes, 1), len(units)))
+    threads = max(
+        1,
+        min(
+            (THREADS or usable_cores()) // share,
+            BUILD_MEMORY // share // max(unit_bytes, 1),
+            len(units),
+        ),
+    )
     if threads == 1:
         for unit in units:
             slotted(unit)
@@ -197,15 +212,30 @@ def shuffled_range(lo: int, hi: int, dtype: np.dtype, seed: list[int]) -> np.nda
         rng.shuffle(out)
         return out
     mask = (1 << 64) - 1
-    words = np.array([state["state"]["state"] >> 64, state["state"]["state"] & mask,
-                      state["state"]["inc"] >> 64, state["state"]["inc"] & mask,
-                      state["has_uint32"], state["uinteger"]], dtype=np.uint64)
+    words = np.array(
+        [
+            state["state"]["state"] >> 64,
+            state["state"]["state"] & mask,
+            state["state"]["inc"] >> 64,
+            state["state"]["inc"] & mask,
+            state["has_uint32"],
+            state["uinteger"],
+        ],
+        dtype=np.uint64,
+    )
     lib.mf_shuffle(words.ctypes.data, out.ctypes.data, out.itemsize, len(out))
     return out
 
 
-def epoch_rows(lengths: np.ndarray, docs: np.ndarray, e: int, n_tokens: int, seq_len: int,
-               n_samples: int, dtype: np.dtype) -> Iterator[tuple[int, np.ndarray]]:
+def epoch_rows(
+    lengths: np.ndarray,
+    docs: np.ndarray,
+    e: int,
+    n_tokens: int,
+    seq_len: int,
+    n_samples: int,
+    dtype: np.dtype,
+) -> Iterator[tuple[int, np.ndarray]]:
     """``(i0, rows)``: sample-index rows ``i0, i0 + 1, ...`` (``[m, 2]`` of ``dtype``) of the rows
     i <= ``n_samples`` whose token i*L lies in epoch ``e``, given its document order ``docs`` (ids
     into the int32 ``lengths``): (e * len(docs) + p, i*L - e*T - S(p)) for the p whose documents
@@ -216,14 +246,31 @@ def epoch_rows(lengths: np.ndarray, docs: np.ndarray, e: int, n_tokens: int, seq
     i = -(-first // L)
     i_end = min(n_samples, -(-(first + T) // L) - 1) + 1
     lib = _native_rows()
-    if lib is not None and lengths.dtype == np.int32 and docs.dtype in (np.int32, np.int64) and \
-            docs.flags.c_contiguous:
+    if (
+        lib is not None
+        and lengths.dtype == np.int32
+        and docs.dtype in (np.int32, np.int64)
+        and docs.flags.c_contiguous
+    ):
         state = np.zeros(2, dtype=np.int64)  # (p, S(p))
         for a in range(i, i_end, ROW_CHUNK):
             rows = np.empty((min(ROW_CHUNK, i_end - a), 2), dtype=dtype)
-            if lib.mf_epoch_rows(lengths.ctypes.data, docs.ctypes.data, docs.itemsize, len(docs),
-                                 state.ctypes.data, a * L - first, L, len(rows), e * len(docs),
-                                 rows.ctypes.data, rows.itemsize) != 0:
+            if (
+                lib.mf_epoch_rows(
+                    lengths.ctypes.data,
+                    docs.ctypes.data,
+                    docs.itemsize,
+                    len(docs),
+                    state.ctypes.data,
+                    a * L - first,
+                    L,
+                    len(rows),
+                    e * len(docs),
+                    rows.ctypes.data,
+                    rows.itemsize,
+                )
+                != 0
+            ):
                 raise AssertionError("sample index ran past the document index")
             yield a, rows
         return
@@ -231,7 +278,7 @@ def epoch_rows(lengths: np.ndarray, docs: np.ndarray, e: int, n_tokens: int, seq
     for p0 in range(0, len(docs), DOC_CHUNK):
         if i >= i_end:
             return
-        lens = lengths[docs[p0:p0 + DOC_CHUNK]]
+        lens = lengths[docs[p0 : p0 + DOC_CHUNK]]
         ends = np.cumsum(lens, dtype=np.int64)
         ends += base  # ends[k] = S(p0 + k + 1)
         stop = min(i_end, -(-(first + int(ends[-1])) // L))  # rows whose token lies in this chunk
@@ -256,9 +303,18 @@ class GPTDataset:
 
     shuffled = True  # the loader takes samples in index order (the shuffle is built in)
 
-    def __init__(self, data: IndexedDataset, split: str, doc_range: tuple[int, int], seq_len: int,
-                 seed: int, n_samples: int, cache_dir: Optional[Path], build: bool = True,
-                 trusted: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        data: IndexedDataset,
+        split: str,
+        doc_range: tuple[int, int],
+        seq_len: int,
+        seed: int,
+        n_samples: int,
+        cache_dir: Optional[Path],
+        build: bool = True,
+        trusted: frozenset[str] = frozenset(),
+    ) -> None:
         self.data = data
         self.trusted = trusted  # cache keys rank 0 checked in this run: not checked again here
         self.cached_key: Optional[str] = None  # the cache entry the indices came from
@@ -267,14 +323,16 @@ class GPTDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.cache_dir = cache_dir
-        lengths = data.lengths[self.start:self.end]  # int32, a view on the .idx mapping
+        lengths = data.lengths[self.start : self.end]  # int32, a view on the .idx mapping
         self.n_tokens = int(lengths.sum(dtype=np.int64))
         self.n_docs = self.end - self.start
         self.block = self.n_tokens // seq_len
         if self.n_tokens < seq_len + 1:
-            raise DataError(f"{idx_path(data.prefix)}: the {split} split has {self.n_tokens} tokens "
-                            f"({self.n_docs} documents), fewer than seq_len + 1 = {seq_len + 1}; use "
-                            "more data, another data.split or a shorter data.seq_len")
+            raise DataError(
+                f"{idx_path(data.prefix)}: the {split} split has {self.n_tokens} tokens "
+                f"({self.n_docs} documents), fewer than seq_len + 1 = {seq_len + 1}; use "
+                "more data, another data.split or a shorter data.seq_len"
+            )
         self._lengths = lengths
         self.n_built = 0
         self.ensure(n_samples, build=build)
@@ -282,15 +340,23 @@ class GPTDataset:
     # ------------------------------------------------------------------------- indices
 
     def key(self) -> str:
-        settings = {"version": INDEX_VERSION, "idx_sha256": self.data.idx_sha256(),
-                    "split": self.split, "docs": [self.start, self.end], "seq_len": self.seq_len, "seed": self.seed}
+        settings = {
+            "version": INDEX_VERSION,
+            "idx_sha256": self.data.idx_sha256(),
+            "split": self.split,
+            "docs": [self.start, self.end],
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+        }
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
         return f"{self.data.prefix.name}-{self.split}-{digest}"
 
     def _blocks_for(self, n_samples: int) -> int:
         return max(1, -(-n_samples // self.block))
 
-    def _layout(self, n_blocks: int) -> tuple[int, int, dict[str, tuple[np.dtype, tuple[int, ...]]]]:
+    def _layout(
+        self, n_blocks: int
+    ) -> tuple[int, int, dict[str, tuple[np.dtype, tuple[int, ...]]]]:
         """(samples, epochs, {index: (dtype, shape)}) of the indices for ``n_blocks`` blocks: the
         smallest of int32/int64 that holds each index's values."""
         n = n_blocks * self.block
@@ -298,41 +364,58 @@ class GPTDataset:
         max_len = int(self._lengths.max(initial=0))
         small = np.dtype(np.int32)
         big = np.dtype(np.int64)
-        return n, n_epochs, {
-            "doc": (small if self.end < 2**31 else big, (n_epochs * self.n_docs,)),
-            "sample": (small if max(n_epochs * self.n_docs, max_len) < 2**31 else big, (n + 1, 2)),
-            "shuffle": (small if n < 2**31 else big, (n,))}
+        return (
+            n,
+            n_epochs,
+            {
+                "doc": (small if self.end < 2**31 else big, (n_epochs * self.n_docs,)),
+                "sample": (
+                    small if max(n_epochs * self.n_docs, max_len) < 2**31 else big,
+                    (n + 1, 2),
+                ),
+                "shuffle": (small if n < 2**31 else big, (n,)),
+            },
+        )
 
     def _unit_bytes(self) -> int:
         """Bound on what one build or check unit holds: an epoch's order (and a seen-mask when
         checking), one chunk of lengths and sums, one chunk of rows."""
         return 9 * max(self.n_docs, self.block) + 16 * DOC_CHUNK + 64 * ROW_CHUNK
 
-    def _compute(self, n_blocks: int, paths: Optional[dict[str, Path]] = None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _compute(
+        self, n_blocks: int, paths: Optional[dict[str, Path]] = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The three indices for ``n_blocks`` blocks, in memory, or written straight into ``paths``
         (renamed into place once complete) and returned memory-mapped."""
         n, n_epochs, layout = self._layout(n_blocks)
         sinks: dict = {}
         try:
             for name, (dtype, shape) in layout.items():
-                sinks[name] = NpyWriter(paths[name], dtype, shape) if paths else ArraySink(dtype, shape)
+                sinks[name] = (
+                    NpyWriter(paths[name], dtype, shape) if paths else ArraySink(dtype, shape)
+                )
             doc_t, sample_t, shuffle_t = (layout[k][0] for k in ("doc", "sample", "shuffle"))
             lengths = self.data.lengths
 
             def epoch(e: int) -> None:
                 docs = shuffled_range(self.start, self.end, doc_t, [self.seed, e])
                 sinks["doc"].put(e * self.n_docs, docs)
-                for i0, rows in epoch_rows(lengths, docs, e, self.n_tokens, self.seq_len, n,
-                                           sample_t):
+                for i0, rows in epoch_rows(
+                    lengths, docs, e, self.n_tokens, self.seq_len, n, sample_t
+                ):
                     sinks["sample"].put(i0, rows)
 
             def block(k: int) -> None:
-                order = shuffled_range(k * self.block, (k + 1) * self.block, shuffle_t, [self.seed, k, 1])
+                order = shuffled_range(
+                    k * self.block, (k + 1) * self.block, shuffle_t, [self.seed, k, 1]
+                )
                 sinks["shuffle"].put(k * self.block, order)
 
-            run_units([lambda e=e: epoch(e) for e in range(n_epochs)] +
-                      [lambda k=k: block(k) for k in range(n_blocks)], self._unit_bytes())
+            run_units(
+                [lambda e=e: epoch(e) for e in range(n_epochs)]
+                + [lambda k=k: block(k) for k in range(n_blocks)],
+                self._unit_bytes(),
+            )
             if not paths:
                 return sinks["doc"].array, sinks["sample"].array, sinks["shuffle"].array
             for name in layout:
@@ -341,8 +424,10 @@ class GPTDataset:
             for sink in sinks.values():
                 if isinstance(sink, NpyWriter):
                     sink.abort()
-        return tuple(np.load(paths[name], mmap_mode="r", allow_pickle=False)  # type: ignore[return-value]
-                     for name in layout)
+        return tuple(
+            np.load(paths[name], mmap_mode="r", allow_pickle=False)  # type: ignore[return-value]
+            for name in layout
+        )
 
     def _paths(self, key: str) -> dict[str, Path]:
         assert self.cache_dir is not None
@@ -358,8 +443,11 @@ class GPTDataset:
             return False
         paths = [meta, *self._paths(key).values()]
         if not all(owned_by_me(p) for p in paths):
-            log.warning("data: ignoring the cached index %s: its files must be regular files of "
-                        "this user, not writable by group or others", meta)
+            log.warning(
+                "data: ignoring the cached index %s: its files must be regular files of "
+                "this user, not writable by group or others",
+                meta,
+            )
             return False
         try:
             info = json.loads(read_text_bounded(meta, 1 << 16, DataError))
@@ -372,26 +460,38 @@ class GPTDataset:
             else:
                 self.check_indices(*arrays, blocks, share=share)
         except (OSError, ValueError, KeyError, TypeError, DataError, RecursionError) as e:
-            log.warning("data: ignoring the cached index %s (%s); rebuilding it", meta,
-                        " ".join(str(e).split())[:200])
+            log.warning(
+                "data: ignoring the cached index %s (%s); rebuilding it",
+                meta,
+                " ".join(str(e).split())[:200],
+            )
             return False
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
         self.n_built = len(self.shuffle_idx)
         self.cached_key = key
         return True
 
-    def check_shapes(self, doc_idx: np.ndarray, sample_idx: np.ndarray, shuffle: np.ndarray,
-                     n_blocks: int) -> None:
+    def check_shapes(
+        self, doc_idx: np.ndarray, sample_idx: np.ndarray, shuffle: np.ndarray, n_blocks: int
+    ) -> None:
         """ValueError unless the three arrays have the shapes and integer types :meth:`_compute`
         gives for ``n_blocks`` (the part of :meth:`check_indices` that reads no values)."""
         _, _, layout = self._layout(n_blocks)
         for name, arr in (("doc", doc_idx), ("sample", sample_idx), ("shuffle", shuffle)):
             shape = layout[name][1]
             if arr.shape != shape or arr.dtype.kind not in "iu":
-                raise ValueError(f"{name} index has shape {arr.shape} ({arr.dtype}), expected {shape}")
+                raise ValueError(
+                    f"{name} index has shape {arr.shape} ({arr.dtype}), expected {shape}"
+                )
 
-    def check_indices(self, doc_idx: np.ndarray, sample_idx: np.ndarray, shuffle: np.ndarray,
-                      n_blocks: int, share: int = 1) -> None:
+    def check_indices(
+        self,
+        doc_idx: np.ndarray,
+        sample_idx: np.ndarray,
+        shuffle: np.ndarray,
+        n_blocks: int,
+        share: int = 1,
+    ) -> None:
         """ValueError unless the three arrays are exactly the shapes :meth:`_compute` gives for
         ``n_blocks`` and consistent with this split: every epoch of the document index a
         permutation of ``[start, end)``, every sample-index entry the (position, offset) of stream
@@ -413,24 +513,36 @@ class GPTDataset:
             return bool(seen.all())  # len(values) values in range, all hit: a permutation
 
         def epoch(e: int) -> None:
-            docs = np.array(doc_idx[e * self.n_docs:(e + 1) * self.n_docs])
+            docs = np.array(doc_idx[e * self.n_docs : (e + 1) * self.n_docs])
             if not is_permutation(docs, self.start):
-                raise ValueError(f"epoch {e} of the document index is not a permutation of the split")
+                raise ValueError(
+                    f"epoch {e} of the document index is not a permutation of the split"
+                )
             for i0, rows in epoch_rows(lengths, docs, e, self.n_tokens, self.seq_len, n, np.int64):
-                if not np.array_equal(sample_idx[i0:i0 + len(rows)], rows):
+                if not np.array_equal(sample_idx[i0 : i0 + len(rows)], rows):
                     raise ValueError("sample index does not match the documents' lengths")
 
         def block(k: int) -> None:
-            if not is_permutation(np.array(shuffle[k * self.block:(k + 1) * self.block]), k * self.block):
+            if not is_permutation(
+                np.array(shuffle[k * self.block : (k + 1) * self.block]), k * self.block
+            ):
                 raise ValueError("shuffle index is not a permutation of each block")
 
-        run_units([lambda e=e: epoch(e) for e in range(n_epochs)] +
-                  [lambda k=k: block(k) for k in range(n_blocks)], self._unit_bytes(), share)
+        run_units(
+            [lambda e=e: epoch(e) for e in range(n_epochs)]
+            + [lambda k=k: block(k) for k in range(n_blocks)],
+            self._unit_bytes(),
+            share,
+        )
 
     def _write_meta(self, key: str, n_blocks: int) -> None:
         meta = self.cache_dir / f"{key}.json"  # type: ignore[operator]
-        write_atomic(meta, json.dumps({"blocks": n_blocks, "block": self.block,
-                                       "prefix": str(self.data.prefix)}), fsync=False, error=DataError)
+        write_atomic(
+            meta,
+            json.dumps({"blocks": n_blocks, "block": self.block, "prefix": str(self.data.prefix)}),
+            fsync=False,
+            error=DataError,
+        )
 
     def ensure(self, n_samples: int, build: bool = True) -> None:
         """Make samples ``[0, n_samples)`` available: from the cache, or built (and cached when
@@ -446,19 +558,31 @@ class GPTDataset:
             return
         t0 = time.perf_counter()
         if build:
-            log.info("data: building the %s index of %s for %s samples (rank 0; the other ranks "
-                     "wait)", self.split, self.data.prefix, f"{n_blocks * self.block:,}")
+            log.info(
+                "data: building the %s index of %s for %s samples (rank 0; the other ranks wait)",
+                self.split,
+                self.data.prefix,
+                f"{n_blocks * self.block:,}",
+            )
         if key and build:
             make_dir(self.cache_dir, mode=0o700, error=DataError)  # type: ignore[arg-type]
-            self.doc_idx, self.sample_idx, self.shuffle_idx = self._compute(n_blocks, self._paths(key))
+            self.doc_idx, self.sample_idx, self.shuffle_idx = self._compute(
+                n_blocks, self._paths(key)
+            )
             self._write_meta(key, n_blocks)
             self.cached_key = key
         else:
             self.doc_idx, self.sample_idx, self.shuffle_idx = self._compute(n_blocks)
         self.n_built = len(self.shuffle_idx)
-        log.info("data: %s split of %s: index of %s samples (%d blocks of %s) built in %.2fs",
-                 self.split, self.data.prefix, f"{self.n_built:,}", n_blocks, f"{self.block:,}",
-                 time.perf_counter() - t0)
+        log.info(
+            "data: %s split of %s: index of %s samples (%d blocks of %s) built in %.2fs",
+            self.split,
+            self.data.prefix,
+            f"{self.n_built:,}",
+            n_blocks,
+            f"{self.block:,}",
+            time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------------------- reading
 
@@ -471,7 +595,7 @@ class GPTDataset:
         if p0 == p1:
             return np.asarray(self.data.get(int(self.doc_idx[p0]), int(o0), int(o1 - o0 + 1)))
         parts = [self.data.get(int(self.doc_idx[p0]), int(o0))]
-        parts += [self.data.get(int(d)) for d in self.doc_idx[p0 + 1:p1]]
+        parts += [self.data.get(int(d)) for d in self.doc_idx[p0 + 1 : p1]]
         parts.append(self.data.get(int(self.doc_idx[p1]), 0, int(o1) + 1))
         return np.concatenate(parts)
 
@@ -487,27 +611,41 @@ class GPTDataset:
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-def build_split_datasets(prefix: str | Path, ratios: Sequence[float], seq_len: int, seed: int,
-                         n_samples: Sequence[int], cache_dir: Optional[Path], rank: int = 0,
-                         barrier: Callable[[], None] = lambda: None) -> list[Optional[GPTDataset]]:
+def build_split_datasets(
+    prefix: str | Path,
+    ratios: Sequence[float],
+    seq_len: int,
+    seed: int,
+    n_samples: Sequence[int],
+    cache_dir: Optional[Path],
+    rank: int = 0,
+    barrier: Callable[[], None] = lambda: None,
+) -> list[Optional[GPTDataset]]:
     """One :class:`GPTDataset` per split with a non-zero ratio (None for the others).
 
     Rank 0 builds and caches the indices first; the other ranks then read the cache.
     """
-    return build_many_split_datasets([prefix], ratios, seq_len, seed, [n_samples], cache_dir, rank,
-                                     barrier)[0]
+    return build_many_split_datasets(
+        [prefix], ratios, seq_len, seed, [n_samples], cache_dir, rank, barrier
+    )[0]
 
 
-def _open_splits(prefix: str | Path | IndexedDataset, ratios: Sequence[float], seq_len: int,
-                 n_samples: Sequence[int]) -> tuple[IndexedDataset, list[tuple[int, int]]]:
+def _open_splits(
+    prefix: str | Path | IndexedDataset,
+    ratios: Sequence[float],
+    seq_len: int,
+    n_samples: Sequence[int],
+) -> tuple[IndexedDataset, list[tuple[int, int]]]:
     data = prefix if isinstance(prefix, IndexedDataset) else IndexedDataset(prefix)
     ranges = split_ranges(len(data), ratios)
     for name, (a, b), r, n in zip(SPLITS, ranges, ratios, n_samples):  # every rank fails alike
         tokens = int(data.lengths[a:b].sum(dtype=np.int64))
         if r > 0 and n > 0 and tokens < seq_len + 1:
-            raise DataError(f"{idx_path(data.prefix)}: the {name} split has {tokens} tokens ({b - a} "
-                            f"documents), fewer than seq_len + 1 = {seq_len + 1}; use more data, "
-                            "another data.split or a shorter data.seq_len")
+            raise DataError(
+                f"{idx_path(data.prefix)}: the {name} split has {tokens} tokens ({b - a} "
+                f"documents), fewer than seq_len + 1 = {seq_len + 1}; use more data, "
+                "another data.split or a shorter data.seq_len"
+            )
     return data, ranges
 
 
@@ -516,31 +654,43 @@ def _each(fn: Callable, items: Sequence) -> list:
     the first error in item order is raised."""
     if len(items) <= 1:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(min(len(items), usable_cores()), thread_name_prefix="megaformer-data") as pool:
+    with ThreadPoolExecutor(
+        min(len(items), usable_cores()), thread_name_prefix="megaformer-data"
+    ) as pool:
         return list(pool.map(fn, items))
 
 
-def build_many_split_datasets(prefixes: Sequence[str | Path | IndexedDataset], ratios: Sequence[float], seq_len: int,
-                              seed: int, n_samples: Sequence[Sequence[int]],
-                              cache_dir: Optional[Path], rank: int = 0,
-                              barrier: Callable[[], None] = lambda: None,
-                              share: Optional[Callable[[Any], Any]] = None
-                              ) -> list[list[Optional[GPTDataset]]]:
+def build_many_split_datasets(
+    prefixes: Sequence[str | Path | IndexedDataset],
+    ratios: Sequence[float],
+    seq_len: int,
+    seed: int,
+    n_samples: Sequence[Sequence[int]],
+    cache_dir: Optional[Path],
+    rank: int = 0,
+    barrier: Callable[[], None] = lambda: None,
+    share: Optional[Callable[[Any], Any]] = None,
+) -> list[list[Optional[GPTDataset]]]:
     """:func:`build_split_datasets` for each prefix (``n_samples[j]`` per split of prefix j),
     the datasets opened (unless given open), hashed and indexed concurrently (their build units
     share one budget of threads and memory), with one wait: rank 0 builds and caches every index,
     then the other ranks read the cache. With ``share`` (rank 0's object on every rank, a
     collective) rank 0 alone validates: the others take its ``.idx`` digests and its checked
     cache entries (:func:`validated`) and hash or re-check nothing."""
-    opened = _each(lambda j: _open_splits(prefixes[j], ratios, seq_len, n_samples[j]),
-                   range(len(prefixes)))
+    opened = _each(
+        lambda j: _open_splits(prefixes[j], ratios, seq_len, n_samples[j]), range(len(prefixes))
+    )
 
-    def make(j: int, build: bool, trusted: frozenset[str] = frozenset()) -> list[Optional[GPTDataset]]:
+    def make(
+        j: int, build: bool, trusted: frozenset[str] = frozenset()
+    ) -> list[Optional[GPTDataset]]:
         data, ranges = opened[j]
-        return [GPTDataset(data, name, rng, seq_len, seed, n, cache_dir, build=build,
-                           trusted=trusted)
-                if r > 0 and n > 0 else None
-                for name, rng, r, n in zip(SPLITS, ranges, ratios, n_samples[j])]
+        return [
+            GPTDataset(data, name, rng, seq_len, seed, n, cache_dir, build=build, trusted=trusted)
+            if r > 0 and n > 0
+            else None
+            for name, rng, r, n in zip(SPLITS, ranges, ratios, n_samples[j])
+        ]
 
     out = _each(lambda j: make(j, True), range(len(prefixes))) if rank == 0 else None
     barrier()
@@ -549,7 +699,9 @@ def build_many_split_datasets(prefixes: Sequence[str | Path | IndexedDataset], r
         verdict = share(validated(out) if out is not None else None)
         if out is None:
             trusted = trust(verdict, [opened[j][0] for j in range(len(prefixes))])
-    return out if out is not None else _each(lambda j: make(j, False, trusted), range(len(prefixes)))
+    return (
+        out if out is not None else _each(lambda j: make(j, False, trusted), range(len(prefixes)))
+    )
 
 
 def validated(built: list[list[Optional[GPTDataset]]]) -> dict:

@@ -40,8 +40,16 @@ from megaformer.runtime.run_lock import check_not_owned
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-          7: np.float32, 8: np.uint16}
+DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 CHECK_CHUNK = 1 << 20  # sequences per step of the index check on open
 TOKENIZER_SUFFIX = ".tokenizer.json"  # megaformer's sidecar; ignored by Megatron-LM and GPT-NeoX
@@ -81,12 +89,14 @@ def check_token_ids(tokens: np.ndarray, limit: int, where: Path) -> None:
     if info.min >= 0 and info.max < limit:
         return
     for a in range(0, len(tokens), TOKEN_CHUNK):
-        chunk = tokens[a:a + TOKEN_CHUNK]
+        chunk = tokens[a : a + TOKEN_CHUNK]
         lo, hi = int(chunk.min()), int(chunk.max())
         if lo < 0 or hi >= limit:
             bad = hi if hi >= limit else lo
-            raise DataError(f"{where}: token id {bad} (near token {a:,}) outside the vocabulary "
-                            f"(size {limit}); was it prepared with another tokenizer?")
+            raise DataError(
+                f"{where}: token id {bad} (near token {a:,}) outside the vocabulary "
+                f"(size {limit}); was it prepared with another tokenizer?"
+            )
 
 
 def dtype_holds(dtype: np.dtype, vocab_size: int) -> bool:
@@ -140,7 +150,7 @@ class IndexedWriter:
         if self.dtype not in CODES:
             raise DataError(f"{self.prefix}: dtype {self.dtype} has no MMIDIDX code")
         tag = f".tmp-{os.getpid()}-{os.urandom(6).hex()}"  # random, created exclusively ("x"):
-        self.tmp_bin = Path(f"{bin_path(prefix)}{tag}")     # never a planted link's target
+        self.tmp_bin = Path(f"{bin_path(prefix)}{tag}")  # never a planted link's target
         self.tmp_idx = Path(f"{idx_path(prefix)}{tag}")
         self._fh = open(self.tmp_bin, "xb", buffering=1 << 22)
         self._lengths: list[np.ndarray] = []
@@ -210,7 +220,12 @@ def _check_index(ip: Path, n_seq: int, n_doc: int, itemsize: int) -> int:
         ok, last = n_doc > 0, 0
         for a in range(0, n_doc, CHECK_CHUNK):
             docs = _pread(fd, np.int64, min(CHECK_CHUNK, n_doc - a), head + 12 * n_seq + 8 * a)
-            ok = ok and (a > 0 or docs[0] == 0) and docs[0] >= last and not (docs[1:] < docs[:-1]).any()
+            ok = (
+                ok
+                and (a > 0 or docs[0] == 0)
+                and docs[0] >= last
+                and not (docs[1:] < docs[:-1]).any()
+            )
             last = int(docs[-1])
         if not ok or last != n_seq:
             raise DataError(f"{ip}: corrupt document index (must rise from 0 to {n_seq})")
@@ -235,11 +250,15 @@ class IndexedDataset:
         st = ip.stat()
         size = st.st_size
         if size < HEADER.size:
-            raise DataError(f"{ip}: truncated ({size} bytes, shorter than the {HEADER.size}-byte header)")
+            raise DataError(
+                f"{ip}: truncated ({size} bytes, shorter than the {HEADER.size}-byte header)"
+            )
         with open(ip, "rb") as fh:
             magic, version, code, n_seq, n_doc = HEADER.unpack(fh.read(HEADER.size))
         if magic != MAGIC:
-            raise DataError(f"{ip}: not a Megatron indexed dataset (magic {magic[:9]!r}, expected MMIDIDX)")
+            raise DataError(
+                f"{ip}: not a Megatron indexed dataset (magic {magic[:9]!r}, expected MMIDIDX)"
+            )
         if version != VERSION:
             raise DataError(f"{ip}: unsupported MMIDIDX version {version} (only 1)")
         if code not in DTYPES:
@@ -247,8 +266,10 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPES[code])
         expected = HEADER.size + 12 * n_seq + 8 * n_doc
         if size not in (expected, expected + n_seq):  # + n_seq: Megatron's multimodal mode bytes
-            raise DataError(f"{ip}: truncated or corrupt ({size} bytes; the header's {n_seq} "
-                            f"sequences and {n_doc} document boundaries need {expected})")
+            raise DataError(
+                f"{ip}: truncated or corrupt ({size} bytes; the header's {n_seq} "
+                f"sequences and {n_doc} document boundaries need {expected})"
+            )
         self._idx = np.memmap(ip, mode="r", dtype=np.uint8)
         off = HEADER.size
         self.lengths = np.frombuffer(self._idx, np.int32, n_seq, off)
@@ -257,8 +278,10 @@ class IndexedDataset:
         nbytes = _check_index(ip, n_seq, n_doc, self.dtype.itemsize)
         bsize = bp.stat().st_size
         if bsize != nbytes:
-            raise DataError(f"{bp}: {bsize} bytes but {ip} describes {nbytes} "
-                            f"({'truncated' if bsize < nbytes else 'mismatched'} .bin/.idx pair)")
+            raise DataError(
+                f"{bp}: {bsize} bytes but {ip} describes {nbytes} "
+                f"({'truncated' if bsize < nbytes else 'mismatched'} .bin/.idx pair)"
+            )
         self._bin = np.memmap(bp, mode="r", dtype=self.dtype) if nbytes else np.zeros(0, self.dtype)
         self._idx_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # what was mapped
         self._sha256: Optional[str] = None
@@ -315,7 +338,9 @@ class IndexedDataset:
         return self._bin[start:end]
 
 
-def merge(prefixes: Sequence[str | Path], output: str | Path, overwrite: bool = False) -> IndexedDataset:
+def merge(
+    prefixes: Sequence[str | Path], output: str | Path, overwrite: bool = False
+) -> IndexedDataset:
     """Concatenate prepared datasets into ``output`` (same dtype required; .bin copied in chunks).
 
     Document boundaries are kept: the document index of dataset j is shifted by the sequences
@@ -328,8 +353,10 @@ def merge(prefixes: Sequence[str | Path], output: str | Path, overwrite: bool = 
     dtype = parts[0].dtype
     for p in parts[1:]:
         if p.dtype != dtype:
-            raise DataError(f"{idx_path(p.prefix)}: dtype {p.dtype} differs from {dtype} of "
-                            f"{idx_path(parts[0].prefix)}; cannot merge")
+            raise DataError(
+                f"{idx_path(p.prefix)}: dtype {p.dtype} differs from {dtype} of "
+                f"{idx_path(parts[0].prefix)}; cannot merge"
+            )
     sidecars = [tokenizer_path(p.prefix) for p in parts if tokenizer_path(p.prefix).is_file()]
     for s in sidecars[1:]:
         if s.read_bytes() != sidecars[0].read_bytes():

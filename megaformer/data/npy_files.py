@@ -24,8 +24,14 @@ from megaformer.safe_files import temp_path
 def npy_header(dtype: np.dtype, shape: Sequence[int]) -> bytes:
     """The header ``numpy.save`` writes for a C-ordered array of this dtype and shape."""
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                                               "fortran_order": False, "shape": tuple(shape)})
+    np.lib.format.write_array_header_1_0(
+        buf,
+        {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+            "fortran_order": False,
+            "shape": tuple(shape),
+        },
+    )
     return buf.getvalue()
 
 
@@ -36,7 +42,7 @@ class ArraySink:
         self.array = np.empty(tuple(shape), dtype=dtype)
 
     def put(self, row: int, piece: np.ndarray) -> None:
-        self.array[row:row + len(piece)] = piece
+        self.array[row : row + len(piece)] = piece
 
 
 class NpyWriter:

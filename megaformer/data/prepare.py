@@ -26,11 +26,15 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from megaformer.data.indexed import (IndexedWriter, check_output_prefix, dtype_holds, token_dtype,
-                                     tokenizer_path)
+from megaformer.data.indexed import (
+    IndexedWriter,
+    check_output_prefix,
+    dtype_holds,
+    token_dtype,
+    tokenizer_path,
+)
 from megaformer.data.sources import Source, open_source
-from megaformer.data.tokenizer import (ByteTokenizer, HFTokenizer, Tokenizer,
-                                       build_tokenizer)
+from megaformer.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 from megaformer.errors import DataError
 from megaformer.safe_files import current_umask, temp_path
 
@@ -73,6 +77,7 @@ def resolve_tokenizer(spec: str, source: Source) -> Tokenizer:
 
 # ----------------------------------------------------------------------------- encoding
 
+
 def append_eod(flat: np.ndarray, lengths: np.ndarray, eod: int, dtype: np.dtype) -> np.ndarray:
     """Interleave: doc_0, EOD, doc_1, EOD, ... given the concatenated docs and their lengths."""
     ends = np.cumsum(lengths.astype(np.int64) + 1) - 1
@@ -109,8 +114,10 @@ class BatchEncoder:
             lengths = np.fromiter(map(len, ids), np.int64, len(ids))
             flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum()))
             if len(flat) and int(flat.max()) > self.limit:
-                raise DataError(f"tokenizer {self.tokenizer.name}: token id {int(flat.max())} does "
-                                f"not fit {self.dtype}; use --dtype int32")
+                raise DataError(
+                    f"tokenizer {self.tokenizer.name}: token id {int(flat.max())} does "
+                    f"not fit {self.dtype}; use --dtype int32"
+                )
         return append_eod(flat, lengths, eod, self.dtype), (lengths + 1).astype(np.int32)
 
 
@@ -167,8 +174,9 @@ def limit_chars(batches: Iterator[list[str]], max_chars: Optional[int]) -> Itera
         yield out
 
 
-def encode_stream(chunks: Iterator[list[str]], tokenizer: Tokenizer, dtype: np.dtype,
-                  workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+def encode_stream(
+    chunks: Iterator[list[str]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """(tokens, lengths, characters) per chunk, in input order, tokenized by ``workers`` processes."""
     if workers <= 1:
         encode = BatchEncoder(tokenizer, dtype)
@@ -189,9 +197,12 @@ def encode_stream(chunks: Iterator[list[str]], tokenizer: Tokenizer, dtype: np.d
             os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
-def _pool_stream(ctx, chunks: Iterator[list[str]], tok_json: Optional[str], dtype: np.dtype,
-                 workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tok_json, np.dtype(dtype).str)) as pool:
+def _pool_stream(
+    ctx, chunks: Iterator[list[str]], tok_json: Optional[str], dtype: np.dtype, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    with ctx.Pool(
+        workers, initializer=_init_worker, initargs=(tok_json, np.dtype(dtype).str)
+    ) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append((pool.apply_async(_encode_in_worker, (chunk,)), sum(map(len, chunk))))
@@ -205,11 +216,23 @@ def _pool_stream(ctx, chunks: Iterator[list[str]], tok_json: Optional[str], dtyp
 
 # ----------------------------------------------------------------------------- the command
 
-def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
-            text_field: str = "text", workers: Optional[int] = None, overwrite: bool = False,
-            dtype: str = "auto", sample_by: str = "document", streaming: bool = True,
-            chunk_chars: int = 1 << 20, progress: Optional[bool] = None,
-            tokenizer: Optional[Tokenizer] = None, max_chars: Optional[int] = None) -> PrepareResult:
+
+def prepare(
+    input_spec: str,
+    tokenizer_spec: str,
+    output_prefix: str | Path,
+    *,
+    text_field: str = "text",
+    workers: Optional[int] = None,
+    overwrite: bool = False,
+    dtype: str = "auto",
+    sample_by: str = "document",
+    streaming: bool = True,
+    chunk_chars: int = 1 << 20,
+    progress: Optional[bool] = None,
+    tokenizer: Optional[Tokenizer] = None,
+    max_chars: Optional[int] = None,
+) -> PrepareResult:
     """Tokenize ``input_spec`` into ``output_prefix``.bin/.idx (+ ``.tokenizer.json``).
 
     ``progress=None`` shows a bar only on a terminal. ``tokenizer`` overrides ``tokenizer_spec``.
@@ -226,11 +249,15 @@ def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
         try:
             np_dtype = np.dtype(dtype)
         except TypeError:
-            raise DataError(f"--dtype {dtype}: not a numpy dtype (use auto, uint16 or int32)") from None
+            raise DataError(
+                f"--dtype {dtype}: not a numpy dtype (use auto, uint16 or int32)"
+            ) from None
     if not dtype_holds(np_dtype, tokenizer.vocab_size):
-        raise DataError(f"tokenizer {tokenizer.name}: its {tokenizer.vocab_size:,} token ids do not fit "
-                        f"{np_dtype} (max {np.iinfo(np_dtype).max if np.issubdtype(np_dtype, np.integer) else 'n/a'}); "
-                        "use --dtype int32 or auto")
+        raise DataError(
+            f"tokenizer {tokenizer.name}: its {tokenizer.vocab_size:,} token ids do not fit "
+            f"{np_dtype} (max {np.iinfo(np_dtype).max if np.issubdtype(np_dtype, np.integer) else 'n/a'}); "
+            "use --dtype int32 or auto"
+        )
     if workers is None:
         total = source.total_bytes
         workers = 1 if total is not None and total < SMALL_INPUT_BYTES else default_workers()
@@ -241,15 +268,27 @@ def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
     side_tmp = temp_path(tokenizer_path(prefix))  # random exclusive name beside the output
     bar = _bar(source, progress)
     try:
-        for tokens, lengths, chars in encode_stream(_chunks(limit_chars(source.batches(), max_chars), chunk_chars),
-                                                     tokenizer, np_dtype, workers):
+        for tokens, lengths, chars in encode_stream(
+            _chunks(limit_chars(source.batches(), max_chars), chunk_chars),
+            tokenizer,
+            np_dtype,
+            workers,
+        ):
             writer.add(tokens, lengths)
             if bar is not None:
                 bar.update(chars)
-                bar.set_postfix(docs=f"{writer.n_docs:,}", tokens=f"{writer.n_tokens:,}", refresh=False)
+                bar.set_postfix(
+                    docs=f"{writer.n_docs:,}", tokens=f"{writer.n_tokens:,}", refresh=False
+                )
         if writer.n_docs == 0:
-            raise DataError(f"{input_spec}: no non-empty documents"
-                            + (f" ({source.stats.empty} empty or whitespace-only)" if source.stats.empty else ""))
+            raise DataError(
+                f"{input_spec}: no non-empty documents"
+                + (
+                    f" ({source.stats.empty} empty or whitespace-only)"
+                    if source.stats.empty
+                    else ""
+                )
+            )
         tokenizer.save(side_tmp)
         os.chmod(side_tmp, 0o666 & ~current_umask())  # an ordinary file's mode, not mkstemp's 0600
         os.replace(side_tmp, tokenizer_path(prefix))
@@ -263,11 +302,22 @@ def prepare(input_spec: str, tokenizer_spec: str, output_prefix: str | Path, *,
             bar.close()
     if source.stats.empty:
         where = source.stats.empty_where[0] if len(source.stats.empty_where) == 1 else input_spec
-        print(f"megaformer: warning: {where}: skipped {source.stats.empty:,} empty or whitespace-only "
-              "documents", file=sys.stderr)
-    return PrepareResult(prefix, writer.n_docs, writer.n_tokens, source.stats.empty,
-                         time.perf_counter() - t0, tokenizer.name, tokenizer.vocab_size,
-                         str(np_dtype), workers)
+        print(
+            f"megaformer: warning: {where}: skipped {source.stats.empty:,} empty or whitespace-only "
+            "documents",
+            file=sys.stderr,
+        )
+    return PrepareResult(
+        prefix,
+        writer.n_docs,
+        writer.n_tokens,
+        source.stats.empty,
+        time.perf_counter() - t0,
+        tokenizer.name,
+        tokenizer.vocab_size,
+        str(np_dtype),
+        workers,
+    )
 
 
 def _bar(source: Source, progress: Optional[bool]):
@@ -275,6 +325,13 @@ def _bar(source: Source, progress: Optional[bool]):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=source.total_bytes, unit="char", unit_scale=True, desc="prepare-data",
-                dynamic_ncols=True, mininterval=0.5, file=sys.stderr,
-                disable=None if progress is None else False)
+    return tqdm(
+        total=source.total_bytes,
+        unit="char",
+        unit_scale=True,
+        desc="prepare-data",
+        dynamic_ncols=True,
+        mininterval=0.5,
+        file=sys.stderr,
+        disable=None if progress is None else False,
+    )

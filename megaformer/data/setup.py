@@ -28,8 +28,12 @@ import numpy as np
 
 from megaformer.config import Config
 from megaformer.data.corpus import iter_documents
-from megaformer.data.dataset import (PackedDataset, TokenizedCorpus, tokenize_corpus,
-                                     unigram_cross_entropy)
+from megaformer.data.dataset import (
+    PackedDataset,
+    TokenizedCorpus,
+    tokenize_corpus,
+    unigram_cross_entropy,
+)
 from megaformer.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
 from megaformer.data.wait import wait_barrier, wait_group
 from megaformer.errors import ConfigError, DataError, UserError
@@ -38,8 +42,9 @@ from megaformer.safe_files import make_dir
 log = logging.getLogger("megaformer")
 
 
-def prepare_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
-                 checkpoint: Optional[Path]) -> tuple[Tokenizer, TokenizedCorpus]:
+def prepare_data(
+    cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None], checkpoint: Optional[Path]
+) -> tuple[Tokenizer, TokenizedCorpus]:
     t0 = time.perf_counter()
     d = cfg.data
     documents = list(iter_documents(d.source, d.text_field, d.max_bytes))
@@ -58,10 +63,17 @@ def prepare_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], No
     else:
         tokenizer = build_tokenizer(d.tokenizer, iter(documents))
     corpus = tokenize_corpus(documents, tokenizer, d.valid_fraction, cfg.train.seed)
-    log.info("data: %d documents (%d held out), %s train / %s validation tokens, tokenizer %s "
-             "(vocab %d), %.1fs", corpus.n_docs, corpus.n_valid_docs, f"{len(corpus.train):,}",
-             f"{len(corpus.valid):,}", tokenizer.name, tokenizer.vocab_size,
-             time.perf_counter() - t0)
+    log.info(
+        "data: %d documents (%d held out), %s train / %s validation tokens, tokenizer %s "
+        "(vocab %d), %.1fs",
+        corpus.n_docs,
+        corpus.n_valid_docs,
+        f"{len(corpus.train):,}",
+        f"{len(corpus.valid):,}",
+        tokenizer.name,
+        tokenizer.vocab_size,
+        time.perf_counter() - t0,
+    )
     return tokenizer, corpus
 
 
@@ -75,18 +87,25 @@ class DataBundle:
     unigram: Callable[[int], float]
 
 
-def setup_data(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
-               checkpoint: Optional[Path],
-               share: Optional[Callable[[Any], Any]] = None) -> tuple[Tokenizer, DataBundle]:
+def setup_data(
+    cfg: Config,
+    run_dir: Path,
+    rank: int,
+    barrier: Callable[[], None],
+    checkpoint: Optional[Path],
+    share: Optional[Callable[[Any], Any]] = None,
+) -> tuple[Tokenizer, DataBundle]:
     """The tokenizer and datasets of ``cfg.data``, by the in-memory path or the indexed pipeline.
     ``share``: rank 0's (small, picklable) object on every rank, a collective; with it the other
     ranks trust rank 0's index validation instead of repeating it."""
     barrier = wait_barrier(barrier)  # rank 0's builds may outlast the collective timeout
     if not cfg.data.paths:
         tokenizer, corpus = prepare_data(cfg, run_dir, rank, barrier, checkpoint)
-        bundle = DataBundle(PackedDataset(corpus.train, cfg.seq_len, "train"),
-                            PackedDataset(corpus.valid, cfg.seq_len, "validation"),
-                            lambda vocab: unigram_cross_entropy(corpus.train, corpus.valid, vocab))
+        bundle = DataBundle(
+            PackedDataset(corpus.train, cfg.seq_len, "train"),
+            PackedDataset(corpus.valid, cfg.seq_len, "validation"),
+            lambda vocab: unigram_cross_entropy(corpus.train, corpus.valid, vocab),
+        )
         return tokenizer, bundle
     return _setup_indexed(cfg, run_dir, rank, barrier, checkpoint, share)
 
@@ -122,8 +141,14 @@ def _tokenizer_digest(tokenizer: Tokenizer) -> str:
         return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _indexed_tokenizer(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
-                       checkpoint: Optional[Path], sources: list[str]) -> Tokenizer:
+def _indexed_tokenizer(
+    cfg: Config,
+    run_dir: Path,
+    rank: int,
+    barrier: Callable[[], None],
+    checkpoint: Optional[Path],
+    sources: list[str],
+) -> Tokenizer:
     from megaformer.data.prepare import limit_chars
     from megaformer.data.sources import open_source
 
@@ -142,22 +167,25 @@ def _indexed_tokenizer(cfg: Config, run_dir: Path, rank: int, barrier: Callable[
 
         def documents() -> Iterator[str]:
             for doc in itertools.chain.from_iterable(
-                    itertools.chain.from_iterable(limit_chars(o.batches(), d.max_bytes))
-                    for o in opened):
+                itertools.chain.from_iterable(limit_chars(o.batches(), d.max_bytes)) for o in opened
+            ):
                 seen[0] += 1
                 yield doc
 
         tokenizer = build_tokenizer(d.tokenizer, documents())
         if seen[0] == 0:
-            raise DataError(f"data.paths={sources}: no non-empty documents to train the tokenizer on")
+            raise DataError(
+                f"data.paths={sources}: no non-empty documents to train the tokenizer on"
+            )
         tokenizer.save(shared)
 
     _rank0_first(rank, barrier, train)
     return load_tokenizer(shared)
 
 
-def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], None],
-                     tokenizer: Tokenizer) -> list[Path]:
+def _prepare_sources(
+    cfg: Config, cache: Path, rank: int, barrier: Callable[[], None], tokenizer: Tokenizer
+) -> list[Path]:
     """data.paths -> prefixes; sources are prepared by rank 0 into CACHE/prepared/<hash>/data."""
     from megaformer.data.indexed import is_prefix
     from megaformer.data.prepare import prepare
@@ -175,10 +203,19 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
         if tok_digest is None:
             make_dir(cache, mode=0o700, error=DataError)
             tok_digest = _tokenizer_digest(tokenizer)
-        key = hashlib.sha256(json.dumps({"v": 1, "spec": spec, "content": src.fingerprint(),
-                                         "text_field": d.text_field, "tokenizer": tok_digest,
-                                         **({"max_chars": d.max_bytes} if d.max_bytes else {})},
-                                        sort_keys=True).encode()).hexdigest()[:20]
+        key = hashlib.sha256(
+            json.dumps(
+                {
+                    "v": 1,
+                    "spec": spec,
+                    "content": src.fingerprint(),
+                    "text_field": d.text_field,
+                    "tokenizer": tok_digest,
+                    **({"max_chars": d.max_bytes} if d.max_bytes else {}),
+                },
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()[:20]
         out = cache / "prepared" / key / "data"
         prefixes.append(out)
         if not is_prefix(out):
@@ -190,10 +227,24 @@ def _prepare_sources(cfg: Config, cache: Path, rank: int, barrier: Callable[[], 
         for spec, out in todo:
             make_dir(out.parent.parent, mode=0o700, error=DataError)  # CACHE/prepared
             make_dir(out.parent, mode=0o700, error=DataError)
-            r = prepare(spec, d.tokenizer, out, text_field=d.text_field, overwrite=True,
-                        tokenizer=tokenizer, progress=None, max_chars=d.max_bytes)
-            log.info("data: prepared %s -> %s: %s documents, %s tokens in %.1fs", spec, out,
-                     f"{r.documents:,}", f"{r.tokens:,}", r.seconds)
+            r = prepare(
+                spec,
+                d.tokenizer,
+                out,
+                text_field=d.text_field,
+                overwrite=True,
+                tokenizer=tokenizer,
+                progress=None,
+                max_chars=d.max_bytes,
+            )
+            log.info(
+                "data: prepared %s -> %s: %s documents, %s tokens in %.1fs",
+                spec,
+                out,
+                f"{r.documents:,}",
+                f"{r.tokens:,}",
+                r.seconds,
+            )
 
     if todo:
         _rank0_first(rank, barrier, work)
@@ -207,12 +258,16 @@ def _check_own_prepared(prefix: Path) -> None:
     from megaformer.safe_files import owned_by_me
 
     side = tokenizer_path(prefix)
-    for p in [bin_path(prefix), idx_path(prefix)] + ([side] if side.exists() or side.is_symlink() else []):
+    for p in [bin_path(prefix), idx_path(prefix)] + (
+        [side] if side.exists() or side.is_symlink() else []
+    ):
         if not owned_by_me(p):
-            raise DataError(f"{p}: a prepared dataset in data.cache_dir that is not this user's own "
-                            "regular file (or is writable by group or others), so it is not reused; "
-                            f"remove {prefix.parent}, use a data.cache_dir private to you, or list "
-                            f"{prefix} in data.paths to use it as it is")
+            raise DataError(
+                f"{p}: a prepared dataset in data.cache_dir that is not this user's own "
+                "regular file (or is writable by group or others), so it is not reused; "
+                f"remove {prefix.parent}, use a data.cache_dir private to you, or list "
+                f"{prefix} in data.paths to use it as it is"
+            )
 
 
 def check_data_paths(cfg: Config) -> None:
@@ -242,9 +297,11 @@ def check_data_paths(cfg: Config) -> None:
 
 
 def _no_tokenizer_training(spec: str) -> ConfigError:
-    return ConfigError(f"data.tokenizer={spec}: cannot train a tokenizer on prepared .bin/.idx "
-                       "data; set data.tokenizer to the tokenizer.json the data was prepared with "
-                       "(PREFIX.tokenizer.json)")
+    return ConfigError(
+        f"data.tokenizer={spec}: cannot train a tokenizer on prepared .bin/.idx "
+        "data; set data.tokenizer to the tokenizer.json the data was prepared with "
+        "(PREFIX.tokenizer.json)"
+    )
 
 
 def _check_same_tokenizer(prefix: Path, side: Path, tokenizer: Tokenizer) -> None:
@@ -252,10 +309,12 @@ def _check_same_tokenizer(prefix: Path, side: Path, tokenizer: Tokenizer) -> Non
     size and EOD id of the run's ``tokenizer``."""
     other = load_tokenizer(side)
     if (other.vocab_size, other.eod_id) != (tokenizer.vocab_size, tokenizer.eod_id):
-        raise DataError(f"{prefix}: prepared with {side} (vocab {other.vocab_size}, EOD "
-                        f"{other.eod_id}) but the run's tokenizer has vocab "
-                        f"{tokenizer.vocab_size}, EOD {tokenizer.eod_id}; set "
-                        f"data.tokenizer={side}")
+        raise DataError(
+            f"{prefix}: prepared with {side} (vocab {other.vocab_size}, EOD "
+            f"{other.eod_id}) but the run's tokenizer has vocab "
+            f"{tokenizer.vocab_size}, EOD {tokenizer.eod_id}; set "
+            f"data.tokenizer={side}"
+        )
 
 
 def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_limit: int) -> list:
@@ -274,9 +333,14 @@ def _check_tokenizer_matches(prefixes: list[Path], tokenizer: Tokenizer, vocab_l
     return opened
 
 
-def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], None],
-                   checkpoint: Optional[Path],
-                   share: Optional[Callable[[Any], Any]] = None) -> tuple[Tokenizer, DataBundle]:
+def _setup_indexed(
+    cfg: Config,
+    run_dir: Path,
+    rank: int,
+    barrier: Callable[[], None],
+    checkpoint: Optional[Path],
+    share: Optional[Callable[[Any], Any]] = None,
+) -> tuple[Tokenizer, DataBundle]:
     from megaformer.data.blend import BlendedDataset, normalise
     from megaformer.data.gpt_dataset import build_many_split_datasets, parse_split, split_ranges
     from megaformer.data.indexed import is_prefix
@@ -286,13 +350,15 @@ def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], 
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else run_dir / "data_cache"
     ratios = parse_split(d.split, d.valid_fraction)
     if ratios[1] <= 0:
-        raise ConfigError(f"data.split={d.split!r}: the validation share must be > 0 "
-                          "(evaluation reads it)")
+        raise ConfigError(
+            f"data.split={d.split!r}: the validation share must be > 0 (evaluation reads it)"
+        )
     sources = [p for p in d.paths or [] if not is_prefix(p)]
     tokenizer = _indexed_tokenizer(cfg, run_dir, rank, barrier, checkpoint, sources)
     prefixes = _prepare_sources(cfg, cache, rank, barrier, tokenizer)
-    datasets = _check_tokenizer_matches(prefixes, tokenizer,
-                                        max(tokenizer.vocab_size, cfg.model.vocab_size or 0))
+    datasets = _check_tokenizer_matches(
+        prefixes, tokenizer, max(tokenizer.vocab_size, cfg.model.vocab_size or 0)
+    )
 
     if d.weights is not None:
         weights = normalise(d.weights)
@@ -304,36 +370,65 @@ def _setup_indexed(cfg: Config, run_dir: Path, rank: int, barrier: Callable[[], 
         weights = normalise(sizes)
     G = t.global_batch_size
     n_train, n_valid = t.steps * G, cfg.eval.iters * G
-    parts = build_many_split_datasets(datasets, ratios, cfg.seq_len, t.seed,
-                                      [(math.ceil(w * n_train) + 1 if w > 0 else 0,
-                                        math.ceil(w * n_valid) + 1 if w > 0 else 0, 0)
-                                       for w in weights], cache, rank, barrier, share)
+    parts = build_many_split_datasets(
+        datasets,
+        ratios,
+        cfg.seq_len,
+        t.seed,
+        [
+            (
+                math.ceil(w * n_train) + 1 if w > 0 else 0,
+                math.ceil(w * n_valid) + 1 if w > 0 else 0,
+                0,
+            )
+            for w in weights
+        ],
+        cache,
+        rank,
+        barrier,
+        share,
+    )
     if len(parts) == 1:
         train, valid = parts[0][0], parts[0][1]
     else:
+
         def blends(build: bool) -> tuple[BlendedDataset, BlendedDataset]:
-            return (BlendedDataset([p[0] for p in parts], weights, n_train, cache, build),
-                    BlendedDataset([p[1] for p in parts], weights, n_valid, cache, build))
+            return (
+                BlendedDataset([p[0] for p in parts], weights, n_train, cache, build),
+                BlendedDataset([p[1] for p in parts], weights, n_valid, cache, build),
+            )
 
         built = blends(True) if rank == 0 else None
         barrier()
         train, valid = built if built is not None else blends(False)
-    log.info("data: %d dataset(s) [%s], weights [%s], split %s, tokenizer %s (vocab %d), "
-             "index cache %s, %.1fs", len(prefixes), ", ".join(str(p) for p in prefixes),
-             ", ".join(f"{w:.3f}" for w in weights), "/".join(f"{r:.3f}" for r in ratios),
-             tokenizer.name, tokenizer.vocab_size, cache, time.perf_counter() - t0)
-    return tokenizer, DataBundle(train, valid, lambda vocab: sampled_unigram(train, valid, vocab,
-                                                                              cfg.seq_len))
+    log.info(
+        "data: %d dataset(s) [%s], weights [%s], split %s, tokenizer %s (vocab %d), "
+        "index cache %s, %.1fs",
+        len(prefixes),
+        ", ".join(str(p) for p in prefixes),
+        ", ".join(f"{w:.3f}" for w in weights),
+        "/".join(f"{r:.3f}" for r in ratios),
+        tokenizer.name,
+        tokenizer.vocab_size,
+        cache,
+        time.perf_counter() - t0,
+    )
+    return tokenizer, DataBundle(
+        train, valid, lambda vocab: sampled_unigram(train, valid, vocab, cfg.seq_len)
+    )
 
 
-def sampled_unigram(train: Any, valid: Any, vocab_size: int, seq_len: int,
-                    max_tokens: int = 1 << 20) -> float:
+def sampled_unigram(
+    train: Any, valid: Any, vocab_size: int, seq_len: int, max_tokens: int = 1 << 20
+) -> float:
     """The unigram baseline (see ``unigram_cross_entropy``) on the first ~``max_tokens`` tokens of
     training samples and the validation samples' labels, for datasets too big to count fully."""
     k = max(1, min(len(train), max_tokens // (seq_len + 1)))
     counts_from = np.concatenate([train.sample(g) for g in range(k)])
     kv = max(1, min(len(valid), max_tokens // (seq_len + 1)))
     targets = np.concatenate([valid.sample(g)[1:] for g in range(kv)])
-    counts = np.bincount(counts_from.astype(np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    counts = (
+        np.bincount(counts_from.astype(np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    )
     logp = np.log(counts / counts.sum())
     return float(-logp[targets.astype(np.int64)].mean())

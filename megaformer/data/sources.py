@@ -31,8 +31,16 @@ from megaformer.errors import DataError
 
 log = logging.getLogger("megaformer")
 
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
-            ".txt": "text", ".md": "text", ".py": "text", ".rst": "text"}
+BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".txt": "text",
+    ".md": "text",
+    ".py": "text",
+    ".rst": "text",
+}
 COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 SAMPLE_BY = ("document", "paragraph", "line")
 
@@ -43,7 +51,7 @@ def _builder(path: Path) -> Optional[str]:
     name = path.name
     for c in COMPRESSION:
         if name.endswith(c):
-            name = name[:-len(c)]
+            name = name[: -len(c)]
     return BUILDERS.get(Path(name).suffix)
 
 
@@ -118,8 +126,9 @@ class Source:
         if builder == "text":
             kwargs["sample_by"] = self.sample_by
             kwargs["encoding_errors"] = self.encoding_errors
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                     streaming=True, **kwargs)
+        return datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs
+        )
 
     def _group_batches(self, files: list[Path], batch_size: int) -> Iterator[tuple[str, list]]:
         builder = _builder(files[0])
@@ -145,7 +154,9 @@ class Source:
                     _strings(batch[column], column)
             except Exception as e:  # noqa: BLE001
                 return DataError(f"{f}: {_describe(e, column)}")
-        return DataError(f"{files[0] if len(files) == 1 else self.spec}: {_describe(error, column)}")
+        return DataError(
+            f"{files[0] if len(files) == 1 else self.spec}: {_describe(error, column)}"
+        )
 
     def _hub_batches(self, batch_size: int) -> Iterator[tuple[str, list]]:
         import datasets
@@ -167,8 +178,10 @@ class Source:
         except Exception as e:  # noqa: BLE001 - hub / network / builder errors
             msg = " ".join(str(e).split())[:300]
             offline = ", offline: HF_HUB_OFFLINE is set" if hub_offline() else ""
-            raise DataError(f"{where}: cannot load from the Hugging Face hub{offline} "
-                            f"({type(e).__name__}: {msg})") from None
+            raise DataError(
+                f"{where}: cannot load from the Hugging Face hub{offline} "
+                f"({type(e).__name__}: {msg})"
+            ) from None
 
 
 class _MissingField(Exception):
@@ -190,8 +203,10 @@ def _strings(values: list, column: str) -> list:
 
 def _describe(e: Exception, column: str) -> str:
     if isinstance(e, _MissingField):
-        return (f"no field '{column}' (fields: {', '.join(e.fields) or 'none'}); "
-                f"choose one with --text-field / data.text_field")
+        return (
+            f"no field '{column}' (fields: {', '.join(e.fields) or 'none'}); "
+            f"choose one with --text-field / data.text_field"
+        )
     if isinstance(e, _NotText):
         return f"field '{column}' holds {e} values, not text"
     if isinstance(e, UnicodeDecodeError):
@@ -209,20 +224,28 @@ def _expand_local(spec: str) -> Optional[list[Path]]:
     path = Path(spec).expanduser()
     if path.is_dir():
         skip = {"site-packages", "dist-packages", "__pycache__"}
-        return sorted(f for f in path.rglob("*") if f.is_file() and _builder(f)
-                      and not skip.intersection(f.relative_to(path).parts))
+        return sorted(
+            f
+            for f in path.rglob("*")
+            if f.is_file() and _builder(f) and not skip.intersection(f.relative_to(path).parts)
+        )
     if path.is_file():
         return [path]
     if glob.has_magic(spec):
-        return sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)
-                      if Path(p).is_file())
+        return sorted(
+            Path(p)
+            for p in glob.glob(os.path.expanduser(spec), recursive=True)
+            if Path(p).is_file()
+        )
     return None
 
 
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set to a true value."""
-    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def parse_hub_spec(spec: str) -> tuple[str, Optional[str], str]:
@@ -235,8 +258,9 @@ def parse_hub_spec(spec: str) -> tuple[str, Optional[str], str]:
     return name, config or None, split or "train"
 
 
-def open_source(spec: str, text_field: str = "text", sample_by: str = "document",
-                streaming: bool = True) -> Source:
+def open_source(
+    spec: str, text_field: str = "text", sample_by: str = "document", streaming: bool = True
+) -> Source:
     """Resolve ``spec`` (see the module docstring) without reading any document yet."""
     if sample_by not in SAMPLE_BY:
         raise DataError(f"--sample-by {sample_by}: must be one of {', '.join(SAMPLE_BY)}")
@@ -254,11 +278,15 @@ def open_source(spec: str, text_field: str = "text", sample_by: str = "document"
                 raise DataError(f"{spec}: no .json/.jsonl/.parquet/.arrow/.txt files found")
             bad = [f for f in files if _builder(f) is None]
             if bad:
-                raise DataError(f"{bad[0]}: unsupported file type (use .json, .jsonl, .parquet, "
-                                ".arrow or .txt, optionally compressed)")
+                raise DataError(
+                    f"{bad[0]}: unsupported file type (use .json, .jsonl, .parquet, "
+                    ".arrow or .txt, optionally compressed)"
+                )
             src.files = files
             return src
-        raise DataError(f"{spec}: no such file, folder, glob match or PREFIX.bin/.idx pair (a "
-                        "Hugging Face hub dataset needs the prefix hf:, e.g. hf:NAME[:CONFIG][@SPLIT])")
+        raise DataError(
+            f"{spec}: no such file, folder, glob match or PREFIX.bin/.idx pair (a "
+            "Hugging Face hub dataset needs the prefix hf:, e.g. hf:NAME[:CONFIG][@SPLIT])"
+        )
     src.hub = parse_hub_spec(spec)
     return src

@@ -101,7 +101,8 @@ class HFTokenizer:
         self.tok.save(str(path))
         if self.eos_token is not None and Path(path).name == TOKENIZER_FILE:
             (Path(path).parent / TOKENIZER_CONFIG).write_text(
-                json.dumps({"eos_token": self.eos_token}, indent=2) + "\n")
+                json.dumps({"eos_token": self.eos_token}, indent=2) + "\n"
+            )
 
 
 class SentencePieceTokenizer:
@@ -109,20 +110,24 @@ class SentencePieceTokenizer:
     library; end of document = its eos piece (or ``eos_token`` when configured). Saved as a JSON
     file holding the model bytes, so a checkpoint's tokenizer.json carries it."""
 
-    def __init__(self, model: bytes, name: str = "sentencepiece",
-                 eos_token: Optional[str] = None) -> None:
+    def __init__(
+        self, model: bytes, name: str = "sentencepiece", eos_token: Optional[str] = None
+    ) -> None:
         try:
             import sentencepiece
         except ImportError:
-            raise DataError(f"{name}: a SentencePiece tokenizer.model needs the sentencepiece "
-                            "library (pip install 'megaformer[hf]')") from None
+            raise DataError(
+                f"{name}: a SentencePiece tokenizer.model needs the sentencepiece "
+                "library (pip install 'megaformer[hf]')"
+            ) from None
         self.model, self.name = model, name
         self.sp = sentencepiece.SentencePieceProcessor()
         try:
             self.sp.LoadFromSerializedProto(model)
         except Exception as e:  # sentencepiece raises RuntimeError/OSError on malformed files
-            raise DataError(f"{name}: not a SentencePiece model ({str(e).splitlines()[0][:120]})"
-                            ) from None
+            raise DataError(
+                f"{name}: not a SentencePiece model ({str(e).splitlines()[0][:120]})"
+            ) from None
         self.vocab_size = int(self.sp.GetPieceSize())
         eod = self.sp.PieceToId(eos_token) if eos_token else -1
         if eod >= 0 and self.sp.IdToPiece(eod) != eos_token:  # unknown pieces map to <unk>
@@ -131,8 +136,10 @@ class SentencePieceTokenizer:
         if eod < 0:
             eod = self.sp.eos_id()
         if eod < 0:
-            raise DataError(f"{name}: the SentencePiece model has no end-of-sequence piece; name "
-                            "one in tokenizer_config.json (eos_token)")
+            raise DataError(
+                f"{name}: the SentencePiece model has no end-of-sequence piece; name "
+                "one in tokenizer_config.json (eos_token)"
+            )
         self.eod_id = int(eod)
 
     def encode(self, text: str) -> list[int]:
@@ -145,23 +152,36 @@ class SentencePieceTokenizer:
         return self.sp.DecodeIds([int(i) for i in ids])
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps({
-            "megaformer_tokenizer": "sentencepiece", "eod_id": self.eod_id,
-            "eos_token": self.eos_token, "model": base64.b64encode(self.model).decode()}))
+        Path(path).write_text(
+            json.dumps(
+                {
+                    "megaformer_tokenizer": "sentencepiece",
+                    "eod_id": self.eod_id,
+                    "eos_token": self.eos_token,
+                    "model": base64.b64encode(self.model).decode(),
+                }
+            )
+        )
 
 
 def train_bpe(documents: Iterator[str], vocab_size: int) -> HFTokenizer:
     """Train a byte-level BPE with ``vocab_size`` tokens (EOD included) on ``documents``."""
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 257:
-        raise DataError(f"data.tokenizer=bpe:{vocab_size}: a byte-level BPE needs at least 257 tokens")
+        raise DataError(
+            f"data.tokenizer=bpe:{vocab_size}: a byte-level BPE needs at least 257 tokens"
+        )
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(documents, trainer=trainer)
     return HFTokenizer(tok, name=f"bpe:{vocab_size}")
 
@@ -206,8 +226,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     Files larger than 1 GiB are refused."""
     p = Path(path).expanduser()
     if p.is_dir():
-        p = p / TOKENIZER_FILE if (p / TOKENIZER_FILE).exists() or not (
-            p / SENTENCEPIECE_FILE).exists() else p / SENTENCEPIECE_FILE
+        p = (
+            p / TOKENIZER_FILE
+            if (p / TOKENIZER_FILE).exists() or not (p / SENTENCEPIECE_FILE).exists()
+            else p / SENTENCEPIECE_FILE
+        )
     if not p.is_file():
         raise DataError(f"tokenizer not found: {p}")
     data = _read(p, MAX_TOKENIZER_BYTES)
@@ -227,6 +250,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             raise DataError(f"{p}: a SentencePiece tokenizer file without its model") from None
         return SentencePieceTokenizer(model, name=str(p), eos_token=head.get("eos_token"))
     from tokenizers import Tokenizer as _Tok
+
     try:
         tok = _Tok.from_str(data.decode())
     except Exception as e:  # tokenizers raises plain Exceptions on malformed files
@@ -236,21 +260,27 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def _sp_piece(model: bytes):
     """id -> piece of a SentencePiece model (for an eos_token_id), loaded only when asked."""
+
     def piece(i: int) -> Optional[str]:
         sp = SentencePieceTokenizer(model).sp
         return sp.IdToPiece(i) if 0 <= i < sp.GetPieceSize() else None
+
     return piece
 
 
-def build_tokenizer(spec: str, documents: Iterator[str], option: str = "data.tokenizer") -> Tokenizer:
+def build_tokenizer(
+    spec: str, documents: Iterator[str], option: str = "data.tokenizer"
+) -> Tokenizer:
     """Resolve a tokenizer spec: 'byte', 'bpe:N' (trained on ``documents``) or a path.
 
     ``option`` names where the spec came from in error messages (a config key or a CLI flag)."""
     if spec == "byte":
         return ByteTokenizer()
     if spec == NONE:
-        raise DataError(f"{option}={NONE}: this model was converted without a tokenizer; set "
-                        f"{option} to its tokenizer.json or SentencePiece tokenizer.model")
+        raise DataError(
+            f"{option}={NONE}: this model was converted without a tokenizer; set "
+            f"{option} to its tokenizer.json or SentencePiece tokenizer.model"
+        )
     if spec.startswith("bpe:"):
         try:
             n = int(spec[4:])

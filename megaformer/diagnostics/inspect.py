@@ -33,9 +33,9 @@ MAX_LABELLED_TOKENS = 48  # longer prompts get heatmaps without per-token tick l
 
 @dataclass
 class Inspection:
-    tokens: list[str]                                  # the prompt's tokens, shown
-    rows: list[str]                                    # "embed", "layer_00", ...
-    top: list[list[list[tuple[str, float]]]]           # [row][position] -> [(token, p)] * k
+    tokens: list[str]  # the prompt's tokens, shown
+    rows: list[str]  # "embed", "layer_00", ...
+    top: list[list[list[tuple[str, float]]]]  # [row][position] -> [(token, p)] * k
     heatmaps: list[Path]
     table: str
     expert_load: Optional[dict[int, list[int]]] = None  # MoE block -> tokens routed per expert
@@ -58,8 +58,10 @@ def _prompt_ids(tokenizer: Tokenizer, prompt: str, max_len: int) -> list[int]:
     if not ids:
         raise UserError(f"inspect: --prompt {prompt!r} encodes to no tokens")
     if len(ids) > max_len:
-        raise UserError(f"inspect: --prompt is {len(ids)} tokens, longer than the model's "
-                        f"max_seq_len={max_len}; shorten it")
+        raise UserError(
+            f"inspect: --prompt is {len(ids)} tokens, longer than the model's "
+            f"max_seq_len={max_len}; shorten it"
+        )
     return list(ids)
 
 
@@ -70,20 +72,27 @@ def _prepare_out(out: Optional[str | Path]) -> Optional[Path]:
     if os.path.islink(path):  # a dangling link would make mkdir fail, a live one redirect it
         raise UserError(f"inspect: --out {path} is a symbolic link; choose a new folder")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UserError(f"inspect: --out {path} exists and is not an empty folder; "
-                        "choose a new one (nothing is overwritten)")
+        raise UserError(
+            f"inspect: --out {path} exists and is not an empty folder; "
+            "choose a new one (nothing is overwritten)"
+        )
     return path
 
 
-def lens_top_k(model: Any, streams: list[torch.Tensor], k: int, tokenizer: Tokenizer
-               ) -> list[list[list[tuple[str, float]]]]:
+def lens_top_k(
+    model: Any, streams: list[torch.Tensor], k: int, tokenizer: Tokenizer
+) -> list[list[list[tuple[str, float]]]]:
     """[stream][position] -> the k likeliest next tokens with their probabilities."""
     out = []
     for x in streams:
         probs = torch.softmax(model.output_logits(logit_lens_logits(model, x)).float()[0], dim=-1)
         p, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
-        out.append([[(show_token(tokenizer, int(i)), float(q)) for i, q in zip(row_i, row_p)]
-                    for row_i, row_p in zip(ids.tolist(), p.tolist())])
+        out.append(
+            [
+                [(show_token(tokenizer, int(i)), float(q)) for i, q in zip(row_i, row_p)]
+                for row_i, row_p in zip(ids.tolist(), p.tolist())
+            ]
+        )
     return out
 
 
@@ -93,8 +102,9 @@ def format_table(tokens: list[str], rows: list[str], top: list) -> str:
     for pos, token in enumerate(tokens):
         for r, row in enumerate(rows):
             preds = "  ".join(f"{t} {p:.3f}" for t, p in top[r][pos])
-            lines.append(f"{pos if r == 0 else '':>4}  {token if r == 0 else '':<{width}}  "
-                         f"{row:<9} {preds}")
+            lines.append(
+                f"{pos if r == 0 else '':>4}  {token if r == 0 else '':<{width}}  {row:<9} {preds}"
+            )
     return "\n".join(lines)
 
 
@@ -105,7 +115,7 @@ def plot_attention(trace: LayerTrace, tokens: list[str], n_layers: int, out: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    probs = trace.probs[0].cpu().numpy()                      # [h, T, T]
+    probs = trace.probs[0].cpu().numpy()  # [h, T, T]
     heads, T = probs.shape[0], probs.shape[1]
     cols = min(4, heads)
     rows = -(-heads // cols)
@@ -133,8 +143,13 @@ def plot_attention(trace: LayerTrace, tokens: list[str], n_layers: int, out: Pat
     return path
 
 
-def inspect(checkpoint: str | Path, prompt: str, out: Optional[str | Path] = None, top_k: int = 5,
-            device: str = "cpu") -> Inspection:
+def inspect(
+    checkpoint: str | Path,
+    prompt: str,
+    out: Optional[str | Path] = None,
+    top_k: int = 5,
+    device: str = "cpu",
+) -> Inspection:
     """Logit lens and attention heatmaps of ``prompt`` under a checkpoint's model."""
     from megaformer.generation import load_checkpoint_model
 
@@ -189,6 +204,9 @@ def format_expert_load(load: dict[int, list[int]], tokens: int, k: int) -> str:
     for layer, row in sorted(load.items()):
         t = torch.tensor(row, dtype=torch.float64)
         cv = float(t.std(unbiased=False) / t.mean()) if t.mean() > 0 else 0.0
-        lines.append(f"  {layer_name(layer, max(load) + 1)}  " + " ".join(f"{c:>4}" for c in row)
-                     + f"   cv {cv:.2f}")
+        lines.append(
+            f"  {layer_name(layer, max(load) + 1)}  "
+            + " ".join(f"{c:>4}" for c in row)
+            + f"   cv {cv:.2f}"
+        )
     return "\n".join(lines)

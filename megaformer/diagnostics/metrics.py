@@ -23,9 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megaformer.diagnostics.residual import (LayerTrace, eval_mode, head_write_sq_norms,
-                                             logit_lens_logits, trace_layers)
 from megaformer.comm import ProcessGroup, all_reduce
+from megaformer.diagnostics.residual import (
+    LayerTrace,
+    eval_mode,
+    head_write_sq_norms,
+    logit_lens_logits,
+    trace_layers,
+)
 
 PREFIXES = ("resid/", "attn_write/", "mlp_write/", "attn/", "logit_lens/")
 
@@ -55,26 +60,34 @@ def _gather_heads(local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _layer_stats(model: nn.Module, trace: LayerTrace, labels: Optional[torch.Tensor],
-                 group: ProcessGroup) -> dict[str, torch.Tensor]:
+def _layer_stats(
+    model: nn.Module, trace: LayerTrace, labels: Optional[torch.Tensor], group: ProcessGroup
+) -> dict[str, torch.Tensor]:
     """Tensors (not yet floats: one host sync for the whole pass) of one layer."""
-    entropy = torch.special.entr(trace.probs).sum(-1).mean(dim=(0, 2))          # [h_local]
-    write = head_write_sq_norms(trace).mean(dim=(0, 2)).sqrt()                   # [h_local]
-    per_head = _gather_heads(torch.stack((entropy, write), dim=1), group)        # [h, 2]
+    entropy = torch.special.entr(trace.probs).sum(-1).mean(dim=(0, 2))  # [h_local]
+    write = head_write_sq_norms(trace).mean(dim=(0, 2)).sqrt()  # [h_local]
+    per_head = _gather_heads(torch.stack((entropy, write), dim=1), group)  # [h, 2]
     # masked logits are -inf and every query sees at least its own key: amax is over unmasked ones
     max_logit = all_reduce(trace.scores.amax().reshape(1), group, op=dist.ReduceOp.MAX)[0]
-    out = {"resid": rms(trace.resid), "attn_write": rms(trace.attn_write),
-           "mlp_write": rms(trace.mlp_write), "max_logit": max_logit, "per_head": per_head}
+    out = {
+        "resid": rms(trace.resid),
+        "attn_write": rms(trace.attn_write),
+        "mlp_write": rms(trace.mlp_write),
+        "max_logit": max_logit,
+        "per_head": per_head,
+    }
     if labels is not None:
         out["lens"] = model.loss_fn(logit_lens_logits(model, trace.resid), labels).float()
     return out
 
 
 def _named(stats: dict[str, torch.Tensor], layer: str, n_heads: int) -> dict[str, float]:
-    out = {f"resid/{layer}/rms": float(stats["resid"]),
-           f"attn_write/{layer}/rms": float(stats["attn_write"]),
-           f"mlp_write/{layer}/rms": float(stats["mlp_write"]),
-           f"attn/{layer}/max_logit": float(stats["max_logit"])}
+    out = {
+        f"resid/{layer}/rms": float(stats["resid"]),
+        f"attn_write/{layer}/rms": float(stats["attn_write"]),
+        f"mlp_write/{layer}/rms": float(stats["mlp_write"]),
+        f"attn/{layer}/max_logit": float(stats["max_logit"]),
+    }
     per_head = stats["per_head"].tolist()
     for h, (entropy, norm) in enumerate(per_head):
         head = head_name(h, n_heads)
@@ -85,9 +98,15 @@ def _named(stats: dict[str, torch.Tensor], layer: str, n_heads: int) -> dict[str
     return out
 
 
-def layer_metrics(model: nn.Module, x: torch.Tensor, rope, indices: Iterable[int],
-                  labels: Optional[torch.Tensor], group: ProcessGroup,
-                  lens: bool = True) -> tuple[dict[str, float], list[torch.Tensor]]:
+def layer_metrics(
+    model: nn.Module,
+    x: torch.Tensor,
+    rope,
+    indices: Iterable[int],
+    labels: Optional[torch.Tensor],
+    group: ProcessGroup,
+    lens: bool = True,
+) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Metrics of blocks ``indices`` run from the stream x (inside :func:`eval_mode`), and the
     stream after each block (for a logit lens computed elsewhere when ``lens`` is False)."""
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
@@ -101,8 +120,9 @@ def layer_metrics(model: nn.Module, x: torch.Tensor, rope, indices: Iterable[int
     return out, streams
 
 
-def residual_diagnostics(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                         tp_group: ProcessGroup = None) -> dict[str, float]:
+def residual_diagnostics(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, tp_group: ProcessGroup = None
+) -> dict[str, float]:
     """Every metric above for a whole (possibly tensor-parallel) model on one micro-batch.
     Collective over ``tp_group``: every rank of it calls with the same batch."""
     with eval_mode(model):

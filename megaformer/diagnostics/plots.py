@@ -20,12 +20,21 @@ LAYER_FAMILIES = [
     ("diag_resid_rms", "Residual stream RMS", "RMS", r"resid/(layer_\d+|embed)/rms"),
     ("diag_attn_write_rms", "Attention write RMS", "RMS", r"attn_write/(layer_\d+)/rms"),
     ("diag_mlp_write_rms", "MLP write RMS", "RMS", r"mlp_write/(layer_\d+)/rms"),
-    ("diag_attn_max_logit", "Largest attention logit", "q.k / sqrt(d_k)",
-     r"attn/(layer_\d+)/max_logit"),
+    (
+        "diag_attn_max_logit",
+        "Largest attention logit",
+        "q.k / sqrt(d_k)",
+        r"attn/(layer_\d+)/max_logit",
+    ),
     ("diag_logit_lens_loss", "Logit-lens loss", "nats/token", r"logit_lens/(layer_\d+)/loss"),
 ]
 HEAD_FAMILIES = [
-    ("diag_attn_entropy", "Attention entropy per head", "nats", r"attn/(layer_\d+)/entropy/(head_\d+)"),
+    (
+        "diag_attn_entropy",
+        "Attention entropy per head",
+        "nats",
+        r"attn/(layer_\d+)/entropy/(head_\d+)",
+    ),
     ("diag_head_write_norm", "Head write norm", "norm", r"attn_write/(layer_\d+)/(head_\d+)/norm"),
 ]
 
@@ -69,8 +78,15 @@ def _lines(ax: Any, series: dict, label_index: int) -> None:
     cmap = plt.get_cmap("viridis")
     n = len(series)
     for i, (groups, (x, y)) in enumerate(series.items()):
-        ax.plot(x, y, color=cmap(i / max(1, n - 1) * 0.9), label=groups[label_index],
-                marker="o" if len(x) < 30 else None, markersize=2, linewidth=1)
+        ax.plot(
+            x,
+            y,
+            color=cmap(i / max(1, n - 1) * 0.9),
+            label=groups[label_index],
+            marker="o" if len(x) < 30 else None,
+            markersize=2,
+            linewidth=1,
+        )
     ax.grid(alpha=0.3)
 
 
@@ -103,8 +119,9 @@ def plot_diagnostics(records: list[dict], out: Path) -> list[Path]:
             continue
         cols = min(4, len(layers))
         rows = -(-len(layers) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), dpi=100,
-                                 squeeze=False, sharex=True)
+        fig, axes = plt.subplots(
+            rows, cols, figsize=(3.2 * cols, 2.6 * rows), dpi=100, squeeze=False, sharex=True
+        )
         for i, layer in enumerate(layers):
             ax = axes[i // cols][i % cols]
             _lines(ax, {g: s for g, s in series.items() if g[0] == layer}, 1)

@@ -45,13 +45,13 @@ class LayerTrace:
     """What block ``index`` read and wrote: tensors [B, T, d] and, per local head, [B, h, T, *]."""
 
     index: int
-    attn_write: torch.Tensor   # a_l (bias included)
-    mlp_write: torch.Tensor    # m_l
-    resid: torch.Tensor        # x_l, the stream after the block
-    context: torch.Tensor      # z  [B, h_local, T, d_k]
-    scores: torch.Tensor       # q k^T / sqrt(d_k) + M, fp32 [B, h_local, T, T], masked = -inf
-    probs: torch.Tensor        # softmax of the scores, fp32
-    w_o: torch.Tensor          # this rank's W^O columns [d, h_local * d_k]
+    attn_write: torch.Tensor  # a_l (bias included)
+    mlp_write: torch.Tensor  # m_l
+    resid: torch.Tensor  # x_l, the stream after the block
+    context: torch.Tensor  # z  [B, h_local, T, d_k]
+    scores: torch.Tensor  # q k^T / sqrt(d_k) + M, fp32 [B, h_local, T, T], masked = -inf
+    probs: torch.Tensor  # softmax of the scores, fp32
+    w_o: torch.Tensor  # this rank's W^O columns [d, h_local * d_k]
 
 
 class ProbeAttention(nn.Module):
@@ -64,10 +64,19 @@ class ProbeAttention(nn.Module):
         self.probs: Optional[torch.Tensor] = None
         self.context: Optional[torch.Tensor] = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                 dropout_p: float = 0.0, backend: str = "reference",
-                 scale: Optional[float] = None, doc_ids: Optional[torch.Tensor] = None,
-                 window: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        dropout_p: float = 0.0,
+        backend: str = "reference",
+        scale: Optional[float] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+        window: Optional[int] = None,
+    ) -> torch.Tensor:
         if doc_ids is not None:  # refused by the config (log.diagnostics with document_mask)
             raise ValueError("the diagnostics pass does not support model.document_mask")
         self.scores = attention_scores(q, k, causal, scale, window)
@@ -101,8 +110,9 @@ def block_writes(block: nn.Module, index: int, x: torch.Tensor, rope: Rope) -> L
     with _probed(block, probe):
         a = block.attn.forward(block.attn_norm(x), rope=rope)
         m = block.mlp.forward(block.mlp_norm(x if block.parallel else x + a))
-    return LayerTrace(index, a, m, x + a + m, probe.context, probe.scores, probe.probs,
-                      block.attn.wo.weight)
+    return LayerTrace(
+        index, a, m, x + a + m, probe.context, probe.scores, probe.probs, block.attn.wo.weight
+    )
 
 
 def head_writes(trace: LayerTrace) -> torch.Tensor:
@@ -134,14 +144,15 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def trace_layers(model: nn.Module, x: torch.Tensor, rope: Rope,
-                 indices: Optional[Iterable[int]] = None) -> Iterator[LayerTrace]:
+def trace_layers(
+    model: nn.Module, x: torch.Tensor, rope: Rope, indices: Optional[Iterable[int]] = None
+) -> Iterator[LayerTrace]:
     """Run blocks ``indices`` (default all, in order) from the residual stream x, one at a time.
 
     Call inside :func:`eval_mode`. Lazy: a consumer that keeps only statistics holds one layer's
     probabilities at a time.
     """
-    for i in (range(len(model.layers)) if indices is None else indices):
+    for i in range(len(model.layers)) if indices is None else indices:
         trace = block_writes(model.layers[i], i, x, rope)
         x = trace.resid
         yield trace

@@ -35,8 +35,14 @@ from megaformer.parallel.context import context_disabled
 class DiagnosticsHook:
     """``hook.due(step)`` -> bool; ``hook()`` -> the metrics (collective over all ranks)."""
 
-    def __init__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], interval: int,
-                 topo: Any, pipeline_module: Optional[nn.Module] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        interval: int,
+        topo: Any,
+        pipeline_module: Optional[nn.Module] = None,
+    ) -> None:
         self.model, self.interval, self.topo = model, interval, topo
         # (under PP the plain model's other stages hold no values: the device of a local one)
         device = next((pipeline_module or model).parameters()).device
@@ -45,7 +51,9 @@ class DiagnosticsHook:
         if pipeline_module is not None:
             live = {id(m) for m in pipeline_module.modules()}
             self.owned = [i for i, block in enumerate(model.layers) if id(block) in live]
-            self.firsts = all_gather_objects(self.owned[0], topo.groups.pp)  # every stage's first block
+            self.firsts = all_gather_objects(
+                self.owned[0], topo.groups.pp
+            )  # every stage's first block
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
@@ -66,8 +74,9 @@ class DiagnosticsHook:
 
     def _peer(self, stage: int) -> int:
         """Global rank of this rank's counterpart (same TP, CP and DP coordinates) on ``stage``."""
-        return self.topo.rank_of(tp=self.topo.tp_rank, cp=self.topo.cp_rank,
-                                 dp=self.topo.dp_rank, pp=stage)
+        return self.topo.rank_of(
+            tp=self.topo.tp_rank, cp=self.topo.cp_rank, dp=self.topo.dp_rank, pp=stage
+        )
 
     def _send(self, x: torch.Tensor, stage: int) -> None:
         dist.send(x.float().contiguous(), self._peer(stage))
@@ -95,8 +104,9 @@ class DiagnosticsHook:
                 lens, x = self._lens_of_earlier_stages()
                 out.update(lens)
                 x, rope = x.to(self._stream_dtype()), self._rope()
-            metrics, streams = layer_metrics(model, x, rope, self.owned, self.labels, tp,
-                                             lens=stage == last)
+            metrics, streams = layer_metrics(
+                model, x, rope, self.owned, self.labels, tp, lens=stage == last
+            )
             out.update(metrics)
             if stage < last:
                 for s in streams:
@@ -122,7 +132,8 @@ class DiagnosticsHook:
         for index in range(self.owned[0]):
             resid = self._recv(self._stage_of(index))
             loss = self.model.loss_fn(
-                logit_lens_logits(self.model, resid.to(self._stream_dtype())), self.labels)
+                logit_lens_logits(self.model, resid.to(self._stream_dtype())), self.labels
+            )
             out[f"logit_lens/{layer_name(index, n_layers)}/loss"] = float(loss)
         return out, resid
 

@@ -36,10 +36,10 @@ MAX_TOKENIZER_BYTES = 1 << 30
 
 @dataclass
 class EvalOutput:
-    results: dict          # lm-eval's results dict
-    scores: dict           # {'eval/TASK/METRIC': value}
+    results: dict  # lm-eval's results dict
+    scores: dict  # {'eval/TASK/METRIC': value}
     table: str
-    path: Optional[Path]   # the JSON written (rank 0), else None
+    path: Optional[Path]  # the JSON written (rank 0), else None
     seconds: float
 
 
@@ -47,14 +47,16 @@ def eval_layout(cfg: Config, topo: Any) -> Config:
     """``cfg`` with the launch's layout and nothing that only training needs (no recomputation,
     compilation or sequence parallelism)."""
     tp, pp, ep = (topo.tp, topo.pp, topo.ep) if topo is not None else (1, 1, 1)
-    parallel = dataclasses.replace(cfg.parallel, tensor=tp, pipeline=pp, context=1, expert=ep,
-                                   sequence_parallel=False)
+    parallel = dataclasses.replace(
+        cfg.parallel, tensor=tp, pipeline=pp, context=1, expert=ep, sequence_parallel=False
+    )
     train = dataclasses.replace(cfg.train, recompute="none", compile=False)
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
-def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
-                ) -> tuple[Any, Any, Config]:
+def load_runner(
+    ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
+) -> tuple[Any, Any, Config]:
     """(runner, tokenizer, config) of checkpoint ``ckpt`` for this rank of ``topo`` (None: one
     process)."""
     from megaformer.data.tokenizer import load_tokenizer
@@ -63,8 +65,10 @@ def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
     ckpt_weights.check_weights(ckpt, cfg.model)  # headers only, before anything is built
     tok_file = ckpt / "tokenizer.json"
     if not tok_file.exists():
-        raise CheckpointError(f"{ckpt}: no tokenizer.json (a model converted without its "
-                              "tokenizer: convert it again with --tokenizer PATH)")
+        raise CheckpointError(
+            f"{ckpt}: no tokenizer.json (a model converted without its "
+            "tokenizer: convert it again with --tokenizer PATH)"
+        )
     check_file(tok_file, MAX_TOKENIZER_BYTES)
     tokenizer = load_tokenizer(tok_file)
     cfg = eval_layout(cfg, topo)
@@ -78,18 +82,33 @@ def load_runner(ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
         weights = ShardedState(ckpt)
         weights.check_model(ckpt_weights.expected_shapes(cfg.model))
     pipeline = topo is not None and topo.pp > 1
-    built = build_model(cfg, topo, device=device, weights=weights, weights_source=ckpt,
-                        eod_id=tokenizer.eod_id, training=pipeline)
+    built = build_model(
+        cfg,
+        topo,
+        device=device,
+        weights=weights,
+        weights_source=ckpt,
+        eod_id=tokenizer.eod_id,
+        training=pipeline,
+    )
     built.model.to(precision_dtype(dtype)).eval()
     if pipeline:
         return PipelineRunner(built.model, built.plain, topo, device), tokenizer, cfg
     return PlainRunner(built.model, device=device), tokenizer, cfg
 
 
-def generate_from_checkpoint(path: str | Path, prompt: str, max_new_tokens: int, *,
-                             topo: Any = None, device: torch.device = torch.device("cpu"),
-                             dtype: Optional[str] = None, temperature: float = 0.0,
-                             top_k: Optional[int] = None, seed: int = 0) -> str:
+def generate_from_checkpoint(
+    path: str | Path,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    topo: Any = None,
+    device: torch.device = torch.device("cpu"),
+    dtype: Optional[str] = None,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    seed: int = 0,
+) -> str:
     """Prompt + continuation by the checkpoint at ``path``, built as :func:`load_runner` builds it
     for this rank of ``topo`` (collective; every rank returns the same text) in ``dtype`` (default:
     the precision it trained in). Under tensor parallelism every rank samples the same token (the
@@ -101,26 +120,45 @@ def generate_from_checkpoint(path: str | Path, prompt: str, max_new_tokens: int,
     if max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {max_new_tokens}: must be >= 0")
     if topo is not None and topo.pp > 1 and temperature > 0:
-        raise UserError(f"--temperature {temperature} with --pp {topo.pp}: a pipeline decodes "
-                        "greedily only (--temperature 0), or use --pp 1")
+        raise UserError(
+            f"--temperature {temperature} with --pp {topo.pp}: a pipeline decodes "
+            "greedily only (--temperature 0), or use --pp 1"
+        )
     ckpt = ckpt_layout.resolve_checkpoint(path)
     dtype = dtype or ckpt_layout.read_config(ckpt).train.precision
     runner, tokenizer, _ = load_runner(ckpt, topo, device, dtype)
     if isinstance(runner, PlainRunner):
-        return generate_text(runner.model, tokenizer, prompt, max_new_tokens,
-                             temperature=temperature, top_k=top_k, seed=seed)
+        return generate_text(
+            runner.model,
+            tokenizer,
+            prompt,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+        )
     eod = tokenizer.eod_id
-    new = runner.greedy(prompt_ids(tokenizer, prompt), max_new_tokens,
-                        stop=lambda tokens: tokens[-1] == eod)
+    new = runner.greedy(
+        prompt_ids(tokenizer, prompt), max_new_tokens, stop=lambda tokens: tokens[-1] == eod
+    )
     return continuation_text(tokenizer, prompt, new)
 
 
-def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None, *,
-                        topo: Any = None,
-                        device: torch.device = torch.device("cpu"), is_main: bool = True,
-                        limit: Optional[int] = None, batch_size: int = 8,
-                        include_path: Optional[str] = None, output: Optional[str | Path] = None,
-                        dtype: str = "fp32", bootstrap_iters: int = 0) -> EvalOutput:
+def evaluate_checkpoint(
+    path: str | Path,
+    tasks: list[str],
+    manager: Any = None,
+    *,
+    topo: Any = None,
+    device: torch.device = torch.device("cpu"),
+    is_main: bool = True,
+    limit: Optional[int] = None,
+    batch_size: int = 8,
+    include_path: Optional[str] = None,
+    output: Optional[str | Path] = None,
+    dtype: str = "fp32",
+    bootstrap_iters: int = 0,
+) -> EvalOutput:
     """Run ``tasks`` on the checkpoint at ``path`` (collective over every rank of ``topo``);
     ``manager``: an lm-eval TaskManager that knows them (default: one built here)."""
     if limit is not None and limit < 1:
@@ -134,21 +172,39 @@ def evaluate_checkpoint(path: str | Path, tasks: list[str], manager: Any = None,
     dp_group = topo.groups.dp if topo is not None else None
     # expert parallelism: the ranks of an expert group exchange tokens in every forward, so the
     # data-parallel ranks run their forwards together
-    lm = make_lm(runner, tokenizer, batch_size=batch_size, dp_group=dp_group,
-                 lockstep=topo is not None and topo.ep > 1)
+    lm = make_lm(
+        runner,
+        tokenizer,
+        batch_size=batch_size,
+        dp_group=dp_group,
+        lockstep=topo is not None and topo.ep > 1,
+    )
     t0 = time.perf_counter()
     results = task_lib.run_tasks(lm, tasks, manager, limit=limit, bootstrap_iters=bootstrap_iters)
     seconds = time.perf_counter() - t0
     scores = task_lib.flat_scores(results)
     written = None
     if is_main:
-        payload = {"checkpoint": str(ckpt), "step": ckpt_layout.step_of(ckpt), "tasks": tasks,
-                   "limit": limit, "scores": scores, "megaformer_version": __version__,
-                   "layout": {"tensor": topo.tp if topo else 1, "pipeline": topo.pp if topo else 1,
-                              "data": topo.dp if topo else 1, "expert": topo.ep if topo else 1},
-                   "dtype": dtype, "seconds": round(seconds, 3),
-                   "lm_eval": {k: results[k] for k in ("results", "versions", "n-shot",
-                                                       "higher_is_better", "n-samples")
-                               if k in results}}
+        payload = {
+            "checkpoint": str(ckpt),
+            "step": ckpt_layout.step_of(ckpt),
+            "tasks": tasks,
+            "limit": limit,
+            "scores": scores,
+            "megaformer_version": __version__,
+            "layout": {
+                "tensor": topo.tp if topo else 1,
+                "pipeline": topo.pp if topo else 1,
+                "data": topo.dp if topo else 1,
+                "expert": topo.ep if topo else 1,
+            },
+            "dtype": dtype,
+            "seconds": round(seconds, 3),
+            "lm_eval": {
+                k: results[k]
+                for k in ("results", "versions", "n-shot", "higher_is_better", "n-samples")
+                if k in results
+            },
+        }
         written = task_lib.write_results(out_path, payload)
     return EvalOutput(results, scores, task_lib.format_table(results), written, seconds)

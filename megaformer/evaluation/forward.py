@@ -56,8 +56,13 @@ class PlainRunner:
     """A model holding all layers: ``forward(ids)`` -> logits [B, T, V] (the callable that runs it,
     e.g. a DeepSpeed engine), ``model`` the Transformer itself (for the KV cache)."""
 
-    def __init__(self, model: Any, forward: Optional[Callable] = None, seq_multiple: int = 1,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        forward: Optional[Callable] = None,
+        seq_multiple: int = 1,
+        device: Optional[torch.device] = None,
+    ) -> None:
         self.model = model
         self.forward = forward or model
         self.seq_multiple = seq_multiple  # TP degree under sequence parallelism, else 1
@@ -71,29 +76,45 @@ class PlainRunner:
         return token_scores(logits, targets.to(self.device))
 
     @torch.no_grad()
-    def greedy(self, prefix: list[int], max_new_tokens: int,
-               stop: Optional[Callable[[list[int]], bool]] = None) -> list[int]:
+    def greedy(
+        self,
+        prefix: list[int],
+        max_new_tokens: int,
+        stop: Optional[Callable[[list[int]], bool]] = None,
+    ) -> list[int]:
         from megaformer.generation import greedy_tokens
 
         if self.seq_multiple == 1:
             return greedy_tokens(self.model, prefix, max_new_tokens, stop=stop, device=self.device)
-        return _greedy_recompute(self._last_logits, prefix, max_new_tokens, stop, self.max_length,
-                                 self.device)
+        return _greedy_recompute(
+            self._last_logits, prefix, max_new_tokens, stop, self.max_length, self.device
+        )
 
     def _last_logits(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         return self.forward(_pad_to(x, self.seq_multiple))[0, len(ids) - 1]
 
 
-def _greedy_recompute(last_logits: Callable[[list[int]], torch.Tensor], prefix: list[int],
-                      max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]],
-                      max_length: int, device: torch.device) -> list[int]:
+def _greedy_recompute(
+    last_logits: Callable[[list[int]], torch.Tensor],
+    prefix: list[int],
+    max_new_tokens: int,
+    stop: Optional[Callable[[list[int]], bool]],
+    max_length: int,
+    device: torch.device,
+) -> list[int]:
     """Greedy decoding without a cache (:func:`megaformer.model.decoding.decode`): each step runs
     the last ``max_length`` tokens through ``last_logits`` (token ids -> logits [V] of the last)."""
     ids = torch.tensor([list(prefix)], dtype=torch.long, device=device)
-    out = decode(lambda window, start: last_logits(window[0].tolist()).unsqueeze(0), ids,
-                 max_new_tokens, max_length, cached=False, stop=stop)
-    return out[0, ids.shape[1]:].tolist()
+    out = decode(
+        lambda window, start: last_logits(window[0].tolist()).unsqueeze(0),
+        ids,
+        max_new_tokens,
+        max_length,
+        cached=False,
+        stop=stop,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 class PipelineRunner:
@@ -101,8 +122,9 @@ class PipelineRunner:
     ``output_logits`` drops the vocabulary padding and gathers a vocab-parallel head), with the
     pipeline group of ``topo``."""
 
-    def __init__(self, pipe: Any, plain: Any, topo: Any, device: torch.device,
-                 seq_multiple: int = 1) -> None:
+    def __init__(
+        self, pipe: Any, plain: Any, topo: Any, device: torch.device, seq_multiple: int = 1
+    ) -> None:
         self.pipe, self.plain, self.device = pipe, plain, device
         self.seq_multiple = seq_multiple
         self.max_length = plain.cfg.max_seq_len
@@ -142,10 +164,15 @@ class PipelineRunner:
         return packed[0], packed[1].bool()
 
     @torch.no_grad()
-    def greedy(self, prefix: list[int], max_new_tokens: int,
-               stop: Optional[Callable[[list[int]], bool]] = None) -> list[int]:
-        return _greedy_recompute(self._last_logits, prefix, max_new_tokens, stop, self.max_length,
-                                 self.device)
+    def greedy(
+        self,
+        prefix: list[int],
+        max_new_tokens: int,
+        stop: Optional[Callable[[list[int]], bool]] = None,
+    ) -> list[int]:
+        return _greedy_recompute(
+            self._last_logits, prefix, max_new_tokens, stop, self.max_length, self.device
+        )
 
     def _last_logits(self, ids: list[int]) -> torch.Tensor:
         """One-hot of the greedy next token (only its argmax is used), the same on every stage."""

@@ -44,13 +44,20 @@ def _lm_base() -> type:
     try:
         from lm_eval.api.model import TemplateLM
     except ImportError:
-        raise UserError("lm-evaluation-harness is not installed: pip install megaformer[eval]"
-                        ) from None
+        raise UserError(
+            "lm-evaluation-harness is not installed: pip install megaformer[eval]"
+        ) from None
     return TemplateLM
 
 
-def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any = None,
-            lockstep: bool = False) -> Any:
+def make_lm(
+    runner: Any,
+    tokenizer: Any,
+    *,
+    batch_size: int = 8,
+    dp_group: Any = None,
+    lockstep: bool = False,
+) -> Any:
     """An ``lm_eval.api.model.LM`` over ``runner`` (:mod:`megaformer.evaluation.forward`) and the
     run's ``tokenizer``; ``dp_group``: the data-parallel group the requests are split over (None:
     this process does all of them)."""
@@ -79,30 +86,35 @@ def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any =
         def tokenizer_name(self) -> str:
             return str(getattr(self.tok, "name", "megaformer"))
 
-        def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None,
-                       **kwargs: Any) -> list[int]:
+        def tok_encode(
+            self, string: str, add_special_tokens: Optional[bool] = None, **kwargs: Any
+        ) -> list[int]:
             return list(self.tok.encode(string))
 
         def tok_decode(self, tokens: list[int], **kwargs: Any) -> str:
             return self.tok.decode(tokens)
 
         # ------------------------------------------------------------------ requests
-        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False,
-                                  **kwargs: Any) -> list[tuple[float, bool]]:
+        def _loglikelihood_tokens(
+            self, requests: list, disable_tqdm: bool = False, **kwargs: Any
+        ) -> list[tuple[float, bool]]:
             """(sum of log p, all greedy) of each ((context, continuation), context tokens,
             continuation tokens); an empty continuation is (0.0, True)."""
             items = []
             for _, context, continuation in requests:
-                whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+                whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
                 n = len(continuation)
                 if n > self.max_length:
-                    raise UserError(f"a continuation of {n} tokens cannot be scored by a model of "
-                                    f"max_seq_len {self.max_length}")
+                    raise UserError(
+                        f"a continuation of {n} tokens cannot be scored by a model of "
+                        f"max_seq_len {self.max_length}"
+                    )
                 items.append((whole[:-1], whole[1:], n))
-            order = sorted((i for i in range(len(items)) if items[i][2] > 0),
-                           key=lambda i: -len(items[i][0]))
-            mine = order[self.dp_rank::self.dp]
-            batches = [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+            order = sorted(
+                (i for i in range(len(items)) if items[i][2] > 0), key=lambda i: -len(items[i][0])
+            )
+            mine = order[self.dp_rank :: self.dp]
+            batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
             out: dict[int, tuple[float, bool]] = {}
             for batch, real in self._padded(batches, filler=order[:1]):
                 T = max(len(items[i][0]) for i in batch)
@@ -110,25 +122,30 @@ def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any =
                 tgt = torch.zeros(len(batch), T, dtype=torch.long)
                 for row, i in enumerate(batch):
                     inp, target, _ = items[i]
-                    ids[row, :len(inp)] = torch.tensor(inp)
-                    tgt[row, :len(target)] = torch.tensor(target)
+                    ids[row, : len(inp)] = torch.tensor(inp)
+                    tgt[row, : len(target)] = torch.tensor(target)
                 logp, greedy = self.runner.scores(ids, tgt)
                 for row, i in enumerate(batch if real else []):
                     length, n = len(items[i][0]), items[i][2]
-                    lp = logp[row, length - n:length].double().sum().item()
-                    out[i] = (lp, bool(greedy[row, length - n:length].all()))
+                    lp = logp[row, length - n : length].double().sum().item()
+                    out[i] = (lp, bool(greedy[row, length - n : length].all()))
             done = self._gather(out)
             return [done.get(i, (0.0, True)) for i in range(len(items))]
 
-        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False
-                                  ) -> list[float]:
+        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
             from lm_eval import utils
 
             windows, owner = [], []
             for k, (string,) in enumerate(req.args for req in requests):
-                for ctx, cont in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                        token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                        max_seq_len=self.max_length, context_len=1)):
+                for ctx, cont in map(
+                    utils.make_disjoint_window,
+                    utils.get_rolling_token_windows(
+                        token_list=self.tok_encode(string),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    ),
+                ):
                     windows.append(((None,), ctx, cont))
                     owner.append(k)
             totals = [0.0] * len(requests)
@@ -139,10 +156,13 @@ def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any =
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
             args = [req.args for req in requests]
             order = sorted(range(len(args)), key=lambda i: -len(args[i][0]))
-            mine = order[self.dp_rank::self.dp]
+            mine = order[self.dp_rank :: self.dp]
             # in lockstep every request runs the same number of steps: the most any asks for
-            steps = (max(int((a[1] or {}).get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)) for a in args)
-                     if self.lockstep and args else None)
+            steps = (
+                max(int((a[1] or {}).get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)) for a in args)
+                if self.lockstep and args
+                else None
+            )
             out: dict[int, str] = {}
             for (i,), real in self._padded([[i] for i in mine], filler=order[:1]):
                 text = self._generate_one(*args[i], steps=steps)
@@ -150,8 +170,7 @@ def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any =
                     out[i] = text
             return [r for _, r in sorted(self._gather(out).items())]
 
-        def _generate_one(self, context: str, gen_kwargs: dict, steps: Optional[int] = None
-                          ) -> str:
+        def _generate_one(self, context: str, gen_kwargs: dict, steps: Optional[int] = None) -> str:
             """Greedy continuation of ``context`` cut at the first stop string (``steps``: run
             exactly that many tokens, for lockstep)."""
             kw = dict(gen_kwargs or {})
@@ -164,11 +183,13 @@ def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any =
             sampling = kw.get("do_sample") or float(kw.get("temperature", 0.0) or 0.0) > 0
             if sampling and not self.warned:
                 self.warned = True
-                log.warning("generate_until: sampling options %s ignored; megaformer eval decodes "
-                            "greedily", {k: kw[k] for k in ("do_sample", "temperature") if k in kw})
+                log.warning(
+                    "generate_until: sampling options %s ignored; megaformer eval decodes greedily",
+                    {k: kw[k] for k in ("do_sample", "temperature") if k in kw},
+                )
             ctx = self.tok_encode(context) or [self.eot_token_id]
             room = self.max_length - max_new
-            ctx = ctx[-room:] if room > 0 else ctx[-self.max_length:]
+            ctx = ctx[-room:] if room > 0 else ctx[-self.max_length :]
             eod = self.eot_token_id
 
             def stop(new: list[int]) -> bool:
@@ -181,7 +202,7 @@ def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any =
 
             new = self.runner.greedy(ctx, steps or max_new, stop=stop)[:max_new]
             if eod in new:
-                new = new[:new.index(eod)]
+                new = new[: new.index(eod)]
             text = self.tok_decode(new)
             for s in until:
                 if s:
@@ -189,8 +210,9 @@ def make_lm(runner: Any, tokenizer: Any, *, batch_size: int = 8, dp_group: Any =
             return text
 
         # ------------------------------------------------------------------ data parallelism
-        def _padded(self, batches: list[list[int]], filler: list[int]
-                    ) -> list[tuple[list[int], bool]]:
+        def _padded(
+            self, batches: list[list[int]], filler: list[int]
+        ) -> list[tuple[list[int], bool]]:
             """(batch, is it real) for ``batches`` and, when the data-parallel ranks must run in
             lockstep, ``filler`` batches (run, results dropped) up to the largest count over the
             ranks."""

@@ -28,8 +28,9 @@ def _import_lm_eval() -> Any:
         import lm_eval.evaluator
         import lm_eval.tasks
     except ImportError:
-        raise UserError("lm-evaluation-harness is not installed: pip install megaformer[eval]"
-                        ) from None
+        raise UserError(
+            "lm-evaluation-harness is not installed: pip install megaformer[eval]"
+        ) from None
     return lm_eval
 
 
@@ -50,14 +51,23 @@ def network_notice(tasks: list[str]) -> None:
     Hugging Face hub when they are not cached (``datasets`` honours ``HF_HUB_OFFLINE`` /
     ``HF_DATASETS_OFFLINE``: then only the local cache is read)."""
     log = logging.getLogger("megaformer")
-    offline = [v for v in OFFLINE_ENV if os.environ.get(v, "").strip().lower() in ("1", "true",
-                                                                                   "yes", "on")]
+    offline = [
+        v
+        for v in OFFLINE_ENV
+        if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+    ]
     if offline:
-        log.info("tasks %s: offline (%s): datasets are read from the local cache only",
-                 ", ".join(tasks), offline[0])
+        log.info(
+            "tasks %s: offline (%s): datasets are read from the local cache only",
+            ", ".join(tasks),
+            offline[0],
+        )
     else:
-        log.warning("tasks %s: datasets not in the local cache are downloaded from the Hugging "
-                    "Face hub (network); HF_HUB_OFFLINE=1 keeps it offline", ", ".join(tasks))
+        log.warning(
+            "tasks %s: datasets not in the local cache are downloaded from the Hugging "
+            "Face hub (network); HF_HUB_OFFLINE=1 keeps it offline",
+            ", ".join(tasks),
+        )
 
 
 def task_manager(tasks: list[str], include_path: Optional[str | Path] = None) -> Any:
@@ -72,7 +82,9 @@ def task_manager(tasks: list[str], include_path: Optional[str | Path] = None) ->
             raise UserError(f"--include-path {include_path}: no such folder")
         logging.getLogger("megaformer").warning(
             "task folder %s is code: lm-eval runs the Python files its YAMLs name (!function); "
-            "use only folders you trust", folder)
+            "use only folders you trust",
+            folder,
+        )
         local = TaskManager(include_path=str(folder), include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
             return local
@@ -82,14 +94,17 @@ def task_manager(tasks: list[str], include_path: Optional[str | Path] = None) ->
     if unknown:
         hints = [m for t in unknown for m in difflib.get_close_matches(t, tm.all_tasks, 3, 0.75)]
         where = "lm-eval's registry" + (f" or {include_path}" if include_path else "")
-        raise UserError(f"unknown task(s) {', '.join(unknown)}: not in {where}"
-                        + (f" (did you mean {', '.join(hints)}?)" if hints else "")
-                        + "; add a folder of task YAMLs with --include-path")
+        raise UserError(
+            f"unknown task(s) {', '.join(unknown)}: not in {where}"
+            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            + "; add a folder of task YAMLs with --include-path"
+        )
     return tm
 
 
-def run_tasks(lm: Any, tasks: list[str], manager: Any, limit: Optional[int] = None,
-              bootstrap_iters: int = 0) -> dict:
+def run_tasks(
+    lm: Any, tasks: list[str], manager: Any, limit: Optional[int] = None, bootstrap_iters: int = 0
+) -> dict:
     """lm-eval's results dict (``results``, ``versions``, ``n-shot``, ``configs``, ...) of
     ``tasks`` on ``lm``; the same on every rank that calls it."""
     lm_eval = _import_lm_eval()
@@ -99,12 +114,14 @@ def run_tasks(lm: Any, tasks: list[str], manager: Any, limit: Optional[int] = No
         raise
     except Exception as e:  # a task's dataset that cannot be read: the user's data or network
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise UserError(f"tasks {', '.join(tasks)}: could not be loaded ({type(e).__name__}: "
-                        f"{first})") from None
+        raise UserError(
+            f"tasks {', '.join(tasks)}: could not be loaded ({type(e).__name__}: {first})"
+        ) from None
     for task in _leaf_tasks(loaded):
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
-    results = lm_eval.evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit,
-                                         bootstrap_iters=bootstrap_iters, log_samples=False)
+    results = lm_eval.evaluator.evaluate(
+        lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False
+    )
     if results is None:  # lm-eval returns results on its rank 0; every rank is its rank 0 here
         raise RuntimeError("lm-eval returned no results")
     return results
@@ -143,8 +160,15 @@ def format_table(results: dict) -> str:
                 continue
             stderr = metrics.get(f"{metric}_stderr,{filt}")
             name = metric if filt == "none" else f"{metric} ({filt})"
-            rows.append((task, name, _number(value),
-                         _number(stderr) if isinstance(stderr, (int, float)) else "", str(n)))
+            rows.append(
+                (
+                    task,
+                    name,
+                    _number(value),
+                    _number(stderr) if isinstance(stderr, (int, float)) else "",
+                    str(n),
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -184,6 +208,5 @@ def write_results(path: Path, payload: dict) -> Path:
 
     make_dir(path.parent, error=UserError)
     refuse_link(path, UserError)
-    write_atomic(path, json.dumps(_jsonable(payload), indent=2) + "\n", fsync=True,
-                 error=UserError)
+    write_atomic(path, json.dumps(_jsonable(payload), indent=2) + "\n", fsync=True, error=UserError)
     return path

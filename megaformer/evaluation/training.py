@@ -43,21 +43,29 @@ class TaskEvaluator:
         return cls(cfg) if cfg.eval.tasks else None
 
     def due(self, step: int, stopping: bool) -> bool:
-        return not stopping and bool((self.interval and step % self.interval == 0)
-                                     or (self.at_end and step == self.last))
+        return not stopping and bool(
+            (self.interval and step % self.interval == 0) or (self.at_end and step == self.last)
+        )
 
     @torch.no_grad()
-    def run(self, engine: Any, plain: Any, topo: Any, tokenizer: Any, device: torch.device
-            ) -> tuple[dict[str, float], str]:
+    def run(
+        self, engine: Any, plain: Any, topo: Any, tokenizer: Any, device: torch.device
+    ) -> tuple[dict[str, float], str]:
         """({'eval/TASK/METRIC': value}, the table) on every rank (collective)."""
         module = engine.module
         if topo.pp > 1:
             runner: Any = PipelineRunner(module, plain, topo, device, self.seq_multiple)
         else:
-            runner = PlainRunner(module, forward=engine, seq_multiple=self.seq_multiple,
-                                 device=device)
-        lm = make_lm(runner, tokenizer, batch_size=self.batch_size, dp_group=topo.groups.dp,
-                     lockstep=self.lockstep)
+            runner = PlainRunner(
+                module, forward=engine, seq_multiple=self.seq_multiple, device=device
+            )
+        lm = make_lm(
+            runner,
+            tokenizer,
+            batch_size=self.batch_size,
+            dp_group=topo.groups.dp,
+            lockstep=self.lockstep,
+        )
         states = _rng_states()
         was_training = module.training
         module.eval()
@@ -72,8 +80,11 @@ class TaskEvaluator:
 def _rng_states() -> dict:
     import numpy as np
 
-    out = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "numpy": np.random.get_state()}
+    out = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out

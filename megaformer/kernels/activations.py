@@ -37,7 +37,9 @@ def swiglu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def bias_gelu_reference(h: torch.Tensor, b: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+def bias_gelu_reference(
+    h: torch.Tensor, b: torch.Tensor | None, approximate: str = "none"
+) -> torch.Tensor:
     """GELU(h + b) in torch."""
     return F.gelu(h + b if b is not None else h, approximate=approximate)
 
@@ -59,8 +61,9 @@ def _build_kernels() -> dict:
         tl.store(y_ptr + row * sy + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def swiglu_bwd(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, N, sg, su, sdy, sdg, sdu,
-                   BLOCK: tl.constexpr):
+    def swiglu_bwd(
+        g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, N, sg, su, sdy, sdg, sdu, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
@@ -74,8 +77,9 @@ def _build_kernels() -> dict:
         tl.store(du_ptr + row * sdu + cols, du.to(du_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def gelu_fwd(h_ptr, b_ptr, y_ptr, N, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
-                 BLOCK: tl.constexpr):
+    def gelu_fwd(
+        h_ptr, b_ptr, y_ptr, N, HAS_BIAS: tl.constexpr, TANH: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
@@ -90,8 +94,16 @@ def _build_kernels() -> dict:
         tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def gelu_bwd(h_ptr, b_ptr, dy_ptr, dh_ptr, N, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
-                 BLOCK: tl.constexpr):
+    def gelu_bwd(
+        h_ptr,
+        b_ptr,
+        dy_ptr,
+        dh_ptr,
+        N,
+        HAS_BIAS: tl.constexpr,
+        TANH: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
@@ -102,13 +114,21 @@ def _build_kernels() -> dict:
         if TANH:
             z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
             t = 2.0 * tl.sigmoid(2.0 * z) - 1.0
-            d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+            d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (
+                1.0 + 0.134145 * x * x
+            )
         else:
-            d = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+            d = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(
+                -0.5 * x * x
+            )
         tl.store(dh_ptr + row * N + cols, (dy * d).to(dh_ptr.dtype.element_ty), mask=m)
 
-    return {"swiglu_fwd": swiglu_fwd, "swiglu_bwd": swiglu_bwd, "gelu_fwd": gelu_fwd,
-            "gelu_bwd": gelu_bwd}
+    return {
+        "swiglu_fwd": swiglu_fwd,
+        "swiglu_bwd": swiglu_bwd,
+        "gelu_fwd": gelu_fwd,
+        "gelu_bwd": gelu_bwd,
+    }
 
 
 _KERNELS: dict = {}
@@ -140,8 +160,9 @@ class SwiGLUFunction(torch.autograd.Function):
         g2, u2 = _rows(g), _rows(u)
         M, N = g2.shape
         y = torch.empty((M, N), dtype=g.dtype, device=g.device)
-        _kernels()["swiglu_fwd"][_grid(M, N)](g2, u2, y, N, g2.stride(0), u2.stride(0), N,
-                                              BLOCK=_BLOCK)
+        _kernels()["swiglu_fwd"][_grid(M, N)](
+            g2, u2, y, N, g2.stride(0), u2.stride(0), N, BLOCK=_BLOCK
+        )
         ctx.save_for_backward(g2, u2)
         ctx.shape = g.shape
         return y.view(g.shape)
@@ -152,8 +173,9 @@ class SwiGLUFunction(torch.autograd.Function):
         M, N = g2.shape
         dy2 = _rows(dy)
         dg, du = torch.empty((M, N), dtype=g2.dtype, device=g2.device), torch.empty_like(g2)
-        _kernels()["swiglu_bwd"][_grid(M, N)](g2, u2, dy2, dg, du, N, g2.stride(0), u2.stride(0),
-                                              dy2.stride(0), N, N, BLOCK=_BLOCK)
+        _kernels()["swiglu_bwd"][_grid(M, N)](
+            g2, u2, dy2, dg, du, N, g2.stride(0), u2.stride(0), dy2.stride(0), N, N, BLOCK=_BLOCK
+        )
         return dg.view(ctx.shape), du.view(ctx.shape)
 
 
@@ -167,8 +189,9 @@ class PackedSwiGLUTriton(torch.autograd.Function):
         M, F2 = y2.shape
         N = F2 // 2
         h = torch.empty((M, N), dtype=y.dtype, device=y.device)
-        _kernels()["swiglu_fwd"][_grid(M, N)](y2, y2[:, N:], h, N, y2.stride(0), y2.stride(0), N,
-                                              BLOCK=_BLOCK)
+        _kernels()["swiglu_fwd"][_grid(M, N)](
+            y2, y2[:, N:], h, N, y2.stride(0), y2.stride(0), N, BLOCK=_BLOCK
+        )
         ctx.save_for_backward(y2)
         ctx.shape = y.shape
         return h.view(*y.shape[:-1], N)
@@ -180,8 +203,20 @@ class PackedSwiGLUTriton(torch.autograd.Function):
         N = F2 // 2
         dh2 = _rows(dh)
         dy = torch.empty((M, F2), dtype=y2.dtype, device=y2.device)
-        _kernels()["swiglu_bwd"][_grid(M, N)](y2, y2[:, N:], dh2, dy, dy[:, N:], N, y2.stride(0),
-                                              y2.stride(0), dh2.stride(0), F2, F2, BLOCK=_BLOCK)
+        _kernels()["swiglu_bwd"][_grid(M, N)](
+            y2,
+            y2[:, N:],
+            dh2,
+            dy,
+            dy[:, N:],
+            N,
+            y2.stride(0),
+            y2.stride(0),
+            dh2.stride(0),
+            F2,
+            F2,
+            BLOCK=_BLOCK,
+        )
         return dy.view(ctx.shape)
 
 
@@ -195,8 +230,9 @@ class BiasGELUFunction(torch.autograd.Function):
         M, N = h2.shape
         y = torch.empty_like(h2)
         bias = b.contiguous() if b is not None else h2  # unused pointer when there is no bias
-        _kernels()["gelu_fwd"][_grid(M, N)](h2, bias, y, N, HAS_BIAS=b is not None, TANH=tanh,
-                                            BLOCK=_BLOCK)
+        _kernels()["gelu_fwd"][_grid(M, N)](
+            h2, bias, y, N, HAS_BIAS=b is not None, TANH=tanh, BLOCK=_BLOCK
+        )
         ctx.save_for_backward(h2, b)
         ctx.tanh, ctx.shape = tanh, h.shape
         return y.view(h.shape)
@@ -208,8 +244,9 @@ class BiasGELUFunction(torch.autograd.Function):
         dy2 = dy.reshape(M, N).contiguous()
         dh = torch.empty_like(h2)
         bias = b if b is not None else h2
-        _kernels()["gelu_bwd"][_grid(M, N)](h2, bias, dy2, dh, N, HAS_BIAS=b is not None,
-                                            TANH=ctx.tanh, BLOCK=_BLOCK)
+        _kernels()["gelu_bwd"][_grid(M, N)](
+            h2, bias, dy2, dh, N, HAS_BIAS=b is not None, TANH=ctx.tanh, BLOCK=_BLOCK
+        )
         db = None
         if b is not None and ctx.needs_input_grad[1]:
             db = dh.float().sum(dim=0).to(b.dtype)
@@ -242,8 +279,9 @@ def bias_gelu(h: torch.Tensor, b: torch.Tensor | None, approximate: str = "none"
     return bias_gelu_reference(h, b, approximate)
 
 
-def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                approximate: str = "none") -> torch.Tensor:
+def linear_gelu(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, approximate: str = "none"
+) -> torch.Tensor:
     """GELU(x W^T + b): the GEMM without its bias and then the fused bias-GELU kernel where it
     runs, else GELU of the GEMM with its bias (one pass fewer than adding the bias apart)."""
     if b is not None and choose_for("bias_gelu", x).impl == "triton":

@@ -46,24 +46,31 @@ from megaformer.kernels import capabilities, native
 from megaformer.kernels.dropout import dropout
 from megaformer.kernels.selection import choose, choose_for
 
+
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"attention expects 4-d tensors [B, H, T, D]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"attention expects 4-d tensors [B, H, T, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     B, H, T, D = q.shape
     Bk, Hkv, S, Dk = k.shape
     if k.shape != v.shape or Bk != B or Dk != D:
-        raise ValueError(f"attention shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+        raise ValueError(
+            f"attention shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if H % Hkv != 0:
         raise ValueError(f"attention: query heads {H} not a multiple of key/value heads {Hkv}")
     if T > S:
-        raise ValueError(f"attention: {T} queries but only {S} keys (queries must be the last T positions)")
+        raise ValueError(
+            f"attention: {T} queries but only {S} keys (queries must be the last T positions)"
+        )
     return H // Hkv, S - T
 
 
-def causal_mask(T: int, S: int, device: torch.device | str | None = None,
-                window: Optional[int] = None) -> torch.Tensor:
+def causal_mask(
+    T: int, S: int, device: torch.device | str | None = None, window: Optional[int] = None
+) -> torch.Tensor:
     """Boolean [T, S] mask, True where query i may attend key j: j <= i + (S - T) (bottom-right
     aligned), and with a sliding ``window`` W also j > i + (S - T) - W."""
     mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
@@ -83,8 +90,13 @@ def share_kv_heads(t: torch.Tensor, query_heads: int) -> torch.Tensor:
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
-def attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Optional[float] = None,
-                     window: Optional[int] = None) -> torch.Tensor:
+def attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """The attention logits Q K^T * scale + M in fp32, [B, H, T, S]; masked entries are -inf."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -123,7 +135,9 @@ class DocumentMask:
     window: Optional[int] = None  # the sliding window the dense form includes
 
     @classmethod
-    def build(cls, doc_ids: torch.Tensor, impl: str, window: Optional[int] = None) -> "DocumentMask":
+    def build(
+        cls, doc_ids: torch.Tensor, impl: str, window: Optional[int] = None
+    ) -> "DocumentMask":
         """Precompute the form ``impl`` ("flash", "sdpa", "reference") reads."""
         mask = cls(doc_ids, window=window)
         if impl == "flash":
@@ -143,13 +157,28 @@ class DocumentMask:
         return self.cu_seqlens, int(self.longest)
 
 
-def document_mask(input_ids: torch.Tensor, eod_id: int, *, backend: str, head_dim: int,
-                  dtype: torch.dtype, window: Optional[int] = None) -> DocumentMask:
+def document_mask(
+    input_ids: torch.Tensor,
+    eod_id: int,
+    *,
+    backend: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    window: Optional[int] = None,
+) -> DocumentMask:
     """The :class:`DocumentMask` of a batch of token ids for attention on tensors of ``dtype``
     (with a sliding ``window``: the dense form includes it)."""
     window = windowed(window, input_ids.shape[-1])
-    impl = choose("attention", input_ids.device, dtype, backend=backend, head_dim=head_dim,
-                  dropout=False, doc_mask=True, window=window is not None).impl
+    impl = choose(
+        "attention",
+        input_ids.device,
+        dtype,
+        backend=backend,
+        head_dim=head_dim,
+        dropout=False,
+        doc_mask=True,
+        window=window is not None,
+    ).impl
     return DocumentMask.build(document_ids(input_ids, eod_id), impl, window)
 
 
@@ -162,8 +191,9 @@ def _as_mask(doc_ids: DocIds, impl: str, window: Optional[int]) -> Optional[Docu
     return DocumentMask.build(doc_ids, impl, window)
 
 
-def _mask_for(q, k, causal: bool, doc: Optional[DocumentMask],
-              window: Optional[int] = None) -> Optional[torch.Tensor]:
+def _mask_for(
+    q, k, causal: bool, doc: Optional[DocumentMask], window: Optional[int] = None
+) -> Optional[torch.Tensor]:
     """The explicit boolean mask (broadcastable to [B, H, T, S]) or None for 'no mask / is_causal'."""
     if doc is not None:
         return doc.dense_mask()
@@ -175,8 +205,16 @@ def _mask_for(q, k, causal: bool, doc: Optional[DocumentMask],
     return None
 
 
-def _reference(q, k, v, causal: bool, dropout_p: float, scale: float,
-               doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+def _reference(
+    q,
+    k,
+    v,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+    doc: Optional[DocumentMask] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """softmax(Q K^T * scale + M) V written out, in fp32 (M: causal, or causal within documents;
     banded with a sliding window)."""
     vf = share_kv_heads(v.float(), q.shape[1])
@@ -190,8 +228,12 @@ def _reference(q, k, v, causal: bool, dropout_p: float, scale: float,
     return (probs @ vf).to(q.dtype)
 
 
-_SDPA_NAMES = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
-               "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+_SDPA_NAMES = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
 
 
 def sdpa_priority() -> Optional[list]:
@@ -205,8 +247,10 @@ def sdpa_priority() -> Optional[list]:
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in _SDPA_NAMES]
     if unknown:
-        raise ConfigError(f"MEGAFORMER_SDPA_BACKENDS={text!r}: unknown backend {unknown[0]!r} "
-                          f"(choose from {', '.join(_SDPA_NAMES)})")
+        raise ConfigError(
+            f"MEGAFORMER_SDPA_BACKENDS={text!r}: unknown backend {unknown[0]!r} "
+            f"(choose from {', '.join(_SDPA_NAMES)})"
+        )
     return [getattr(SDPBackend, _SDPA_NAMES[n]) for n in names]
 
 
@@ -232,8 +276,14 @@ class NativeFlashAttention(torch.autograd.Function):
     [B, T, H, D] in memory, so the output projection reads it without a transpose copy."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,  # type: ignore[override]
-                scale: float) -> torch.Tensor:
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,  # type: ignore[override]
+        scale: float,
+    ) -> torch.Tensor:
         o, lse = native.flash_forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
@@ -246,8 +296,9 @@ class NativeFlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _cpu_dropout_attention(q, k, v, causal: bool, dropout_p: float, scale: float,
-                           mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _cpu_dropout_attention(
+    q, k, v, causal: bool, dropout_p: float, scale: float, mask: Optional[torch.Tensor]
+) -> torch.Tensor:
     """softmax((Q scale) K^T + M) with dropout, times V, on CPU: what torch's SDPA runs there when
     dropout_p > 0 (its math path), with megaformer's int16 dropout (one-byte mask instead of
     the float Bernoulli draw; :mod:`megaformer.kernels.dropout`), or where the native CPU kernels load
@@ -264,8 +315,16 @@ def _cpu_dropout_attention(q, k, v, causal: bool, dropout_p: float, scale: float
     return torch.matmul(probs, v)
 
 
-def _sdpa(q, k, v, causal: bool, dropout_p: float, scale: float,
-          doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+def _sdpa(
+    q,
+    k,
+    v,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+    doc: Optional[DocumentMask] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """torch SDPA; its is_causal is top-left aligned, so T < S gets an explicit bottom-right mask
     (as does a sliding window: a banded one).
     On CPU with dropout: :func:`_cpu_dropout_attention` (the same math, a faster dropout)."""
@@ -286,8 +345,9 @@ def _sdpa(q, k, v, causal: bool, dropout_p: float, scale: float,
 
         context = sdpa_kernel(priority, set_priority=True)
     with context:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, **extra)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+        )
 
 
 def _sdpa_has_gqa() -> bool:
@@ -313,41 +373,81 @@ def cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
-def _flash(q, k, v, causal: bool, dropout_p: float, scale: float,
-           doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+def _flash(
+    q,
+    k,
+    v,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+    doc: Optional[DocumentMask] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """FlashAttention works in [B, T, H, D]; GQA and bottom-right causal alignment are native, a
     sliding window W is ``window_size=(W - 1, 0)``.
     With a document mask, the varlen kernel runs over the documents of all rows as one ragged batch."""
     impl = capabilities.resolved_flash()  # a plain read: no import or signature in a graph
     windows = impl.func_window if doc is None else impl.varlen_window
-    if ((dropout_p > 0 and not impl.dropout) or (doc is not None and impl.varlen is None)
-            or (window is not None and not windows)):
+    if (
+        (dropout_p > 0 and not impl.dropout)
+        or (doc is not None and impl.varlen is None)
+        or (window is not None and not windows)
+    ):
         return _sdpa(q, k, v, causal, dropout_p, scale, doc, window)
     drop = {"dropout_p": dropout_p} if impl.dropout else {}
     if window is not None:
         drop["window_size"] = (window - 1, 0)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if doc is None:
-        return _first(impl.func(qt, kt, vt, softmax_scale=scale, causal=causal, **drop)).transpose(1, 2)
+        return _first(impl.func(qt, kt, vt, softmax_scale=scale, causal=causal, **drop)).transpose(
+            1, 2
+        )
     B, T = doc.doc_ids.shape
     cu, longest = doc.varlen()
     flat = [t.reshape(B * T, *t.shape[2:]) for t in (qt, kt, vt)]
-    out = _first(impl.varlen(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                             max_seqlen_k=longest, softmax_scale=scale, causal=True, **drop))
+    out = _first(
+        impl.varlen(
+            *flat,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            softmax_scale=scale,
+            causal=True,
+            **drop,
+        )
+    )
     return out.reshape(B, T, *out.shape[1:]).transpose(1, 2)
 
 
-def _native(q, k, v, causal: bool, dropout_p: float, scale: float,
-            doc: Optional[DocumentMask] = None, window: Optional[int] = None) -> torch.Tensor:
+def _native(
+    q,
+    k,
+    v,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+    doc: Optional[DocumentMask] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     return NativeFlashAttention.apply(q, k, v, causal, scale)  # chosen only without a window
 
 
 _IMPLS = {"reference": _reference, "sdpa": _sdpa, "flash": _flash, "native": _native}
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              dropout_p: float = 0.0, backend: str = "auto", scale: Optional[float] = None,
-              doc_ids: DocIds = None, window: Optional[int] = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    scale: Optional[float] = None,
+    doc_ids: DocIds = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """softmax(Q K^T * scale + M) V for q [B, H, T, D], k, v [B, Hkv, S, D] -> [B, H, T, D].
 
     ``dropout_p`` is applied as given (pass 0 in eval mode). ``scale`` defaults to 1/sqrt(D).
@@ -359,13 +459,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if doc_ids is not None:
         ids = doc_ids.doc_ids if isinstance(doc_ids, DocumentMask) else doc_ids
         if not causal or q.shape[2] != k.shape[2] or tuple(ids.shape) != (q.shape[0], q.shape[2]):
-            raise ValueError(f"attention: doc_ids {tuple(ids.shape)} need causal self-attention "
-                             f"with T == S and shape [B, T] = {(q.shape[0], q.shape[2])}")
+            raise ValueError(
+                f"attention: doc_ids {tuple(ids.shape)} need causal self-attention "
+                f"with T == S and shape [B, T] = {(q.shape[0], q.shape[2])}"
+            )
     if window is not None and (not causal or window < 1):
-        raise ValueError(f"attention: a sliding window ({window}) needs causal attention and >= 1 key")
+        raise ValueError(
+            f"attention: a sliding window ({window}) needs causal attention and >= 1 key"
+        )
     window = windowed(window, k.shape[2]) if causal else None
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    impl = choose_for("attention", q, backend=backend, head_dim=q.shape[-1], dropout=dropout_p > 0,
-                      doc_mask=doc_ids is not None, window=window is not None).impl
+    impl = choose_for(
+        "attention",
+        q,
+        backend=backend,
+        head_dim=q.shape[-1],
+        dropout=dropout_p > 0,
+        doc_mask=doc_ids is not None,
+        window=window is not None,
+    ).impl
     return _IMPLS[impl](q, k, v, causal, dropout_p, scale, _as_mask(doc_ids, impl, window), window)

@@ -39,6 +39,7 @@ def _try_import(module: str) -> tuple[Optional[object], str]:
 
 # ----------------------------------------------------------------------------- oneDNN
 
+
 @functools.lru_cache(maxsize=None)
 def onednn_available() -> bool:
     """torch was built with oneDNN and its dense linear op gives the right answer (run once)."""
@@ -53,6 +54,7 @@ def onednn_available() -> bool:
 
 
 # ----------------------------------------------------------------------------- Triton
+
 
 @functools.lru_cache(maxsize=None)
 def triton_status() -> tuple[bool, str]:
@@ -70,6 +72,7 @@ def interpreting() -> bool:
 
 # ----------------------------------------------------------------------------- apex
 
+
 @functools.lru_cache(maxsize=None)
 def apex_status() -> tuple[Optional[object], str]:
     """(apex.normalization.fused_layer_norm or None, why). A Python-only apex build (or the
@@ -86,10 +89,12 @@ def apex_status() -> tuple[Optional[object], str]:
 
 # ----------------------------------------------------------------------------- FlashAttention
 
+
 @dataclasses.dataclass(frozen=True)
 class FlashImpl:
     """One FlashAttention package: its dense and varlen entry points (layout [B, T, H, D]), and
     what they take (read once here, never inside a compiled region)."""
+
     name: str
     func: Callable
     varlen: Optional[Callable]
@@ -98,9 +103,17 @@ class FlashImpl:
     varlen_window: bool = False
 
     @classmethod
-    def of(cls, name: str, func: Callable, varlen: Optional[Callable], dropout: bool) -> "FlashImpl":
-        return cls(name, func, varlen, dropout, _takes_window(func),
-                   varlen is not None and _takes_window(varlen))
+    def of(
+        cls, name: str, func: Callable, varlen: Optional[Callable], dropout: bool
+    ) -> "FlashImpl":
+        return cls(
+            name,
+            func,
+            varlen,
+            dropout,
+            _takes_window(func),
+            varlen is not None and _takes_window(varlen),
+        )
 
 
 def _takes_window(func: Callable) -> bool:
@@ -156,23 +169,36 @@ def _flash_status() -> tuple[Optional[FlashImpl], str]:
     if hopper():
         fa3, why = _try_import("flash_attn_interface")
         if fa3 is not None and hasattr(fa3, "flash_attn_func"):
-            return FlashImpl.of("FA3 flash_attn_interface", fa3.flash_attn_func,
-                                getattr(fa3, "flash_attn_varlen_func", None), False), "FA3 on Hopper"
+            return FlashImpl.of(
+                "FA3 flash_attn_interface",
+                fa3.flash_attn_func,
+                getattr(fa3, "flash_attn_varlen_func", None),
+                False,
+            ), "FA3 on Hopper"
         reasons.append(why or "flash_attn_interface has no flash_attn_func")
     fa2, why = _try_import("flash_attn")
     if fa2 is not None and hasattr(fa2, "flash_attn_func"):
         version = _version_tuple(getattr(fa2, "__version__", "0"))
         if version >= FA2_MIN_VERSION:
-            return FlashImpl.of("FA2 flash_attn", fa2.flash_attn_func,
-                                getattr(fa2, "flash_attn_varlen_func", None), True), \
-                f"flash-attn {fa2.__version__}"
-        reasons.append(f"flash-attn {getattr(fa2, '__version__', '?')} is older than 2.1 (causal "
-                       "masks aligned top-left)")
+            return FlashImpl.of(
+                "FA2 flash_attn",
+                fa2.flash_attn_func,
+                getattr(fa2, "flash_attn_varlen_func", None),
+                True,
+            ), f"flash-attn {fa2.__version__}"
+        reasons.append(
+            f"flash-attn {getattr(fa2, '__version__', '?')} is older than 2.1 (causal "
+            "masks aligned top-left)"
+        )
     else:
         reasons.append(why or "flash_attn has no flash_attn_func")
     fa4, why = _try_import("flash_attn.cute")
     if fa4 is not None and hasattr(fa4, "flash_attn_func"):
-        return FlashImpl.of("flash-attn-4 CuTe", fa4.flash_attn_func,
-                            getattr(fa4, "flash_attn_varlen_func", None), False), "flash-attn-4 available"
+        return FlashImpl.of(
+            "flash-attn-4 CuTe",
+            fa4.flash_attn_func,
+            getattr(fa4, "flash_attn_varlen_func", None),
+            False,
+        ), "flash-attn-4 available"
     reasons.append(why or "flash_attn.cute has no flash_attn_func")
     return None, "; ".join(r for r in reasons if r)

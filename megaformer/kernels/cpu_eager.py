@@ -47,8 +47,13 @@ class RMSNormFunction(torch.autograd.Function):
     """y = x r w (see the module docstring); saves x, r, w."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float,  # type: ignore[override]
-                use_native: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        eps: float,  # type: ignore[override]
+        use_native: bool,
+    ) -> torch.Tensor:
         n = x.shape[-1]
         x2 = x.reshape(-1, n)
         ctx.native = use_native
@@ -72,14 +77,18 @@ class RMSNormFunction(torch.autograd.Function):
         g = dy2 * w
         coef = torch.linalg.vecdot(g, x2).mul_(r.pow(3)).div_(-n)
         dx = g.mul_(r.unsqueeze(1)).addcmul_(x2, coef.unsqueeze(1))
-        dw = torch.linalg.vecdot(dy2, x2 * r.unsqueeze(1), dim=0) if ctx.needs_input_grad[1] else None
+        dw = (
+            torch.linalg.vecdot(dy2, x2 * r.unsqueeze(1), dim=0)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         return dx.view(dy.shape), dw, None, None
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """[x1 c - x2 s, x2 c + x1 s] on the last dimension of x [B, H, T, D], into one new buffer."""
     heads, half = x.shape[1], x.shape[-1] // 2
-    cos, sin = torch.cat((c, c), -1), torch.cat((-s, s), -1)             # [T, D]
+    cos, sin = torch.cat((c, c), -1), torch.cat((-s, s), -1)  # [T, D]
     heads_adjacent = x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and heads > 1
     if heads_adjacent:  # iterate in memory order [B, T, H, D] against [T, H, D] tables
         x = x.transpose(1, 2)
@@ -95,8 +104,13 @@ class RotaryFunction(torch.autograd.Function):
     """RoPE of x [B, H, T, D] by the half tables c, s [T, D/2] (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor,  # type: ignore[override]
-                use_native: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        c: torch.Tensor,
+        s: torch.Tensor,  # type: ignore[override]
+        use_native: bool,
+    ) -> torch.Tensor:
         ctx.save_for_backward(c, s)
         ctx.native = use_native
         return _rotate_any(x, c, s, use_native)
@@ -107,7 +121,9 @@ class RotaryFunction(torch.autograd.Function):
         return _rotate_any(dy, c, -s, ctx.native), None, None, None
 
 
-def _rotate_any(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, use_native: bool) -> torch.Tensor:
+def _rotate_any(
+    x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, use_native: bool
+) -> torch.Tensor:
     """The native kernel (one pass, any strides with a contiguous last dimension) or :func:`_rotate`."""
     if use_native and x.stride(-1) == 1 and c.dtype == torch.float32:
         return native.rope(x, c, s)
@@ -136,7 +152,9 @@ class PackedSwiGLUFunction(torch.autograd.Function):
         g, u = y[..., :f], y[..., f:]
         dy = torch.empty_like(y, memory_format=torch.contiguous_format)
         silu = F.silu(g)
-        torch.mul(dh, silu, out=dy[..., f:])                                  # du = dh SiLU(g)
-        dh_u = torch.mul(dh, u, out=silu)                                     # (buffer reused)
-        torch.ops.aten.silu_backward.grad_input(dh_u, g, grad_input=dy[..., :f])  # dg = dh u SiLU'(g)
+        torch.mul(dh, silu, out=dy[..., f:])  # du = dh SiLU(g)
+        dh_u = torch.mul(dh, u, out=silu)  # (buffer reused)
+        torch.ops.aten.silu_backward.grad_input(
+            dh_u, g, grad_input=dy[..., :f]
+        )  # dg = dh u SiLU'(g)
         return dy, None

@@ -53,8 +53,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     that sum are computed in forward (see the module docstring) and scaled in backward."""
 
     @staticmethod
-    def forward(ctx, h, w, labels, keep, vocab_start: int, vocab_size: Optional[int],  # type: ignore[override]
-                group: Optional[ProcessGroup], chunk: int):
+    def forward(
+        ctx,
+        h,
+        w,
+        labels,
+        keep,
+        vocab_start: int,
+        vocab_size: Optional[int],  # type: ignore[override]
+        group: Optional[ProcessGroup],
+        chunk: int,
+    ):
         cd = _compute_dtype(h)
         n_local = w.shape[0]
         real = n_local if vocab_size is None else max(0, min(n_local, vocab_size - vocab_start))
@@ -95,8 +104,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         dh, dw = ctx.saved_tensors
-        return (dh * grad.to(dh.dtype), (dw * grad).to(ctx.w_dtype),
-                None, None, None, None, None, None)
+        return (
+            dh * grad.to(dh.dtype),
+            (dw * grad).to(ctx.w_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, real: int) -> torch.Tensor:
@@ -107,9 +124,17 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, real: int) -> torch.Tensor:
     return z
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int, *, vocab_start: int = 0, vocab_size: Optional[int] = None,
-                          group: Optional[ProcessGroup] = None, ignore_index: int = -100) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    vocab_start: int = 0,
+    vocab_size: Optional[int] = None,
+    group: Optional[ProcessGroup] = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Mean cross-entropy over labels != ignore_index of logits hidden @ weight^T, chunk by chunk.
 
     hidden [..., d]; weight [V_local, d] holding global vocabulary rows [vocab_start, vocab_start + V_local)
@@ -123,8 +148,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     keep = y != ignore_index
-    total = _ChunkedLinearCrossEntropy.apply(h, weight, y.masked_fill(~keep, 0), keep, vocab_start,
-                                             vocab_size, group, chunk_tokens)
+    total = _ChunkedLinearCrossEntropy.apply(
+        h, weight, y.masked_fill(~keep, 0), keep, vocab_start, vocab_size, group, chunk_tokens
+    )
     return total / keep.sum().clamp(min=1)
 
 
@@ -138,14 +164,20 @@ class _NativeCrossEntropy(torch.autograd.Function):
     over the logits instead of three. Saves the logits and one lse per row."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab: int,  # type: ignore[override]
-                ignore_index: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab: int,  # type: ignore[override]
+        ignore_index: int,
+    ) -> torch.Tensor:
         flat = labels.reshape(-1)
         counted = flat != ignore_index
         bad = counted & ((flat < 0) | (flat >= vocab))
         if bool(bad.any()):
-            raise IndexError(f"cross-entropy target {int(flat[bad][0])} is out of bounds "
-                             f"(vocabulary of {vocab})")
+            raise IndexError(
+                f"cross-entropy target {int(flat[bad][0])} is out of bounds (vocabulary of {vocab})"
+            )
         loss, lse = native.cross_entropy_forward(logits, flat, vocab, ignore_index)
         ctx.n = int(counted.sum())
         ctx.vocab, ctx.ignore_index = vocab, ignore_index
@@ -160,8 +192,9 @@ class _NativeCrossEntropy(torch.autograd.Function):
         return dz.view(logits.shape), None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                  ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy (fp32) over labels != ignore_index of logits [..., Vp] whose first
     ``vocab_size`` columns are the vocabulary (the rest: padding, excluded from the softmax)."""
     if choose_for("cross_entropy", logits).impl == "native":
@@ -170,8 +203,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     return F.cross_entropy(z.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index)
 
 
-def native_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
-                         ignore_index: int) -> torch.Tensor:
+def native_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int
+) -> torch.Tensor:
     """F.cross_entropy(logits[..., :vocab].flatten(0, -2), labels.flatten(), ignore_index) in native
     passes over fp32 CPU logits (the ``native`` implementation of :func:`cross_entropy`)."""
     return _NativeCrossEntropy.apply(logits, labels, vocab, ignore_index)

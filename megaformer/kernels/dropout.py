@@ -27,7 +27,7 @@ from megaformer.kernels.selection import choose_for
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> tuple[torch.Tensor, float]:
     """(m, 1 / q): a bool keep-mask of ``shape`` with P(keep) = q (see the module docstring)."""
     n = shape.numel()
-    bits = torch.empty((n + 1) // 2, dtype=torch.int32, device=device).random_(-2**31, 2**31)
+    bits = torch.empty((n + 1) // 2, dtype=torch.int32, device=device).random_(-(2**31), 2**31)
     r = bits.view(torch.int16)[:n].view(shape)
     drop = round(p * 65536)
     return r >= drop - 32768, 65536.0 / (65536 - drop)

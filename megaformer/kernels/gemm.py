@@ -55,7 +55,12 @@ try:
     from torch.utils.flop_counter import register_flop_formula
 
     register_flop_formula(torch.ops.megaformer.onednn_linear)(_onednn_linear_flops)
-except (ImportError, AttributeError, RuntimeError, ValueError):  # another torch version: no flop count
+except (
+    ImportError,
+    AttributeError,
+    RuntimeError,
+    ValueError,
+):  # another torch version: no flop count
     pass
 
 
@@ -73,8 +78,8 @@ def _onednn_dgrad(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _backward(ctx, dy: torch.Tensor):  # type: ignore[no-untyped-def]
     x, w = ctx.saved_tensors
     dy = dy.contiguous()
-    dx = _onednn_dgrad(dy, w) if ctx.needs_input_grad[0] else None               # dY W
-    dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None                       # dY^T X
+    dx = _onednn_dgrad(dy, w) if ctx.needs_input_grad[0] else None  # dY W
+    dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None  # dY^T X
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return dx, dw, db
 
@@ -85,7 +90,7 @@ _onednn_linear.register_autograd(_backward, setup_context=_setup)
 def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The oneDNN path runs for x W^T (:func:`megaformer.kernels.selection.choose`: fp32 CPU tensors,
     no autocast, kernel mode auto, oneDNN present)."""
-    return (w.dtype == x.dtype and x.dim() >= 2 and choose_for("linear", x).impl == "onednn")
+    return w.dtype == x.dtype and x.dim() >= 2 and choose_for("linear", x).impl == "onednn"
 
 
 def mm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -105,8 +110,12 @@ class FusedLinear(torch.autograd.Function):
     autocast keeps anyway)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, n: int, *params: torch.Tensor  # type: ignore[override]
-                ) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        n: int,
+        *params: torch.Tensor,  # type: ignore[override]
+    ) -> torch.Tensor:
         ws, bs = params[:n], params[n:]
         w = torch.cat(ws)
         b = torch.cat(bs) if bs else None
@@ -126,8 +135,11 @@ class FusedLinear(torch.autograd.Function):
             w = torch.cat(ws)
             dx = (_onednn_dgrad(dy2, w) if ctx.onednn else dy2.mm(w)).view(ctx.lead)
         sizes = [w_.shape[0] for w_ in ws]
-        dws = list(dy2.t().mm(x2).split(sizes)) if any(ctx.needs_input_grad[3:3 + ctx.n]) \
+        dws = (
+            list(dy2.t().mm(x2).split(sizes))
+            if any(ctx.needs_input_grad[3 : 3 + ctx.n])
             else [None] * ctx.n
+        )
         dbs = list(dy2.sum(0).split(sizes)) if ctx.has_bias else []
         return (dx, None, *dws, *dbs)
 

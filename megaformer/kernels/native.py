@@ -56,15 +56,44 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11",
-         "-shared", "-fPIC")
-_P, _I64, _U32, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-std=gnu11",
+    "-shared",
+    "-fPIC",
+)
+_P, _I64, _U32, _F, _INT = (
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_uint32,
+    ctypes.c_float,
+    ctypes.c_int,
+)
 SIGNATURES = {
     "mf_swiglu_fwd": (_P, _P, _I64, _I64, _I64, _INT),
     "mf_swiglu_bwd": (_P, _P, _P, _I64, _I64, _I64, _INT),
     "mf_dropout_fwd": (_P, _P, _P, _I64, _U32, _U32, _U32, _F, _INT),
     "mf_masked_scale": (_P, _P, _P, _I64, _F, _INT),
-    "mf_softmax_dropout_fwd": (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _U32, _U32, _U32, _F, _INT),
+    "mf_softmax_dropout_fwd": (
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _INT,
+        _U32,
+        _U32,
+        _U32,
+        _F,
+        _INT,
+    ),
     "mf_softmax_dropout_bwd": (_P, _P, _P, _P, _I64, _I64, _F, _INT),
     "mf_rmsnorm_fwd": (_P, _P, _P, _P, _I64, _I64, _F, _INT),
     "mf_rmsnorm_bwd": (_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT),
@@ -83,8 +112,9 @@ LIBRARY = "libmegaformer_native.so"
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("MEGAFORMER_CACHE_DIR")
-                or os.path.join(Path.home(), ".cache", "megaformer"))
+    return Path(
+        os.environ.get("MEGAFORMER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "megaformer")
+    )
 
 
 def _cache_dir() -> Path:
@@ -170,8 +200,9 @@ def _compile(compiler: str, folder: Path, source: Path, flags: Sequence[str], li
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"{compiler} failed: {last}")
@@ -187,16 +218,26 @@ def _compile(compiler: str, folder: Path, source: Path, flags: Sequence[str], li
     return target
 
 
-def build_library(compiler: str, source: Path, flags: Sequence[str], library: str, subdir: str,
-                  cpu_specific: bool = True) -> tuple[Path, Optional[str]]:
+def build_library(
+    compiler: str,
+    source: Path,
+    flags: Sequence[str],
+    library: str,
+    subdir: str,
+    cpu_specific: bool = True,
+) -> tuple[Path, Optional[str]]:
     """(path of the shared library built from ``source``, why it is a private one-off build or
     None). From the cache ``$MEGAFORMER_CACHE_DIR/<subdir>/<hash>/`` when verified (private folders
     up to the cache root, owned by this user, digest recorded at build time matching), else built
     there. A cache that is not private (another user could write it) is not used: the library is
     then built into a fresh private temporary folder, which the caller removes once it is loaded.
     The hash covers the source, the flags, the compiler's version and (``cpu_specific``) the CPU."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [source.read_text(), " ".join(flags), version] + ([_cpu_flags()] if cpu_specific else [])
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    parts = [source.read_text(), " ".join(flags), version] + (
+        [_cpu_flags()] if cpu_specific else []
+    )
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     root = _cache_root()
     folder = root / subdir / key
@@ -221,7 +262,10 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
         return None, "native CPU kernels off (MEGAFORMER_NATIVE=0)"
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        return None, f"native CPU kernels unavailable: no C compiler '{compiler}' on PATH (torch ops run)"
+        return (
+            None,
+            f"native CPU kernels unavailable: no C compiler '{compiler}' on PATH (torch ops run)",
+        )
     try:
         path, private = build_library(compiler, SOURCE, FLAGS, LIBRARY, "native")
         if private:
@@ -235,8 +279,10 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
         return None, f"native CPU kernels unavailable ({e}); torch ops run"
     if "private_build" in _state:  # loaded (mapped): the private copy is not needed on disk
         shutil.rmtree(path.parent, ignore_errors=True)
-        return lib, (f"native CPU kernels: built in a private temporary folder and loaded "
-                     f"({_state.pop('private_build')}, so it is not used)")
+        return lib, (
+            f"native CPU kernels: built in a private temporary folder and loaded "
+            f"({_state.pop('private_build')}, so it is not used)"
+        )
     return lib, f"native CPU kernels: {path}"
 
 
@@ -324,8 +370,9 @@ def masked_scale(x: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor
     return y
 
 
-def softmax_dropout_forward(s: torch.Tensor, causal: bool, p: float
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+def softmax_dropout_forward(
+    s: torch.Tensor, causal: bool, p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(P, Pd, m, scale) for scores s [..., T, S] (see the module docstring)."""
     s = s.contiguous()
     t_len, cols = s.shape[-2], s.shape[-1]
@@ -334,61 +381,125 @@ def softmax_dropout_forward(s: torch.Tensor, causal: bool, p: float
     m = torch.empty(s.shape, dtype=torch.bool)
     t, scale = drop_threshold(p)
     k0, k1 = draw_keys()
-    library().mf_softmax_dropout_fwd(_ptr(s), _ptr(probs), _ptr(dropped), _ptr(m), rows, t_len, cols,
-                                     cols - t_len, int(causal), k0, k1, t, scale, _threads())
+    library().mf_softmax_dropout_fwd(
+        _ptr(s),
+        _ptr(probs),
+        _ptr(dropped),
+        _ptr(m),
+        rows,
+        t_len,
+        cols,
+        cols - t_len,
+        int(causal),
+        k0,
+        k1,
+        t,
+        scale,
+        _threads(),
+    )
     return probs, dropped, m, scale
 
 
-def softmax_dropout_backward(probs: torch.Tensor, m: torch.Tensor, d_dropped: torch.Tensor,
-                             scale: float) -> torch.Tensor:
+def softmax_dropout_backward(
+    probs: torch.Tensor, m: torch.Tensor, d_dropped: torch.Tensor, scale: float
+) -> torch.Tensor:
     """dS from P, m and the gradient of Pd."""
     d_dropped = d_dropped.contiguous()
     ds = torch.empty_like(probs)
     cols = probs.shape[-1]
-    library().mf_softmax_dropout_bwd(_ptr(probs), _ptr(m), _ptr(d_dropped), _ptr(ds),
-                                     probs.numel() // cols, cols, scale, _threads())
+    library().mf_softmax_dropout_bwd(
+        _ptr(probs),
+        _ptr(m),
+        _ptr(d_dropped),
+        _ptr(ds),
+        probs.numel() // cols,
+        cols,
+        scale,
+        _threads(),
+    )
     return ds
 
 
-def cross_entropy_forward(logits: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_forward(
+    logits: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row loss, per-row lse) for logits [..., Vp] (the first ``vocab`` columns count) and
     int64 labels of the leading shape; rows labelled ``ignore_index`` get loss 0."""
     logits, labels = logits.contiguous(), labels.contiguous()
     rows, stride = labels.numel(), logits.shape[-1]
     loss, lse = torch.empty(rows), torch.empty(rows)
-    library().mf_xent_fwd(_ptr(logits), _ptr(labels), _ptr(loss), _ptr(lse), rows, vocab, stride,
-                          ignore_index, _threads())
+    library().mf_xent_fwd(
+        _ptr(logits),
+        _ptr(labels),
+        _ptr(loss),
+        _ptr(lse),
+        rows,
+        vocab,
+        stride,
+        ignore_index,
+        _threads(),
+    )
     return loss, lse
 
 
-def cross_entropy_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab: int,
-                           ignore_index: int, g: float) -> torch.Tensor:
+def cross_entropy_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    vocab: int,
+    ignore_index: int,
+    g: float,
+) -> torch.Tensor:
     """d(g * sum of the rows' losses)/d logits, 0 in padding columns and ignored rows."""
     logits, labels = logits.contiguous(), labels.contiguous()
     dx = torch.empty_like(logits)
-    library().mf_xent_bwd(_ptr(logits), _ptr(labels), _ptr(lse), _ptr(dx), labels.numel(), vocab,
-                          logits.shape[-1], ignore_index, g, _threads())
+    library().mf_xent_bwd(
+        _ptr(logits),
+        _ptr(labels),
+        _ptr(lse),
+        _ptr(dx),
+        labels.numel(),
+        vocab,
+        logits.shape[-1],
+        ignore_index,
+        g,
+        _threads(),
+    )
     return dx
 
 
-def rmsnorm_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_forward(
+    x: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, r) for rows of x's last dimension; r = 1 / rms per row."""
     x, w = x.contiguous(), w.contiguous()
     n = x.shape[-1]
     y, rstd = torch.empty_like(x), torch.empty(x.numel() // n)
-    library().mf_rmsnorm_fwd(_ptr(x), _ptr(w), _ptr(y), _ptr(rstd), x.numel() // n, n, eps, _threads())
+    library().mf_rmsnorm_fwd(
+        _ptr(x), _ptr(w), _ptr(y), _ptr(rstd), x.numel() // n, n, eps, _threads()
+    )
     return y, rstd
 
 
-def rmsnorm_backward(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_backward(
+    x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) of y = x r w."""
     x, dy = x.contiguous(), dy.contiguous()  # x may be a strided view of rows (as in forward)
     n, nt = x.shape[-1], _threads()
     dx, dw, work = torch.empty_like(x), torch.empty_like(w), torch.empty(nt, n)
-    library().mf_rmsnorm_bwd(_ptr(x), _ptr(w), _ptr(rstd), _ptr(dy), _ptr(dx), _ptr(dw), _ptr(work),
-                             x.numel() // n, n, nt)
+    library().mf_rmsnorm_bwd(
+        _ptr(x),
+        _ptr(w),
+        _ptr(rstd),
+        _ptr(dy),
+        _ptr(dx),
+        _ptr(dw),
+        _ptr(work),
+        x.numel() // n,
+        n,
+        nt,
+    )
     return dx, dw
 
 
@@ -398,8 +509,20 @@ def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     b, h, t, d = x.shape
     c, s = c.contiguous(), s.contiguous()
     y = torch.empty(b, t, h, d, dtype=x.dtype)
-    library().mf_rope(_ptr(x), _ptr(c), _ptr(s), _ptr(y), b, t, h, d, x.stride(0), x.stride(2),
-                      x.stride(1), _threads())
+    library().mf_rope(
+        _ptr(x),
+        _ptr(c),
+        _ptr(s),
+        _ptr(y),
+        b,
+        t,
+        h,
+        d,
+        x.stride(0),
+        x.stride(2),
+        x.stride(1),
+        _threads(),
+    )
     return y.transpose(1, 2)
 
 
@@ -413,28 +536,73 @@ def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(O [B, T, H, D] contiguous, lse [B, H, T]) for q [B, H, T, D], k, v [B, Hkv, S, D]."""
     q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     o, lse = torch.empty(b, t, h, d), torch.empty(b, h, t)
-    library().mf_flash_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), b, h, hk, t, s, d,
-                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], scale, int(causal),
-                           _threads())
+    library().mf_flash_fwd(
+        _ptr(q),
+        _ptr(k),
+        _ptr(v),
+        _ptr(o),
+        _ptr(lse),
+        b,
+        h,
+        hk,
+        t,
+        s,
+        d,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        scale,
+        int(causal),
+        _threads(),
+    )
     return o, lse
 
 
-def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, do: torch.Tensor, causal: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) as [B, H, T, D] / [B, Hkv, S, D] views of [B, T, H, D] / [B, S, Hkv, D] storage."""
     q, k, v, do = (_last_dim_dense(x) for x in (q, k, v, do))
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     dq, dk, dv = torch.empty(b, t, h, d), torch.empty(b, s, hk, d), torch.empty(b, s, hk, d)
-    library().mf_flash_bwd(_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), _ptr(do), _ptr(dq), _ptr(dk),
-                           _ptr(dv), b, h, hk, t, s, d, *q.stride()[:3], *k.stride()[:3],
-                           *v.stride()[:3], *do.stride()[:3], scale, int(causal), _threads())
+    library().mf_flash_bwd(
+        _ptr(q),
+        _ptr(k),
+        _ptr(v),
+        _ptr(o),
+        _ptr(lse),
+        _ptr(do),
+        _ptr(dq),
+        _ptr(dk),
+        _ptr(dv),
+        b,
+        h,
+        hk,
+        t,
+        s,
+        d,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *do.stride()[:3],
+        scale,
+        int(causal),
+        _threads(),
+    )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -32,8 +32,8 @@ from megaformer.kernels import capabilities
 from megaformer.kernels.cpu_eager import RMSNormFunction
 from megaformer.kernels.selection import choose_for
 
-
 # ----------------------------------------------------------------------------- torch reference
+
 
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * w, statistics in fp32 (the model's definition)."""
@@ -42,15 +42,22 @@ def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
     return w * y.to(x.dtype)
 
 
-def layer_norm_reference(x: torch.Tensor, w: Optional[torch.Tensor], b: Optional[torch.Tensor],
-                         eps: float) -> torch.Tensor:
+def layer_norm_reference(
+    x: torch.Tensor, w: Optional[torch.Tensor], b: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * w + b in fp32, returned in x's dtype."""
-    y = F.layer_norm(x.float(), x.shape[-1:], w.float() if w is not None else None,
-                     b.float() if b is not None else None, eps)
+    y = F.layer_norm(
+        x.float(),
+        x.shape[-1:],
+        w.float() if w is not None else None,
+        b.float() if b is not None else None,
+        eps,
+    )
     return y.to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- Triton
+
 
 @functools.lru_cache(maxsize=None)
 def _kernels() -> dict:
@@ -58,8 +65,19 @@ def _kernels() -> dict:
     import triton.language as tl
 
     @triton.jit
-    def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, eps,
-                 IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    def norm_fwd(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        mean_ptr,
+        rstd_ptr,
+        N,
+        eps,
+        IS_RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -79,8 +97,20 @@ def _kernels() -> dict:
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
-    def norm_bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, M, N,
-                 IS_RMS: tl.constexpr, BLOCK: tl.constexpr):
+    def norm_bwd(
+        x_ptr,
+        w_ptr,
+        dy_ptr,
+        dx_ptr,
+        mean_ptr,
+        rstd_ptr,
+        dw_ptr,
+        db_ptr,
+        M,
+        N,
+        IS_RMS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """Program p does rows p, p + P, ...; writes its partial dw, db sums to row p of [P, N]."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -142,9 +172,20 @@ class NormFunction(torch.autograd.Function):
         rstd = torch.empty_like(mean)
         bias = b if (b is not None and not rms) else w
         block = _block(N)
-        _kernels()["fwd"][(M,)](x2, w, bias, y, mean, rstd, N, eps, IS_RMS=rms,
-                                HAS_BIAS=b is not None and not rms, BLOCK=block,
-                                num_warps=_num_warps(block))
+        _kernels()["fwd"][(M,)](
+            x2,
+            w,
+            bias,
+            y,
+            mean,
+            rstd,
+            N,
+            eps,
+            IS_RMS=rms,
+            HAS_BIAS=b is not None and not rms,
+            BLOCK=block,
+            num_warps=_num_warps(block),
+        )
         ctx.save_for_backward(x2, w, mean, rstd)
         ctx.rms, ctx.has_bias, ctx.shape = rms, b is not None and not rms, shape
         return y.view(shape)
@@ -159,8 +200,21 @@ class NormFunction(torch.autograd.Function):
         dw = torch.empty((P, N), dtype=torch.float32, device=x2.device)
         db = torch.empty_like(dw)
         block = _block(N)
-        _kernels()["bwd"][(P,)](x2, w, dy2, dx, mean, rstd, dw, db, M, N, IS_RMS=ctx.rms,
-                                BLOCK=block, num_warps=_num_warps(block))
+        _kernels()["bwd"][(P,)](
+            x2,
+            w,
+            dy2,
+            dx,
+            mean,
+            rstd,
+            dw,
+            db,
+            M,
+            N,
+            IS_RMS=ctx.rms,
+            BLOCK=block,
+            num_warps=_num_warps(block),
+        )
         db_out = db.sum(0).to(w.dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw.sum(0).to(w.dtype), db_out, None, None
 
@@ -169,11 +223,14 @@ def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     return NormFunction.apply(x, w, None, eps, True)
 
 
-def layer_norm_triton(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def layer_norm_triton(
+    x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
     return NormFunction.apply(x, w, b, eps, False)
 
 
 # ----------------------------------------------------------------------------- apex, torch native
+
 
 def _apex():
     return capabilities.apex_status()[0]
@@ -193,8 +250,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, w, eps)
 
 
-def layer_norm(x: torch.Tensor, w: Optional[torch.Tensor], b: Optional[torch.Tensor], eps: float
-               ) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, w: Optional[torch.Tensor], b: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
     """LayerNorm over the last dimension (see the module docstring for which implementation runs)."""
     if w is None:
         return layer_norm_reference(x, w, b, eps)

@@ -58,6 +58,7 @@ class Choice(NamedTuple):
 
 # ----------------------------------------------------------------------------- mode
 
+
 def set_mode(mode: str) -> None:
     """Set the kernel mode of this process: ``auto`` (fastest allowed) or ``torch`` (plain torch)."""
     global _mode
@@ -82,6 +83,7 @@ def kernel_mode(mode: str) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- the rules
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
@@ -138,11 +140,15 @@ def _bias_gelu(device: str) -> Choice:
 
 
 # torch's native RMSNorm is one fused CUDA kernel from 2.8 on (composed of elementwise ops before)
-_TORCH_FUSED_RMS_NORM = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+_TORCH_FUSED_RMS_NORM = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (
+    2,
+    8,
+)
 
 
-def _norm(op: str, device: str, dtype: torch.dtype, weight_dtype: torch.dtype, autocast: bool,
-          bias: bool) -> Choice:
+def _norm(
+    op: str, device: str, dtype: torch.dtype, weight_dtype: torch.dtype, autocast: bool, bias: bool
+) -> Choice:
     """Norms on CUDA: apex (same dtypes, not under autocast, not a bias-less LayerNorm), else
     torch's native op (LayerNorm; RMSNorm where it is one fused kernel) for same dtypes, else the
     Triton kernel (it reads bf16 activations with an fp32 gain)."""
@@ -192,7 +198,9 @@ def _flash_unusable(device: str, dtype: torch.dtype, head_dim: int) -> Optional[
     if dtype not in FLASH_DTYPES:
         return f"flash-attn needs fp16/bf16 tensors, got {_dtype_name(dtype)}"
     if head_dim > FLASH_MAX_HEAD_DIM or head_dim % 8 != 0:
-        return f"flash-attn needs head_dim <= {FLASH_MAX_HEAD_DIM} and a multiple of 8, got {head_dim}"
+        return (
+            f"flash-attn needs head_dim <= {FLASH_MAX_HEAD_DIM} and a multiple of 8, got {head_dim}"
+        )
     return None
 
 
@@ -201,11 +209,20 @@ def native_attention_supported(head_dim: int) -> bool:
     return native.flash_supported(head_dim)
 
 
-def _attention(device: str, dtype: torch.dtype, requested: str, head_dim: int, dropout: bool,
-               doc_mask: bool, compiling: bool, window: bool = False) -> Choice:
+def _attention(
+    device: str,
+    dtype: torch.dtype,
+    requested: str,
+    head_dim: int,
+    dropout: bool,
+    doc_mask: bool,
+    compiling: bool,
+    window: bool = False,
+) -> Choice:
     if requested not in ATTENTION_BACKENDS:
-        raise ConfigError(f"model.attention_backend={requested!r}: must be one of "
-                          f"{', '.join(ATTENTION_BACKENDS)}")
+        raise ConfigError(
+            f"model.attention_backend={requested!r}: must be one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if requested == "reference":
         return Choice("reference", "requested in config")
     why_not = _flash_unusable(device, dtype, head_dim)
@@ -215,14 +232,28 @@ def _attention(device: str, dtype: torch.dtype, requested: str, head_dim: int, d
         return Choice("flash", "requested in config")
     if requested == "auto" and why_not is None:
         return Choice("flash", f"{caps.flash_status()[0].name} on {device} {_dtype_name(dtype)}")
-    if (requested == "auto" and device == "cpu" and dtype == torch.float32 and not compiling
-            and not dropout and not doc_mask and not window and native_attention_supported(head_dim)
-            and native.library() is not None):
-        return Choice("native", "megaformer's native CPU FlashAttention-2 kernel (fp32, no dropout, "
-                                "document mask or sliding window); attention_backend=sdpa for torch's")
+    if (
+        requested == "auto"
+        and device == "cpu"
+        and dtype == torch.float32
+        and not compiling
+        and not dropout
+        and not doc_mask
+        and not window
+        and native_attention_supported(head_dim)
+        and native.library() is not None
+    ):
+        return Choice(
+            "native",
+            "megaformer's native CPU FlashAttention-2 kernel (fp32, no dropout, "
+            "document mask or sliding window); attention_backend=sdpa for torch's",
+        )
     reason = "requested in config" if requested == "sdpa" else why_not
-    return Choice("sdpa", f"{reason}; torch SDPA (torch picks its backend"
-                          f"{', or MEGAFORMER_SDPA_BACKENDS' if device == 'cuda' else ''})")
+    return Choice(
+        "sdpa",
+        f"{reason}; torch SDPA (torch picks its backend"
+        f"{', or MEGAFORMER_SDPA_BACKENDS' if device == 'cuda' else ''})",
+    )
 
 
 def _experts(device: str, dtype: torch.dtype, d_model: int, d_ffn: int) -> Choice:
@@ -231,10 +262,15 @@ def _experts(device: str, dtype: torch.dtype, d_model: int, d_ffn: int) -> Choic
     if not hasattr(torch, "_grouped_mm"):
         return Choice("loop", "this torch has no _grouped_mm")
     if dtype != torch.bfloat16:
-        return Choice("loop", f"grouped GEMM needs bf16 (or bf16 autocast), got {_dtype_name(dtype)}")
+        return Choice(
+            "loop", f"grouped GEMM needs bf16 (or bf16 autocast), got {_dtype_name(dtype)}"
+        )
     if d_model % 8 or d_ffn % 8:
-        return Choice("loop", f"d_model={d_model}, d_ffn={d_ffn}: grouped GEMM rows must be "
-                              "multiples of 8 (16 bytes)")
+        return Choice(
+            "loop",
+            f"d_model={d_model}, d_ffn={d_ffn}: grouped GEMM rows must be "
+            "multiples of 8 (16 bytes)",
+        )
     if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         return Choice("loop", "grouped GEMM needs CUDA sm90+")
     if device not in ("cuda", "cpu"):
@@ -244,19 +280,40 @@ def _experts(device: str, dtype: torch.dtype, d_model: int, d_ffn: int) -> Choic
 
 def _cross_entropy(device: str, dtype: torch.dtype, autocast: bool, chunked: bool) -> Choice:
     if chunked:
-        return Choice("chunked", "fused with the output projection, model.loss_chunk_tokens at a time")
+        return Choice(
+            "chunked", "fused with the output projection, model.loss_chunk_tokens at a time"
+        )
     if _cpu_fp32(device, dtype, autocast) and native.library() is not None:
         return Choice("native", "megaformer's native CPU kernel over the padded logits")
     return Choice("torch", "F.cross_entropy in fp32")
 
 
 @functools.lru_cache(maxsize=None)
-def _decide(op: str, device: str, dtype: torch.dtype, mode: str, compiling: bool, autocast: bool,
-            interpreting: bool, native_loaded: bool, facts: tuple) -> tuple[str, str]:
+def _decide(
+    op: str,
+    device: str,
+    dtype: torch.dtype,
+    mode: str,
+    compiling: bool,
+    autocast: bool,
+    interpreting: bool,
+    native_loaded: bool,
+    facts: tuple,
+) -> tuple[str, str]:
     f = dict(facts)
     if op == "attention":  # a model choice (model.attention_backend), not a kernel-mode one
-        return tuple(_attention(device, dtype, f["backend"], f["head_dim"], f["dropout"],
-                                f["doc_mask"], compiling, f.get("window", False)))
+        return tuple(
+            _attention(
+                device,
+                dtype,
+                f["backend"],
+                f["head_dim"],
+                f["dropout"],
+                f["doc_mask"],
+                compiling,
+                f.get("window", False),
+            )
+        )
     if op == "experts":  # torch ops either way: neither a kernel-mode nor a compile choice
         return tuple(_experts(device, f.get("compute_dtype", dtype), f["d_model"], f["d_ffn"]))
     if op == "cross_entropy" and f.get("chunked"):
@@ -273,8 +330,9 @@ def _decide(op: str, device: str, dtype: torch.dtype, mode: str, compiling: bool
         "swiglu": lambda: _swiglu(device, dtype, autocast),
         "bias_gelu": lambda: _bias_gelu(device),
         "rms_norm": lambda: _norm(op, device, dtype, f.get("weight_dtype", dtype), autocast, True),
-        "layer_norm": lambda: _norm(op, device, dtype, f.get("weight_dtype", dtype), autocast,
-                                    f.get("bias", True)),
+        "layer_norm": lambda: _norm(
+            op, device, dtype, f.get("weight_dtype", dtype), autocast, f.get("bias", True)
+        ),
         "rope": lambda: _rope(device, dtype, autocast, f.get("full", True)),
         "dropout": lambda: _dropout(device, dtype),
         "cross_entropy": lambda: _cross_entropy(device, dtype, autocast, False),
@@ -284,8 +342,15 @@ def _decide(op: str, device: str, dtype: torch.dtype, mode: str, compiling: bool
     return tuple(rules[op]())
 
 
-def choose(op: str, device: torch.device | str, dtype: torch.dtype, *, autocast: bool = False,
-           compiling: Optional[bool] = None, **facts: object) -> Choice:
+def choose(
+    op: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    autocast: bool = False,
+    compiling: Optional[bool] = None,
+    **facts: object,
+) -> Choice:
     """The implementation of ``op`` for tensors on ``device`` with ``dtype`` (see the table above).
 
     ``facts`` are the op's own inputs to its rule: attention takes backend, head_dim, dropout and
@@ -295,8 +360,17 @@ def choose(op: str, device: torch.device | str, dtype: torch.dtype, *, autocast:
     if compiling is None:
         compiling = torch.compiler.is_compiling()
     native_loaded = not compiling and native.library() is not None  # never inside a graph
-    impl, reason = _decide_constant(op, device_type, dtype, _mode, compiling, autocast,
-                                    caps.interpreting(), native_loaded, tuple(sorted(facts.items())))
+    impl, reason = _decide_constant(
+        op,
+        device_type,
+        dtype,
+        _mode,
+        compiling,
+        autocast,
+        caps.interpreting(),
+        native_loaded,
+        tuple(sorted(facts.items())),
+    )
     return Choice(impl, reason)
 
 
@@ -307,8 +381,9 @@ def _decide_constant(*args: object) -> tuple[str, str]:
 def choose_for(op: str, x: torch.Tensor, **facts: object) -> Choice:
     """:func:`choose` for the tensor ``x`` (its device and dtype, autocast as it is now); records
     what was chosen while :func:`track` is active."""
-    choice = choose(op, x.device, x.dtype, autocast=torch.is_autocast_enabled(x.device.type),
-                    **facts)
+    choice = choose(
+        op, x.device, x.dtype, autocast=torch.is_autocast_enabled(x.device.type), **facts
+    )
     if not torch.compiler.is_compiling():
         _note(op, choice)
     return choice
@@ -355,9 +430,16 @@ def announce(what: str, how: str) -> None:
 
 # ----------------------------------------------------------------------------- a model's plan
 
-def model_plan(model_cfg: object, device: torch.device | str, dtype: torch.dtype, *,
-               compiled: bool = False, autocast: bool = False, training: bool = True
-               ) -> list[tuple[str, Choice]]:
+
+def model_plan(
+    model_cfg: object,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    compiled: bool = False,
+    autocast: bool = False,
+    training: bool = True,
+) -> list[tuple[str, Choice]]:
     """(op, choice) for every op a model of ``model_cfg`` (a ModelConfig) runs in a training step
     on ``device`` with activations of ``dtype`` -- the trainer's summary and the bench print this.
     Under ``compiled`` the blocks' ops are traced (torch ops), the loss outside them is not."""
@@ -365,16 +447,33 @@ def model_plan(model_cfg: object, device: torch.device | str, dtype: torch.dtype
         return _model_plan(model_cfg, device, dtype, compiled, autocast, training)
 
 
-def _model_plan(m: object, device: torch.device | str, dtype: torch.dtype, compiled: bool,
-                autocast: bool, training: bool) -> list[tuple[str, Choice]]:
+def _model_plan(
+    m: object,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    compiled: bool,
+    autocast: bool,
+    training: bool,
+) -> list[tuple[str, Choice]]:
     kw = dict(autocast=autocast)
     inner = dict(kw, compiling=compiled)
     plan: list[tuple[str, Choice]] = [
         ("linear", choose("linear", device, dtype, **inner)),
         ("projections", choose("projections", device, dtype, **inner)),
-        ("attention", choose("attention", device, dtype, compiling=compiled, backend=m.attention_backend,
-                             head_dim=m.head_dim, dropout=training and m.attention_dropout > 0,
-                             doc_mask=m.document_mask, window=m.sliding_window is not None)),
+        (
+            "attention",
+            choose(
+                "attention",
+                device,
+                dtype,
+                compiling=compiled,
+                backend=m.attention_backend,
+                head_dim=m.head_dim,
+                dropout=training and m.attention_dropout > 0,
+                doc_mask=m.document_mask,
+                window=m.sliding_window is not None,
+            ),
+        ),
     ]
     norm = "rms_norm" if m.norm == "rmsnorm" else "layer_norm"
     norm_facts = {"weight_dtype": torch.float32 if autocast else dtype}
@@ -390,11 +489,21 @@ def _model_plan(m: object, device: torch.device | str, dtype: torch.dtype, compi
     if training and (m.dropout > 0 or m.attention_dropout > 0):
         plan.append(("dropout", choose("dropout", device, dtype, **inner)))
     if m.moe.interval > 0:
-        plan.append(("experts", choose("experts", device, dtype, d_model=m.d_model,
-                                       d_ffn=m.expert_dim)))
-    plan.append(("cross_entropy", choose("cross_entropy", device,
-                                         torch.float32 if not autocast else dtype, **kw,
-                                         chunked=m.loss_chunk_tokens > 0)))
+        plan.append(
+            ("experts", choose("experts", device, dtype, d_model=m.d_model, d_ffn=m.expert_dim))
+        )
+    plan.append(
+        (
+            "cross_entropy",
+            choose(
+                "cross_entropy",
+                device,
+                torch.float32 if not autocast else dtype,
+                **kw,
+                chunked=m.loss_chunk_tokens > 0,
+            ),
+        )
+    )
     return plan
 
 

@@ -8,6 +8,17 @@ from megaformer.model.positions import RotaryEmbedding, apply_rotary, rotate_hal
 from megaformer.model.transformer import Transformer
 
 __all__ = [
-    "Attention", "Block", "KVCache", "LayerKVCache", "LayerNorm", "MLP", "RMSNorm", "RotaryEmbedding",
-    "Transformer", "apply_rotary", "build_norm", "rotate_half", "sinusoidal_table",
+    "Attention",
+    "Block",
+    "KVCache",
+    "LayerKVCache",
+    "LayerNorm",
+    "MLP",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "Transformer",
+    "apply_rotary",
+    "build_norm",
+    "rotate_half",
+    "sinusoidal_table",
 ]

@@ -53,14 +53,18 @@ class LayerKVCache:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, start_pos: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, h_kv, T, d_k] at positions start_pos.. and return keys/values [0, start_pos + T)."""
         end = start_pos + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; cannot write up to {end}")
         if self.k is None or self.k.shape[0] != k.shape[0] or self.k.dtype != k.dtype:
             if start_pos != 0:
-                raise ValueError("KV cache is empty (or for another batch/dtype): start at position 0")
+                raise ValueError(
+                    "KV cache is empty (or for another batch/dtype): start at position 0"
+                )
             shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
             self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
@@ -82,11 +86,28 @@ class AttentionCore(nn.Module):
     by the implementation the kernel table picks for ``backend`` (:func:`megaformer.kernels.
     attention.attention`). No parameters."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                dropout_p: float = 0.0, backend: str = "auto", doc_ids: Optional[DocumentMask] = None,
-                window: Optional[int] = None) -> torch.Tensor:
-        return attention(q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
-                         doc_ids=doc_ids, window=window)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        dropout_p: float = 0.0,
+        backend: str = "auto",
+        doc_ids: Optional[DocumentMask] = None,
+        window: Optional[int] = None,
+    ) -> torch.Tensor:
+        return attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            dropout_p=dropout_p,
+            backend=backend,
+            doc_ids=doc_ids,
+            window=window,
+        )
 
 
 class Attention(nn.Module):
@@ -109,14 +130,22 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(dk, eps=cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = (RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
-                       if cfg.position == "rope" else None)
+        self.rotary = (
+            RotaryEmbedding(dk, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
+            if cfg.position == "rope"
+            else None
+        )
         self.core: nn.Module = AttentionCore()  # softmax(QK^T/sqrt(d_k))V; swapped from outside
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[LayerKVCache] = None, start_pos: int = 0,
-                doc_ids: Optional[DocumentMask] = None, positions: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        cache: Optional[LayerKVCache] = None,
+        start_pos: int = 0,
+        doc_ids: Optional[DocumentMask] = None,
+        positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x [B, T, d_model] at absolute positions start_pos..start_pos+T-1 (or ``positions``
         [T]) -> [B, T, d_model].
 
@@ -146,6 +175,14 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(start_pos, k, v)
         p = self.attention_dropout if self.training else 0.0
-        y = self.core(q, k, v, causal=self.causal, dropout_p=p, backend=self.backend,
-                      doc_ids=doc_ids, window=self.window)
+        y = self.core(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            dropout_p=p,
+            backend=self.backend,
+            doc_ids=doc_ids,
+            window=self.window,
+        )
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

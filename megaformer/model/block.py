@@ -38,14 +38,27 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.drop = Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[LayerKVCache] = None, start_pos: int = 0,
-                doc_ids: Optional[DocumentMask] = None, positions: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        cache: Optional[LayerKVCache] = None,
+        start_pos: int = 0,
+        doc_ids: Optional[DocumentMask] = None,
+        positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d]; ``positions``: the tokens' absolute positions when ``rope``
         is not given (default start_pos..start_pos+T-1)."""
-        a = self.drop(self.attn(self.attn_norm(x), rope=rope, cache=cache, start_pos=start_pos,
-                                doc_ids=doc_ids, positions=positions))
+        a = self.drop(
+            self.attn(
+                self.attn_norm(x),
+                rope=rope,
+                cache=cache,
+                start_pos=start_pos,
+                doc_ids=doc_ids,
+                positions=positions,
+            )
+        )
         if self.parallel:
             return x + a + self.drop(self.mlp(self.mlp_norm(x)))
         h = x + a

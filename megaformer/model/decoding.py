@@ -23,8 +23,12 @@ import torch
 NextLogits = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-               generator: Optional[torch.Generator]) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: Optional[int],
+    generator: Optional[torch.Generator],
+) -> torch.Tensor:
     """Next token [B, 1] from logits [B, V]: argmax at temperature 0, else top-k softmax sampling."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -48,10 +52,19 @@ def kv_cached(model: Any) -> NextLogits:
 
 
 @torch.no_grad()
-def decode(next_logits: NextLogits, ids: torch.Tensor, max_new_tokens: int, max_len: int, *,
-           cached: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
-           generator: Optional[torch.Generator] = None, eos_id: Optional[int] = None,
-           stop: Optional[Callable[[list[int]], bool]] = None) -> torch.Tensor:
+def decode(
+    next_logits: NextLogits,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    max_len: int,
+    *,
+    cached: bool = True,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    eos_id: Optional[int] = None,
+    stop: Optional[Callable[[list[int]], bool]] = None,
+) -> torch.Tensor:
     """``ids`` [B, T] followed by up to ``max_new_tokens`` decoded tokens -> [B, T + n].
 
     ``cached``: ``next_logits`` keeps a KV cache, so a step may feed only the new token (at
@@ -70,8 +83,11 @@ def decode(next_logits: NextLogits, ids: torch.Tensor, max_new_tokens: int, max_
             nxt = nxt.masked_fill(done.unsqueeze(1), eos_id)
             done |= nxt.squeeze(1) == eos_id
         out = torch.cat((out, nxt), dim=1)
-        if (step == max_new_tokens - 1 or bool(done.all())
-                or (stop is not None and stop(out[0, T:].tolist()))):
+        if (
+            step == max_new_tokens - 1
+            or bool(done.all())
+            or (stop is not None and stop(out[0, T:].tolist()))
+        ):
             break
         if cached and pos < max_len:  # room left: feed only the new token
             logits = next_logits(nxt, pos)

@@ -44,10 +44,13 @@ def fused_product(x: torch.Tensor, projections: Sequence[nn.Module]) -> Optional
     projections run one by one: where the rule for ``projections`` says so (CUDA: no weight
     concatenation per call), ZeRO-3 partitioned parameters, a projection applying its own input
     communication, FP8 GEMMs (one scale per weight), or a mix of present and absent biases."""
-    if (len(projections) == 1 or choose_for("projections", x).impl != "fused"
-            or any(_zero3_partitioned(p) for p in projections)
-            or any(getattr(p, "input_comm", False) for p in projections)
-            or any(getattr(p, "fp8", None) is not None for p in projections)):
+    if (
+        len(projections) == 1
+        or choose_for("projections", x).impl != "fused"
+        or any(_zero3_partitioned(p) for p in projections)
+        or any(getattr(p, "input_comm", False) for p in projections)
+        or any(getattr(p, "fp8", None) is not None for p in projections)
+    ):
         return None
     weights = [p.weight for p in projections]
     biases: list[Optional[torch.Tensor]] = [p.bias for p in projections]

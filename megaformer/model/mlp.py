@@ -27,8 +27,9 @@ class MLP(nn.Module):
     """FFN(x) with GELU (w1, w2) or SwiGLU (w1 gate, w3 up, w2 down); d_ffn = cfg.ffn_dim unless
     given (an MoE block's shared experts), biases as cfg.bias unless given."""
 
-    def __init__(self, cfg: ModelConfig, d_ffn: Optional[int] = None,
-                 bias: Optional[bool] = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, d_ffn: Optional[int] = None, bias: Optional[bool] = None
+    ) -> None:
         super().__init__()
         d, f = cfg.d_model, d_ffn if d_ffn is not None else cfg.ffn_dim
         bias = cfg.bias if bias is None else bias
@@ -45,7 +46,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            gate_up = fused_product(x, (self.w1, self.w3))           # [x W1 | x W3], or None
+            gate_up = fused_product(x, (self.w1, self.w3))  # [x W1 | x W3], or None
             if gate_up is not None:
                 return self.w2(swiglu_packed(gate_up))
             return self.w2(swiglu(self.w1(x), self.w3(x)))

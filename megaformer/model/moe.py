@@ -58,7 +58,6 @@ from megaformer.kernels.selection import choose_for
 from megaformer.model.mlp import MLP
 
 
-
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times ``scale`` backward."""
 
@@ -91,7 +90,9 @@ def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     """counts[e] = |{a : flat[a] = e}|, int64 [num_experts]: a fixed shape, no host read (unlike
     ``bincount``, whose output length depends on the values)."""
     ones = torch.ones_like(flat)
-    return torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, ones)
+    return torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, flat, ones
+    )
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -104,7 +105,10 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the experts (first weight ``w`` [E, f, d]) run on rows ``x`` as grouped GEMMs: the
     kernel table's ``experts`` rule (:mod:`megaformer.kernels.selection`)."""
     _, f, d = w.shape
-    return choose_for("experts", x, compute_dtype=_compute_dtype(x), d_model=d, d_ffn=f).impl == "grouped"
+    return (
+        choose_for("experts", x, compute_dtype=_compute_dtype(x), d_model=d, d_ffn=f).impl
+        == "grouped"
+    )
 
 
 class Experts(nn.Module):
@@ -132,8 +136,9 @@ class Experts(nn.Module):
             return self.grouped(x, counts, _compute_dtype(x))
         return self.loop(x, counts)
 
-    def grouped(self, x: torch.Tensor, counts: torch.Tensor,
-                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def grouped(
+        self, x: torch.Tensor, counts: torch.Tensor, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         """One grouped GEMM per matrix over all experts, in ``dtype`` (default x's: under autocast
         the autocast dtype, operands cast here); no host synchronisation."""
         dtype = dtype or x.dtype
@@ -141,8 +146,11 @@ class Experts(nn.Module):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         w1, w2 = self.w1.to(dtype), self.w2.to(dtype)
         h1 = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
-        h3 = (torch._grouped_mm(x, self.w3.to(dtype).transpose(1, 2), offs=offs)
-              if self.w3 is not None else None)
+        h3 = (
+            torch._grouped_mm(x, self.w3.to(dtype).transpose(1, 2), offs=offs)
+            if self.w3 is not None
+            else None
+        )
         return torch._grouped_mm(self._act(h1, h3), w2.transpose(1, 2), offs=offs)
 
     def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -156,7 +164,9 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         n, f, d = self.w1.shape
-        held = f" (ids {self.first_expert}..{self.first_expert + n - 1})" if self.first_expert else ""
+        held = (
+            f" (ids {self.first_expert}..{self.first_expert + n - 1})" if self.first_expert else ""
+        )
         return f"experts={n}{held}, d_model={d}, d_ffn={f}, activation={self.activation}"
 
 
@@ -175,17 +185,25 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = m.num_experts, m.top_k
         self.score, self.renormalize = m.score, m.renormalize
         self.capacity_factor = None if m.dropless else m.capacity_factor
-        self.aux_coef, self.z_coef, self.bias_rate = m.aux_loss_coef, m.z_loss_coef, m.bias_update_rate
+        self.aux_coef, self.z_coef, self.bias_rate = (
+            m.aux_loss_coef,
+            m.z_loss_coef,
+            m.bias_update_rate,
+        )
         self.router = nn.Linear(cfg.d_model, m.num_experts, bias=False)
         self.experts = Experts(m.num_experts, cfg.d_model, cfg.expert_dim, cfg.activation)
-        self.shared = (MLP(cfg, d_ffn=cfg.shared_dim, bias=False) if cfg.shared_dim > 0 else None)
-        self.shared_gate = (nn.Linear(cfg.d_model, 1, bias=False)
-                            if self.shared is not None and m.shared_gate else None)
+        self.shared = MLP(cfg, d_ffn=cfg.shared_dim, bias=False) if cfg.shared_dim > 0 else None
+        self.shared_gate = (
+            nn.Linear(cfg.d_model, 1, bias=False)
+            if self.shared is not None and m.shared_gate
+            else None
+        )
         # not parameters: the bias moves by its own rule, not by the optimizer; checkpoints carry
         # it (megaformer.checkpoint.router_state)
         self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=False)
-        self.register_buffer("step_load", torch.zeros(m.num_experts, dtype=torch.long),
-                             persistent=False)
+        self.register_buffer(
+            "step_load", torch.zeros(m.num_experts, dtype=torch.long), persistent=False
+        )
         # dropped assignments, sum of aux, sum of z, forwards (this step, this rank)
         self.register_buffer("step_sums", torch.zeros(4, dtype=torch.float64), persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
@@ -227,8 +245,9 @@ class MoE(nn.Module):
             gates = gates / gates.sum(-1, keepdim=True)
         return logits, idx, gates
 
-    def router_losses(self, logits: torch.Tensor, counts: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def router_losses(
+        self, logits: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(load-balancing loss E sum_e f_e P_e, z-loss mean_n logsumexp(z_n)^2), unweighted."""
         if self.tp_size > 1:  # replicated logits: each rank's share of the gradient is 1/tp
             logits = _ScaleGrad.apply(logits, 1.0 / self.tp_size)
@@ -250,8 +269,8 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         n, k, E = x2.shape[0], self.top_k, self.num_experts
         logits, idx, gates = self.route(x2)
-        flat = idx.reshape(-1)                                   # assignment a = n k + j
-        order = torch.argsort(flat, stable=True)                 # sorted by expert, then token
+        flat = idx.reshape(-1)  # assignment a = n k + j
+        order = torch.argsort(flat, stable=True)  # sorted by expert, then token
         counts = expert_counts(flat, E)
         kept = counts
         if self.capacity_factor is not None:
@@ -267,13 +286,20 @@ class MoE(nn.Module):
             y = self.expert_dispatch(x2[token], kept, self.experts)
         # y_n = sum_j g_nj FFN_ej(x_n): the k terms accumulate in fp32, one cast at the end
         w = gates.reshape(-1)[order].unsqueeze(1).float()
-        out = (x2.new_zeros(x2.shape, dtype=torch.float32).index_add(0, token, y.float() * w)
-               .to(y.dtype).view(shape))
+        out = (
+            x2.new_zeros(x2.shape, dtype=torch.float32)
+            .index_add(0, token, y.float() * w)
+            .to(y.dtype)
+            .view(shape)
+        )
         if self.tp_group is not None:
             from megaformer.comm import reduce_from_tp, reduce_scatter_to_seq
 
-            out = (reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel
-                   else reduce_from_tp(out, self.tp_group))
+            out = (
+                reduce_scatter_to_seq(out, self.tp_group)
+                if self.sequence_parallel
+                else reduce_from_tp(out, self.tp_group)
+            )
         if self.shared is not None:
             out = out + self._gated(x, self.shared(x))
 
@@ -292,9 +318,14 @@ class MoE(nn.Module):
         if record:
             with torch.no_grad():
                 self.step_load += counts
-                self.step_sums += torch.stack([
-                    (counts - kept).sum().double(), aux.detach().double(), z.detach().double(),
-                    torch.ones((), dtype=torch.float64, device=x.device)])
+                self.step_sums += torch.stack(
+                    [
+                        (counts - kept).sum().double(),
+                        aux.detach().double(),
+                        z.detach().double(),
+                        torch.ones((), dtype=torch.float64, device=x.device),
+                    ]
+                )
         return out
 
     def _gated(self, x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -313,12 +344,16 @@ class MoE(nn.Module):
         return torch.sigmoid(z) * shared
 
     def extra_repr(self) -> str:
-        cap = ("dropless" if self.capacity_factor is None
-               else f"capacity_factor={self.capacity_factor}")
+        cap = (
+            "dropless"
+            if self.capacity_factor is None
+            else f"capacity_factor={self.capacity_factor}"
+        )
         return f"layer={self.layer}, top_k={self.top_k}, score={self.score}, {cap}"
 
 
 # ---------------------------------------------------------------------- the model's MoE blocks
+
 
 def moe_layers(module: nn.Module) -> list[MoE]:
     """The MoE FFNs in ``module`` (this rank's pipeline stage when ``module`` is the pipeline)."""

@@ -49,10 +49,10 @@ def sinusoidal_table(n_pos: int, d: int, dtype: torch.dtype = torch.float32) -> 
     """
     if d % 2 != 0:
         raise ValueError(f"sinusoidal positions need an even width, got d={d}")
-    pos = torch.arange(n_pos, dtype=torch.float64).unsqueeze(1)                      # [n_pos, 1]
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)           # [d/2]
-    angles = pos * inv_freq                                                          # [n_pos, d/2]
-    table = torch.stack((torch.sin(angles), torch.cos(angles)), dim=-1)              # [n_pos, d/2, 2]
+    pos = torch.arange(n_pos, dtype=torch.float64).unsqueeze(1)  # [n_pos, 1]
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    angles = pos * inv_freq  # [n_pos, d/2]
+    table = torch.stack((torch.sin(angles), torch.cos(angles)), dim=-1)  # [n_pos, d/2, 2]
     return table.reshape(n_pos, d).to(dtype)
 
 
@@ -70,24 +70,34 @@ class RotaryEmbedding(nn.Module):
     pipeline stage computes them once, not per layer and step.
     """
 
-    def __init__(self, head_dim: int, rotary_fraction: float = 1.0, theta: float = 10000.0,
-                 scaling: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_fraction: float = 1.0,
+        theta: float = 10000.0,
+        scaling: Optional[dict] = None,
+    ) -> None:
         super().__init__()
         self.rot = rotary_dim(head_dim, rotary_fraction)
         if self.rot < 2 or self.rot % 2 != 0:
-            raise ValueError(f"rotary dims per head ({head_dim} * {rotary_fraction} = {self.rot}) "
-                             "must be even and >= 2")
+            raise ValueError(
+                f"rotary dims per head ({head_dim} * {rotary_fraction} = {self.rot}) "
+                "must be even and >= 2"
+            )
         self.theta = theta
         self.scaling = dict(scaling) if scaling else None
-        self.attention_factor = (yarn_attention_factor(self.scaling)
-                                 if self.scaling and self.scaling["rope_type"] == "yarn" else 1.0)
+        self.attention_factor = (
+            yarn_attention_factor(self.scaling)
+            if self.scaling and self.scaling["rope_type"] == "yarn"
+            else 1.0
+        )
         self._key = (self.rot, self.theta, tuple(sorted((self.scaling or {}).items())))
 
     def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         """theta^(-2i/rot) for i = 0 .. rot/2 - 1, fp32 (computed as Hugging Face does), scaled
         as ``scaling`` says (the module docstring)."""
         exponent = torch.arange(0, self.rot, 2, dtype=torch.int64, device=device).float() / self.rot
-        inv_freq = 1.0 / (self.theta ** exponent)
+        inv_freq = 1.0 / (self.theta**exponent)
         if self.scaling is None:
             return inv_freq
         if self.scaling["rope_type"] == "llama3":
@@ -103,7 +113,9 @@ class RotaryEmbedding(nn.Module):
             return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return emb.cos(), emb.sin()
 
-    def tables(self, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, start: int, length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of positions start .. start + length - 1, cached (see the class docstring)."""
         key = (self._key, str(device), start, length)
         if torch.compiler.is_compiling():

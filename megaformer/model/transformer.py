@@ -57,14 +57,15 @@ class OutputHead(Linear):
     """logits = h W_out^T over the padded vocabulary [.., Vp]; the real vocabulary is the first V
     columns. Also the loss on those logits (or on the hidden states, ``chunk_tokens`` at a time)."""
 
-    def __init__(self, d_model: int, padded_vocab_size: int, vocab_size: int, chunk_tokens: int = 0
-                 ) -> None:
+    def __init__(
+        self, d_model: int, padded_vocab_size: int, vocab_size: int, chunk_tokens: int = 0
+    ) -> None:
         super().__init__(d_model, padded_vocab_size, bias=False)
         self.vocab_size, self.chunk_tokens = vocab_size, chunk_tokens
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary [.., V] (padding columns dropped)."""
-        return logits[..., :self.vocab_size]
+        return logits[..., : self.vocab_size]
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (fp32) over labels != -100, over the real vocabulary."""
@@ -72,8 +73,14 @@ class OutputHead(Linear):
 
     def hidden_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """loss(self(hidden), labels) without the full logits: ``chunk_tokens`` tokens at a time."""
-        return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_tokens,
-                                     vocab_size=self.vocab_size, ignore_index=IGNORE_INDEX)
+        return chunked_cross_entropy(
+            hidden,
+            self.weight,
+            labels,
+            self.chunk_tokens,
+            vocab_size=self.vocab_size,
+            ignore_index=IGNORE_INDEX,
+        )
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", vocab_size={self.vocab_size}"
@@ -84,11 +91,19 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: Optional[int] = None) -> None:
         super().__init__()
-        if not isinstance(cfg.vocab_size, int) or isinstance(cfg.vocab_size, bool) or cfg.vocab_size <= 0:
-            raise ValueError(f"model.vocab_size must be a positive int when the model is built, "
-                             f"got {cfg.vocab_size!r} (resolve it from the tokenizer first)")
+        if (
+            not isinstance(cfg.vocab_size, int)
+            or isinstance(cfg.vocab_size, bool)
+            or cfg.vocab_size <= 0
+        ):
+            raise ValueError(
+                f"model.vocab_size must be a positive int when the model is built, "
+                f"got {cfg.vocab_size!r} (resolve it from the tokenizer first)"
+            )
         if cfg.position not in ("sinusoidal", "learned", "rope", "none"):
-            raise ValueError(f"model.position={cfg.position!r}: must be sinusoidal, learned, rope or none")
+            raise ValueError(
+                f"model.position={cfg.position!r}: must be sinusoidal, learned, rope or none"
+            )
         self.cfg = cfg
         self.eod_id: Optional[int] = None  # end-of-document token, for model.document_mask
         self.vocab_size = cfg.vocab_size
@@ -108,21 +123,26 @@ class Transformer(nn.Module):
 
     def _build(self, cfg: ModelConfig) -> None:
         self.tok_embeddings = nn.Embedding(self.padded_vocab_size, cfg.d_model)
-        self.pos_embeddings = (nn.Embedding(cfg.max_seq_len, cfg.d_model)
-                               if cfg.position == "learned" else None)
+        self.pos_embeddings = (
+            nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        )
         if cfg.position == "sinusoidal":
-            self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.d_model),
-                                 persistent=False)
+            self.register_buffer(
+                "pos_table", sinusoidal_table(cfg.max_seq_len, cfg.d_model), persistent=False
+            )
         else:
             self.pos_table = None
-        self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta,
-                                       cfg.rope_scaling)
-                       if cfg.position == "rope" else None)
+        self.rotary = (
+            RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
+            if cfg.position == "rope"
+            else None
+        )
         self.drop = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, layer=i) for i in range(cfg.n_layers))
         self.final_norm = build_norm(cfg)
-        self.lm_head = OutputHead(cfg.d_model, self.padded_vocab_size, cfg.vocab_size,
-                                  cfg.loss_chunk_tokens)
+        self.lm_head = OutputHead(
+            cfg.d_model, self.padded_vocab_size, cfg.vocab_size, cfg.loss_chunk_tokens
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -168,8 +188,9 @@ class Transformer(nn.Module):
         owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
         if leaf == "bias" or isinstance(owner, (nn.LayerNorm, RMSNorm)):
             return None
-        out = (name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.shared.w2.weight"))
-               or (name.endswith("experts.w2")))
+        out = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.shared.w2.weight")) or (
+            name.endswith("experts.w2")
+        )
         return self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if out else self.cfg.init_std
 
     @torch.no_grad()
@@ -186,16 +207,16 @@ class Transformer(nn.Module):
         g.manual_seed((self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
         if name in ("tok_embeddings.weight", "lm_head.weight"):
             # real rows drawn exactly as without padding; padding rows zero
-            t[:self.vocab_size].normal_(0.0, std, generator=g)
-            t[self.vocab_size:].zero_()
+            t[: self.vocab_size].normal_(0.0, std, generator=g)
+            t[self.vocab_size :].zero_()
             return t
         return t.normal_(0.0, std, generator=g)
 
     # ------------------------------------------------------------------ forward
 
-    def embed(self, input_ids: torch.Tensor, start_pos: int = 0,
-              positions: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    def embed(
+        self, input_ids: torch.Tensor, start_pos: int = 0, positions: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
         """x_0 [B, T, d] (the residual stream before the first block) for tokens at positions
         start_pos..start_pos+T-1 (or ``positions`` [T]), and the rotary (cos, sin) of those
         positions (None without RoPE)."""
@@ -203,12 +224,20 @@ class Transformer(nn.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         T = input_ids.shape[1]
         if start_pos + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds model.max_seq_len="
-                             f"{self.cfg.max_seq_len}")
+            raise ValueError(
+                f"sequence of {start_pos + T} tokens exceeds model.max_seq_len="
+                f"{self.cfg.max_seq_len}"
+            )
         if positions is None:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)
-            table = self.pos_table[start_pos:start_pos + T] if self.pos_table is not None else None
-            rope = self.rotary.tables(start_pos, T, input_ids.device) if self.rotary is not None else None
+            table = (
+                self.pos_table[start_pos : start_pos + T] if self.pos_table is not None else None
+            )
+            rope = (
+                self.rotary.tables(start_pos, T, input_ids.device)
+                if self.rotary is not None
+                else None
+            )
         else:
             table = self.pos_table[positions] if self.pos_table is not None else None
             with torch.no_grad():
@@ -220,9 +249,14 @@ class Transformer(nn.Module):
             x = x + table.to(x.dtype)
         return self.drop(x), rope
 
-    def _hidden(self, input_ids: torch.Tensor, cache: Optional[KVCache], start_pos: int,
-                positions: Optional[torch.Tensor] = None,
-                doc_ids: Optional[DocumentMask] = None) -> torch.Tensor:
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: Optional[KVCache],
+        start_pos: int,
+        positions: Optional[torch.Tensor] = None,
+        doc_ids: Optional[DocumentMask] = None,
+    ) -> torch.Tensor:
         """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1
         (or ``positions``), with the document mask ``doc_ids`` (default: that of ``input_ids``
         under ``model.document_mask``, without a cache)."""
@@ -231,29 +265,50 @@ class Transformer(nn.Module):
             doc_ids = self.document_mask(input_ids)
         docs = {"doc_ids": doc_ids} if doc_ids is not None else {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope=rope, cache=cache.layers[i] if cache is not None else None,
-                      start_pos=start_pos, **docs)
+            x = layer(
+                x,
+                rope=rope,
+                cache=cache.layers[i] if cache is not None else None,
+                start_pos=start_pos,
+                **docs,
+            )
         return self.final_norm(x)
 
-    def document_mask(self, input_ids: torch.Tensor,
-                      build: Callable[..., DocumentMask] = document_mask) -> DocumentMask:
+    def document_mask(
+        self, input_ids: torch.Tensor, build: Callable[..., DocumentMask] = document_mask
+    ) -> DocumentMask:
         """The batch's document boundaries, once per forward, in the form attention reads.
 
         ``build(ids, eod_id, backend=, head_dim=, dtype=, window=)`` makes it (default
         :func:`megaformer.kernels.attention.document_mask`; context parallelism passes one that
         reads the whole sequences)."""
         if self.eod_id is None:
-            raise ValueError("model.document_mask needs the end-of-document id: set the "
-                             "model's eod_id (the trainer sets it from the tokenizer)")
+            raise ValueError(
+                "model.document_mask needs the end-of-document id: set the "
+                "model's eod_id (the trainer sets it from the tokenizer)"
+            )
         dev = input_ids.device.type
-        dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
-                 else self.tok_embeddings.weight.dtype)  # that of the activations
-        return build(input_ids, self.eod_id, backend=self.cfg.attention_backend,
-                     head_dim=self.cfg.head_dim, dtype=dtype, window=self.cfg.sliding_window)
+        dtype = (
+            torch.get_autocast_dtype(dev)
+            if torch.is_autocast_enabled(dev)
+            else self.tok_embeddings.weight.dtype
+        )  # that of the activations
+        return build(
+            input_ids,
+            self.eod_id,
+            backend=self.cfg.attention_backend,
+            head_dim=self.cfg.head_dim,
+            dtype=dtype,
+            window=self.cfg.sliding_window,
+        )
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None,
-                doc_ids: Optional[DocumentMask] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        doc_ids: Optional[DocumentMask] = None,
+    ) -> torch.Tensor:
         """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100.
 
         ``positions`` [T]: the tokens' absolute positions (default 0..T-1); ``doc_ids``: the
@@ -284,8 +339,13 @@ class Transformer(nn.Module):
         allocated at the first forward_cached call."""
         return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)
 
-    def forward_cached(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None,
-                       start_pos: int = 0, last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
+    def forward_cached(
+        self,
+        input_ids: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        start_pos: int = 0,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, KVCache]:
         """Logits of tokens at positions start_pos.. given the cache of positions < start_pos.
 
         Returns (logits [B, T, V] or [B, 1, V] with ``last_only``, cache updated in place).
@@ -300,9 +360,15 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ generation
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 eos_id: Optional[int] = None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+        eos_id: Optional[int] = None,
+    ) -> torch.Tensor:
         """Append up to ``max_new_tokens`` tokens to ``input_ids`` [B, T] -> [B, T + n], with a KV cache.
 
         Temperature 0 is greedy (:func:`megaformer.model.decoding.decode`). Generation stops once
@@ -314,13 +380,22 @@ class Transformer(nn.Module):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a non-empty [batch, seq] tensor, "
-                             f"got {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be a non-empty [batch, seq] tensor, got {tuple(input_ids.shape)}"
+            )
         was_training = self.training
         self.eval()
         try:
-            return decode(kv_cached(self), input_ids, max_new_tokens, self.cfg.max_seq_len,
-                          temperature=temperature, top_k=top_k, generator=generator, eos_id=eos_id)
+            return decode(
+                kv_cached(self),
+                input_ids,
+                max_new_tokens,
+                self.cfg.max_seq_len,
+                temperature=temperature,
+                top_k=top_k,
+                generator=generator,
+                eos_id=eos_id,
+            )
         finally:
             self.train(was_training)
 

@@ -39,12 +39,22 @@ from megaformer.config import Config
 from megaformer.kernels.selection import set_mode
 from megaformer.model.block import compile_blocks
 from megaformer.model.transformer import Transformer
-from megaformer.parallel.fp8 import apply_fp8
+from megaformer.parallel.context import (
+    ContextParallel,
+    apply_context,
+    attach_inputs,
+    loss_weighting,
+    weighted_loss_fn,
+)
 from megaformer.parallel.experts import distribute_experts, expert_offset
-from megaformer.parallel.context import (ContextParallel, apply_context, attach_inputs,
-                                         loss_weighting, weighted_loss_fn)
-from megaformer.parallel.pipeline import (StagePieces, build_pipeline, original_names, stage_parts,
-                                          stage_pieces)
+from megaformer.parallel.fp8 import apply_fp8
+from megaformer.parallel.pipeline import (
+    StagePieces,
+    build_pipeline,
+    original_names,
+    stage_parts,
+    stage_pieces,
+)
 from megaformer.parallel.plan import load_full_weights, padded_vocab_size, parallelize
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.recompute import apply_recompute
@@ -70,11 +80,17 @@ class BuiltModel:
     weigh_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_weighting(None)
 
 
-def build_model(cfg: Config, topology: Optional[Topology] = None, *,
-                device: Union[str, torch.device] = "cpu",
-                weights: Optional[dict[str, torch.Tensor]] = None, weights_source: object = None,
-                eod_id: Optional[int] = None, training: bool = True,
-                partition: Optional[Callable[[nn.Module], None]] = None) -> BuiltModel:
+def build_model(
+    cfg: Config,
+    topology: Optional[Topology] = None,
+    *,
+    device: Union[str, torch.device] = "cpu",
+    weights: Optional[dict[str, torch.Tensor]] = None,
+    weights_source: object = None,
+    eod_id: Optional[int] = None,
+    training: bool = True,
+    partition: Optional[Callable[[nn.Module], None]] = None,
+) -> BuiltModel:
     """The model ``cfg`` describes, laid out for ``topology`` (None: one process), on ``device``.
 
     ``weights``: unsharded, unpadded full weights to start from (``weights_source`` names them in
@@ -92,36 +108,56 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
     device = torch.device(device)
     # the vocabulary is padded for training (TP splits, GEMM shapes); a model for generation
     # holds exactly the checkpoint's tables
-    padded = (padded_vocab_size(m.vocab_size, tp, p.vocab_multiple) if training or tp > 1
-              else None)
+    padded = padded_vocab_size(m.vocab_size, tp, p.vocab_multiple) if training or tp > 1 else None
     set_mode(m.kernels)  # the kernel mode of this process (megaformer.kernels.selection)
     reader = weights if weights is not None and hasattr(weights, "shard") else None
     # split layouts build on the meta device and give values one block at a time, to this rank's
     # shards and pipeline stage only (unless whole weights are to be copied in first)
     # (so do expert parallelism, each block keeping its experts, and ZeRO-3, each module its
     # partition, as soon as it has its values)
-    lazy = (topology is not None and (tp > 1 or pp > 1 or topology.ep > 1 or partition is not None)
-            and (weights is None or reader is not None))
+    lazy = (
+        topology is not None
+        and (tp > 1 or pp > 1 or topology.ep > 1 or partition is not None)
+        and (weights is None or reader is not None)
+    )
     torch.manual_seed(t.seed)
     with torch.device("meta" if lazy else device):
         model = Transformer(m, padded_vocab_size=padded)
     model.eod_id = eod_id
     fill: Optional[Materializer] = None
     if lazy:
-        pieces = (stage_pieces(_stage_parts(cfg, topology, padded, model), topology.pp_rank, m.n_layers,
-                               m.tie_embeddings) if pp > 1 else None)
-        fill = Materializer(model, device, pieces, init=reader is None, topology=topology,
-                            reader=reader if partition is not None else None, partition=partition)
+        pieces = (
+            stage_pieces(
+                _stage_parts(cfg, topology, padded, model),
+                topology.pp_rank,
+                m.n_layers,
+                m.tie_embeddings,
+            )
+            if pp > 1
+            else None
+        )
+        fill = Materializer(
+            model,
+            device,
+            pieces,
+            init=reader is None,
+            topology=topology,
+            reader=reader if partition is not None else None,
+            partition=partition,
+        )
     if weights is not None and reader is None:
         load_full_weights(model, weights, weights_source)
     torch.manual_seed(t.seed + 1)  # dropout stream, independent of init
-    tp_rng = TensorParallelRNG(t.seed, topology.tp_rank) if topology is not None and tp > 1 else None
+    tp_rng = (
+        TensorParallelRNG(t.seed, topology.tp_rank) if topology is not None and tp > 1 else None
+    )
     if topology is not None:
         # drawn values are drawn whole and split; read values are read as shards, allocated split
         # (under ZeRO-3 the Materializer reads each module, then keeps its partition)
         split_read = reader is not None and partition is None
-        parallelize(model, topology, p.sequence_parallel, tp_rng,
-                    materialize=None if split_read else fill)
+        parallelize(
+            model, topology, p.sequence_parallel, tp_rng, materialize=None if split_read else fill
+        )
         distribute_experts(model, topology)  # this rank's experts (expert parallelism)
         if fill is not None and split_read:
             fill.split_shards()
@@ -130,8 +166,12 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
         cp = _context(model, topology, p.context_mode)
         if reader is not None and not loaded:
             load_shards(model, None, topology, reader)
-        return BuiltModel((model if lazy else model.to(device)).eval(), model, tp_rng,
-                          weigh_loss=loss_weighting(cp))
+        return BuiltModel(
+            (model if lazy else model.to(device)).eval(),
+            model,
+            tp_rng,
+            weigh_loss=loss_weighting(cp),
+        )
     apply_fp8(model, t.fp8, t.fp8_emulate, topology.groups.tp if topology is not None else None)
     apply_recompute(model.layers, t.recompute, t.recompute_every, tp_rng)
     # around the (recomputed) local core: the communication is not recomputed
@@ -145,21 +185,28 @@ def build_model(cfg: Config, topology: Optional[Topology] = None, *,
             load_shards(model, None, topology, reader)
         return BuiltModel(model, model, tp_rng, weigh_loss=loss_weighting(cp))
     names = original_names(model)
-    pipe = build_pipeline(model, topology, p.pipeline_partition,
-                          loss_fn=weighted_loss_fn(model.loss_fn, cp),
-                          inputs_hook=(lambda m: attach_inputs(cp, m)) if cp is not None else None)
+    pipe = build_pipeline(
+        model,
+        topology,
+        p.pipeline_partition,
+        loss_fn=weighted_loss_fn(model.loss_fn, cp),
+        inputs_hook=(lambda m: attach_inputs(cp, m)) if cp is not None else None,
+    )
     if reader is not None:  # this stage's parameters only
         load_shards(pipe, names, topology, reader)
     return BuiltModel(pipe, model, tp_rng, names)
 
 
-def _context(model: Transformer, topology: Optional[Topology], mode: str) -> Optional[ContextParallel]:
+def _context(
+    model: Transformer, topology: Optional[Topology], mode: str
+) -> Optional[ContextParallel]:
     """Context parallelism around the model's attention cores (None without it)."""
     return apply_context(model, topology, mode) if topology is not None else None
 
 
-def _stage_parts(cfg: Config, topology: Topology, padded: Optional[int],
-                 model: Transformer) -> list[int]:
+def _stage_parts(
+    cfg: Config, topology: Topology, padded: Optional[int], model: Transformer
+) -> list[int]:
     """The pipeline's stage boundaries. Only ``parameters`` needs the split layout's parameter
     counts: from a second model of shapes only, laid out as this one."""
     p = cfg.parallel
@@ -185,9 +232,16 @@ class Materializer:
     when given. ``partition(module)`` (ZeRO-3) then keeps this rank's partition of the module.
     The small rest of the model (final norm, positions, buffers) is materialised at once."""
 
-    def __init__(self, model: Transformer, device: torch.device, pieces: Optional[StagePieces],
-                 init: bool, topology: Optional[Topology] = None, reader: object = None,
-                 partition: Optional[Callable[[nn.Module], None]] = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        device: torch.device,
+        pieces: Optional[StagePieces],
+        init: bool,
+        topology: Optional[Topology] = None,
+        reader: object = None,
+        partition: Optional[Callable[[nn.Module], None]] = None,
+    ) -> None:
         self.model, self.device, self.pieces, self.init = model, device, pieces, init
         self.topology, self.reader, self.partition = topology, reader, partition
         self.names = {id(mod): name for name, mod in model.named_modules()}
@@ -229,8 +283,10 @@ class Materializer:
                 for name, p in list(mod._parameters.items()):
                     if p is not None and p.is_meta:
                         if id(p) not in made:  # the plan's marks (split dimension...) kept
-                            made[id(p)] = nn.Parameter(torch.empty_like(p, device=self.device),
-                                                       requires_grad=p.requires_grad)
+                            made[id(p)] = nn.Parameter(
+                                torch.empty_like(p, device=self.device),
+                                requires_grad=p.requires_grad,
+                            )
                             made[id(p)].__dict__.update(p.__dict__)
                         mod._parameters[name] = made[id(p)]
                 for name, b in list(mod._buffers.items()):
@@ -254,8 +310,13 @@ class Materializer:
 
 
 @torch.no_grad()
-def load_shards(module: nn.Module, names: Optional[dict[int, str]], topology: Optional[Topology],
-                reader: object, prefix: str = "") -> None:
+def load_shards(
+    module: nn.Module,
+    names: Optional[dict[int, str]],
+    topology: Optional[Topology],
+    reader: object,
+    prefix: str = "",
+) -> None:
     """Copy each parameter's tensor-parallel shard (vocabulary padding rows zero; an expert
     parameter's rows of this rank's experts) from ``reader`` into ``module`` (``names``:
     id(parameter) -> its plain-model name, under PP; else ``prefix`` + its name in ``module``)."""
@@ -265,7 +326,11 @@ def load_shards(module: nn.Module, names: Optional[dict[int, str]], topology: Op
         name = names[id(p)] if names is not None else prefix + name
         split = getattr(p, "tensor_model_parallel", False) and tp > 1
         dim = p.partition_dim if split else None
-        shard = reader.shard(name, tuple(p.shape), dim,  # type: ignore[attr-defined]
-                             rank * p.shape[dim] if split else 0,
-                             ep_offset=expert_offset(p, topology))
+        shard = reader.shard(
+            name,
+            tuple(p.shape),
+            dim,  # type: ignore[attr-defined]
+            rank * p.shape[dim] if split else 0,
+            ep_offset=expert_offset(p, topology),
+        )
         p.copy_(shard.to(p.dtype))

@@ -64,6 +64,7 @@ MODES = ("ring", "all_to_all")
 
 # ----------------------------------------------------------------------------- layout
 
+
 def chunk_starts(rank: int, size: int, mode: str, t_local: int) -> list[tuple[int, int]]:
     """(global start position, length) of each contiguous piece of the sequence this rank holds
     (``t_local`` tokens in all), in local order."""
@@ -73,11 +74,13 @@ def chunk_starts(rank: int, size: int, mode: str, t_local: int) -> list[tuple[in
     return [(rank * t_local, t_local)]
 
 
-def local_positions(rank: int, size: int, mode: str, t_local: int,
-                    device: torch.device | str | None = None) -> torch.Tensor:
+def local_positions(
+    rank: int, size: int, mode: str, t_local: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The global positions of this rank's ``t_local`` tokens, in local order (int64 [t_local])."""
-    return torch.cat([torch.arange(s, s + n, device=device)
-                      for s, n in chunk_starts(rank, size, mode, t_local)])
+    return torch.cat(
+        [torch.arange(s, s + n, device=device) for s, n in chunk_starts(rank, size, mode, t_local)]
+    )
 
 
 def split_sequence(t: torch.Tensor, rank: int, size: int, mode: str, dim: int = 1) -> torch.Tensor:
@@ -115,8 +118,11 @@ class ContextParallel:
         if self.mode not in MODES:
             raise ValueError(f"context mode {self.mode!r}: choose from {MODES}")
         if not self.ranks:
-            self.ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
-                          else list(range(self.size)))
+            self.ranks = (
+                dist.get_process_group_ranks(self.group)
+                if self.group is not None
+                else list(range(self.size))
+            )
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -145,18 +151,28 @@ class ContextParallel:
             full[:, local_positions(r, self.size, self.mode, tl, t.device)] = part
         return full
 
-    def documents(self, input_ids: torch.Tensor, eod_id: int, *, backend: str, head_dim: int,
-                  dtype: torch.dtype, window: Optional[int]) -> DocumentMask:
+    def documents(
+        self,
+        input_ids: torch.Tensor,
+        eod_id: int,
+        *,
+        backend: str,
+        head_dim: int,
+        dtype: torch.dtype,
+        window: Optional[int],
+    ) -> DocumentMask:
         """The document boundaries of the whole sequences (ids gathered over the group): the
         ring reads the document ids; all-to-all the mask of its attention backend."""
         full = self.gather(input_ids)
         if self.mode == "ring":
             return DocumentMask(document_ids(full, eod_id))
-        return document_mask(full, eod_id, backend=backend, head_dim=head_dim, dtype=dtype,
-                             window=window)
+        return document_mask(
+            full, eod_id, backend=backend, head_dim=head_dim, dtype=dtype, window=window
+        )
 
-    def scale_loss(self, loss: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
-                   ) -> torch.Tensor:
+    def scale_loss(
+        self, loss: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
         """loss (the mean over this rank's n_r counted labels) * N n_r / sum_r n_r: the gradients
         averaged over the group (DeepSpeed averages over data x context ranks) are those of the
         mean over the whole sequences, and so is the loss averaged over the group."""
@@ -167,9 +183,19 @@ class ContextParallel:
 
     # ------------------------------------------------------------ attention
 
-    def attention(self, core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, *, causal: bool, dropout_p: float, backend: str,
-                  doc_ids: Optional[DocumentMask], window: Optional[int]) -> torch.Tensor:
+    def attention(
+        self,
+        core: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        dropout_p: float,
+        backend: str,
+        doc_ids: Optional[DocumentMask],
+        window: Optional[int],
+    ) -> torch.Tensor:
         """softmax(Q K^T / sqrt(d) + M) V over the whole sequence for this rank's queries:
         q [B, h, T/N, d], k, v [B, h_kv, T/N, d] -> [B, h, T/N, d]."""
         if self.mode == "ring":
@@ -177,8 +203,18 @@ class ContextParallel:
                 raise ValueError("ring attention has no attention dropout")
             docs = doc_ids.doc_ids if doc_ids is not None else None
             return ring_attention(q, k, v, self, causal=causal, doc_ids=docs, window=window)
-        return ulysses_attention(core, q, k, v, self, causal=causal, dropout_p=dropout_p,
-                                 backend=backend, doc_ids=doc_ids, window=window)
+        return ulysses_attention(
+            core,
+            q,
+            k,
+            v,
+            self,
+            causal=causal,
+            dropout_p=dropout_p,
+            backend=backend,
+            doc_ids=doc_ids,
+            window=window,
+        )
 
 
 class ContextParallelAttention(nn.Module):
@@ -191,18 +227,47 @@ class ContextParallelAttention(nn.Module):
         self.cp = cp
         self.inner = inner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                dropout_p: float = 0.0, backend: str = "auto", doc_ids: Optional[DocumentMask] = None,
-                window: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        dropout_p: float = 0.0,
+        backend: str = "auto",
+        doc_ids: Optional[DocumentMask] = None,
+        window: Optional[int] = None,
+    ) -> torch.Tensor:
         if not self.cp.active:
-            return self.inner(q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
-                              doc_ids=doc_ids, window=window)
-        return self.cp.attention(self.inner, q, k, v, causal=causal, dropout_p=dropout_p,
-                                 backend=backend, doc_ids=doc_ids, window=window)
+            return self.inner(
+                q,
+                k,
+                v,
+                causal=causal,
+                dropout_p=dropout_p,
+                backend=backend,
+                doc_ids=doc_ids,
+                window=window,
+            )
+        return self.cp.attention(
+            self.inner,
+            q,
+            k,
+            v,
+            causal=causal,
+            dropout_p=dropout_p,
+            backend=backend,
+            doc_ids=doc_ids,
+            window=window,
+        )
 
     def extra_repr(self) -> str:
-        how = ("ring attention; inner only while disabled" if self.cp.mode == "ring"
-               else "inner between all-to-alls")
+        how = (
+            "ring attention; inner only while disabled"
+            if self.cp.mode == "ring"
+            else "inner between all-to-alls"
+        )
         return f"mode={self.cp.mode}, size={self.cp.size}, rank={self.cp.rank} ({how})"
 
 
@@ -224,6 +289,7 @@ def _inputs_hook(cp: ContextParallel, documents: bool) -> Callable:
     """A forward pre-hook handing a module taking token ids or activations [B, T_local, ...]
     first the ``positions`` of this rank's tokens (and, with ``documents``, the model's
     ``doc_ids`` of the whole sequences), unless the caller passed them or the group is disabled."""
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         if not cp.active or kwargs.get("positions") is not None:
             return None
@@ -232,6 +298,7 @@ def _inputs_hook(cp: ContextParallel, documents: bool) -> Callable:
         if documents and module.cfg.document_mask and kwargs.get("doc_ids") is None:
             kwargs["doc_ids"] = module.document_mask(first, build=cp.documents)
         return args, kwargs
+
     return hook
 
 
@@ -259,7 +326,9 @@ def _unweighted(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def loss_weighting(cp: Optional[ContextParallel]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def loss_weighting(
+    cp: Optional[ContextParallel],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``weigh(loss, labels)``: the train step's loss of this rank as the group needs it
     (:meth:`ContextParallel.scale_loss`; the loss unchanged without context parallelism)."""
     if cp is None:
@@ -267,11 +336,13 @@ def loss_weighting(cp: Optional[ContextParallel]) -> Callable[[torch.Tensor, tor
 
     def weigh(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cp.scale_loss(loss, labels.to(loss.device))
+
     return weigh
 
 
-def weighted_loss_fn(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                     cp: Optional[ContextParallel]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def weighted_loss_fn(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cp: Optional[ContextParallel]
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_fn(logits, labels)`` followed by the context-parallel weighting (pipeline loss)."""
     if cp is None:
         return loss_fn
@@ -279,10 +350,12 @@ def weighted_loss_fn(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
 
     def fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return weigh(loss_fn(logits, labels), labels)
+
     return fn
 
 
 # ----------------------------------------------------------------------------- ring attention
+
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, H, T, X] -> [B, Hkv, g T, X]: the g query heads of each key/value head stacked."""
@@ -290,8 +363,14 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.reshape(B, kv_heads, (H // kv_heads) * T, X)
 
 
-def _pair_mask(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: Optional[int],
-               qdoc: Optional[torch.Tensor], kdoc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _pair_mask(
+    qpos: torch.Tensor,
+    kpos: torch.Tensor,
+    causal: bool,
+    window: Optional[int],
+    qdoc: Optional[torch.Tensor],
+    kdoc: Optional[torch.Tensor],
+) -> Optional[torch.Tensor]:
     """Boolean [B|1, 1, Tq, Tk], True where a query may see a key; None: it sees all."""
     diff = qpos[:, None] - kpos[None, :]
     mask = None
@@ -331,8 +410,9 @@ def _pairs(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optiona
     return out
 
 
-def _tiles(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int],
-           count: bool):
+def _tiles(
+    cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int], count: bool
+):
     """The chunk pairs of :func:`_pairs` cut into tiles of at most ``cp.tile`` queries and keys
     (the scores of one tile are what lives at a time), tiles nobody sees skipped. ``count``:
     add the chunk pairs and tiles to :data:`RING_WORK`."""
@@ -345,27 +425,44 @@ def _tiles(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optiona
                 kn = min(t, ks.stop - ks.start - j)
                 if _visible(q0 + i, qn, k0 + j, kn, causal, window):
                     RING_WORK["tiles"] += count
-                    yield (slice(qs.start + i, qs.start + i + qn),
-                           slice(ks.start + j, ks.start + j + kn), q0 + i, k0 + j)
+                    yield (
+                        slice(qs.start + i, qs.start + i + qn),
+                        slice(ks.start + j, ks.start + j + kn),
+                        q0 + i,
+                        k0 + j,
+                    )
 
 
-def _masks(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int],
-           doc_ids: Optional[torch.Tensor], device: torch.device, count: bool = False):
+def _masks(
+    cp: ContextParallel,
+    src: int,
+    tl: int,
+    causal: bool,
+    window: Optional[int],
+    doc_ids: Optional[torch.Tensor],
+    device: torch.device,
+    count: bool = False,
+):
     """Each tile with its mask (None where every query sees every key)."""
     for qs, ks, q0, k0 in _tiles(cp, src, tl, causal, window, count):
         qn, kn = qs.stop - qs.start, ks.stop - ks.start
-        full_view = (not causal or (q0 >= k0 + kn - 1 and (window is None or q0 + qn - 1 - k0 < window)))
+        full_view = not causal or (
+            q0 >= k0 + kn - 1 and (window is None or q0 + qn - 1 - k0 < window)
+        )
         qpos = torch.arange(q0, q0 + qn, device=device)
         kpos = torch.arange(k0, k0 + kn, device=device)
         if doc_ids is not None:
-            mask = _pair_mask(qpos, kpos, causal, window, doc_ids[:, q0:q0 + qn], doc_ids[:, k0:k0 + kn])
+            mask = _pair_mask(
+                qpos, kpos, causal, window, doc_ids[:, q0 : q0 + qn], doc_ids[:, k0 : k0 + kn]
+            )
         else:
             mask = None if full_view else _pair_mask(qpos, kpos, causal, window, None, None)
         yield qs, ks, mask
 
 
-def _tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
-                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _tile_scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[torch.Tensor]
+) -> torch.Tensor:
     """S = Q K^T * scale (+ mask: -inf where hidden), fp32 [B, H, Tq, Tk]; one buffer, in place."""
     B, H, tq, _ = q.shape
     s = torch.matmul(_grouped(q, k.shape[1]), k.transpose(-2, -1)).view(B, H, tq, -1).mul_(scale)
@@ -383,9 +480,17 @@ class RingAttention(torch.autograd.Function):
     """Exact attention over the context group by passing K/V blocks around it (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,  # type: ignore[override]
-                causal: bool, doc_ids: Optional[torch.Tensor], window: Optional[int],
-                scale: float) -> torch.Tensor:
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cp: ContextParallel,  # type: ignore[override]
+        causal: bool,
+        doc_ids: Optional[torch.Tensor],
+        window: Optional[int],
+        scale: float,
+    ) -> torch.Tensor:
         B, H, tl, D = q.shape
         hkv = k.shape[1]
         qf = q.float()
@@ -405,8 +510,9 @@ class RingAttention(torch.autograd.Function):
                 l_old = lse[:, :, qs]
                 l_new = torch.logaddexp(l_old, l_b)
                 safe = torch.where(torch.isinf(l_new), 0.0, l_new)
-                o[:, :, qs] = (o[:, :, qs] * torch.exp(l_old - safe).unsqueeze(-1)
-                               + o_b * torch.exp(l_b - safe).unsqueeze(-1))
+                o[:, :, qs] = o[:, :, qs] * torch.exp(l_old - safe).unsqueeze(-1) + o_b * torch.exp(
+                    l_b - safe
+                ).unsqueeze(-1)
                 lse[:, :, qs] = l_new
             if pending is not None:
                 kv = pending.wait()
@@ -441,26 +547,45 @@ class RingAttention(torch.autograd.Function):
                 dp = torch.matmul(do_g, vf[:, :, ks].transpose(-2, -1)).view(B, H, qn, -1)
                 ds = dp.sub_(delta[:, :, qs].unsqueeze(-1)).mul_(p).mul_(scale)  # dS * scale
                 dq[:, :, qs] += torch.matmul(_grouped(ds, hkv), kf[:, :, ks]).view(B, H, qn, D)
-                dkv[0][:, :, ks] += torch.matmul(_grouped(ds, hkv).transpose(-2, -1),
-                                                 _grouped(qf[:, :, qs], hkv))
+                dkv[0][:, :, ks] += torch.matmul(
+                    _grouped(ds, hkv).transpose(-2, -1), _grouped(qf[:, :, qs], hkv)
+                )
             # the accumulators follow their block: after N passes they are back with its owner
             dkv = _RingPass(dkv, cp, "cp_ring_dkv").wait()
             if pending is not None:
                 kv = pending.wait()
             src = (src - 1) % cp.size
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None, None)
+        return (
+            dq.to(q.dtype),
+            dkv[0].to(k.dtype),
+            dkv[1].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *,
-                   causal: bool = True, doc_ids: Optional[torch.Tensor] = None,
-                   window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel,
+    *,
+    causal: bool = True,
+    doc_ids: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """softmax(Q K^T * scale + M) V over the whole sequence, q [B, H, T/N, d] and k, v
     [B, Hkv, T/N, d] this rank's tokens in the ring layout; ``doc_ids`` [B, T]: the document id
     of every position of the *whole* sequences (None: no document mask)."""
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"ring attention: {q.shape[1]} query heads not a multiple of {k.shape[1]} "
-                         "key/value heads")
+        raise ValueError(
+            f"ring attention: {q.shape[1]} query heads not a multiple of {k.shape[1]} "
+            "key/value heads"
+        )
     T = q.shape[2] * cp.size
     if window is not None and window >= T:
         window = None
@@ -470,6 +595,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Contex
 
 
 # ----------------------------------------------------------------------------- all-to-all
+
 
 def _all_to_all(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """all_to_all_single over dim 0 (N equal blocks): block j goes to rank j."""
@@ -489,7 +615,9 @@ def _heads_to_seq(y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """[B, H/N, T, d] -> [B, H, T/N, d]: the inverse of :func:`_seq_to_heads`."""
     B, hl, T, D = y.shape
     n = cp.size
-    blocks = y.reshape(B, hl, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()  # [N, B, H/N, T/N, d]
+    blocks = (
+        y.reshape(B, hl, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()
+    )  # [N, B, H/N, T/N, d]
     got = _all_to_all(blocks, cp)  # got[j]: this rank's positions of rank j's heads
     return got.transpose(0, 1).reshape(B, n * hl, T // n, D)
 
@@ -516,22 +644,41 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(g.contiguous(), ctx.cp), None
 
 
-def ulysses_attention(core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, cp: ContextParallel, *, causal: bool, dropout_p: float,
-                      backend: str, doc_ids: Optional[DocumentMask], window: Optional[int]
-                      ) -> torch.Tensor:
+def ulysses_attention(
+    core: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel,
+    *,
+    causal: bool,
+    dropout_p: float,
+    backend: str,
+    doc_ids: Optional[DocumentMask],
+    window: Optional[int],
+) -> torch.Tensor:
     """``core`` (the attention core) on whole sequences of H/N heads, between two all-to-alls.
 
     Key/value heads are repeated to a multiple of N first when there are fewer (or not a
     multiple): query head i still reads key/value head i // (H / Hkv)."""
     n, hkv = cp.size, k.shape[1]
     if q.shape[1] % n:
-        raise ValueError(f"all-to-all context parallelism: {q.shape[1]} local heads not divisible "
-                         f"by the context degree {n}")
+        raise ValueError(
+            f"all-to-all context parallelism: {q.shape[1]} local heads not divisible "
+            f"by the context degree {n}"
+        )
     if hkv % n:
         reps = (hkv * n // math.gcd(hkv, n)) // hkv
         k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
     qh, kh, vh = (_SeqToHeads.apply(t, cp) for t in (q, k, v))
-    y = core(qh, kh, vh, causal=causal, dropout_p=dropout_p, backend=backend, doc_ids=doc_ids,
-             window=window)
+    y = core(
+        qh,
+        kh,
+        vh,
+        causal=causal,
+        dropout_p=dropout_p,
+        backend=backend,
+        doc_ids=doc_ids,
+        window=window,
+    )
     return _HeadsToSeq.apply(y, cp)

@@ -64,20 +64,21 @@ def expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
     expert, source rank) order: ``rows[perm]`` is expert-major. ``recv`` [P, L] counts,
     ``total`` their sum (the rows received, known on the host from the split sizes)."""
     flat = recv.reshape(-1)
-    start = torch.cumsum(flat, 0) - flat                 # segment starts, source-major
-    lengths = recv.t().reshape(-1)                       # segments in expert-major order
+    start = torch.cumsum(flat, 0) - flat  # segment starts, source-major
+    lengths = recv.t().reshape(-1)  # segments in expert-major order
     starts = start.view(recv.shape).t().reshape(-1)
     new_start = torch.cumsum(lengths, 0) - lengths
     shift = torch.repeat_interleave(starts - new_start, lengths, output_size=total)
     return torch.arange(total, device=recv.device) + shift
 
 
-def dispatch_to_experts(x: torch.Tensor, counts: torch.Tensor, experts: nn.Module,
-                        group: Any) -> torch.Tensor:
+def dispatch_to_experts(
+    x: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: Any
+) -> torch.Tensor:
     """Rows ``x`` sorted by global expert (``counts[e]`` for expert e, all E) -> the expert
     outputs in the same order, computed on the ranks of ``group`` holding each expert."""
     P = dist.get_world_size(group)
-    recv = exchange_counts(counts, group)                       # [P, L]
+    recv = exchange_counts(counts, group)  # [P, L]
     send_splits = counts.view(P, -1).sum(1)
     # the one host read of a layer: all_to_all_single takes its split sizes as Python ints
     splits = torch.stack([send_splits, recv.sum(1)]).tolist()
@@ -114,7 +115,7 @@ def distribute_experts(model: nn.Module, topo: Any) -> None:
             full = getattr(ex, attr)
             if full is None:
                 continue
-            p = nn.Parameter(full.data[first:first + L].clone())
+            p = nn.Parameter(full.data[first : first + L].clone())
             for key in ("tensor_model_parallel", "partition_dim"):  # TP marks, if sharded
                 if hasattr(full, key):
                     setattr(p, key, getattr(full, key))
@@ -136,6 +137,7 @@ def expert_offset(p: torch.nn.Parameter, topo: Optional[Any]) -> int:
 
 # ----------------------------------------------------------------------------- DeepSpeed
 
+
 def deepspeed_groups(topo: Any) -> None:
     """Register this topology's EP and expert-data groups as DeepSpeed's expert groups
     (``deepspeed.utils.groups``, name ``ep_size_P``), after checking they are the ones DeepSpeed
@@ -148,12 +150,16 @@ def deepspeed_groups(topo: Any) -> None:
         return
     name = group_name(P)
     if topo.cp == 1:  # DeepSpeed's rank formula knows no context parallelism
-        ep_ranks, edp_ranks = groups._get_expert_parallel_ranks(topo.world_size, topo.tp, P, topo.pp)
+        ep_ranks, edp_ranks = groups._get_expert_parallel_ranks(
+            topo.world_size, topo.tp, P, topo.pp
+        )
         mine = topo._mine
-        if (sorted(map(sorted, ep_ranks)) != sorted(map(sorted, topo.ep_groups))
-                or sorted(map(sorted, edp_ranks)) != sorted(map(sorted, topo.edp_groups))):
-            raise AssertionError(f"expert groups differ from DeepSpeed's: {mine(topo.ep_groups)} "
-                                 f"vs {ep_ranks}")
+        if sorted(map(sorted, ep_ranks)) != sorted(map(sorted, topo.ep_groups)) or sorted(
+            map(sorted, edp_ranks)
+        ) != sorted(map(sorted, topo.edp_groups)):
+            raise AssertionError(
+                f"expert groups differ from DeepSpeed's: {mine(topo.ep_groups)} vs {ep_ranks}"
+            )
     groups._EXPERT_PARALLEL_GROUP[name] = topo.groups.ep
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = topo._mine(topo.ep_groups)
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = topo.groups.edp

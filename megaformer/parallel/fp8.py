@@ -93,6 +93,7 @@ _TORCHAO: Optional[_Namespace] = None
 
 # ----------------------------------------------------------------------------- the device
 
+
 def fp8_gemm_support(device: Union[str, torch.device]) -> tuple[bool, str]:
     """(whether ``device`` has FP8 GEMMs, why not): CUDA capability >= 8.9 (Ada, Hopper,
     Blackwell) or an AMD MI300-class GPU; never a CPU."""
@@ -121,8 +122,10 @@ def check_fp8_device(train: Any, device: Union[str, torch.device]) -> None:
         return
     ok, why = fp8_gemm_support(device)
     if not ok:
-        raise ConfigError(f"train.fp8={train.fp8}: {why}; use train.fp8=off, or "
-                          "train.fp8_emulate=true for the same arithmetic without FP8 hardware")
+        raise ConfigError(
+            f"train.fp8={train.fp8}: {why}; use train.fp8=off, or "
+            "train.fp8_emulate=true for the same arithmetic without FP8 hardware"
+        )
     check_fp8_device_type(train, torch.device(device).type)
 
 
@@ -137,12 +140,15 @@ def check_fp8_device_type(train: Any, device_type: str) -> None:
     casts' chains into its generated kernels, leaving the GEMMs outside them."""
     if train.fp8 == "off" or train.fp8_emulate or device_type != "cuda" or train.compile:
         return
-    raise ConfigError(f"train.fp8={train.fp8} on CUDA needs train.compile=true: eager FP8 casts "
-                      "take 5-7 kernels per operand and are slower than bf16; set "
-                      "train.compile=true, or train.fp8=off")
+    raise ConfigError(
+        f"train.fp8={train.fp8} on CUDA needs train.compile=true: eager FP8 casts "
+        "take 5-7 kernels per operand and are slower than bf16; set "
+        "train.compile=true, or train.fp8=off"
+    )
 
 
 # ----------------------------------------------------------------------------- the GEMM
+
 
 @dataclass(frozen=True)
 class Fp8Matmul:
@@ -163,21 +169,42 @@ class Fp8Matmul:
         config = ao.config.Float8LinearConfig.from_recipe_name(self.recipe)
         mm = ao.tensor.ScaledMMConfig
         object.__setattr__(self, "config", config)
-        object.__setattr__(self, "mm_config", ao.tensor.LinearMMConfig(
-            mm(self.emulate, config.gemm_config_output.use_fast_accum, False, config.pad_inner_dim),
-            mm(self.emulate, config.gemm_config_grad_input.use_fast_accum, False, config.pad_inner_dim),
-            mm(self.emulate, config.gemm_config_grad_weight.use_fast_accum, False,
-               config.pad_inner_dim)))
+        object.__setattr__(
+            self,
+            "mm_config",
+            ao.tensor.LinearMMConfig(
+                mm(
+                    self.emulate,
+                    config.gemm_config_output.use_fast_accum,
+                    False,
+                    config.pad_inner_dim,
+                ),
+                mm(
+                    self.emulate,
+                    config.gemm_config_grad_input.use_fast_accum,
+                    False,
+                    config.pad_inner_dim,
+                ),
+                mm(
+                    self.emulate,
+                    config.gemm_config_grad_weight.use_fast_accum,
+                    False,
+                    config.pad_inner_dim,
+                ),
+            ),
+        )
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor,
-                 b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         y = _Fp8Linear.apply(x, w, self)
         return y + b.to(y.dtype) if b is not None else y
 
-    def cast(self, t: torch.Tensor, cast_config: Any, role: str, axis: Optional[str],
-             dim: int) -> torch.Tensor:
+    def cast(
+        self, t: torch.Tensor, cast_config: Any, role: str, axis: Optional[str], dim: int
+    ) -> torch.Tensor:
         """``t`` as a Float8TrainingTensor scaled per ``cast_config``; ``axis`` names the GEMM
         dimension a rowwise amax runs over (tensor dimension ``dim``), ``role`` the operand.
         Returned unchanged when the recipe keeps this operand in high precision."""
@@ -191,13 +218,18 @@ class Fp8Matmul:
             amax = (t.abs().amax(dim=dim, keepdim=True) if rowwise else t.abs().amax()).float()
             if self.split is not None and self.split in over and dist.is_initialized():
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            scale = ao.utils.amax_to_scale(amax, cast_config.target_dtype,
-                                           self.config.round_scales_to_power_of_2)
+            scale = ao.utils.amax_to_scale(
+                amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2
+            )
         roles = ao.tensor.GemmInputRole
-        gemm_role = {"input": roles.INPUT, "weight": roles.WEIGHT,
-                     "grad_output": roles.GRAD_OUTPUT}[role]
+        gemm_role = {
+            "input": roles.INPUT,
+            "weight": roles.WEIGHT,
+            "grad_output": roles.GRAD_OUTPUT,
+        }[role]
         return ao.tensor.hp_tensor_and_scale_to_float8(
-            t, scale, cast_config.target_dtype, self.mm_config, gemm_role, dim if rowwise else None)
+            t, scale, cast_config.target_dtype, self.mm_config, gemm_role, dim if rowwise else None
+        )
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -206,14 +238,18 @@ class _Fp8Linear(torch.autograd.Function):
     the parameter's storage is swapped between forward and backward)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, mm: Fp8Matmul  # type: ignore[override]
-                ) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        mm: Fp8Matmul,  # type: ignore[override]
+    ) -> torch.Tensor:
         c = mm.config
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, w)
         ctx.mm, ctx.lead = mm, x.shape[:-1]
-        xq = mm.cast(x2, c.cast_config_input, "input", "K", -1)                 # [M, K]
-        wq = mm.cast(w.t(), c.cast_config_weight, "weight", "K", 0)             # [K, N]
+        xq = mm.cast(x2, c.cast_config_input, "input", "K", -1)  # [M, K]
+        wq = mm.cast(w.t(), c.cast_config_weight, "weight", "K", 0)  # [K, N]
         y = torch.mm(xq, wq)
         return y.reshape(*ctx.lead, y.shape[-1])
 
@@ -224,17 +260,18 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq = mm.cast(dy2, c.cast_config_grad_output, "grad_output", "N", -1)        # [M, N]
+            dyq = mm.cast(dy2, c.cast_config_grad_output, "grad_output", "N", -1)  # [M, N]
             wq = mm.cast(w.t(), c.cast_config_weight_for_grad_input, "weight", "N", -1)  # [K, N]
             dx = torch.mm(dyq, wq.t()).reshape(*ctx.lead, x2.shape[-1])
         if ctx.needs_input_grad[1]:
             dyq = mm.cast(dy2, c.cast_config_grad_output_for_grad_weight, "grad_output", "M", 0)
             xq = mm.cast(x2, c.cast_config_input_for_grad_weight, "input", "M", 0)
-            dw = torch.mm(dyq.t(), xq).to(w.dtype)                                      # [N, K]
+            dw = torch.mm(dyq.t(), xq).to(w.dtype)  # [N, K]
         return dx, dw, None
 
 
 # ----------------------------------------------------------------------------- the model
+
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every linear layer FP8 converts: the blocks' projections of the
@@ -248,8 +285,7 @@ def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 yield f"layers.{i}.{name}", getattr(parent, leaf)
 
 
-def apply_fp8(model: nn.Module, recipe: str, emulate: bool,
-              tp_group: ProcessGroup = None) -> int:
+def apply_fp8(model: nn.Module, recipe: str, emulate: bool, tp_group: ProcessGroup = None) -> int:
     """Make the blocks' linear layers of ``model`` (after the tensor-parallel plan) run their
     GEMMs in FP8; returns how many were converted. ``recipe == "off"`` converts none."""
     if recipe == "off":
@@ -259,8 +295,13 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool,
     specs: dict[Optional[str], Fp8Matmul] = {}
     n = 0
     for _, module in fp8_layers(model):
-        split = ("N" if isinstance(module, ColumnParallelLinear)
-                 else "K" if isinstance(module, RowParallelLinear) else None)
+        split = (
+            "N"
+            if isinstance(module, ColumnParallelLinear)
+            else "K"
+            if isinstance(module, RowParallelLinear)
+            else None
+        )
         if split not in specs:
             specs[split] = Fp8Matmul(recipe, emulate, split, tp_group if split else None)
         module.fp8 = specs[split]

@@ -16,18 +16,20 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from megaformer.deepspeed_attrs import pipe_replicated
 from megaformer.comm import all_reduce, no_counting, size
+from megaformer.deepspeed_attrs import pipe_replicated
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Any,
-                     pp_group: Any = None, ep_group: Any = None) -> float:
+def global_grad_norm(
+    params: Iterable[torch.nn.Parameter], tp_group: Any, pp_group: Any = None, ep_group: Any = None
+) -> float:
     """||g||_2 over the whole model (collective over ``tp_group``, ``pp_group`` and, with expert
     parallelism, ``ep_group``; a group of one or None: no reduction there)."""
     split_experts = ep_group is not None and size(ep_group) > 1
     # (expert-parallel?, TP-sharded?) -> squared norms
     parts: dict[tuple[bool, bool], list[torch.Tensor]] = {
-        (e, s): [] for e in (False, True) for s in (False, True)}
+        (e, s): [] for e in (False, True) for s in (False, True)
+    }
     device = torch.device("cpu")
     for p in params:
         if p.grad is None or pipe_replicated(p):
@@ -35,15 +37,19 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_group: Any,
         device = p.grad.device
         expert = split_experts and getattr(p, "allreduce", True) is False
         parts[expert, bool(getattr(p, "tensor_model_parallel", False))].append(
-            p.grad.detach().double().pow(2).sum())
+            p.grad.detach().double().pow(2).sum()
+        )
     # summed where the gradients live: no host sync per parameter on the training step
-    s = {k: torch.stack(v).sum() if v else torch.zeros((), dtype=torch.float64, device=device)
-         for k, v in parts.items()}
+    s = {
+        k: torch.stack(v).sum() if v else torch.zeros((), dtype=torch.float64, device=device)
+        for k, v in parts.items()
+    }
     with no_counting():
         total = all_reduce(s[False, True], tp_group) + s[False, False]
         if split_experts:
-            total = total + all_reduce(all_reduce(s[True, True], tp_group) + s[True, False],
-                                       ep_group)
+            total = total + all_reduce(
+                all_reduce(s[True, True], tp_group) + s[True, False], ep_group
+            )
         if pp_group is not None:
             total = all_reduce(total, pp_group)
     return float(total.sqrt())
@@ -65,8 +71,14 @@ class GradNormClipper:
     ``measure_and_clip()`` runs after the gradients are complete and before the update;
     ``norm_for_step()`` is the norm of the step being taken (measured now when not clipping)."""
 
-    def __init__(self, params: Callable[[], Iterable[torch.nn.Parameter]], tp_group: Any,
-                 pp_group: Any, max_norm: float, ep_group: Any = None) -> None:
+    def __init__(
+        self,
+        params: Callable[[], Iterable[torch.nn.Parameter]],
+        tp_group: Any,
+        pp_group: Any,
+        max_norm: float,
+        ep_group: Any = None,
+    ) -> None:
         self.params, self.groups, self.max_norm = params, (tp_group, pp_group, ep_group), max_norm
         self.norm: Optional[float] = None
 

@@ -26,9 +26,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaformer.comm import (
+    ProcessGroup,
+    all_reduce,
+    copy_to_tp,
+    gather_seq,
+    reduce_from_tp,
+    reduce_scatter_to_seq,
+)
 from megaformer.kernels.gemm import linear
-from megaformer.comm import (ProcessGroup, all_reduce, copy_to_tp, gather_seq,
-                                      reduce_from_tp, reduce_scatter_to_seq)
 
 
 def mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -59,14 +65,18 @@ class ColumnParallelLinear(nn.Module):
     SwiGLU gate and up) apply it once to that input instead of once per projection.
     """
 
-    def __init__(self, full: nn.Linear, group: ProcessGroup, sequence_parallel: bool,
-                 input_comm: bool = True) -> None:
+    def __init__(
+        self, full: nn.Linear, group: ProcessGroup, sequence_parallel: bool, input_comm: bool = True
+    ) -> None:
         super().__init__()
         rank, world = _rank(group)
         self.group, self.sequence_parallel, self.input_comm = group, sequence_parallel, input_comm
         self.weight = mark_sharded(nn.Parameter(shard(full.weight.data, 0, rank, world)), 0)
-        self.bias = (mark_sharded(nn.Parameter(shard(full.bias.data, 0, rank, world)), 0)
-                     if full.bias is not None else None)
+        self.bias = (
+            mark_sharded(nn.Parameter(shard(full.bias.data, 0, rank, world)), 0)
+            if full.bias is not None
+            else None
+        )
 
     fp8: Optional[Callable[..., torch.Tensor]] = None  # FP8 GEMMs (megaformer.parallel.fp8)
 
@@ -95,7 +105,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = (self.fp8 or linear)(x, self.weight, None)
-        y = reduce_scatter_to_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        y = (
+            reduce_scatter_to_seq(y, self.group)
+            if self.sequence_parallel
+            else reduce_from_tp(y, self.group)
+        )
         return y + self.bias if self.bias is not None else y
 
 
@@ -147,9 +161,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                                 group: ProcessGroup, ignore_index: int = -100,
-                                 vocab_size: Optional[int] = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    group: ProcessGroup,
+    ignore_index: int = -100,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor:
     """Mean cross-entropy over labels != ignore_index from this rank's logits [B, T, V/p].
 
     Columns at global ids >= ``vocab_size`` (vocabulary padding) are excluded from the softmax.

@@ -92,12 +92,18 @@ def stage_parts(model: nn.Module, stages: int, partition: str) -> list[int]:
         weights = [0] + [1] * n_blocks + [0, 0]
     elif partition == "parameters":
         tied = model.cfg.tie_embeddings
-        emb = _param_count(model.tok_embeddings, model.pos_embeddings, model.lm_head if tied else None)
-        weights = [emb] + [_param_count(b) for b in model.layers] + [_param_count(model.final_norm),
-                                                                      emb if tied else _param_count(model.lm_head)]
+        emb = _param_count(
+            model.tok_embeddings, model.pos_embeddings, model.lm_head if tied else None
+        )
+        weights = (
+            [emb]
+            + [_param_count(b) for b in model.layers]
+            + [_param_count(model.final_norm), emb if tied else _param_count(model.lm_head)]
+        )
     else:
-        raise ValueError(f"pipeline partition {partition!r}: expected 'layers', 'parameters' or "
-                         "block counts")
+        raise ValueError(
+            f"pipeline partition {partition!r}: expected 'layers', 'parameters' or block counts"
+        )
     return ds_utils.partition_balanced(weights=weights, num_parts=stages)
 
 
@@ -115,12 +121,18 @@ class StagePieces:
 def stage_pieces(parts: list[int], stage: int, n_blocks: int, tied: bool) -> StagePieces:
     lo, hi = parts[stage], parts[stage + 1]
     head = hi == n_blocks + 3  # the last stage: final norm and head
-    return StagePieces(frozenset(i for i in range(n_blocks) if lo <= i + 1 < hi),
-                       lo == 0 or (tied and head), head)
+    return StagePieces(
+        frozenset(i for i in range(n_blocks) if lo <= i + 1 < hi), lo == 0 or (tied and head), head
+    )
 
 
-def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callable,
-                   inputs_hook: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+def build_pipeline(
+    model: nn.Module,
+    topo: Any,
+    partition: str,
+    loss_fn: Callable,
+    inputs_hook: Optional[Callable[[nn.Module], None]] = None,
+) -> nn.Module:
     """A ``PipelineModule`` over ``model``'s layers for the grid in ``topo``. ``inputs_hook``
     (context parallelism) is applied to the embedding stage and to every block's attention, so
     that they read this rank's global positions."""
@@ -134,15 +146,23 @@ def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callabl
     tied = model.cfg.tie_embeddings
     layers: list = []
     if tied:
-        layers.append(TiedLayerSpec("embed", TiedEmbedding, emb,
-                                    tied_weight_attr=["tok_embeddings.weight"]))
+        layers.append(
+            TiedLayerSpec("embed", TiedEmbedding, emb, tied_weight_attr=["tok_embeddings.weight"])
+        )
     else:
         layers.append(emb)
     layers.extend(model.layers)
     layers.append(model.final_norm)
     if tied:
-        layers.append(TiedLayerSpec("embed", TiedEmbedding, emb, forward_fn=_tied_head,
-                                    tied_weight_attr=["tok_embeddings.weight"]))
+        layers.append(
+            TiedLayerSpec(
+                "embed",
+                TiedEmbedding,
+                emb,
+                forward_fn=_tied_head,
+                tied_weight_attr=["tok_embeddings.weight"],
+            )
+        )
     else:
         layers.append(model.lm_head)
     # DeepSpeed's data axis is the replica group (DP x CP): the same rank order as the topology
@@ -155,8 +175,13 @@ def build_pipeline(model: nn.Module, topo: Any, partition: str, loss_fn: Callabl
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-    return MegaformerPipeline(layers=layers, topology=grid, loss_fn=loss_fn,
-                              partition_method=partition, activation_checkpoint_interval=0)
+    return MegaformerPipeline(
+        layers=layers,
+        topology=grid,
+        loss_fn=loss_fn,
+        partition_method=partition,
+        activation_checkpoint_interval=0,
+    )
 
 
 def original_names(model: nn.Module) -> dict[int, str]:
@@ -165,8 +190,9 @@ def original_names(model: nn.Module) -> dict[int, str]:
 
 
 @torch.no_grad()
-def pipeline_state_dict(pipe: nn.Module, names: dict[int, str], topo: Any,
-                        vocab_size: int) -> dict[str, torch.Tensor]:
+def pipeline_state_dict(
+    pipe: nn.Module, names: dict[int, str], topo: Any, vocab_size: int
+) -> dict[str, torch.Tensor]:
     """Unsharded, unpadded weights under the plain model's names, from every stage.
 
     Collective over the TP and PP groups: each stage gathers its tensor-parallel shards, then the

@@ -37,14 +37,21 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from megaformer.comm import ProcessGroup, all_gather_cat, gather_seq_split_bwd, scatter_seq
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.kernels.dropout import Dropout
-from megaformer.comm import ProcessGroup, all_gather_cat, gather_seq_split_bwd, scatter_seq
 from megaformer.model.moe import MoE
-from megaformer.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                        VocabParallelEmbedding, gather_vocab, mark_sharded, shard,
-                                        sum_grad_over_tp, tp_region_input,
-                                        vocab_parallel_cross_entropy)
+from megaformer.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_vocab,
+    mark_sharded,
+    shard,
+    sum_grad_over_tp,
+    tp_region_input,
+    vocab_parallel_cross_entropy,
+)
 from megaformer.parallel.random import TensorParallelRNG
 from megaformer.parallel.topology import Topology
 
@@ -134,29 +141,44 @@ class VocabParallelOutputHead(ColumnParallelLinear):
     vocab-parallel cross-entropy on them (or chunked on the hidden states), and the gathered
     logits over the real vocabulary for evaluation without labels."""
 
-    def __init__(self, full: nn.Linear, group: ProcessGroup, vocab_start: int, vocab_size: int,
-                 chunk_tokens: int) -> None:
+    def __init__(
+        self,
+        full: nn.Linear,
+        group: ProcessGroup,
+        vocab_start: int,
+        vocab_size: int,
+        chunk_tokens: int,
+    ) -> None:
         super().__init__(full, group, sequence_parallel=False)
         self.vocab_start, self.vocab_size, self.chunk_tokens = vocab_start, vocab_size, chunk_tokens
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(logits, self.group)[..., :self.vocab_size]
+        return gather_vocab(logits, self.group)[..., : self.vocab_size]
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group,
-                                            vocab_size=self.vocab_size)
+        return vocab_parallel_cross_entropy(
+            logits, labels, self.vocab_start, self.group, vocab_size=self.vocab_size
+        )
 
     def hidden_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the hidden states enter the column-parallel region (identity forward, all-reduce of dH
         # backward) as they would entering the head
         hidden = tp_region_input(hidden, self.group, sequence_parallel=False)
-        return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_tokens,
-                                     vocab_start=self.vocab_start, vocab_size=self.vocab_size,
-                                     group=self.group)
+        return chunked_cross_entropy(
+            hidden,
+            self.weight,
+            labels,
+            self.chunk_tokens,
+            vocab_start=self.vocab_start,
+            vocab_size=self.vocab_size,
+            group=self.group,
+        )
 
     def extra_repr(self) -> str:
-        return (f"{self.weight.shape[1]}, {self.weight.shape[0]} (vocabulary rows "
-                f"{self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1})")
+        return (
+            f"{self.weight.shape[1]}, {self.weight.shape[0]} (vocabulary rows "
+            f"{self.vocab_start}..{self.vocab_start + self.weight.shape[0] - 1})"
+        )
 
 
 def submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
@@ -172,24 +194,31 @@ def submodule(root: nn.Module, dotted: str) -> tuple[Optional[nn.Module], str]:
 def _region_input(group: ProcessGroup, sp: bool) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         return (tp_region_input(args[0], group, sp), *args[1:]), kwargs
+
     return hook
 
 
 def _scatter_input(group: ProcessGroup) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         return (scatter_seq(args[0], group), *args[1:]), kwargs
+
     return hook
 
 
 def _gather_output(group: ProcessGroup) -> Callable:
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return gather_seq_split_bwd(output, group)
+
     return hook
 
 
-def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
-                rng: Optional[TensorParallelRNG],
-                materialize: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    topo: Topology,
+    sequence_parallel: bool,
+    rng: Optional[TensorParallelRNG],
+    materialize: Optional[Callable[[nn.Module], None]] = None,
+) -> nn.Module:
     """Apply the tensor-parallel plan to ``model`` in place (a no-op for TP = 1).
 
     ``materialize(module)``, when given, is called on each block and on the embedding and output
@@ -214,7 +243,9 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
                 kwargs = {"input_comm": False} if style is ColumnParallelLinear else {}
                 setattr(parent, leaf, style(getattr(parent, leaf), group, sp, **kwargs))
         for name in REGION_INPUTS:
-            getattr(block, name).register_forward_pre_hook(_region_input(group, sp), with_kwargs=True)
+            getattr(block, name).register_forward_pre_hook(
+                _region_input(group, sp), with_kwargs=True
+            )
         if block.attn.q_norm is not None:  # the gain sees only this rank's heads
             for norm in (block.attn.q_norm, block.attn.k_norm):
                 sum_grad_over_tp(norm.weight, group)
@@ -238,8 +269,9 @@ def parallelize(model: nn.Module, topo: Topology, sequence_parallel: bool,
         materialize(model.lm_head)
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group)
     vocab_start = topo.tp_rank * (model.padded_vocab_size // topo.tp)
-    head = VocabParallelOutputHead(model.lm_head, group, vocab_start, model.vocab_size,
-                                   model.cfg.loss_chunk_tokens)
+    head = VocabParallelOutputHead(
+        model.lm_head, group, vocab_start, model.vocab_size, model.cfg.loss_chunk_tokens
+    )
     if model.cfg.tie_embeddings:
         head.weight = model.tok_embeddings.weight  # both split by vocabulary rows, alike
     model.lm_head = head
@@ -258,7 +290,7 @@ def full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]
         t = gather_tensor_parallel(p, p.detach(), topo)
         t = gather_experts(p, t, topo)
         if name in ("tok_embeddings.weight", "lm_head.weight"):
-            t = t[:model.vocab_size]
+            t = t[: model.vocab_size]
         out[name] = t.clone()
     return out
 
@@ -279,7 +311,6 @@ def gather_experts(p: nn.Parameter, t: torch.Tensor, topo: Topology) -> torch.Te
     return all_gather_cat(t, topo.groups.ep, 0)
 
 
-
 @torch.no_grad()
 def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: Any) -> None:
     """Copy unsharded, unpadded weights (the inverse of :func:`full_state_dict`) into a whole,
@@ -295,13 +326,19 @@ def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor], source
         weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or extra:
-        raise CheckpointError(f"{source}: weights do not fit the configured model (missing "
-                              f"{missing[:3]}, unexpected {extra[:3]})")
+        raise CheckpointError(
+            f"{source}: weights do not fit the configured model (missing "
+            f"{missing[:3]}, unexpected {extra[:3]})"
+        )
     for name, p in expected.items():
         w = weights[name]
-        rows = model.vocab_size if name in ("tok_embeddings.weight", "lm_head.weight") else p.shape[0]
+        rows = (
+            model.vocab_size if name in ("tok_embeddings.weight", "lm_head.weight") else p.shape[0]
+        )
         if tuple(w.shape) != (rows, *p.shape[1:]):
-            raise CheckpointError(f"{source}: {name} has shape {tuple(w.shape)}, the configured "
-                                  f"model needs {(rows, *p.shape[1:])}")
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(w.shape)}, the configured "
+                f"model needs {(rows, *p.shape[1:])}"
+            )
         p[rows:].zero_()
         p[:rows].copy_(w.to(p.dtype))

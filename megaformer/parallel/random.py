@@ -62,4 +62,3 @@ class TensorParallelRNG:
         self.cpu_state = state["cpu"]
         if "cuda" in state and self.cuda_state is not None:
             self.cuda_state = state["cuda"]
-

@@ -38,9 +38,17 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 
 # What a wrapper shares with the module it wraps: its parameters, buffers and children (so names
 # are unchanged) and its forward hooks (so they run around the recomputed region, not inside it).
-_SHARED = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
-           "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-           "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_SHARED = (
+    "_parameters",
+    "_buffers",
+    "_non_persistent_buffers_set",
+    "_modules",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 def _rng_contexts(rng: Optional[TensorParallelRNG]) -> Callable[[], tuple]:
@@ -68,12 +76,19 @@ def _rng_contexts(rng: Optional[TensorParallelRNG]) -> Callable[[], tuple]:
                 rng.load_state_dict(current)
 
         return first_forward(), replay()
+
     return make
 
 
 def _recomputed(fn: Callable, rng: Optional[TensorParallelRNG], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=_rng_contexts(rng), **kwargs)
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=_rng_contexts(rng),
+        **kwargs,
+    )
 
 
 class CheckpointedBlock(nn.Module):
@@ -131,8 +146,9 @@ class CheckpointedAttentionCore(nn.Module):
         return "recomputes inner in backward"
 
 
-def apply_recompute(blocks: nn.ModuleList, mode: str, every: int = 1,
-                    rng: Optional[TensorParallelRNG] = None) -> None:
+def apply_recompute(
+    blocks: nn.ModuleList, mode: str, every: int = 1, rng: Optional[TensorParallelRNG] = None
+) -> None:
     """Wrap every ``every``-th block (full) or every attention core (selective), in place."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"unknown recompute mode {mode!r}")

@@ -142,8 +142,10 @@ class Topology:
     def groups(self) -> ProcessGroups:
         """This rank's process group of every kind (a group of one at degree 1)."""
         if self._groups is None:
-            raise RuntimeError("this topology holds rank lists only (layout_groups): "
-                               "build_topology creates its process groups")
+            raise RuntimeError(
+                "this topology holds rank lists only (layout_groups): "
+                "build_topology creates its process groups"
+            )
         return self._groups
 
     def group(self, kind: str) -> dist.ProcessGroup:
@@ -201,15 +203,18 @@ class Topology:
 
     def summary(self) -> str:
         """One screen: the layout and which ranks share which group."""
+
         def fmt(groups: list[list[int]]) -> str:
             shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
             return shown + (f" ... ({len(groups)} groups)" if len(groups) > 8 else "")
 
         cp = f" x CP {self.cp}" if self.cp > 1 else ""
         ep = f" (EP {self.ep} inside DP)" if self.ep > 1 else ""
-        lines = [f"topology: world {self.world_size} = TP {self.tp}{cp} x PP {self.pp} x "
-                 f"DP {self.dp}{ep} (TP ranks adjacent)",
-                 f"  tensor-parallel groups:   {fmt(self.tp_groups)}"]
+        lines = [
+            f"topology: world {self.world_size} = TP {self.tp}{cp} x PP {self.pp} x "
+            f"DP {self.dp}{ep} (TP ranks adjacent)",
+            f"  tensor-parallel groups:   {fmt(self.tp_groups)}",
+        ]
         if self.cp > 1:
             lines.append(f"  context-parallel groups:  {fmt(self.cp_groups)}")
         lines.append(f"  data-parallel groups:     {fmt(self.dp_groups)}")
@@ -220,7 +225,9 @@ class Topology:
         return "\n".join(lines)
 
 
-def layout_groups(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> Topology:
+def layout_groups(
+    world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1
+) -> Topology:
     """The rank lists of every group (no process groups created; usable without torch.distributed).
     DP = world_size / (TP x CP x PP)."""
     if world_size % (tp * pp * cp):
@@ -228,7 +235,9 @@ def layout_groups(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep:
         raise ValueError(f"world size {world_size} is not divisible by {what} = {tp * pp * cp}")
     dp = world_size // (tp * pp * cp)
     if dp % ep:
-        raise ValueError(f"data-parallel size {dp} is not divisible by the expert-parallel size {ep}")
+        raise ValueError(
+            f"data-parallel size {dp} is not divisible by the expert-parallel size {ep}"
+        )
     topo = Topology(world_size, 0, tp, cp, dp, pp, ep)
     T, C, D, P = range(tp), range(cp), range(dp), range(pp)
 
@@ -242,21 +251,28 @@ def layout_groups(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep:
     topo.pp_groups = [[r(t, d, p, c) for p in P] for d in D for c in C for t in T]
     topo.mp_groups = [[r(t, d, p, c) for p in P for t in T] for d in D for c in C]
     E, G = range(ep), range(dp // ep)
-    topo.ep_groups = [[r(t, e + ep * g, p, c) for e in E] for p in P for g in G for c in C for t in T]
-    topo.edp_groups = [[r(t, e + ep * g, p, c) for g in G] for p in P for e in E for c in C for t in T]
+    topo.ep_groups = [
+        [r(t, e + ep * g, p, c) for e in E] for p in P for g in G for c in C for t in T
+    ]
+    topo.edp_groups = [
+        [r(t, e + ep * g, p, c) for g in G] for p in P for e in E for c in C for t in T
+    ]
     return topo
 
 
-def build_topology(world_size: int, rank: int, *, tp: int = 1, cp: int = 1, pp: int = 1,
-                   ep: int = 1) -> Topology:
+def build_topology(
+    world_size: int, rank: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1
+) -> Topology:
     """Create every group (collectively: all ranks call this, in the same order).
 
     Each distinct set of ranks becomes one communicator, shared by the kinds that have it (the
     replica group is the DP group without context parallelism; every degree-1 kind is this rank's
     group of one)."""
     if not dist.is_initialized():
-        raise RuntimeError("build_topology creates process groups: initialise torch.distributed "
-                           "first (layout_groups gives the rank lists alone)")
+        raise RuntimeError(
+            "build_topology creates process groups: initialise torch.distributed "
+            "first (layout_groups gives the rank lists alone)"
+        )
     topo = layout_groups(world_size, tp=tp, cp=cp, pp=pp, ep=ep)
     topo.rank = rank
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}

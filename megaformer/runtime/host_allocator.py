@@ -25,7 +25,7 @@ import torch
 
 from megaformer.kernels.selection import announce
 
-M_TRIM_THRESHOLD = -1   # glibc malloc.h
+M_TRIM_THRESHOLD = -1  # glibc malloc.h
 M_MMAP_MAX = -4
 
 _tuned = False
@@ -54,6 +54,9 @@ def tune_host_allocator() -> bool:
     ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
     if ok:
         _tuned = True
-        announce("host allocator", "glibc malloc keeps freed memory: no mmap-ed chunks, no trimming "
-                                   "(train.cpu_malloc=tuned)")
+        announce(
+            "host allocator",
+            "glibc malloc keeps freed memory: no mmap-ed chunks, no trimming "
+            "(train.cpu_malloc=tuned)",
+        )
     return ok

@@ -34,15 +34,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (no_decay if no_weight_decay(name, p) else decay).append(p)
-    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
-              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"name": "decay", "params": decay, "weight_decay": weight_decay},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+    ]
     if any(getattr(p, "allreduce", True) is False for p in decay + no_decay):
         # expert-parallel parameters in groups of their own, marked for DeepSpeed (reduced and,
         # under ZeRO, partitioned over their expert-data-parallel group)
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-        groups = [g for g in split_params_into_different_moe_groups_for_optimizer(groups)
-                  if g["params"]]
+        groups = [
+            g for g in split_params_into_different_moe_groups_for_optimizer(groups) if g["params"]
+        ]
     return groups
 
 
@@ -57,5 +60,11 @@ def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optim
     groups = param_groups(model, t.weight_decay)
     params = [p for g in groups for p in g["params"]]
     fused = use_fused_adam(params, t.adam_impl)
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                             fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(
+        groups,
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )

@@ -30,8 +30,12 @@ def exit_with_parent(poll_s: float = POLL_S) -> threading.Thread:
             time.sleep(poll_s)
         rank = os.environ.get("RANK", "?")
         try:
-            print(f"megaformer: rank {rank}: the launcher (pid {parent}) is gone; exiting without "
-                  "saving", file=sys.stderr, flush=True)
+            print(
+                f"megaformer: rank {rank}: the launcher (pid {parent}) is gone; exiting without "
+                "saving",
+                file=sys.stderr,
+                flush=True,
+            )
         except (OSError, ValueError):  # its stderr may have gone with it
             pass
         os._exit(EXIT_ORPHANED)

@@ -95,8 +95,10 @@ class Owner:
         job = os.environ.get("SLURM_JOB_ID") or None
         if job is None and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
             job = "torchelastic:" + os.environ["TORCHELASTIC_RUN_ID"]
-        attempt = [int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)]
+        attempt = [
+            int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+        ]
         return cls(socket.gethostname(), os.getpid(), time.time(), job, attempt, uuid.uuid4().hex)
 
     def record(self) -> str:
@@ -108,8 +110,10 @@ class Owner:
         now = time.time() if now is None else now
         started = datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc)
         job = f", job {self.job}" if self.job else ""
-        return (f"host {self.host}, pid {self.pid}{job}, started {started:%Y-%m-%d %H:%M:%S} UTC, "
-                f"last heartbeat {max(0.0, now - self.heartbeat):.0f}s ago")
+        return (
+            f"host {self.host}, pid {self.pid}{job}, started {started:%Y-%m-%d %H:%M:%S} UTC, "
+            f"last heartbeat {max(0.0, now - self.heartbeat):.0f}s ago"
+        )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -155,24 +159,32 @@ def read_owner(path: Path) -> Optional[Owner]:
     if not plausible_lock(path, st):
         return Owner("?", 0, 0.0, token="")  # heartbeat 0: stale, taken over / ignored
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(
+            path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+        )
         with os.fdopen(fd, "rb") as fh:
             raw = fh.read(1 << 16) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     except OSError:  # vanished or unreadable meanwhile: judged by the heartbeat seen
         raw = b""
     try:
         data = json.loads(raw.decode())
-        owner = Owner(str(data["host"]), int(data["pid"]), float(data["started"]),
-                      data.get("job") or None, [int(x) for x in data.get("attempt") or [0, 0]],
-                      str(data.get("token", "")))
+        owner = Owner(
+            str(data["host"]),
+            int(data["pid"]),
+            float(data["started"]),
+            data.get("job") or None,
+            [int(x) for x in data.get("attempt") or [0, 0]],
+            str(data.get("token", "")),
+        )
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         owner = Owner("?", 0, st.st_mtime, token="")
     owner.heartbeat = st.st_mtime
     return owner
 
 
-def stale_reason(owner: Owner, me: Owner, stale_after: float, now: Optional[float] = None
-                 ) -> Optional[str]:
+def stale_reason(
+    owner: Owner, me: Owner, stale_after: float, now: Optional[float] = None
+) -> Optional[str]:
     """Why ``owner`` no longer owns its run directory (as seen by ``me``); None when it does."""
     now = time.time() if now is None else now
     if owner.heartbeat - now > stale_after:  # no job writes heartbeats ahead of the clocks
@@ -181,8 +193,11 @@ def stale_reason(owner: Owner, me: Owner, stale_after: float, now: Optional[floa
     if owner.job and owner.job == me.job and not (same_host and _pid_alive(owner.pid)):
         if list(me.attempt) > list(owner.attempt):
             return f"job {owner.job} was restarted"
-        return f"job {owner.job} runs again on {me.host}" if not same_host else \
-            f"job {owner.job}'s process {owner.pid} is gone"
+        return (
+            f"job {owner.job} runs again on {me.host}"
+            if not same_host
+            else f"job {owner.job}'s process {owner.pid} is gone"
+        )
     if now - owner.heartbeat > stale_after:
         return f"no heartbeat for {now - owner.heartbeat:.0f}s (more than {stale_after:.0f}s)"
     if same_host and owner.pid > 0 and not _pid_alive(owner.pid):
@@ -191,21 +206,27 @@ def stale_reason(owner: Owner, me: Owner, stale_after: float, now: Optional[floa
 
 
 def _in_use(run_dir: Path, owner: Owner, stale_after: float) -> str:
-    return (f"{run_dir} is in use by another job ({owner.describe()}); wait for it to end, or use "
-            f"another --run-dir (an owner without a heartbeat for {stale_after:.0f}s is taken "
-            f"over; {run_dir / OWNER_FILE} names it)")
+    return (
+        f"{run_dir} is in use by another job ({owner.describe()}); wait for it to end, or use "
+        f"another --run-dir (an owner without a heartbeat for {stale_after:.0f}s is taken "
+        f"over; {run_dir / OWNER_FILE} names it)"
+    )
 
 
 class RunLock:
     """Ownership of one run directory by this process (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, heartbeat_s: Optional[float] = None,
-                 stale_s: Optional[float] = None) -> None:
+    def __init__(
+        self, run_dir: Path, heartbeat_s: Optional[float] = None, stale_s: Optional[float] = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / OWNER_FILE
         self.heartbeat_s = heartbeat_seconds() if heartbeat_s is None else heartbeat_s
-        self.stale_s = (3 * self.heartbeat_s if heartbeat_s is not None else stale_seconds()) \
-            if stale_s is None else stale_s
+        self.stale_s = (
+            (3 * self.heartbeat_s if heartbeat_s is not None else stale_seconds())
+            if stale_s is None
+            else stale_s
+        )
         self.me = Owner.me()
         self.held = False
         self.lost = False
@@ -253,8 +274,11 @@ class RunLock:
         except FileNotFoundError:
             return False
         now_there = read_owner(moved)
-        if now_there is None or (now_there.token, now_there.pid, now_there.host) != \
-                (stale.token, stale.pid, stale.host):
+        if now_there is None or (now_there.token, now_there.pid, now_there.host) != (
+            stale.token,
+            stale.pid,
+            stale.host,
+        ):
             try:  # another job's fresh owner file: put it back
                 os.link(moved, self.path)
             except OSError:
@@ -278,11 +302,18 @@ class RunLock:
             if reason is None:
                 raise RunDirInUse(_in_use(self.run_dir, owner, self.stale_s))
             if self._take_over(owner):
-                log.warning("%s: taking over from a stale owner (%s): %s", self.run_dir,
-                            owner.describe(), reason)
+                log.warning(
+                    "%s: taking over from a stale owner (%s): %s",
+                    self.run_dir,
+                    owner.describe(),
+                    reason,
+                )
         owner = read_owner(self.path)
-        raise RunDirInUse(_in_use(self.run_dir, owner, self.stale_s) if owner is not None else
-                          f"{self.run_dir}: could not take ownership (other jobs keep claiming it)")
+        raise RunDirInUse(
+            _in_use(self.run_dir, owner, self.stale_s)
+            if owner is not None
+            else f"{self.run_dir}: could not take ownership (other jobs keep claiming it)"
+        )
 
     # ------------------------------------------------------------------------- heartbeat
 
@@ -295,9 +326,12 @@ class RunLock:
         if not self._owned():
             if not self.lost:
                 self.lost = True
-                log.warning("%s: this job no longer owns the run directory (%s); another job took it "
-                            "over after a missed heartbeat", self.run_dir,
-                            (lambda o: o.describe() if o else "no owner")(read_owner(self.path)))
+                log.warning(
+                    "%s: this job no longer owns the run directory (%s); another job took it "
+                    "over after a missed heartbeat",
+                    self.run_dir,
+                    (lambda o: o.describe() if o else "no owner")(read_owner(self.path)),
+                )
             return False
         try:
             os.utime(self.path)
@@ -392,5 +426,7 @@ def check_not_owned(path: Path, what: str) -> None:
             continue
         if (owner.host, owner.pid) == (me.host, me.pid) or stale_reason(owner, me, stale_after):
             return
-        raise RunDirInUse(f"{what}: {path} is inside {folder}, a run directory in use by a "
-                          f"training job ({owner.describe()}); write elsewhere or wait for it to end")
+        raise RunDirInUse(
+            f"{what}: {path} is inside {folder}, a run directory in use by a "
+            f"training job ({owner.describe()}); write elsewhere or wait for it to end"
+        )

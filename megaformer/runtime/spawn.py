@@ -90,12 +90,26 @@ def _enter(env: Mapping[str, str]) -> None:
 
 def _enter_rank(env: Mapping[str, str], rank: int, world: int, port: int) -> None:
     _enter({**env, "OMP_NUM_THREADS": "1"})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
 
 
-def _worker(rank: int, world: int, port: int, env: Mapping[str, str], fn: Callable, args: tuple,
-            out: Any, backend: str = "gloo") -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    env: Mapping[str, str],
+    fn: Callable,
+    args: tuple,
+    out: Any,
+    backend: str = "gloo",
+) -> None:
     os.setpgid(0, 0)  # a group of its own: a rank stopped at the timeout takes its children along
     _enter_rank(env, rank, world, port)
     import torch.distributed as dist
@@ -129,8 +143,9 @@ def _stop(procs: Sequence[multiprocessing.process.BaseProcess], grace: float) ->
             p.join()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300,
-              backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    world_size: int, fn: Callable, *args: Any, timeout: float = 300, backend: str = "gloo"
+) -> list[Any]:
     """``[fn(r, world_size, *args) for r in ranks]``, each rank a forked process in one default
     group (``init_process_group`` done, ``destroy_process_group`` after): gloo's, or ``backend``
     (``"cuda:gloo"``: gloo serving CUDA tensors only, NCCL's device map, so a host tensor on it
@@ -138,8 +153,12 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300,
     ctx = _context()
     out = ctx.Queue()
     port, env = free_port(), dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, out, backend),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, env, fn, args, out, backend), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -150,8 +169,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300,
                 raise AssertionError(f"rank {rank} failed:\n{payload}")
             results[rank] = pickle.loads(payload)  # our own child processes' results
     except queue.Empty:
-        raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} did not "
-                             f"finish within {timeout}s") from None
+        raise AssertionError(
+            f"ranks {sorted(set(range(world_size)) - set(results))} did not "
+            f"finish within {timeout}s"
+        ) from None
     finally:
         _stop(procs, grace=10)
     return [results[r] for r in range(world_size)]
@@ -160,13 +181,27 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300,
 # ----------------------------------------------------------------------------- a module as __main__
 
 #: What torchrun sets beside the rendezvous variables (no agent store: rank 0 hosts it).
-_TORCHRUN_ENV = {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
-                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                 "TORCHELASTIC_RUN_ID": "none"}
+_TORCHRUN_ENV = {
+    "GROUP_RANK": "0",
+    "GROUP_WORLD_SIZE": "1",
+    "ROLE_NAME": "default",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0",
+    "TORCHELASTIC_RUN_ID": "none",
+}
 
 
-def _module_rank(rank: int, world: int, port: int, env: Mapping[str, str], module: str,
-                 argv: Sequence[str], cwd: str, out_dir: str, torchrun: bool) -> None:
+def _module_rank(
+    rank: int,
+    world: int,
+    port: int,
+    env: Mapping[str, str],
+    module: str,
+    argv: Sequence[str],
+    cwd: str,
+    out_dir: str,
+    torchrun: bool,
+) -> None:
     """``python -m module argv`` in this forked process: its own process group, stdout and stderr
     (the file descriptors) to ``out_dir``, exit code as the interpreter would give it."""
     import atexit
@@ -186,8 +221,9 @@ def _module_rank(rank: int, world: int, port: int, env: Mapping[str, str], modul
         os.dup2(f, fd)
         os.close(f)
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True,
-                                  errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(
+        os.fdopen(2, "wb", closefd=False), line_buffering=True, errors="backslashreplace"
+    )
     sys.argv = [module, *argv]
     code: int = 0
     try:
@@ -208,9 +244,16 @@ def _module_rank(rank: int, world: int, port: int, env: Mapping[str, str], modul
     os._exit(code)
 
 
-def run_module(world_size: int, module: str, argv: Sequence[str], *, torchrun: bool = True,
-               env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-               timeout: float = 600) -> subprocess.CompletedProcess:
+def run_module(
+    world_size: int,
+    module: str,
+    argv: Sequence[str],
+    *,
+    torchrun: bool = True,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
     """``python -m module argv`` on ``world_size`` forked ranks, reported as ``subprocess.run``
     reports a launcher: ``torchrun=True`` gives each rank torchrun's environment (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_*); ``torchrun=False`` with one rank is
@@ -222,9 +265,13 @@ def run_module(world_size: int, module: str, argv: Sequence[str], *, torchrun: b
     port, env = free_port(), dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
     with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir:
-        procs = [ctx.Process(target=_module_rank, args=(r, world_size, port, env, module,
-                                                        list(argv), cwd, out_dir, torchrun))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_module_rank,
+                args=(r, world_size, port, env, module, list(argv), cwd, out_dir, torchrun),
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         deadline, timed_out = time.monotonic() + timeout, False
@@ -243,8 +290,9 @@ def run_module(world_size: int, module: str, argv: Sequence[str], *, torchrun: b
                     break  # a rank failed: torchrun stops the others
         finally:
             _stop(procs, grace=0 if timed_out else 5)
-        outs = [(Path(out_dir, f"{r}.stdout"), Path(out_dir, f"{r}.stderr"))
-                for r in range(world_size)]
+        outs = [
+            (Path(out_dir, f"{r}.stdout"), Path(out_dir, f"{r}.stderr")) for r in range(world_size)
+        ]
         stdout = "".join(o.read_text(errors="replace") for o, _ in outs if o.exists())
         stderr = "".join(e.read_text(errors="replace") for _, e in outs if e.exists())
     cmd = [sys.executable, "-m", module, *argv]

@@ -48,11 +48,14 @@ class BadStepCounter:
         if self.first_of_run is None:
             self.first_of_run = step
         if self.consecutive >= self.max_consecutive:
-            steps = (f"step {step}" if self.consecutive == 1
-                     else f"steps {self.first_of_run}-{step}")
-            kept = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
-                    else "no checkpoint was saved")
+            steps = f"step {step}" if self.consecutive == 1 else f"steps {self.first_of_run}-{step}"
+            kept = (
+                f"the last good checkpoint is {last_checkpoint}"
+                if last_checkpoint
+                else "no checkpoint was saved"
+            )
             raise TrainingError(
                 f"non-finite loss or gradients in {self.consecutive} consecutive steps ({steps}; "
                 f"train.max_bad_steps={self.max_consecutive}): stopping; {kept}. Lower train.lr, "
-                "raise train.warmup_steps or check the data")
+                "raise train.warmup_steps or check the data"
+            )

@@ -23,8 +23,15 @@ class Console:
         if is_main and progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
-                            dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=0.5,
+                file=sys.stderr,
+            )
 
     def write(self, text: str) -> None:
         if not self.is_main:
@@ -52,48 +59,93 @@ class Console:
 
 def format_record(r: dict) -> str:
     """``step N: loss ... | lr ... | grad norm ... | tokens/s | ms/step [| TFLOP/s, MFU, mem]``."""
-    return (f"step {r['step']}: loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm "
-            f"{r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tokens/s | "
-            f"{r['step_time_s'] * 1000:.0f} ms/step"
-            + (f" | {r['tflops_per_gpu']:.3g} TFLOP/s/GPU" if "tflops_per_gpu" in r else "")
-            + (f" | MFU{' vs bf16 peak' if 'fp8_tflops_per_gpu' in r else ''} "
-               f"{100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%" if "mfu" in r else "")
-            + (f" (FP8 {r['fp8_tflops_per_gpu']:.3g} TFLOP/s/GPU)" if "fp8_tflops_per_gpu" in r
-               else "")
-            + (f" | mem {r['peak_mem_gb']:.2f} GB" if "peak_mem_gb" in r else ""))
+    return (
+        f"step {r['step']}: loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm "
+        f"{r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tokens/s | "
+        f"{r['step_time_s'] * 1000:.0f} ms/step"
+        + (f" | {r['tflops_per_gpu']:.3g} TFLOP/s/GPU" if "tflops_per_gpu" in r else "")
+        + (
+            f" | MFU{' vs bf16 peak' if 'fp8_tflops_per_gpu' in r else ''} "
+            f"{100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%"
+            if "mfu" in r
+            else ""
+        )
+        + (f" (FP8 {r['fp8_tflops_per_gpu']:.3g} TFLOP/s/GPU)" if "fp8_tflops_per_gpu" in r else "")
+        + (f" | mem {r['peak_mem_gb']:.2f} GB" if "peak_mem_gb" in r else "")
+    )
 
 
-def log_summary(cfg: Config, proc: Any, topo: Any, *, dp_size: int, grad_accum: int,
-                padded_vocab: int, attention_backend: tuple[str, str], kernel_plan: Any,
-                meter: Any, run_dir: Path) -> None:
+def log_summary(
+    cfg: Config,
+    proc: Any,
+    topo: Any,
+    *,
+    dp_size: int,
+    grad_accum: int,
+    padded_vocab: int,
+    attention_backend: tuple[str, str],
+    kernel_plan: Any,
+    meter: Any,
+    run_dir: Path,
+) -> None:
     """The start-up summary: parameters, layout, precision, kernels, launch, batch, throughput model."""
     counts = count_parameters(cfg.model)
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
     name, reason = attention_backend
-    sp = " + sequence parallel" if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1 else ""
+    sp = (
+        " + sequence parallel" if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1 else ""
+    )
     if cfg.parallel.context > 1:
         sp += f" x CP {cfg.parallel.context} ({cfg.parallel.context_mode})"
-    log.info("megaformer: %s parameters (%s non-embedding; vocabulary %d padded to %d) | "
-             "world %d = DP %d x TP %d%s x PP %d | ZeRO %d | %s %s | attention %s (%s)",
-             f"{counts['total']:,}", f"{counts['non_embedding']:,}", cfg.model.vocab_size,
-             padded_vocab, proc.world_size, dp_size, tp, sp, pp,
-             cfg.parallel.zero_stage, proc.device.type,
-             cfg.train.precision, name, reason)
+    log.info(
+        "megaformer: %s parameters (%s non-embedding; vocabulary %d padded to %d) | "
+        "world %d = DP %d x TP %d%s x PP %d | ZeRO %d | %s %s | attention %s (%s)",
+        f"{counts['total']:,}",
+        f"{counts['non_embedding']:,}",
+        cfg.model.vocab_size,
+        padded_vocab,
+        proc.world_size,
+        dp_size,
+        tp,
+        sp,
+        pp,
+        cfg.parallel.zero_stage,
+        proc.device.type,
+        cfg.train.precision,
+        name,
+        reason,
+    )
     from megaformer.kernels.selection import format_plan
 
     log.info("kernels:\n%s", format_plan(kernel_plan))
-    log.info("launch: %s, rank %d of %d, local rank %d, collective timeout %g min",
-             proc.launcher, proc.rank, proc.world_size, proc.local_rank,
-             cfg.parallel.collective_timeout_minutes)
+    log.info(
+        "launch: %s, rank %d of %d, local rank %d, collective timeout %g min",
+        proc.launcher,
+        proc.rank,
+        proc.world_size,
+        proc.local_rank,
+        cfg.parallel.collective_timeout_minutes,
+    )
     if proc.world_size > 1:
         log.info(topo.summary())
-    log.info("batch: %d sequences x %d tokens per step (micro %d x accumulation %d x DP %d) | "
-             "%d steps | run dir %s", cfg.train.global_batch_size, cfg.seq_len,
-             cfg.train.micro_batch_size, grad_accum, dp_size, cfg.train.steps, run_dir)
+    log.info(
+        "batch: %d sequences x %d tokens per step (micro %d x accumulation %d x DP %d) | "
+        "%d steps | run dir %s",
+        cfg.train.global_batch_size,
+        cfg.seq_len,
+        cfg.train.micro_batch_size,
+        grad_accum,
+        dp_size,
+        cfg.train.steps,
+        run_dir,
+    )
     log.info(meter.summary())
     if "active" in counts:  # MoE: FLOPs, TFLOP/s and MFU count the active parameters
-        log.info("MoE: %s parameters held, %s active per token: FLOPs, TFLOP/s and MFU count "
-                 "the active ones (router, top-%d routed and the shared experts)%s",
-                 f"{counts['total']:,}", f"{counts['active']:,}", cfg.model.moe.top_k,
-                 f"; experts split over EP {cfg.parallel.expert}" if cfg.parallel.expert > 1
-                 else "")
+        log.info(
+            "MoE: %s parameters held, %s active per token: FLOPs, TFLOP/s and MFU count "
+            "the active ones (router, top-%d routed and the shared experts)%s",
+            f"{counts['total']:,}",
+            f"{counts['active']:,}",
+            cfg.model.moe.top_k,
+            f"; experts split over EP {cfg.parallel.expert}" if cfg.parallel.expert > 1 else "",
+        )

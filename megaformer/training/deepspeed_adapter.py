@@ -47,15 +47,32 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megaformer.deepspeed_attrs import (checkpoint_engine, engine_config, has_hp_mapping,
-                                        pipe_replicated, set_checkpoint_engine,
-                                        skip_recovery_scripts, zero3_partitioned)
+from megaformer.deepspeed_attrs import (
+    checkpoint_engine,
+    engine_config,
+    has_hp_mapping,
+    pipe_replicated,
+    set_checkpoint_engine,
+    skip_recovery_scripts,
+    zero3_partitioned,
+)
 from megaformer.training.bad_steps import guard_optimizer_step
 
-__all__ = ["checkpoint_engine", "engine_config", "has_hp_mapping", "pipe_replicated",
-           "set_checkpoint_engine", "skip_recovery_scripts",
-           "zero3_partitioned", "reports_grad_norm", "replace_fp32_clipping", "skip_nonfinite_steps",
-           "grad_norm", "step_applied", "zero3_full_state_dict"]
+__all__ = [
+    "checkpoint_engine",
+    "engine_config",
+    "has_hp_mapping",
+    "pipe_replicated",
+    "set_checkpoint_engine",
+    "skip_recovery_scripts",
+    "zero3_partitioned",
+    "reports_grad_norm",
+    "replace_fp32_clipping",
+    "skip_nonfinite_steps",
+    "grad_norm",
+    "step_applied",
+    "zero3_full_state_dict",
+]
 
 
 def reports_grad_norm(engine: Any) -> bool:

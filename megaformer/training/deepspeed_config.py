@@ -36,8 +36,14 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
         # megaformer passes torch's AdamW; DeepSpeed's ZeRO wraps it (it only "tests" its own).
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "fp16": {
+            "enabled": t.precision == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -57,7 +63,9 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
     return merged
 
 
-def zero3_partitioner(cfg: Config, ds_config: dict, mpu: Any) -> Optional[Callable[[nn.Module], None]]:
+def zero3_partitioner(
+    cfg: Config, ds_config: dict, mpu: Any
+) -> Optional[Callable[[nn.Module], None]]:
     """Under ZeRO-3: what hands each module of the model, once it holds its values, to DeepSpeed's
     ``zero.Init(module=...)`` (:func:`megaformer.parallel.build.build_model`'s ``partition``), so
     a rank keeps 1/D of every parameter as the model is built, never the whole model. None below
@@ -82,10 +90,15 @@ def zero3_partitioner(cfg: Config, ds_config: dict, mpu: Any) -> Optional[Callab
         for p in module.parameters():
             if not zero3_partitioned(p) and p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-        deepspeed.zero.Init(module=module, data_parallel_group=group, dtype=dtype,
-                            config_dict_or_path=ds_config, mpu=mpu,
-                            remote_device=offload.get("device"),
-                            pin_memory=bool(offload.get("pin_memory", False)))
+        deepspeed.zero.Init(
+            module=module,
+            data_parallel_group=group,
+            dtype=dtype,
+            config_dict_or_path=ds_config,
+            mpu=mpu,
+            remote_device=offload.get("device"),
+            pin_memory=bool(offload.get("pin_memory", False)),
+        )
         # the converted parameters and DeepSpeed's functions on them form reference cycles that
         # keep the whole tensors alive until the collector runs: free them before the next module
         gc.collect()

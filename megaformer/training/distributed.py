@@ -30,8 +30,17 @@ import torch
 from megaformer.comm import all_reduce_mean, barrier, gather_to_main
 from megaformer.errors import LaunchError
 
-__all__ = ["ProcessInfo", "LaunchInfo", "detect_launch", "detect_process", "first_host",
-           "init_distributed", "barrier", "all_reduce_mean", "gather_to_main"]
+__all__ = [
+    "ProcessInfo",
+    "LaunchInfo",
+    "detect_launch",
+    "detect_process",
+    "first_host",
+    "init_distributed",
+    "barrier",
+    "all_reduce_mean",
+    "gather_to_main",
+]
 
 
 @dataclass
@@ -86,7 +95,12 @@ def first_host(nodelist: str) -> str:
 
 # (launcher, rank, world size, local rank) variable names, tried in order.
 _MPI_FLAVOURS = (
-    ("mpi (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    (
+        "mpi (Open MPI)",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+    ),
     ("mpi (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     ("mpi (PMIx)", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
 )
@@ -95,23 +109,37 @@ _MPI_FLAVOURS = (
 def detect_launch(env: Mapping[str, str] = os.environ) -> LaunchInfo:
     """Which launcher started this process, and this process's place in the world."""
     if _env_int(env, "WORLD_SIZE") is not None or _env_int(env, "RANK") is not None:
-        launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in env else
-                    "deepspeed" if "CROSS_RANK" in env else "environment")
-        return LaunchInfo(launcher, _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1),
-                          _env_int(env, "LOCAL_RANK", 0))
+        launcher = (
+            "torchrun"
+            if "TORCHELASTIC_RUN_ID" in env
+            else "deepspeed"
+            if "CROSS_RANK" in env
+            else "environment"
+        )
+        return LaunchInfo(
+            launcher,
+            _env_int(env, "RANK", 0),
+            _env_int(env, "WORLD_SIZE", 1),
+            _env_int(env, "LOCAL_RANK", 0),
+        )
     if "SLURM_STEP_ID" in env and _env_int(env, "SLURM_PROCID") is not None:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
         job = _env_int(env, "SLURM_JOB_ID", 0)
-        return LaunchInfo("srun", _env_int(env, "SLURM_PROCID"),
-                          _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", 1)),
-                          _env_int(env, "SLURM_LOCALID", 0),
-                          first_host(nodes) if nodes else None, 29500 + job % 1000)
+        return LaunchInfo(
+            "srun",
+            _env_int(env, "SLURM_PROCID"),
+            _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", 1)),
+            _env_int(env, "SLURM_LOCALID", 0),
+            first_host(nodes) if nodes else None,
+            29500 + job % 1000,
+        )
     for launcher, rank, size, local in _MPI_FLAVOURS:
         if _env_int(env, rank) is not None:
             if _env_int(env, size) is None:
                 raise LaunchError(f"{rank} is set but {size} is not: cannot tell the world size")
-            return LaunchInfo(launcher, _env_int(env, rank), _env_int(env, size),
-                              _env_int(env, local, 0))
+            return LaunchInfo(
+                launcher, _env_int(env, rank), _env_int(env, size), _env_int(env, local, 0)
+            )
     return LaunchInfo("python", 0, 1, 0)
 
 
@@ -123,8 +151,9 @@ def detect_process(device: str = "auto") -> ProcessInfo:
     info = detect_launch()
     world, rank, local_rank = info.world_size, info.rank, info.local_rank
     if world < 1 or not 0 <= rank < world:
-        raise LaunchError(f"{info.launcher}: rank {rank} / world size {world}: rank must be in "
-                          "[0, world size)")
+        raise LaunchError(
+            f"{info.launcher}: rank {rank} / world size {world}: rank must be in [0, world size)"
+        )
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     if info.master_addr is not None:
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
@@ -137,8 +166,9 @@ def detect_process(device: str = "auto") -> ProcessInfo:
             raise LaunchError("train.device=cuda: no CUDA device is visible to this process")
         n = torch.cuda.device_count()
         if local_rank >= n:
-            raise LaunchError(f"local rank {local_rank} ({info.launcher}): only {n} CUDA devices "
-                              "on this node")
+            raise LaunchError(
+                f"local rank {local_rank} ({info.launcher}): only {n} CUDA devices on this node"
+            )
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
@@ -172,9 +202,11 @@ def init_distributed(proc: ProcessInfo, timeout_minutes: float = 30.0) -> None:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
     elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise LaunchError(f"{proc.launcher}: world size {proc.world_size} but MASTER_ADDR/MASTER_PORT "
-                          "are not set: export them (the rank-0 host and a free port) or launch "
-                          "with torchrun")
+        raise LaunchError(
+            f"{proc.launcher}: world size {proc.world_size} but MASTER_ADDR/MASTER_PORT "
+            "are not set: export them (the rank-0 host and a free port) or launch "
+            "with torchrun"
+        )
     if proc.device.type == "cuda":
         torch.cuda.set_device(proc.device)
     else:
@@ -185,11 +217,13 @@ def init_distributed(proc: ProcessInfo, timeout_minutes: float = 30.0) -> None:
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store = _elastic_attempt_store(timeout)
     if store is not None and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend, store=store, rank=proc.rank,
-                                             world_size=proc.world_size, timeout=timeout)
+        torch.distributed.init_process_group(
+            backend, store=store, rank=proc.rank, world_size=proc.world_size, timeout=timeout
+        )
     # DeepSpeed's comm layer adopts an existing group, or creates it (env://)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               timeout=timeout)
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout
+    )
 
 
 def _elastic_attempt_store(timeout: datetime.timedelta) -> Optional[Any]:
@@ -202,6 +236,7 @@ def _elastic_attempt_store(timeout: datetime.timedelta) -> Optional[Any]:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                             is_master=False, timeout=timeout)
+    agent_store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     return torch.distributed.PrefixStore(f"megaformer/attempt_{attempt}", agent_store)

@@ -46,8 +46,12 @@ class Fault:
     seconds: float = 3600.0
 
     def hits(self, kind: str, step: int, rank: int, attempt: int) -> bool:
-        return (self.kind == kind and self.first <= step <= self.last and attempt == self.attempt
-                and (self.rank is None or self.rank == rank))
+        return (
+            self.kind == kind
+            and self.first <= step <= self.last
+            and attempt == self.attempt
+            and (self.rank is None or self.rank == rank)
+        )
 
 
 def parse(spec: str) -> list[Fault]:
@@ -56,12 +60,21 @@ def parse(spec: str) -> list[Fault]:
         kind, _, args = item.partition("@")
         fields = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
         if kind not in KINDS or "step" not in fields:
-            raise LaunchError(f"{ENV}={spec!r}: expected KIND@step=S[,rank=R][,attempt=A] with KIND "
-                              f"one of {', '.join(KINDS)}")
+            raise LaunchError(
+                f"{ENV}={spec!r}: expected KIND@step=S[,rank=R][,attempt=A] with KIND "
+                f"one of {', '.join(KINDS)}"
+            )
         first, _, last = fields["step"].partition("-")
-        faults.append(Fault(kind, int(first), int(last or first),
-                            int(fields["rank"]) if "rank" in fields else None,
-                            int(fields.get("attempt", 0)), float(fields.get("seconds", 3600))))
+        faults.append(
+            Fault(
+                kind,
+                int(first),
+                int(last or first),
+                int(fields["rank"]) if "rank" in fields else None,
+                int(fields.get("attempt", 0)),
+                float(fields.get("seconds", 3600)),
+            )
+        )
     return faults
 
 
@@ -78,7 +91,10 @@ class FaultPlan:
         if spec and rank == 0:
             logging.getLogger("megaformer").warning(
                 "WARNING: %s=%r is set: this run will fail ON PURPOSE (fault injection, for "
-                "tests only); unset it for a real run", ENV, spec)
+                "tests only); unset it for a real run",
+                ENV,
+                spec,
+            )
         return cls(parse(spec) if spec else [], rank, attempt)
 
     def _hit(self, kind: str, step: int) -> Optional[Fault]:

@@ -88,8 +88,14 @@ class IntervalMetrics(StepHook):
     record with the interval's means: loss over its good steps, tokens/s, step time, and the
     throughput model's TFLOP/s and MFU (``meter``). Owns the console (closes the bar)."""
 
-    def __init__(self, console: Console, intervals: LoopIntervals, tokens_per_step: int,
-                 consumed_tokens: Callable[[], int], meter: Any = None) -> None:
+    def __init__(
+        self,
+        console: Console,
+        intervals: LoopIntervals,
+        tokens_per_step: int,
+        consumed_tokens: Callable[[], int],
+        meter: Any = None,
+    ) -> None:
         self.console, self.intervals, self.meter = console, intervals, meter
         self.tokens_per_step, self.consumed_tokens = tokens_per_step, consumed_tokens
         self.window: list[dict] = []
@@ -109,10 +115,15 @@ class IntervalMetrics(StepHook):
         window = self.window
         t = sum(w["step_time_s"] for w in window)
         good = [w["loss"] for w in window if not w["bad"]]
-        record = {"step": step, "loss": sum(good) / len(good) if good else float("nan"),
-                  "lr": window[-1]["lr"], "grad_norm": window[-1]["grad_norm"],
-                  "tokens_per_s": self.tokens_per_step * len(window) / t,
-                  "step_time_s": t / len(window), "consumed_tokens": self.consumed_tokens()}
+        record = {
+            "step": step,
+            "loss": sum(good) / len(good) if good else float("nan"),
+            "lr": window[-1]["lr"],
+            "grad_norm": window[-1]["grad_norm"],
+            "tokens_per_s": self.tokens_per_step * len(window) / t,
+            "step_time_s": t / len(window),
+            "consumed_tokens": self.consumed_tokens(),
+        }
         if self.meter is not None:  # tflops_per_gpu, [mfu, hfu], peak_mem_gb
             record.update(self.meter.record(t / len(window)))
         record.update(window[-1].get("moe", {}))  # the last step's MoE metrics
@@ -130,8 +141,13 @@ class BadSteps(StepHook):
     """Reports a skipped step; ``train.max_bad_steps`` in a row end the run (TrainingError naming
     ``latest_checkpoint()``, this step's record written first)."""
 
-    def __init__(self, counter: BadStepCounter, console: Console, metrics: Any,
-                 latest_checkpoint: Callable[[], Optional[Path]]) -> None:
+    def __init__(
+        self,
+        counter: BadStepCounter,
+        console: Console,
+        metrics: Any,
+        latest_checkpoint: Callable[[], Optional[Path]],
+    ) -> None:
         self.counter, self.console, self.metrics = counter, console, metrics
         self.latest_checkpoint = latest_checkpoint
 
@@ -141,7 +157,8 @@ class BadSteps(StepHook):
             self.console.write(
                 f"step {state.step}: non-finite loss or gradient norm on some rank (loss "
                 f"{r['loss']:.4g}, grad norm {r['grad_norm']:.4g}): update skipped "
-                f"({c.consecutive + 1} in a row, {c.total + 1} in total)")
+                f"({c.consecutive + 1} in a row, {c.total + 1} in total)"
+            )
         latest = self.latest_checkpoint() if r["bad"] else None
         try:
             c.record(state.step, r["bad"], str(latest) if latest else None)
@@ -169,26 +186,41 @@ class Validation(StepHook):
     predicting every token by its training-set frequency) when due (not on a stop), into the
     record."""
 
-    def __init__(self, evaluate: Callable[[], float], intervals: LoopIntervals, console: Console,
-                 unigram: float) -> None:
-        self.evaluate, self.intervals, self.console, self.unigram = evaluate, intervals, console, unigram
+    def __init__(
+        self,
+        evaluate: Callable[[], float],
+        intervals: LoopIntervals,
+        console: Console,
+        unigram: float,
+    ) -> None:
+        self.evaluate, self.intervals, self.console, self.unigram = (
+            evaluate,
+            intervals,
+            console,
+            unigram,
+        )
         self.val_loss: Optional[float] = None
 
     def after_step(self, state: StepState, record: dict) -> None:
         if not self.intervals.eval_due(state.step, stopping=state.stopping):
             return
         self.val_loss = val_loss = self.evaluate()
-        _open(record, state).update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)),
-                                    unigram_baseline=self.unigram)
-        self.console.write(f"step {state.step}: val loss {val_loss:.4f} | val ppl "
-                           f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}")
+        _open(record, state).update(
+            val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), unigram_baseline=self.unigram
+        )
+        self.console.write(
+            f"step {state.step}: val loss {val_loss:.4f} | val ppl "
+            f"{record['val_ppl']:.2f} | unigram baseline {self.unigram:.4f}"
+        )
 
 
 class TaskEvaluation(StepHook):
     """``eval.tasks`` on the live model when due (:mod:`megaformer.evaluation.training`):
     eval/TASK/METRIC into the record, the table to the console."""
 
-    def __init__(self, evaluator: Any, run: Callable[[], tuple[dict, str]], console: Console) -> None:
+    def __init__(
+        self, evaluator: Any, run: Callable[[], tuple[dict, str]], console: Console
+    ) -> None:
         self.evaluator, self.run, self.console = evaluator, run, console
 
     def after_step(self, state: StepState, record: dict) -> None:
@@ -219,8 +251,13 @@ class Checkpoints(StepHook):
     ``checkpoint.save_at_end`` and on every stop; after the loop's last step waits for a
     background write (``writer.wait()``) to finish."""
 
-    def __init__(self, save: Callable[[], Optional[Path]], intervals: LoopIntervals,
-                 console: Console, writer: Any = None) -> None:
+    def __init__(
+        self,
+        save: Callable[[], Optional[Path]],
+        intervals: LoopIntervals,
+        console: Console,
+        writer: Any = None,
+    ) -> None:
         self.save, self.intervals, self.console, self.writer = save, intervals, console, writer
         self.last: Optional[Path] = None
 
@@ -228,7 +265,9 @@ class Checkpoints(StepHook):
         if self.intervals.save_due(state.step, stopping=state.stopping):
             self.last = self.save() or self.last
         if state.stopping:
-            self.console.write(f"step {state.step}: {state.stop_reason}: checkpoint saved, "
-                               "stopping (run the same command to resume)")
+            self.console.write(
+                f"step {state.step}: {state.stop_reason}: checkpoint saved, "
+                "stopping (run the same command to resume)"
+            )
         if state.final and self.writer is not None:
             self.writer.wait()

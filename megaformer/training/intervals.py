@@ -25,8 +25,9 @@ class Every:
     at_end: bool = False
 
     def due(self, step: int) -> bool:
-        return bool((self.interval and step % self.interval == 0)
-                    or (self.at_end and step == self.last))
+        return bool(
+            (self.interval and step % self.interval == 0) or (self.at_end and step == self.last)
+        )
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,11 @@ class LoopIntervals:
     @classmethod
     def from_config(cls, cfg: Config) -> "LoopIntervals":
         last = cfg.train.steps
-        return cls(log=Every(cfg.log.interval, last, at_end=True),
-                   evaluate=Every(cfg.eval.interval, last, at_end=cfg.eval.at_end),
-                   checkpoint=Every(cfg.checkpoint.interval, last, at_end=cfg.checkpoint.save_at_end))
+        return cls(
+            log=Every(cfg.log.interval, last, at_end=True),
+            evaluate=Every(cfg.eval.interval, last, at_end=cfg.eval.at_end),
+            checkpoint=Every(cfg.checkpoint.interval, last, at_end=cfg.checkpoint.save_at_end),
+        )
 
     def log_due(self, step: int, bad: bool) -> bool:
         return bad or self.log.due(step)

@@ -70,8 +70,13 @@ class TrainLoop:
     """Runs ``train_step(n) -> result`` for n = start+1 .. ``last_step`` with ``hooks`` (then
     ``tail``) after each step."""
 
-    def __init__(self, train_step: Callable[[int], dict[str, Any]], last_step: int,
-                 hooks: Optional[list[Any]] = None, tail: Optional[list[Any]] = None) -> None:
+    def __init__(
+        self,
+        train_step: Callable[[int], dict[str, Any]],
+        last_step: int,
+        hooks: Optional[list[Any]] = None,
+        tail: Optional[list[Any]] = None,
+    ) -> None:
         self.train_step, self.last_step = train_step, last_step
         self.hooks: list[Any] = list(hooks or [])
         self.tail: list[Any] = list(tail or [])

@@ -9,8 +9,13 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from megaformer.safe_files import (json_or_none, open_append, read_text_bounded, refuse_link,
-                                   write_atomic)
+from megaformer.safe_files import (
+    json_or_none,
+    open_append,
+    read_text_bounded,
+    refuse_link,
+    write_atomic,
+)
 
 log = logging.getLogger("megaformer")
 
@@ -50,8 +55,9 @@ class MetricsWriter:
     """Appends one JSON object per logged step and mirrors scalars to TensorBoard and to a W&B
     sink (:class:`megaformer.training.wandb_log.WandbSink`, when given)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool,
-                 wandb: Optional[Any] = None) -> None:
+    def __init__(
+        self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: Optional[Any] = None
+    ) -> None:
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.tb: Optional[Any] = None

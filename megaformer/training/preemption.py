@@ -29,8 +29,11 @@ REPEAT_S = 1.0  # a SIGINT this soon after the first is the same Ctrl-C
 
 # Codes of the stop reason, ordered: the all-reduced MAX names the strongest one.
 NONE, TIME_LIMIT, SIGNAL, INTERRUPT = 0, 1, 2, 3
-REASONS = {TIME_LIMIT: "train.exit_after_minutes reached", SIGNAL: "stop signal received",
-           INTERRUPT: "interrupted (SIGINT)"}
+REASONS = {
+    TIME_LIMIT: "train.exit_after_minutes reached",
+    SIGNAL: "stop signal received",
+    INTERRUPT: "interrupted (SIGINT)",
+}
 INTERRUPTED = REASONS[INTERRUPT]
 
 
@@ -38,8 +41,9 @@ class StopRequest:
     """Set by a signal handler or the clock; read at step boundaries."""
 
     def __init__(self, exit_after_minutes: Optional[float] = None) -> None:
-        self.deadline = (time.monotonic() + 60 * exit_after_minutes
-                         if exit_after_minutes is not None else None)
+        self.deadline = (
+            time.monotonic() + 60 * exit_after_minutes if exit_after_minutes is not None else None
+        )
         self.signal: Optional[int] = None
         self.interrupted_at: Optional[float] = None  # monotonic time of the first SIGINT
         self._previous: dict[int, Any] = {}
@@ -66,9 +70,11 @@ class StopRequest:
                 return
             self.interrupted_at = now
         if self.signal is None:
-            log.warning("received %s: saving a checkpoint at the next step boundary, then exiting%s",
-                        signal.Signals(signum).name,
-                        " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "")
+            log.warning(
+                "received %s: saving a checkpoint at the next step boundary, then exiting%s",
+                signal.Signals(signum).name,
+                " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
+            )
         self.signal = signum
 
     def local_code(self) -> int:

@@ -39,12 +39,31 @@ class TrainStep:
     ``weigh_loss(loss, labels)``: the loss this rank contributes (context parallelism weighs each
     part by its share of the sequence's counted labels; the identity otherwise)."""
 
-    def __init__(self, cfg: Config, engine: Any, scheduler: Any, topo: Any, device: torch.device,
-                 *, grad_accum: int, dp_rank: int, dp_size: int, valid_set: Any,
-                 part: Optional[Callable] = None, param_names: Optional[list[str]] = None,
-                 clipper: Any = None, faults: Any = None,
-                 weigh_loss: Optional[Callable] = None) -> None:
-        self.cfg, self.engine, self.scheduler, self.topo, self.device = cfg, engine, scheduler, topo, device
+    def __init__(
+        self,
+        cfg: Config,
+        engine: Any,
+        scheduler: Any,
+        topo: Any,
+        device: torch.device,
+        *,
+        grad_accum: int,
+        dp_rank: int,
+        dp_size: int,
+        valid_set: Any,
+        part: Optional[Callable] = None,
+        param_names: Optional[list[str]] = None,
+        clipper: Any = None,
+        faults: Any = None,
+        weigh_loss: Optional[Callable] = None,
+    ) -> None:
+        self.cfg, self.engine, self.scheduler, self.topo, self.device = (
+            cfg,
+            engine,
+            scheduler,
+            topo,
+            device,
+        )
         self.grad_accum, self.dp_rank, self.dp_size = grad_accum, dp_rank, dp_size
         self.valid_set, self.part, self.param_names = valid_set, part, param_names
         self.clipper, self.faults = clipper, faults
@@ -71,18 +90,30 @@ class TrainStep:
         loss = self._forward_backward(step, loader.next_step())
         if self.faults is not None:
             self.faults.mid_step(step)
-        gn = (self.clipper.norm if self.clipper is not None and self.clipper.norm is not None
-              else ds_adapter.grad_norm(engine))
+        gn = (
+            self.clipper.norm
+            if self.clipper is not None and self.clipper.norm is not None
+            else ds_adapter.grad_norm(engine)
+        )
         grad_norm = gn if gn is not None else float("nan")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
         bad = not ds_adapter.step_applied(engine) or not math.isfinite(float(loss))
         # MoE blocks: the step's expert load over DP, the aux-loss-free bias update, the metrics
-        moe = (moe_end_of_step(engine.module, self.topo.groups.dp, update_bias=not bad)
-               if self.cfg.model.moe.interval > 0 else {})
-        return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, "bad": bad,
-                "step_time_s": time.perf_counter() - t0, "moe": moe}
+        moe = (
+            moe_end_of_step(engine.module, self.topo.groups.dp, update_bias=not bad)
+            if self.cfg.model.moe.interval > 0
+            else {}
+        )
+        return {
+            "loss": float(loss),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "bad": bad,
+            "step_time_s": time.perf_counter() - t0,
+            "moe": moe,
+        }
 
     def _forward_backward(self, step: int, micro_batches: list) -> torch.Tensor:
         engine, dev = self.engine, self.device
@@ -99,17 +130,26 @@ class TrainStep:
         return dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.groups.replica)
 
     def _validation_batches(self) -> Any:
-        return validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
-                                  self.grad_accum, self.cfg.eval.iters, self.dp_rank,
-                                  self.dp_size, self.part)
+        return validation_batches(
+            self.valid_set,
+            self.cfg.train.micro_batch_size,
+            self.grad_accum,
+            self.cfg.eval.iters,
+            self.dp_rank,
+            self.dp_size,
+            self.part,
+        )
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Validation loss: mean over ``eval.iters`` x ``grad_accum`` micro-batches and the replicas."""
         self.engine.eval()
-        losses = [self.weigh_loss(self.engine(x.to(self.device), y.to(self.device)),
-                                  y.to(self.device)).float()
-                  for x, y in self._validation_batches()]
+        losses = [
+            self.weigh_loss(
+                self.engine(x.to(self.device), y.to(self.device)), y.to(self.device)
+            ).float()
+            for x, y in self._validation_batches()
+        ]
         self.engine.train()
         return float(dist.all_reduce_mean(torch.stack(losses).mean(), self.topo.groups.replica))
 
@@ -124,9 +164,11 @@ class TrainStep:
             if full is None:
                 return None
             V = self.cfg.model.vocab_size
-            return {k: (v[:V] if k in ("tok_embeddings.weight", "lm_head.weight") else v)
-                    for k, v in full.items()
-                    if not (k == "lm_head.weight" and self.cfg.model.tie_embeddings)}
+            return {
+                k: (v[:V] if k in ("tok_embeddings.weight", "lm_head.weight") else v)
+                for k, v in full.items()
+                if not (k == "lm_head.weight" and self.cfg.model.tie_embeddings)
+            }
         return self._unsharded()
 
     def _unsharded(self) -> Optional[dict[str, torch.Tensor]]:
@@ -153,7 +195,7 @@ class PipelineTrainStep(TrainStep):
         batches = list(self._validation_batches())
         losses = []
         for it in range(self.cfg.eval.iters):
-            chunk = batches[it * self.grad_accum:(it + 1) * self.grad_accum]
+            chunk = batches[it * self.grad_accum : (it + 1) * self.grad_accum]
             losses.append(float(self.engine.eval_batch(iter(chunk))))  # mean over micro & DP
         return sum(losses) / len(losses)
 
@@ -161,8 +203,9 @@ class PipelineTrainStep(TrainStep):
         return local_parameters(self.engine.module, self.param_names)
 
     def _unsharded(self) -> Optional[dict[str, torch.Tensor]]:
-        return pipeline_state_dict(self.engine.module, self.param_names, self.topo,
-                                   self.cfg.model.vocab_size)
+        return pipeline_state_dict(
+            self.engine.module, self.param_names, self.topo, self.cfg.model.vocab_size
+        )
 
 
 def train_step_class(cfg: Config) -> type[TrainStep]:

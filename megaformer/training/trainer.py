@@ -28,40 +28,39 @@ from typing import Any, Optional
 import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
-from megaformer.comm import broadcast_from_main
 from megaformer.checkpoint.files import write_text_atomic
+from megaformer.comm import broadcast_from_main
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
 from megaformer.data.dataset import TrainLoader, validation_batches
 from megaformer.data.setup import setup_data
-from megaformer.evaluation.training import TaskEvaluator
 from megaformer.errors import CheckpointError, ConfigError
+from megaformer.evaluation.training import TaskEvaluator
 from megaformer.kernels import native
-from megaformer.training import distributed as dist
-from megaformer.training import deepspeed_adapter as ds_adapter
-from megaformer.training.bad_steps import BadStepCounter
-from megaformer.training.faults import FaultPlan
-from megaformer.runtime.collectives import host_group
-from megaformer.runtime.host_allocator import configure_host_allocator
-from megaformer.runtime.run_lock import acquire_on_rank0
-from megaformer.training.preemption import StopRequest
-from megaformer.training.watchdog import StepWatchdog
-from megaformer.training.deepspeed_config import build_deepspeed_config, zero3_partitioner
-from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
-from megaformer.training import wandb_log
-from megaformer.runtime.optimizer import build_optimizer
-from megaformer.training import hooks
-from megaformer.training.console import Console, log_summary
-from megaformer.training.intervals import LoopIntervals
-from megaformer.training.loop import TrainLoop
-from megaformer.training.train_step import train_step_class
-from megaformer.training.schedule import lr_lambda
 from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.topology import build_topology, layout_groups
+from megaformer.runtime.collectives import host_group
+from megaformer.runtime.host_allocator import configure_host_allocator
+from megaformer.runtime.optimizer import build_optimizer
+from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.safe_files import check_run_dir
+from megaformer.training import deepspeed_adapter as ds_adapter
+from megaformer.training import distributed as dist
+from megaformer.training import hooks, wandb_log
+from megaformer.training.bad_steps import BadStepCounter
+from megaformer.training.console import Console, log_summary
+from megaformer.training.deepspeed_config import build_deepspeed_config, zero3_partitioner
+from megaformer.training.faults import FaultPlan
+from megaformer.training.intervals import LoopIntervals
+from megaformer.training.loop import TrainLoop
+from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
+from megaformer.training.preemption import StopRequest
+from megaformer.training.schedule import lr_lambda
+from megaformer.training.train_step import train_step_class
+from megaformer.training.watchdog import StepWatchdog
 
 log = logging.getLogger("megaformer")
 
@@ -84,7 +83,9 @@ def _quiet_known_warnings() -> None:
     # DeepSpeed's pipeline p2p moves activations with c10d broadcast inside autograd; torch warns
     # that broadcast_ has no autograd kernel. DeepSpeed routes the gradients itself (losses and
     # gradients equal one process: tests/distributed/test_pipeline.py).
-    warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+    warnings.filterwarnings(
+        "ignore", message="c10d::broadcast_: an autograd kernel was not registered"
+    )
 
 
 def setup_logging(run_dir: Path, rank: int, all_ranks: bool) -> None:
@@ -115,8 +116,9 @@ def _resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
     if v is None:
         v = tokenizer_vocab
     elif v < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={v}: smaller than the tokenizer's vocabulary "
-                          f"({tokenizer_vocab})")
+        raise ConfigError(
+            f"model.vocab_size={v}: smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
+        )
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=v))
 
 
@@ -144,15 +146,26 @@ class Trainer:
         self.rank = self.proc.rank
         self.is_main = self.proc.is_main
         # Data-parallel coordinates: which slice of each global batch this rank reads.
-        self.layout = layout_groups(self.proc.world_size, tp=cfg.parallel.tensor,
-                                    cp=cfg.parallel.context, pp=cfg.parallel.pipeline,
-                                    ep=cfg.parallel.expert)
+        self.layout = layout_groups(
+            self.proc.world_size,
+            tp=cfg.parallel.tensor,
+            cp=cfg.parallel.context,
+            pp=cfg.parallel.pipeline,
+            ep=cfg.parallel.expert,
+        )
         self.layout.rank = self.proc.rank
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp
         # Context parallelism: this rank's part of every sequence it reads (None: the whole).
-        self.part = (functools.partial(split_sequence, rank=self.layout.cp_rank,
-                                       size=self.layout.cp, mode=cfg.parallel.context_mode)
-                     if cfg.parallel.context > 1 else None)
+        self.part = (
+            functools.partial(
+                split_sequence,
+                rank=self.layout.cp_rank,
+                size=self.layout.cp,
+                mode=cfg.parallel.context_mode,
+            )
+            if cfg.parallel.context > 1
+            else None
+        )
         self.extra_hooks: list[tuple[Any, Optional[int]]] = []  # see add_hook
 
     # ------------------------------------------------------------------------- setup
@@ -163,45 +176,79 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.run_lock = acquire_on_rank0(self.run_dir, self.rank)  # one job per run directory
-        self.topo = build_topology(self.proc.world_size, self.rank, tp=cfg.parallel.tensor,
-                                   cp=cfg.parallel.context, pp=cfg.parallel.pipeline,
-                                   ep=cfg.parallel.expert)
+        self.topo = build_topology(
+            self.proc.world_size,
+            self.rank,
+            tp=cfg.parallel.tensor,
+            cp=cfg.parallel.context,
+            pp=cfg.parallel.pipeline,
+            ep=cfg.parallel.expert,
+        )
         dist.barrier()
         setup_logging(self.run_dir, self.rank, cfg.log.all_ranks)
         _quiet_known_warnings()
         self.task_eval = TaskEvaluator.from_config(cfg)  # eval.tasks: checked before any work
-        configure_host_allocator(cfg.train.cpu_malloc, self.proc.device)  # before anything allocates
+        configure_host_allocator(
+            cfg.train.cpu_malloc, self.proc.device
+        )  # before anything allocates
         if self.proc.device.type == "cpu" and cfg.model.kernels == "auto":
             log.info("%s", native.status())  # built on first use (cached), before step 1
         if self.is_main:
             for tmp in self.checkpointer.half_written():
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
         self.faults = FaultPlan.from_env(self.rank)
-        self.tokenizer, data = setup_data(cfg, self.run_dir, self.rank, dist.barrier,
-                                          self.checkpointer.source,
-                                          share=lambda obj: broadcast_from_main(obj, host_group()))
+        self.tokenizer, data = setup_data(
+            cfg,
+            self.run_dir,
+            self.rank,
+            dist.barrier,
+            self.checkpointer.source,
+            share=lambda obj: broadcast_from_main(obj, host_group()),
+        )
         self.cfg = cfg = _resolve_vocab(cfg, self.tokenizer.vocab_size)
         self.train_set, self.valid_set = data.train, data.valid
         self.unigram = data.unigram(cfg.model.vocab_size)
         self.model = self._build_model()
         self._build_engine()
-        self.checkpointer.attach(cfg, self.topo, Trained(
-            self.engine, self.scheduler, self._local_params, self.plain_model.padded_vocab_size,
-            tokenizer=self.tokenizer, tp_rng=self.tp_rng, full_weights=self.full_weights,
-            before_commit=self.faults.in_save))
+        self.checkpointer.attach(
+            cfg,
+            self.topo,
+            Trained(
+                self.engine,
+                self.scheduler,
+                self._local_params,
+                self.plain_model.padded_vocab_size,
+                tokenizer=self.tokenizer,
+                tp_rng=self.tp_rng,
+                full_weights=self.full_weights,
+                before_commit=self.faults.in_save,
+            ),
+        )
         resumed = self.checkpointer.resume() or TrainState(0, 0)
         self.step, consumed = resumed.step, resumed.consumed_samples
-        self.loader = TrainLoader(self.train_set, cfg.train.micro_batch_size, self.grad_accum,
-                                  self.dp_rank, self.dp_size, cfg.train.seed, consumed,
-                                  prefetch=cfg.data.prefetch,
-                                  stop_at=cfg.train.steps * cfg.train.global_batch_size,
-                                  part=self.part, device=self.proc.device,
-                                  readers=_batch_readers(self.topo))
+        self.loader = TrainLoader(
+            self.train_set,
+            cfg.train.micro_batch_size,
+            self.grad_accum,
+            self.dp_rank,
+            self.dp_size,
+            cfg.train.seed,
+            consumed,
+            prefetch=cfg.data.prefetch,
+            stop_at=cfg.train.steps * cfg.train.global_batch_size,
+            part=self.part,
+            device=self.proc.device,
+            readers=_batch_readers(self.topo),
+        )
         if self.is_main:
             write_text_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
-        self.metrics = MetricsWriter(self.run_dir, self.is_main, cfg.log.tensorboard,
-                                     wandb_log.open_run(cfg, self.run_dir) if self.is_main else None)
+        self.metrics = MetricsWriter(
+            self.run_dir,
+            self.is_main,
+            cfg.log.tensorboard,
+            wandb_log.open_run(cfg, self.run_dir) if self.is_main else None,
+        )
         self.diagnostics = self._build_diagnostics() if cfg.log.diagnostics else None
         self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, resumed.skipped_steps)
         self._print_summary()
@@ -210,22 +257,41 @@ class Trainer:
         """Residual-stream diagnostics on the first validation micro-batch (same on every rank)."""
         from megaformer.diagnostics.training import DiagnosticsHook
 
-        batch = next(iter(validation_batches(self.valid_set, self.cfg.train.micro_batch_size,
-                                             1, 1, 0, 1)))
-        return DiagnosticsHook(self.plain_model, batch, self.cfg.log.diagnostics_interval,
-                               self.topo, self.stepper.pipeline_module)
+        batch = next(
+            iter(validation_batches(self.valid_set, self.cfg.train.micro_batch_size, 1, 1, 0, 1))
+        )
+        return DiagnosticsHook(
+            self.plain_model,
+            batch,
+            self.cfg.log.diagnostics_interval,
+            self.topo,
+            self.stepper.pipeline_module,
+        )
 
     def _build_model(self) -> torch.nn.Module:
         """This rank's model (:func:`megaformer.parallel.build.build_model`): from the seed, or from
         the weights of the checkpoint the run resumes from (:meth:`Checkpointer.model_weights`)."""
         weights, source = self.checkpointer.model_weights(self.cfg.model, self.topo)
         # ZeRO-3: each module keeps its partition as soon as it has its values
-        partition = zero3_partitioner(self.cfg, build_deepspeed_config(self.cfg, self.grad_accum),
-                                      train_step_class(self.cfg).engine_mpu(self.topo))
-        built = build_model(self.cfg, self.topo, device=self.proc.device, weights=weights,
-                            weights_source=source, eod_id=self.tokenizer.eod_id,
-                            partition=partition)
-        self.plain_model, self.tp_rng, self.param_names = built.plain, built.tp_rng, built.param_names
+        partition = zero3_partitioner(
+            self.cfg,
+            build_deepspeed_config(self.cfg, self.grad_accum),
+            train_step_class(self.cfg).engine_mpu(self.topo),
+        )
+        built = build_model(
+            self.cfg,
+            self.topo,
+            device=self.proc.device,
+            weights=weights,
+            weights_source=source,
+            eod_id=self.tokenizer.eod_id,
+            partition=partition,
+        )
+        self.plain_model, self.tp_rng, self.param_names = (
+            built.plain,
+            built.tp_rng,
+            built.param_names,
+        )
         self.weigh_loss = built.weigh_loss  # context parallelism: the loss the group averages
         return built.model
 
@@ -245,28 +311,47 @@ class Trainer:
         step_class = train_step_class(self.cfg)
         with experts.recognised_by_deepspeed(ep > 1):  # expert grads over expert-data groups
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+                model=self.model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=ds_config,
                 mpu=step_class.engine_mpu(self.topo),
-                dist_init_required=False)
+                dist_init_required=False,
+            )
         install_safe_checkpoint_engine(self.engine)
         self.clipper: Optional[GradNormClipper] = None
         if not ds_adapter.reports_grad_norm(self.engine):
             self._measure_grad_norm()
         # the schedule's step, validation pass and view of the weights
-        self.stepper = step_class(self.cfg, self.engine, self.scheduler, self.topo, self.proc.device,
-                                  grad_accum=self.grad_accum, dp_rank=self.dp_rank,
-                                  dp_size=self.dp_size, valid_set=self.valid_set, part=self.part,
-                                  param_names=self.param_names, clipper=self.clipper,
-                                  faults=self.faults, weigh_loss=self.weigh_loss)
+        self.stepper = step_class(
+            self.cfg,
+            self.engine,
+            self.scheduler,
+            self.topo,
+            self.proc.device,
+            grad_accum=self.grad_accum,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            valid_set=self.valid_set,
+            part=self.part,
+            param_names=self.param_names,
+            clipper=self.clipper,
+            faults=self.faults,
+            weigh_loss=self.weigh_loss,
+        )
 
     def _measure_grad_norm(self) -> None:
         """Without a ZeRO/bf16 optimizer DeepSpeed reports no gradient norm, and its fp32 clipping
         counts a pipeline-tied weight once per stage that holds it. megaformer measures the norm
         itself (:class:`megaformer.parallel.grad_norm.GradNormClipper`) and clips with it."""
         engine = self.engine
-        self.clipper = GradNormClipper(engine.module.parameters, self.topo.groups.tp,
-                                       self.topo.groups.pp, self.cfg.train.grad_clip,
-                                       self.topo.groups.ep)
+        self.clipper = GradNormClipper(
+            engine.module.parameters,
+            self.topo.groups.tp,
+            self.topo.groups.pp,
+            self.cfg.train.grad_clip,
+            self.topo.groups.ep,
+        )
         if self.cfg.train.grad_clip > 0:
             ds_adapter.replace_fp32_clipping(engine, self.clipper.measure_and_clip)
         # DeepSpeed steps this torch optimizer directly: megaformer skips a non-finite step itself
@@ -276,10 +361,18 @@ class Trainer:
         from megaformer.analysis.throughput import TrainingMeter
 
         self.meter = TrainingMeter.for_run(self.cfg, self.proc.device, self.proc.world_size)
-        log_summary(self.cfg, self.proc, self.topo, dp_size=self.dp_size, grad_accum=self.grad_accum,
-                    padded_vocab=self.plain_model.padded_vocab_size,
-                    attention_backend=self.attention_backend, kernel_plan=self.kernel_plan,
-                    meter=self.meter, run_dir=self.run_dir)
+        log_summary(
+            self.cfg,
+            self.proc,
+            self.topo,
+            dp_size=self.dp_size,
+            grad_accum=self.grad_accum,
+            padded_vocab=self.plain_model.padded_vocab_size,
+            attention_backend=self.attention_backend,
+            kernel_plan=self.kernel_plan,
+            meter=self.meter,
+            run_dir=self.run_dir,
+        )
 
     # ------------------------------------------------------------------------- steps
 
@@ -292,8 +385,9 @@ class Trainer:
     def save(self) -> Optional[Path]:
         """Collective: checkpoint the current step (:meth:`Checkpointer.save`); None when a
         checkpoint of this step already exists."""
-        return self.checkpointer.save(TrainState(self.step, self.loader.consumed_samples,
-                                                 self.bad_steps.total))
+        return self.checkpointer.save(
+            TrainState(self.step, self.loader.consumed_samples, self.bad_steps.total)
+        )
 
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """Unsharded, unpadded weights (collective: every rank calls; rank 0 gets them)."""
@@ -316,12 +410,22 @@ class Trainer:
         state = loop.run(self.step)
         stopped = state.stop_reason
         sample = self.sample() if stopped is None else None
-        return TrainResult(self.run_dir, self.step, state.result.get("loss", float("nan")),
-                           validation.val_loss, self.unigram, metrics.tokens_per_s,
-                           time.perf_counter() - t_start, checkpoints.last, sample, stopped)
+        return TrainResult(
+            self.run_dir,
+            self.step,
+            state.result.get("loss", float("nan")),
+            validation.val_loss,
+            self.unigram,
+            metrics.tokens_per_s,
+            time.perf_counter() - t_start,
+            checkpoints.last,
+            sample,
+            stopped,
+        )
 
-    def _build_loop(self) -> tuple[TrainLoop, hooks.IntervalMetrics, hooks.Validation,
-                                   hooks.Checkpoints]:
+    def _build_loop(
+        self,
+    ) -> tuple[TrainLoop, hooks.IntervalMetrics, hooks.Validation, hooks.Checkpoints]:
         """The loop over :meth:`train_step` with every side job as a hook (in the order of
         :mod:`megaformer.training.hooks`)."""
         cfg, t = self.cfg, self.cfg.train
@@ -332,18 +436,33 @@ class Trainer:
             loop.add_hook(hooks.BackgroundWriteCheck(self.checkpointer))
         loop.add_hook(hooks.StopAgreement(StopRequest(t.exit_after_minutes)))
         if t.watchdog_factor > 0:
-            loop.add_hook(hooks.Watchdog(StepWatchdog(
-                t.watchdog_factor, t.watchdog_min_seconds,
-                self.run_dir / "logs" / f"rank_{self.rank}.log", self.rank)))
-        metrics = loop.add_hook(hooks.IntervalMetrics(
-            console, due, t.global_batch_size * cfg.seq_len,
-            lambda: self.loader.consumed_samples * cfg.seq_len, self.meter))
-        loop.add_hook(hooks.BadSteps(self.bad_steps, console, self.metrics,
-                                     self.checkpointer.latest))
+            loop.add_hook(
+                hooks.Watchdog(
+                    StepWatchdog(
+                        t.watchdog_factor,
+                        t.watchdog_min_seconds,
+                        self.run_dir / "logs" / f"rank_{self.rank}.log",
+                        self.rank,
+                    )
+                )
+            )
+        metrics = loop.add_hook(
+            hooks.IntervalMetrics(
+                console,
+                due,
+                t.global_batch_size * cfg.seq_len,
+                lambda: self.loader.consumed_samples * cfg.seq_len,
+                self.meter,
+            )
+        )
+        loop.add_hook(
+            hooks.BadSteps(self.bad_steps, console, self.metrics, self.checkpointer.latest)
+        )
         if self.diagnostics is not None:
             loop.add_hook(hooks.Diagnostics(self.diagnostics))
-        validation = loop.add_hook(hooks.Validation(self.stepper.evaluate, due, console,
-                                                    self.unigram))
+        validation = loop.add_hook(
+            hooks.Validation(self.stepper.evaluate, due, console, self.unigram)
+        )
         if self.task_eval is not None:
             loop.add_hook(hooks.TaskEvaluation(self.task_eval, self._evaluate_tasks, console))
         for hook, every in self.extra_hooks:
@@ -354,8 +473,9 @@ class Trainer:
 
     def _evaluate_tasks(self) -> tuple[dict, str]:
         """eval.tasks on the live model (:mod:`megaformer.evaluation.training`)."""
-        return self.task_eval.run(self.engine, self.plain_model, self.topo, self.tokenizer,
-                                  self.proc.device)
+        return self.task_eval.run(
+            self.engine, self.plain_model, self.topo, self.tokenizer, self.proc.device
+        )
 
     def sample(self) -> Optional[str]:
         """A short text sample from the training model itself (no second copy: eval mode and no
@@ -366,8 +486,10 @@ class Trainer:
         if n == 0 or not self.is_main:
             return None
         if p.tensor > 1 or p.pipeline > 1 or p.zero_stage == 3 or p.expert > 1:
-            log.info("text sample skipped: the model is sharded over ranks (megaformer generate "
-                     "RUN_DIR reads the checkpoint)")
+            log.info(
+                "text sample skipped: the model is sharded over ranks (megaformer generate "
+                "RUN_DIR reads the checkpoint)"
+            )
             return None
         from megaformer.generation import generate_text
 
@@ -376,8 +498,15 @@ class Trainer:
         model.eval()
         try:
             with torch.no_grad():
-                return generate_text(model, self.tokenizer, self.cfg.log.sample_prompt, n,
-                                     temperature=0.8, top_k=40, seed=self.cfg.train.seed)
+                return generate_text(
+                    model,
+                    self.tokenizer,
+                    self.cfg.log.sample_prompt,
+                    n,
+                    temperature=0.8,
+                    top_k=40,
+                    seed=self.cfg.train.seed,
+                )
         finally:
             model.train(was_training)
 
@@ -393,6 +522,7 @@ def train(cfg: Config, run_dir: Path) -> TrainResult:
         if getattr(trainer, "run_lock", None) is not None:
             trainer.run_lock.release()
     return result
+
 
 def _batch_readers(topo: Any) -> Any:
     """A gloo group of this rank's model-parallel ranks (TP x PP of one data-parallel and context

@@ -31,8 +31,9 @@ def _import_wandb() -> Any:
     try:
         import wandb
     except ImportError:
-        raise ConfigError("log.wandb=true: Weights & Biases is not installed: "
-                          "pip install megaformer[wandb]") from None
+        raise ConfigError(
+            "log.wandb=true: Weights & Biases is not installed: pip install megaformer[wandb]"
+        ) from None
     return wandb
 
 
@@ -54,9 +55,14 @@ class WandbSink:
         self.run, self.wandb, self.run_dir = run, wandb, run_dir
 
     def log(self, record: dict[str, Any]) -> None:
-        values = {k: float(v) for k, v in record.items()
-                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
-                  and math.isfinite(v)}
+        values = {
+            k: float(v)
+            for k, v in record.items()
+            if k != "step"
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+        }
         if values:
             self.run.log(values, step=int(record["step"]))
 
@@ -94,9 +100,18 @@ def open_run(cfg: Config, run_dir: Path) -> Optional[WandbSink]:
     refuse_link(folder / "wandb", ConfigError)
     mode = os.environ.get("WANDB_MODE") or cfg.log.wandb_mode  # the environment has the last word
     if mode == "online":
-        log.warning("W&B: online: this run's config and metrics are sent to the W&B server as it "
-                    "runs (log.wandb_mode=offline or WANDB_MODE=offline keeps them local)")
-    run = wandb.init(project=cfg.log.wandb_project, name=run_dir.name, id=_run_id(run_dir),
-                     resume="allow", dir=str(folder), mode=mode, config=cfg.to_dict())
+        log.warning(
+            "W&B: online: this run's config and metrics are sent to the W&B server as it "
+            "runs (log.wandb_mode=offline or WANDB_MODE=offline keeps them local)"
+        )
+    run = wandb.init(
+        project=cfg.log.wandb_project,
+        name=run_dir.name,
+        id=_run_id(run_dir),
+        resume="allow",
+        dir=str(folder),
+        mode=mode,
+        config=cfg.to_dict(),
+    )
     log.info("W&B: run %s (%s) in %s", run.id, mode, folder / "wandb")
     return WandbSink(run, wandb, run_dir)

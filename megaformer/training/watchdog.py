@@ -33,8 +33,14 @@ WINDOW = 100  # step times the running median is taken over
 
 
 class StepWatchdog:
-    def __init__(self, factor: float, min_seconds: float, log_path: Path, rank: int,
-                 poll_seconds: float = 0.25) -> None:
+    def __init__(
+        self,
+        factor: float,
+        min_seconds: float,
+        log_path: Path,
+        rank: int,
+        poll_seconds: float = 0.25,
+    ) -> None:
         self.factor, self.min_seconds = factor, min_seconds
         self.log_path, self.rank = log_path, rank
         self.poll_seconds = poll_seconds
@@ -75,11 +81,13 @@ class StepWatchdog:
             elapsed = time.monotonic() - started
             if elapsed > limit:
                 median = statistics.median(self.times)
-                self._fire(f"megaformer watchdog (rank {self.rank}): step {step} has run "
-                           f"{elapsed:.1f} s, over its limit {limit:.1f} s = max("
-                           f"train.watchdog_min_seconds {self.min_seconds:g}, "
-                           f"train.watchdog_factor {self.factor:g} x median step {median:.3f} s); "
-                           f"stacks of all threads follow, exiting with code {EXIT_CODE}")
+                self._fire(
+                    f"megaformer watchdog (rank {self.rank}): step {step} has run "
+                    f"{elapsed:.1f} s, over its limit {limit:.1f} s = max("
+                    f"train.watchdog_min_seconds {self.min_seconds:g}, "
+                    f"train.watchdog_factor {self.factor:g} x median step {median:.3f} s); "
+                    f"stacks of all threads follow, exiting with code {EXIT_CODE}"
+                )
 
     def _fire(self, message: str) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,10 @@ from megaformer.kernels.gemm import linear
 from megaformer.kernels.rope import rope, rope_reference
 from megaformer.kernels.selection import kernel_mode, track
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 DTYPES = {"bf16": (torch.bfloat16, 2e-2), "fp16": (torch.float16, 5e-3)}
 
@@ -71,23 +73,35 @@ def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("kernel", ["swiglu", "swiglu_packed", "bias_gelu", "rms_norm", "layer_norm",
-                                    "rope", "linear"])
+@pytest.mark.parametrize(
+    "kernel", ["swiglu", "swiglu_packed", "bias_gelu", "rms_norm", "layer_norm", "rope", "linear"]
+)
 def test_kernel_against_reference(kernel, dtype_name):
     dtype, tol = DTYPES[dtype_name]
     M, D, F_ = 257, 1024, 2816  # odd row count: masked tails
     cases = {
         "swiglu": (A.swiglu, A.swiglu_reference, (_randn(M, F_), _randn(M, F_))),
-        "swiglu_packed": (A.swiglu_packed, lambda y: A.swiglu_reference(*y.chunk(2, -1)),
-                          (_randn(M, 2 * F_),)),
+        "swiglu_packed": (
+            A.swiglu_packed,
+            lambda y: A.swiglu_reference(*y.chunk(2, -1)),
+            (_randn(M, 2 * F_),),
+        ),
         "bias_gelu": (A.bias_gelu, A.bias_gelu_reference, (_randn(M, F_), _randn(F_))),
-        "rms_norm": (lambda x, w: N.rms_norm(x, w, 1e-5), lambda x, w: N.rms_norm_reference(x, w, 1e-5),
-                     (_randn(M, D) * 3 + 1, _randn(D))),
-        "layer_norm": (lambda x, w, b: N.layer_norm(x, w, b, 1e-5),
-                       lambda x, w, b: N.layer_norm_reference(x, w, b, 1e-5),
-                       (_randn(M, D) * 3 + 1, _randn(D), _randn(D))),
-        "rope": (lambda x: rope(x, *_tables(x)), lambda x: rope_reference(x, *_tables(x)),
-                 (_randn(2, 8, 64, 128),)),
+        "rms_norm": (
+            lambda x, w: N.rms_norm(x, w, 1e-5),
+            lambda x, w: N.rms_norm_reference(x, w, 1e-5),
+            (_randn(M, D) * 3 + 1, _randn(D)),
+        ),
+        "layer_norm": (
+            lambda x, w, b: N.layer_norm(x, w, b, 1e-5),
+            lambda x, w, b: N.layer_norm_reference(x, w, b, 1e-5),
+            (_randn(M, D) * 3 + 1, _randn(D), _randn(D)),
+        ),
+        "rope": (
+            lambda x: rope(x, *_tables(x)),
+            lambda x: rope_reference(x, *_tables(x)),
+            (_randn(2, 8, 64, 128),),
+        ),
         "linear": (linear, F.linear, (_randn(M, D), _randn(F_, D, scale=0.03), _randn(F_))),
     }
     fn, ref, inputs = cases[kernel]
@@ -99,9 +113,14 @@ def test_kernel_against_reference(kernel, dtype_name):
 
 #: What each op may run on CUDA with same-dtype operands (kernels/selection.py's rules); "torch"
 #: appears only where the torch op is the CUDA implementation, never as a fallback.
-CUDA_IMPLEMENTATIONS = {"swiglu": {"triton"}, "bias_gelu": {"triton"},
-                        "rms_norm": {"apex", "torch-native"}, "layer_norm": {"apex", "torch-native"},
-                        "rope": {"torch"}, "linear": {"torch"}}
+CUDA_IMPLEMENTATIONS = {
+    "swiglu": {"triton"},
+    "bias_gelu": {"triton"},
+    "rms_norm": {"apex", "torch-native"},
+    "layer_norm": {"apex", "torch-native"},
+    "rope": {"torch"},
+    "linear": {"torch"},
+}
 
 
 def _why(op: str, dtype: torch.dtype) -> str:
@@ -121,9 +140,13 @@ def test_triton_norms_at_large_widths_and_mixed_dtypes():
     """bf16 activations with an fp32 gain (autocast) go to the Triton kernel, at widths up to 8192."""
     for width in (4096, 8192):
         x, w = _randn(64, width) * 2, _randn(width)
-        errors, ran = _compare(lambda x_, w_: N.rms_norm(x_.bfloat16(), w_, 1e-5),
-                               lambda x_, w_: N.rms_norm_reference(x_, w_, 1e-5), x, w,
-                               dtype=torch.float32)
+        errors, ran = _compare(
+            lambda x_, w_: N.rms_norm(x_.bfloat16(), w_, 1e-5),
+            lambda x_, w_: N.rms_norm_reference(x_, w_, 1e-5),
+            x,
+            w,
+            dtype=torch.float32,
+        )
         assert ran["rms_norm"] == {"triton"} and max(errors) < 2e-2, (width, errors)
 
 
@@ -133,11 +156,21 @@ def test_cross_entropy_plain_and_chunked(dtype_name):
     h, w = _randn(512, 256), _randn(1000, 256, scale=0.05)
     y = torch.randint(0, 900, (512,), device="cuda")
     y[:7] = -100
-    errs, _ = _compare(lambda h_, w_: cross_entropy(h_ @ w_.t(), y, 900),
-                       lambda h_, w_: F.cross_entropy((h_ @ w_.t())[:, :900], y), h, w, dtype=dtype)
+    errs, _ = _compare(
+        lambda h_, w_: cross_entropy(h_ @ w_.t(), y, 900),
+        lambda h_, w_: F.cross_entropy((h_ @ w_.t())[:, :900], y),
+        h,
+        w,
+        dtype=dtype,
+    )
     assert max(errs) < tol, errs
-    errs, _ = _compare(lambda h_, w_: chunked_cross_entropy(h_, w_, y, 128, vocab_size=900),
-                       lambda h_, w_: F.cross_entropy((h_ @ w_.t())[:, :900], y), h, w, dtype=dtype)
+    errs, _ = _compare(
+        lambda h_, w_: chunked_cross_entropy(h_, w_, y, 128, vocab_size=900),
+        lambda h_, w_: F.cross_entropy((h_ @ w_.t())[:, :900], y),
+        h,
+        w,
+        dtype=dtype,
+    )
     assert max(errs) < tol, errs
 
 
@@ -172,8 +205,11 @@ def test_attention_implementations_against_reference(backend, monkeypatch):
                 continue
             raise
         assert _rel(out, ref) < 2e-2, (backend, H, Hkv, T, S)
-        want = {"flash"} if name == "flash" or (name == "auto" and capabilities.flash_status()[0]) \
+        want = (
+            {"flash"}
+            if name == "flash" or (name == "auto" and capabilities.flash_status()[0])
             else {"sdpa"}
+        )
         assert ran.get("attention") == want, (backend, ran, (H, Hkv, T, S))
         compared.append((H, Hkv, T, S))
     assert compared, f"{backend} took none of the cases (refused: {refused})"
@@ -192,26 +228,43 @@ def test_document_mask_on_cuda(backend):
     with track() as ran:
         out = attention(q, k, v, causal=True, backend=backend, doc_ids=docs)
     want = {"reference": "reference", "sdpa": "sdpa"}.get(
-        backend, "flash" if capabilities.flash_status()[0] else "sdpa")
+        backend, "flash" if capabilities.flash_status()[0] else "sdpa"
+    )
     assert ran.get("attention") == {want}, (backend, ran)
     for row in range(2):
         bounds = [0] + [int(i) + 1 for i in (ids[row] == 0).nonzero().flatten()] + [256]
         for s, e in zip(bounds[:-1], bounds[1:]):
             if s == e:
                 continue
-            alone = attention(q[row:row + 1, :, s:e], k[row:row + 1, :, s:e], v[row:row + 1, :, s:e],
-                              causal=True, backend="reference")
-            assert _rel(out[row:row + 1, :, s:e], alone) < 2e-2, (backend, row, s, e)
+            alone = attention(
+                q[row : row + 1, :, s:e],
+                k[row : row + 1, :, s:e],
+                v[row : row + 1, :, s:e],
+                causal=True,
+                backend="reference",
+            )
+            assert _rel(out[row : row + 1, :, s:e], alone) < 2e-2, (backend, row, s, e)
 
 
-@pytest.mark.parametrize("variant", [dict(activation="swiglu", norm="rmsnorm"),
-                                     dict(activation="gelu", norm="layernorm", bias=True,
-                                          position="learned")])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(activation="swiglu", norm="rmsnorm"),
+        dict(activation="gelu", norm="layernorm", bias=True, position="learned"),
+    ],
+)
 def test_model_with_kernels_equals_torch_ops(variant):
     from megaformer.model.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=1000, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=256, **variant)
+    cfg = ModelConfig(
+        vocab_size=1000,
+        d_model=256,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=256,
+        **variant,
+    )
     x = torch.randint(0, 1000, (4, 256), device="cuda")
     out = []
     for mode in ("auto", "torch"):
@@ -237,8 +290,9 @@ def test_one_training_step_never_waits_for_the_host():
     bf16 autocast: torch's sync debug mode raises on any host synchronisation."""
     from megaformer.model.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=1000, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=256)
+    cfg = ModelConfig(
+        vocab_size=1000, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256
+    )
     with torch.device("cuda"):
         m = Transformer(cfg)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
@@ -264,8 +318,9 @@ def test_compiled_blocks_have_no_graph_breaks():
     from megaformer.model.transformer import Transformer
 
     counters.clear()
-    cfg = ModelConfig(vocab_size=1000, d_model=256, n_layers=2, n_heads=4, max_seq_len=256,
-                      document_mask=True)
+    cfg = ModelConfig(
+        vocab_size=1000, d_model=256, n_layers=2, n_heads=4, max_seq_len=256, document_mask=True
+    )
     with torch.device("cuda"):
         m = Transformer(cfg)
     m.eod_id = 0
@@ -297,19 +352,35 @@ TRAINING_CASES: dict[str, TrainingCase] = {
     "1-full": TrainingCase({"parallel.zero_stage": 1, "train.recompute": "full"}),
     "1-selective": TrainingCase({"parallel.zero_stage": 1, "train.recompute": "selective"}),
     # routed experts through torch._grouped_mm (bf16 weights, sm90+), a shared expert
-    "moe-grouped": TrainingCase({"parallel.zero_stage": 1, "model.moe.interval": 1,
-                                 "model.moe.num_experts": 4, "model.moe.top_k": 2,
-                                 "model.moe.d_expert": 64, "model.moe.num_shared_experts": 1},
-                                tolerance=0.05),
+    "moe-grouped": TrainingCase(
+        {
+            "parallel.zero_stage": 1,
+            "model.moe.interval": 1,
+            "model.moe.num_experts": 4,
+            "model.moe.top_k": 2,
+            "model.moe.d_expert": 64,
+            "model.moe.num_shared_experts": 1,
+        },
+        tolerance=0.05,
+    ),
     # real FP8 GEMMs (torch._scaled_mm), casts compiled by inductor; fp32 reference without FP8
-    "fp8-compiled": TrainingCase({"parallel.zero_stage": 1},
-                                 {"train.fp8": "tensorwise", "train.compile": "true"},
-                                 tolerance=0.05),
-    "context-ring-2": TrainingCase({"parallel.zero_stage": 1, "parallel.context": 2,
-                                    "parallel.context_mode": "ring"}, processes=2),
+    "fp8-compiled": TrainingCase(
+        {"parallel.zero_stage": 1},
+        {"train.fp8": "tensorwise", "train.compile": "true"},
+        tolerance=0.05,
+    ),
+    "context-ring-2": TrainingCase(
+        {"parallel.zero_stage": 1, "parallel.context": 2, "parallel.context_mode": "ring"},
+        processes=2,
+    ),
     # asynchronous sharded checkpoint (pinned host staging, background writer), then a resume
-    "pinned-async-save": TrainingCase({"parallel.zero_stage": 1, "checkpoint.async_save": "true",
-                                       "checkpoint.save_at_end": "true"}),
+    "pinned-async-save": TrainingCase(
+        {
+            "parallel.zero_stage": 1,
+            "checkpoint.async_save": "true",
+            "checkpoint.save_at_end": "true",
+        }
+    ),
 }
 
 
@@ -317,9 +388,15 @@ def training_args(case: TrainingCase, precision: str, run_dir: Path, steps: int 
     """``megaformer train`` arguments of ``case`` in ``precision`` (the measured keys with bf16)."""
     from tests.helpers import tiny_overrides
 
-    keys = {"train.steps": steps, "eval.interval": 0, "model.d_model": 64, "train.device": "cuda",
-            "train.precision": precision, **case.shared,
-            **(case.measured if precision == "bf16" else {})}
+    keys = {
+        "train.steps": steps,
+        "eval.interval": 0,
+        "model.d_model": 64,
+        "train.device": "cuda",
+        "train.precision": precision,
+        **case.shared,
+        **(case.measured if precision == "bf16" else {}),
+    }
     return ["train", case.config, *tiny_overrides(**keys), "--run-dir", str(run_dir)]
 
 
@@ -337,9 +414,11 @@ def test_bf16_training_with_deepspeed_tracks_fp32(tmp_path: Path, case: str):
 
     spec = TRAINING_CASES[case]
     if torch.cuda.device_count() < spec.processes:
-        pytest.skip(f"{case}: needs {spec.processes} CUDA devices, found "
-                    f"{torch.cuda.device_count()} (the one-rank ring and all-to-all attention run "
-                    "in test_context_parallel_attention_on_one_rank)")
+        pytest.skip(
+            f"{case}: needs {spec.processes} CUDA devices, found "
+            f"{torch.cuda.device_count()} (the one-rank ring and all-to-all attention run "
+            "in test_context_parallel_attention_on_one_rank)"
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(spec.processes))))
     env = subprocess_env(CUDA_VISIBLE_DEVICES=visible, DS_ACCELERATOR="cuda")
 
@@ -372,8 +451,13 @@ def one_rank_group():
     if dist.is_initialized():
         yield dist.group.WORLD
         return
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    dist.init_process_group(
+        "nccl",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", torch.cuda.current_device()),
+    )
     try:
         yield dist.group.WORLD
     finally:
@@ -387,6 +471,7 @@ def test_context_parallel_attention_on_one_rank(one_rank_group, mode, monkeypatc
     from megaformer.parallel import context as C
 
     if mode == "ring":  # one rank: the K/V pass goes to the rank itself
+
         class _SelfPass:
             def __init__(self, t, cp, kind):
                 self.t = t
@@ -401,12 +486,27 @@ def test_context_parallel_attention_on_one_rank(one_rank_group, mode, monkeypatc
     def cp_attention(q_, k_, v_):
         if mode == "ring":
             return C.ring_attention(q_, k_, v_, cp, causal=True)
-        return C.ulysses_attention(attention, q_, k_, v_, cp, causal=True, dropout_p=0.0,
-                                   backend="auto", doc_ids=None, window=None)
+        return C.ulysses_attention(
+            attention,
+            q_,
+            k_,
+            v_,
+            cp,
+            causal=True,
+            dropout_p=0.0,
+            backend="auto",
+            doc_ids=None,
+            window=None,
+        )
 
-    errors, ran = _compare(cp_attention,
-                           lambda q_, k_, v_: attention(q_, k_, v_, causal=True, backend="reference"),
-                           q, k, v, dtype=torch.bfloat16)
+    errors, ran = _compare(
+        cp_attention,
+        lambda q_, k_, v_: attention(q_, k_, v_, causal=True, backend="reference"),
+        q,
+        k,
+        v,
+        dtype=torch.bfloat16,
+    )
     assert max(errors) < 2e-2, (mode, errors)
     if mode == "all_to_all":
         assert ran.get("attention") and "reference" not in ran["attention"], ran
@@ -422,9 +522,17 @@ def test_moe_experts_take_the_grouped_gemm(monkeypatch):
         pytest.skip("torch._grouped_mm needs an sm90+ GPU and torch >= 2.8")
     calls = []
     grouped_mm = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped_mm(*a, **kw))
-    cfg = ModelConfig(vocab_size=1000, d_model=256, n_layers=2, n_heads=4, max_seq_len=256,
-                      moe=MoEConfig(interval=1, num_experts=8, top_k=2, d_expert=512))
+    monkeypatch.setattr(
+        torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped_mm(*a, **kw)
+    )
+    cfg = ModelConfig(
+        vocab_size=1000,
+        d_model=256,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=256,
+        moe=MoEConfig(interval=1, num_experts=8, top_k=2, d_expert=512),
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         layer = M.MoE(cfg, 0).to(torch.bfloat16)
@@ -461,4 +569,7 @@ def test_real_fp8_gemms_match_their_emulation():
             y.backward(dy.bfloat16())
             got.append((y, x.grad, w.grad))
         errors = [_rel(a, b) for a, b in zip(*got)]
-        assert max(errors) < 3e-2 and all(t.dtype == torch.bfloat16 for t in got[0]), (recipe, errors)
+        assert max(errors) < 3e-2 and all(t.dtype == torch.bfloat16 for t in got[0]), (
+            recipe,
+            errors,
+        )

@@ -19,10 +19,19 @@ ACCUM, STEPS = 4, 3
 
 
 def _cfg(precision: str, stage: int) -> Config:
-    return Config(model=tiny_model(), parallel=ParallelConfig(zero_stage=stage),
-                  train=TrainConfig(seed=5, precision=precision, micro_batch_size=2,
-                                    global_batch_size=2 * ACCUM, lr=3e-3, warmup_steps=0,
-                                    grad_clip=1.0))
+    return Config(
+        model=tiny_model(),
+        parallel=ParallelConfig(zero_stage=stage),
+        train=TrainConfig(
+            seed=5,
+            precision=precision,
+            micro_batch_size=2,
+            global_batch_size=2 * ACCUM,
+            lr=3e-3,
+            warmup_steps=0,
+            grad_clip=1.0,
+        ),
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -38,8 +47,16 @@ def test_bf16_without_zero_is_refused():
     with pytest.raises(ConfigError, match="parallel.zero_stage=0.*parallel.zero_stage=1"):
         validate_for_training(_cfg("bf16", 0))
     for extra in ((), ("--dry-run",)):  # refused when the config is read, before any run starts
-        proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "train.precision=bf16",
-                        "parallel.zero_stage=0", "--run-dir", "/nonexistent/never-created", *extra)
+        proc = cli_main(
+            "train",
+            "configs/quickstart.yaml",
+            *tiny_overrides(),
+            "train.precision=bf16",
+            "parallel.zero_stage=0",
+            "--run-dir",
+            "/nonexistent/never-created",
+            *extra,
+        )
         assert_one_line_error(proc, "train.precision=bf16 with parallel.zero_stage=0")
 
 
@@ -64,22 +81,33 @@ def _train_each(rank: int, world: int) -> dict:
     for precision, stage in [("fp32", 0), ("bf16", 1), ("bf16", 2), ("bf16", 3)]:
         cfg = _cfg(precision, stage)
         model = build_model(cfg, topo, device="cpu").model
-        engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.train),
-                                          config=build_deepspeed_config(cfg, ACCUM), mpu=topo,
-                                          dist_init_required=False)
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=build_optimizer(model, cfg.train),
+            config=build_deepspeed_config(cfg, ACCUM),
+            mpu=topo,
+            dist_init_required=False,
+        )
         opt = engine.optimizer
-        accum = (torch.float32 if type(opt).__name__ == "BF16_Optimizer"  # fp32 hp gradients
-                 else getattr(opt, "gradient_accumulation_dtype", None))
+        accum = (
+            torch.float32
+            if type(opt).__name__ == "BF16_Optimizer"  # fp32 hp gradients
+            else getattr(opt, "gradient_accumulation_dtype", None)
+        )
         losses = []
         for s in range(STEPS):
             step = []
-            for x in data[s * ACCUM:(s + 1) * ACCUM]:
+            for x in data[s * ACCUM : (s + 1) * ACCUM]:
                 loss = engine(x, x)
                 engine.backward(loss)
                 engine.step()
                 step.append(float(loss))
             losses.append(sum(step) / len(step))
-        out[(precision, stage)] = {"losses": losses, "accum": accum, "optimizer": type(opt).__name__}
+        out[(precision, stage)] = {
+            "losses": losses,
+            "accum": accum,
+            "optimizer": type(opt).__name__,
+        }
     return out
 
 

@@ -19,8 +19,9 @@ def _slow_rank0(rank: int, world: int, port: int) -> float:
     # a default group whose timeout (2 s) is shorter than rank 0's build (4 s)
     tdist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)
-    tdist.init_process_group("gloo", rank=rank, world_size=world,
-                             timeout=datetime.timedelta(seconds=2))
+    tdist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=2)
+    )
     barrier = wait_barrier(tdist.barrier)
     t0 = time.perf_counter()
     if rank == 0:

@@ -32,11 +32,24 @@ from tests.dist_harness import run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 PREVIOUS = ROOT / "tests" / "data" / "previous_release_run"
 VOCAB = 257
-MODEL = ("data.source=stdlib", f"model.vocab_size={VOCAB}", "model.d_model=16", "model.n_layers=1",
-         "model.n_heads=2", "model.n_kv_heads=1", "model.max_seq_len=16", "data.max_bytes=20000",
-         "train.micro_batch_size=2", "train.global_batch_size=4", "train.lr=3e-3",
-         "train.warmup_steps=1", "model.dropout=0.0", "model.attention_dropout=0.0",
-         "train.steps=4", "log.tensorboard=false")
+MODEL = (
+    "data.source=stdlib",
+    f"model.vocab_size={VOCAB}",
+    "model.d_model=16",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.max_seq_len=16",
+    "data.max_bytes=20000",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.lr=3e-3",
+    "train.warmup_steps=1",
+    "model.dropout=0.0",
+    "model.attention_dropout=0.0",
+    "train.steps=4",
+    "log.tensorboard=false",
+)
 
 
 def _cfg(*extra: str) -> Any:
@@ -78,8 +91,13 @@ def _engine(cfg: Any, topo: Any, weights: Any, source: Any) -> tuple[Any, Any, A
     opt = build_optimizer(built.model, cfg.train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
     engine, _, _, sched = deepspeed.initialize(
-        model=built.model, optimizer=opt, lr_scheduler=sched, mpu=topo, dist_init_required=False,
-        config=build_deepspeed_config(cfg, validate_for_world(cfg, 1)))
+        model=built.model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        mpu=topo,
+        dist_init_required=False,
+        config=build_deepspeed_config(cfg, validate_for_world(cfg, 1)),
+    )
     install_safe_checkpoint_engine(engine)
     return engine, sched, built
 
@@ -89,8 +107,17 @@ def _resume(cfg: Any, run: Path, topo: Any) -> tuple[Checkpointer, Any, Any, Any
     resumed: (checkpointer, TrainState or None, engine, scheduler)."""
     ckpt = Checkpointer(cfg, run, 1, 0)
     engine, sched, built = _engine(cfg, topo, *ckpt.model_weights(cfg.model))
-    ckpt.attach(cfg, topo, Trained(engine, sched, lambda: local_parameters(engine.module),
-                                   built.plain.padded_vocab_size, tp_rng=built.tp_rng))
+    ckpt.attach(
+        cfg,
+        topo,
+        Trained(
+            engine,
+            sched,
+            lambda: local_parameters(engine.module),
+            built.plain.padded_vocab_size,
+            tp_rng=built.tp_rng,
+        ),
+    )
     return ckpt, ckpt.resume(), engine, sched
 
 
@@ -117,47 +144,78 @@ def _every_format(rank: int, world: int, tmp: Path) -> dict:
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     topo = build_topology(1, 0, tp=1, pp=1)
     saved = PREVIOUS / "checkpoints" / "step_0000002"
-    expected = {**_file_state(saved), **{f"{k}/master": v for k, v in
-                                         load_file(str(saved / "model.safetensors")).items()
-                                         if k != "lm_head.weight"}}
+    expected = {
+        **_file_state(saved),
+        **{
+            f"{k}/master": v
+            for k, v in load_file(str(saved / "model.safetensors")).items()
+            if k != "lm_head.weight"
+        },
+    }
     out: dict[str, Any] = {"expected_first_release": expected}
 
     # the first release, at its own layout: DeepSpeed's files
     shutil.copytree(PREVIOUS, tmp / "engine")
     ckpt, state, engine, sched = _resume(_cfg("parallel.zero_stage=0"), tmp / "engine", topo)
-    out["engine"] = {"kind": ckpt.kind, "state": state, "values": _full_state(engine, topo),
-                     "lr": sched.get_last_lr()}
+    out["engine"] = {
+        "kind": ckpt.kind,
+        "state": state,
+        "values": _full_state(engine, topo),
+        "lr": sched.get_last_lr(),
+    }
 
     # the current format, written by the checkpointer that resumed, after one more step
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # grad_accum 2: one optimizer step
         engine.backward(engine(x, x))
         engine.step()
-    before = {"values": _full_state(engine, topo), "rng": torch.get_rng_state(),
-              "lr": sched.get_last_lr()}
+    before = {
+        "values": _full_state(engine, topo),
+        "rng": torch.get_rng_state(),
+        "lr": sched.get_last_lr(),
+    }
     path = ckpt.save(TrainState(3, 12, 1))
     torch.rand(7)  # moves the stream on: the resume must put it back
     ckpt, state, engine, sched = _resume(_cfg("parallel.zero_stage=0"), tmp / "engine", topo)
-    out["sharded"] = {"kind": ckpt.kind, "state": state, "values": _full_state(engine, topo),
-                      "rng_restored": torch.equal(torch.get_rng_state(), before["rng"]),
-                      "lr": sched.get_last_lr(), "before": before, "path": path,
-                      "index": json.loads((path / "state" / "index.json").read_text())}
+    out["sharded"] = {
+        "kind": ckpt.kind,
+        "state": state,
+        "values": _full_state(engine, topo),
+        "rng_restored": torch.equal(torch.get_rng_state(), before["rng"]),
+        "lr": sched.get_last_lr(),
+        "before": before,
+        "path": path,
+        "index": json.loads((path / "state" / "index.json").read_text()),
+    }
     ckpt, state, engine, _ = _resume(_cfg("parallel.zero_stage=1"), tmp / "engine", topo)
-    out["sharded_zero1"] = {"kind": ckpt.kind, "changes": ckpt.changes, "state": state,
-                            "values": _full_state(engine, topo)}
+    out["sharded_zero1"] = {
+        "kind": ckpt.kind,
+        "changes": ckpt.changes,
+        "state": state,
+        "values": _full_state(engine, topo),
+    }
 
     # the first release at another layout: its layout-free optimizer/ state
     shutil.copytree(PREVIOUS, tmp / "portable")
     ckpt, state, engine, sched = _resume(_cfg("parallel.zero_stage=1"), tmp / "portable", topo)
-    out["portable"] = {"kind": ckpt.kind, "changes": ckpt.changes, "state": state,
-                       "values": _full_state(engine, topo), "lr": sched.get_last_lr()}
+    out["portable"] = {
+        "kind": ckpt.kind,
+        "changes": ckpt.changes,
+        "state": state,
+        "values": _full_state(engine, topo),
+        "lr": sched.get_last_lr(),
+    }
 
     # weights only (megaformer convert): weights, a fresh optimizer, step 0
     weights = load_file(str(saved / "model.safetensors"))
     save_weights_checkpoint(tmp / "weights", 0, weights, _cfg().to_yaml(), _Tokenizer(), {})
     ckpt, state, engine, _ = _resume(_cfg(), tmp / "weights", topo)
-    out["weights"] = {"kind": ckpt.kind, "state": state, "values": _full_state(engine, topo),
-                      "adam_step": OptimizerAccess(engine).adam_step()}
+    out["weights"] = {
+        "kind": ckpt.kind,
+        "state": state,
+        "values": _full_state(engine, topo),
+        "adam_step": OptimizerAccess(engine).adam_step(),
+    }
     return out
 
 
@@ -195,8 +253,10 @@ def test_sharded_checkpoint_resumes_exactly_at_its_layout_and_at_another(resumed
     assert r["rng_restored"] and r["lr"] == r["before"]["lr"]
     _assert_equal(r["values"], r["before"]["values"])
     # the step changed the state: the comparison is not against the first release's values
-    assert not torch.equal(r["values"]["tok_embeddings.weight/master"],
-                           resumed["expected_first_release"]["tok_embeddings.weight/master"])
+    assert not torch.equal(
+        r["values"]["tok_embeddings.weight/master"],
+        resumed["expected_first_release"]["tok_embeddings.weight/master"],
+    )
     z1 = resumed["sharded_zero1"]
     assert z1["kind"] == "sharded" and z1["changes"] == ["zero_stage 0 -> 1"]
     assert z1["state"] == TrainState(3, 12, 1)
@@ -208,12 +268,15 @@ def test_weights_only_checkpoint_seeds_the_model_with_a_fresh_optimizer(resumed)
     r = resumed["weights"]
     assert r["kind"] == "weights" and r["state"] is None and r["adam_step"] == 0.0
     masters = {k: v for k, v in r["values"].items() if k.endswith("/master")}
-    _assert_equal(masters, {k: v for k, v in resumed["expected_first_release"].items()
-                            if k.endswith("/master")})
+    _assert_equal(
+        masters,
+        {k: v for k, v in resumed["expected_first_release"].items() if k.endswith("/master")},
+    )
     assert all(not v.any() for k, v in r["values"].items() if not k.endswith("/master"))
 
 
 # ----------------------------------------------------------------------------- NCCL's device map
+
 
 class PlainEngine:
     """What the checkpointer reads of DeepSpeed's engine when it steps torch's AdamW as is
@@ -238,8 +301,9 @@ def _plain_run(cfg: Any, run: Path, world: int, rank: int) -> tuple[Checkpointer
     sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg.train))
     topo = layout_groups(world, tp=1, pp=1)
     topo.rank = rank
-    ckpt.attach(cfg, topo, Trained(engine, sched, lambda: local_parameters(model),
-                                   model.padded_vocab_size))
+    ckpt.attach(
+        cfg, topo, Trained(engine, sched, lambda: local_parameters(model), model.padded_vocab_size)
+    )
     return ckpt, engine
 
 
@@ -262,17 +326,26 @@ def _save_and_resume_on_nccl_device_map(rank: int, world: int, run: Path) -> dic
         host_tensor_error = str(e)
     ckpt, engine = _plain_run(_cfg(), run, world, rank)
     _one_step(engine)
-    before = {n: (p.detach().clone(), engine.optimizer.state[p]["exp_avg_sq"].clone())
-              for n, p in local_parameters(engine.module)}
+    before = {
+        n: (p.detach().clone(), engine.optimizer.state[p]["exp_avg_sq"].clone())
+        for n, p in local_parameters(engine.module)
+    }
     path = ckpt.save(TrainState(1, 4))
     again = ckpt.save(TrainState(1, 4))  # exists already: every rank learns it from rank 0
     ckpt, engine = _plain_run(_cfg(), run, world, rank)
     state = ckpt.resume()
-    after = {n: (p.detach().clone(), engine.optimizer.state[p]["exp_avg_sq"].clone())
-             for n, p in local_parameters(engine.module)}
-    return {"error": host_tensor_error, "path": path, "again": again, "state": state,
-            "equal": all(torch.equal(before[n][i], after[n][i]) for n in before for i in (0, 1)),
-            "files": sorted(f.name for f in (path / "state").iterdir())}
+    after = {
+        n: (p.detach().clone(), engine.optimizer.state[p]["exp_avg_sq"].clone())
+        for n, p in local_parameters(engine.module)
+    }
+    return {
+        "error": host_tensor_error,
+        "path": path,
+        "again": again,
+        "state": state,
+        "equal": all(torch.equal(before[n][i], after[n][i]) for n in before for i in (0, 1)),
+        "files": sorted(f.name for f in (path / "state").iterdir()),
+    }
 
 
 @pytest.mark.slow
@@ -280,8 +353,9 @@ def test_save_and_resume_collectives_run_under_nccls_device_map(tmp_path):
     """A default group made as ``cuda:gloo`` refuses host tensors as NCCL does ("No backend type
     associated with device type cpu"); the checkpointer's collectives run on a group that takes
     them, so two ranks save, find the existing checkpoint, and resume exactly."""
-    results = run_ranks(2, _save_and_resume_on_nccl_device_map, tmp_path / "run",
-                        backend="cuda:gloo")
+    results = run_ranks(
+        2, _save_and_resume_on_nccl_device_map, tmp_path / "run", backend="cuda:gloo"
+    )
     for r in results:
         assert "No backend type associated with device type cpu" in r["error"]
         assert r["path"].name == "step_0000001" and r["again"] is None
@@ -295,8 +369,12 @@ def test_collective_device_follows_the_backend(monkeypatch):
     from megaformer.runtime import collectives
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    for config, types in [("gloo", ["cpu"]), ("nccl", ["cuda"]), ("cuda:gloo", ["cuda"]),
-                          ("cpu:gloo,cuda:nccl", ["cpu", "cuda"])]:
+    for config, types in [
+        ("gloo", ["cpu"]),
+        ("nccl", ["cuda"]),
+        ("cuda:gloo", ["cuda"]),
+        ("cpu:gloo,cuda:nccl", ["cpu", "cuda"]),
+    ]:
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
         assert collectives.device_types() == types
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
@@ -304,6 +382,7 @@ def test_collective_device_follows_the_backend(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- pinned staging
+
 
 def test_pinned_staging_is_one_arena_reused_by_every_save(tmp_path, monkeypatch):
     """Two saves (one synchronous, one in the background) pin one buffer of exactly the rank's
@@ -331,8 +410,9 @@ def test_pinned_staging_is_one_arena_reused_by_every_save(tmp_path, monkeypatch)
     owned += VOCAB * d  # the embedding's real rows (tied: the head is the same tensor)
     assert pinned == [12 * owned] and ckpt.staging.pinned_bytes == 12 * owned
     assert (12 * owned) & (12 * owned - 1) != 0  # not a power of two: nothing rounded it
-    index = json.loads((tmp_path / "checkpoints" / "step_0000002" / "state" / "index.json")
-                       .read_text())
+    index = json.loads(
+        (tmp_path / "checkpoints" / "step_0000002" / "state" / "index.json").read_text()
+    )
     state = ShardedState(tmp_path / "checkpoints" / "step_0000002")
     assert index["format"] == 2 and sum(len(b) for b in state.listed().values()) > 3  # one arena
     cfg = _cfg("checkpoint.async_save=true", "checkpoint.resume=true")

@@ -15,8 +15,8 @@ def test_counters_record_exact_and_ring_volumes_and_skip_hidden_regions():
         with no_counting():
             record("all_to_all", 1000)
         with CommCounter() as inner:
-            record_collective("all_reduce", 100, 4)      # 2 (p-1)/p N = 150
-            record_collective("all_gather", 100, 4)      # (p-1)/p N = 75
+            record_collective("all_reduce", 100, 4)  # 2 (p-1)/p N = 150
+            record_collective("all_gather", 100, 4)  # (p-1)/p N = 75
     assert dict(outer.bytes) == {"all_to_all": 10, "all_reduce": 150, "all_gather": 75}
     assert dict(inner.bytes) == {"all_reduce": 150, "all_gather": 75}
     assert dict(outer.calls) == {"all_to_all": 1, "all_reduce": 1, "all_gather": 1}
@@ -33,7 +33,9 @@ def _exchanges(rank: int, world: int) -> dict:
     g = dist.group.WORLD
     # rank r sends r + q + 1 rows to rank q; each row is [r, q, i] (float32, 3 values: 12 bytes)
     sends = [rank + q + 1 for q in range(world)]
-    x = torch.tensor([[rank, q, i] for q in range(world) for i in range(sends[q])], dtype=torch.float32)
+    x = torch.tensor(
+        [[rank, q, i] for q in range(world) for i in range(sends[q])], dtype=torch.float32
+    )
     recvs = [q + rank + 1 for q in range(world)]
     with comm.CommCounter() as c:
         y = comm.all_to_all(x, recvs, sends, g)
@@ -46,11 +48,15 @@ def _exchanges(rank: int, world: int) -> dict:
     else:
         got = comm.recv_with_shape(0, g, torch.float32, torch.device("cpu"))
     comm.barrier()
-    return {"y": y.tolist(), "bytes": dict(c.bytes), "equal": equal.tolist(),
-            "shape": None if got is None else list(got.shape),
-            "values_ok": got is None or torch.equal(got, torch.arange(24.0).view(2, 3, 4)),
-            "mean": float(comm.all_reduce_mean(torch.tensor(float(rank)))),
-            "objects": comm.all_gather_objects({"rank": rank}, g)}
+    return {
+        "y": y.tolist(),
+        "bytes": dict(c.bytes),
+        "equal": equal.tolist(),
+        "shape": None if got is None else list(got.shape),
+        "values_ok": got is None or torch.equal(got, torch.arange(24.0).view(2, 3, 4)),
+        "mean": float(comm.all_reduce_mean(torch.tensor(float(rank)))),
+        "objects": comm.all_gather_objects({"rank": rank}, g),
+    }
 
 
 def test_uneven_all_to_all_shaped_send_and_group_helpers():
@@ -60,7 +66,11 @@ def test_uneven_all_to_all_shaped_send_and_group_helpers():
         assert r["y"] == expected
         sent_elsewhere = (rank + (1 - rank) + 1) * 12  # rows to the other rank, 12 bytes each
         assert r["bytes"] == {"all_to_all": sent_elsewhere, "equal": 2 * 4}
-        assert r["equal"] == [0.0 + 10 * 0 + 2 * rank, 1.0 + 2 * rank, 10.0 + 2 * rank,
-                              11.0 + 2 * rank]
+        assert r["equal"] == [
+            0.0 + 10 * 0 + 2 * rank,
+            1.0 + 2 * rank,
+            10.0 + 2 * rank,
+            11.0 + 2 * rank,
+        ]
         assert r["mean"] == 0.5 and r["objects"] == [{"rank": 0}, {"rank": 1}]
     assert results[1]["shape"] == [2, 3, 4] and results[1]["values_ok"]

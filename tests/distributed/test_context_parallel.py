@@ -34,8 +34,10 @@ VOCAB = 257
 
 # ----------------------------------------------------------------------------- attention function
 
-def _attention_case(rank: int, world: int, mode: str, hkv: int, docs: bool, window,
-                    tile: int = 1024) -> dict:
+
+def _attention_case(
+    rank: int, world: int, mode: str, hkv: int, docs: bool, window, tile: int = 1024
+) -> dict:
     from megaformer.comm import CommCounter
     from megaformer.kernels.attention import attention, document_mask
     from megaformer.parallel.context import RING_WORK, ContextParallel
@@ -46,34 +48,58 @@ def _attention_case(rank: int, world: int, mode: str, hkv: int, docs: bool, wind
     q, do = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
     k, v = torch.randn(B, hkv, T, D, generator=g), torch.randn(B, hkv, T, D, generator=g)
     ids = torch.randint(0, 5, (B, T), generator=g)  # token 0 ends a document
-    full_docs = (document_mask(ids, 0, backend="reference", head_dim=D, dtype=torch.float32,
-                               window=window) if docs else None)
+    full_docs = (
+        document_mask(ids, 0, backend="reference", head_dim=D, dtype=torch.float32, window=window)
+        if docs
+        else None
+    )
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attention(*ref, causal=True, backend="reference", doc_ids=full_docs, window=window)
     out.backward(do)
-    local_docs = (cp.documents(cp.split(ids), 0, backend="reference", head_dim=D,
-                               dtype=torch.float32, window=window) if docs else None)
+    local_docs = (
+        cp.documents(
+            cp.split(ids), 0, backend="reference", head_dim=D, dtype=torch.float32, window=window
+        )
+        if docs
+        else None
+    )
     mine = [cp.split(t, dim=2).requires_grad_() for t in (q, k, v)]
     RING_WORK.clear()
     with CommCounter() as counter:
-        y = cp.attention(attention, *mine, causal=True, dropout_p=0.0, backend="reference",
-                         doc_ids=local_docs, window=window)
+        y = cp.attention(
+            attention,
+            *mine,
+            causal=True,
+            dropout_p=0.0,
+            backend="reference",
+            doc_ids=local_docs,
+            window=window,
+        )
         y.backward(cp.split(do, dim=2))
     errs = [float((y.detach() - cp.split(out.detach(), dim=2)).abs().max())]
     errs += [float((a.grad - cp.split(b.grad, dim=2)).abs().max()) for a, b in zip(mine, ref)]
-    return {"err": max(errs), "pairs": RING_WORK["pairs"], "tiles": RING_WORK["tiles"],
-            "bytes": dict(counter.bytes)}
+    return {
+        "err": max(errs),
+        "pairs": RING_WORK["pairs"],
+        "tiles": RING_WORK["tiles"],
+        "bytes": dict(counter.bytes),
+    }
 
 
 def _attention_suite(rank: int, world: int) -> dict:
     """Every mode x key/value heads (MHA, GQA, fewer than the ranks) x document mask x window;
     the ring also in tiles smaller than its chunks (3 of 4 positions, 1 of 2)."""
-    out = {(mode, hkv, docs, window): _attention_case(rank, world, mode, hkv, docs, window)
-           for mode in ("ring", "all_to_all") for hkv in (4, 2, 1) for docs in (False, True)
-           for window in (None, 5)}
+    out = {
+        (mode, hkv, docs, window): _attention_case(rank, world, mode, hkv, docs, window)
+        for mode in ("ring", "all_to_all")
+        for hkv in (4, 2, 1)
+        for docs in (False, True)
+        for window in (None, 5)
+    }
     for docs, window in ((False, None), (True, 5)):
-        out["tiled", 2, docs, window] = _attention_case(rank, world, "ring", 2, docs, window,
-                                                        tile=8 // world - 1)
+        out["tiled", 2, docs, window] = _attention_case(
+            rank, world, "ring", 2, docs, window, tile=8 // world - 1
+        )
     return out
 
 
@@ -90,8 +116,10 @@ def _check_attention(results: list[dict], world: int) -> None:
                 assert len({r[case]["tiles"] for r in results}) == 1, case
             block = 2 * B * hkv * (T // world) * D * f32  # one K/V block, bytes
             for r in results:  # forward N-1 passes, backward N-1 (K, V) + N (dK, dV)
-                assert r[case]["bytes"] == {"cp_ring_kv": 2 * (world - 1) * block,
-                                            "cp_ring_dkv": world * block}, case
+                assert r[case]["bytes"] == {
+                    "cp_ring_kv": 2 * (world - 1) * block,
+                    "cp_ring_dkv": world * block,
+                }, case
         else:
             reps = 1 if hkv % world == 0 else world // math.gcd(hkv, world)
             local = B * (T // world) * D * f32 * (2 * H + 2 * hkv * reps)  # q, o; k, v; fwd
@@ -103,8 +131,16 @@ def _check_attention(results: list[dict], world: int) -> None:
 
 MODELS = {
     "mha-rope": dict(n_heads=4, n_kv_heads=None),
-    "gqa-learned-untied": dict(n_heads=8, n_kv_heads=2, d_model=64, position="learned",
-                               tie_embeddings=False, bias=True, norm="layernorm", activation="gelu"),
+    "gqa-learned-untied": dict(
+        n_heads=8,
+        n_kv_heads=2,
+        d_model=64,
+        position="learned",
+        tie_embeddings=False,
+        bias=True,
+        norm="layernorm",
+        activation="gelu",
+    ),
     "gqa-window-qknorm": dict(n_heads=8, n_kv_heads=4, d_model=64, sliding_window=5, qk_norm=True),
 }
 
@@ -119,8 +155,19 @@ def _model_case(rank: int, topo, mode: str, sp: bool, variant: str, docs: bool) 
     from megaformer.parallel.context import apply_context
     from megaformer.parallel.plan import padded_vocab_size, parallelize
 
-    cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=32, n_layers=2, max_seq_len=16, d_ffn=64,
-                                document_mask=docs), **MODELS[variant]})
+    cfg = ModelConfig(
+        **{
+            **dict(
+                vocab_size=VOCAB,
+                d_model=32,
+                n_layers=2,
+                max_seq_len=16,
+                d_ffn=64,
+                document_mask=docs,
+            ),
+            **MODELS[variant],
+        }
+    )
     torch.manual_seed(0)
     ref = Transformer(cfg, padded_vocab_size=padded_vocab_size(VOCAB, 1, 8))
     torch.manual_seed(0)
@@ -146,8 +193,10 @@ def _model_case(rank: int, topo, mode: str, sp: bool, variant: str, docs: bool) 
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, group=topo.group("cp"))
         losses.append((ref_loss.item(), mean_loss.item() / topo.cp))
-        ref_grads = {n: p.grad[:VOCAB] if ("emb" in n or "lm_head" in n) else p.grad
-                     for n, p in ref.named_parameters()}
+        ref_grads = {
+            n: p.grad[:VOCAB] if ("emb" in n or "lm_head" in n) else p.grad
+            for n, p in ref.named_parameters()
+        }
         grads = {}
         for n, p in model.named_parameters():
             dist.all_reduce(p.grad, group=topo.group("cp"))  # DeepSpeed: averaged over DP x CP
@@ -174,21 +223,31 @@ def _suite(rank: int, world: int, model_cases: list[tuple]) -> dict:
     for tp, cp, mode, sp, variant, docs in model_cases:
         if (tp, cp) not in topos:
             topos[tp, cp] = build_topology(world, rank, tp=tp, cp=cp)
-        out[(tp, cp, mode, sp, variant, docs)] = _model_case(rank, topos[tp, cp], mode, sp,
-                                                             variant, docs)
+        out[(tp, cp, mode, sp, variant, docs)] = _model_case(
+            rank, topos[tp, cp], mode, sp, variant, docs
+        )
     return out
 
 
 CASES = {
-    2: [(1, 2, mode, False, variant, docs) for mode in ("ring", "all_to_all")
-        for variant in ("mha-rope", "gqa-learned-untied") for docs in (False, True)]
-       + [(1, 2, mode, False, "gqa-window-qknorm", True) for mode in ("ring", "all_to_all")],
-    4: [(1, 4, mode, False, variant, docs) for mode in ("ring", "all_to_all")
-        for variant, docs in (("mha-rope", True), ("gqa-learned-untied", False))]
-       + [(2, 2, "ring", True, "gqa-window-qknorm", True),
-          (2, 2, "all_to_all", True, "gqa-window-qknorm", True),
-          (2, 2, "ring", False, "gqa-learned-untied", True),
-          (2, 2, "all_to_all", False, "mha-rope", False)],
+    2: [
+        (1, 2, mode, False, variant, docs)
+        for mode in ("ring", "all_to_all")
+        for variant in ("mha-rope", "gqa-learned-untied")
+        for docs in (False, True)
+    ]
+    + [(1, 2, mode, False, "gqa-window-qknorm", True) for mode in ("ring", "all_to_all")],
+    4: [
+        (1, 4, mode, False, variant, docs)
+        for mode in ("ring", "all_to_all")
+        for variant, docs in (("mha-rope", True), ("gqa-learned-untied", False))
+    ]
+    + [
+        (2, 2, "ring", True, "gqa-window-qknorm", True),
+        (2, 2, "all_to_all", True, "gqa-window-qknorm", True),
+        (2, 2, "ring", False, "gqa-learned-untied", True),
+        (2, 2, "all_to_all", False, "mha-rope", False),
+    ],
 }
 
 
@@ -219,15 +278,29 @@ def test_split_layouts_and_positions():
 
 # ----------------------------------------------------------------------------- config refusals
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["parallel.context=2", "data.seq_len=30", "model.max_seq_len=32"], "divisible by 2 * context = 4"),
-    (["parallel.context=3", "parallel.context_mode=all_to_all", "data.seq_len=30",
-      "model.max_seq_len=32"], "heads per tensor-parallel rank must be divisible"),
-    (["parallel.context=2", "model.attention_backend=sdpa"], "attention_backend=sdpa"),
-    (["parallel.context=2", "model.attention_dropout=0.1"], "no attention dropout"),
-    (["parallel.context=2", "train.compile=true"], "train.compile=true"),
-    (["parallel.context=2", "model.moe.interval=1", "model.moe.num_experts=4"], "model.moe"),
-])
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            ["parallel.context=2", "data.seq_len=30", "model.max_seq_len=32"],
+            "divisible by 2 * context = 4",
+        ),
+        (
+            [
+                "parallel.context=3",
+                "parallel.context_mode=all_to_all",
+                "data.seq_len=30",
+                "model.max_seq_len=32",
+            ],
+            "heads per tensor-parallel rank must be divisible",
+        ),
+        (["parallel.context=2", "model.attention_backend=sdpa"], "attention_backend=sdpa"),
+        (["parallel.context=2", "model.attention_dropout=0.1"], "no attention dropout"),
+        (["parallel.context=2", "train.compile=true"], "train.compile=true"),
+        (["parallel.context=2", "model.moe.interval=1", "model.moe.num_experts=4"], "model.moe"),
+    ],
+)
 def test_unsupported_context_parallel_configs_are_refused(overrides, needle):
     from megaformer.config import load_config
     from megaformer.errors import ConfigError
@@ -240,17 +313,31 @@ def test_unsupported_context_parallel_configs_are_refused(overrides, needle):
 def test_all_to_all_accepts_any_backend_and_dropout():
     from megaformer.config import load_config
 
-    cfg = load_config("configs/quickstart.yaml", ["parallel.context=2", "parallel.context_mode=all_to_all",
-                                                  "model.attention_backend=sdpa",
-                                                  "model.attention_dropout=0.1"])
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [
+            "parallel.context=2",
+            "parallel.context_mode=all_to_all",
+            "model.attention_backend=sdpa",
+            "model.attention_dropout=0.1",
+        ],
+    )
     assert cfg.parallel.context == 2
 
 
 # ----------------------------------------------------------------------------- training
 
-COMMON = tiny_overrides("stdlib", **{"train.steps": 3, "eval.interval": 3,
-                                     "train.micro_batch_size": 2, "train.global_batch_size": 8,
-                                     "model.d_ffn": 64, "checkpoint.interval": 2})
+COMMON = tiny_overrides(
+    "stdlib",
+    **{
+        "train.steps": 3,
+        "eval.interval": 3,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,
+        "model.d_ffn": 64,
+        "checkpoint.interval": 2,
+    },
+)
 
 
 def _same(ref: Path, run: Path, steps=(1, 2, 3)) -> None:
@@ -270,10 +357,16 @@ def references(tmp_path_factory) -> dict[bool, Path]:
     out = {}
     for docs in (True, False):
         run = tmp_path_factory.mktemp("cp") / f"ref-{docs}"
-        proc = run_cli("train", "configs/quickstart.yaml", *COMMON,
-                       f"model.document_mask={str(docs).lower()}",
-                       f"log.diagnostics={str(not docs).lower()}", "log.diagnostics_interval=1",
-                       "--run-dir", str(run))
+        proc = run_cli(
+            "train",
+            "configs/quickstart.yaml",
+            *COMMON,
+            f"model.document_mask={str(docs).lower()}",
+            f"log.diagnostics={str(not docs).lower()}",
+            "log.diagnostics_interval=1",
+            "--run-dir",
+            str(run),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[docs] = run
     return out
@@ -281,12 +374,22 @@ def references(tmp_path_factory) -> dict[bool, Path]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ring_cp2_dp2_zero2_with_documents_equals_one_process_and_resumes_at_cp1(references,
-                                                                                  tmp_path):
+def test_ring_cp2_dp2_zero2_with_documents_equals_one_process_and_resumes_at_cp1(
+    references, tmp_path
+):
     run = tmp_path / "cp"
-    proc = run_torchrun(4, "train", "configs/quickstart.yaml", *COMMON, "model.document_mask=true",
-                        "parallel.context=2", "parallel.zero_stage=2", "log.sample_tokens=5",
-                        "--run-dir", str(run))
+    proc = run_torchrun(
+        4,
+        "train",
+        "configs/quickstart.yaml",
+        *COMMON,
+        "model.document_mask=true",
+        "parallel.context=2",
+        "parallel.zero_stage=2",
+        "log.sample_tokens=5",
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "CP 2 (ring)" in proc.stdout and "context-parallel groups:  [0,1] [2,3]" in proc.stdout
     _same(references[True], run)
@@ -297,8 +400,15 @@ def test_ring_cp2_dp2_zero2_with_documents_equals_one_process_and_resumes_at_cp1
     shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_0000003")
     (resumed / "checkpoints" / "latest").write_text("step_0000002\n")
-    proc = run_cli("train", "configs/quickstart.yaml", *COMMON, "model.document_mask=true",
-                   "parallel.zero_stage=2", "--run-dir", str(resumed))
+    proc = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        *COMMON,
+        "model.document_mask=true",
+        "parallel.zero_stage=2",
+        "--run-dir",
+        str(resumed),
+    )
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     _same(references[True], resumed, steps=(3,))
 
@@ -307,9 +417,19 @@ def test_ring_cp2_dp2_zero2_with_documents_equals_one_process_and_resumes_at_cp1
 @pytest.mark.multiprocess
 def test_all_to_all_cp2_pp2_equals_one_process(references, tmp_path):
     run = tmp_path / "cp-pp"
-    proc = run_torchrun(4, "train", "configs/quickstart.yaml", *COMMON, "parallel.context=2",
-                        "parallel.context_mode=all_to_all", "parallel.pipeline=2",
-                        "log.diagnostics=true", "log.diagnostics_interval=1", "--run-dir", str(run))
+    proc = run_torchrun(
+        4,
+        "train",
+        "configs/quickstart.yaml",
+        *COMMON,
+        "parallel.context=2",
+        "parallel.context_mode=all_to_all",
+        "parallel.pipeline=2",
+        "log.diagnostics=true",
+        "log.diagnostics_interval=1",
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "CP 2 (all_to_all)" in proc.stdout
     _same(references[False], run)  # diagnostics included: each context rank ran whole sequences
@@ -329,7 +449,9 @@ def test_print_model_names_the_swapped_attention_cores():
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
     plain = Transformer(cfg)
     assert "(core): AttentionCore()" in str(plain)
-    topo = SimpleNamespace(cp=2, cp_rank=1, groups=SimpleNamespace(cp=None))  # a group of two, unused
+    topo = SimpleNamespace(
+        cp=2, cp_rank=1, groups=SimpleNamespace(cp=None)
+    )  # a group of two, unused
     for recompute in ("selective", "full"):
         model = Transformer(cfg)
         apply_recompute(model.layers, recompute)
@@ -356,9 +478,17 @@ def test_ring_cp2_dp2_with_zero1_and_zero3_equals_one_process(references, tmp_pa
     """The ZeRO stages the docs claim beside context parallelism (partitions over DP x CP)."""
     for zero in (1, 3):
         run = tmp_path / f"cp-zero{zero}"
-        proc = run_torchrun(4, "train", "configs/quickstart.yaml", *COMMON,
-                            "model.document_mask=true", "parallel.context=2",
-                            f"parallel.zero_stage={zero}", "--run-dir", str(run))
+        proc = run_torchrun(
+            4,
+            "train",
+            "configs/quickstart.yaml",
+            *COMMON,
+            "model.document_mask=true",
+            "parallel.context=2",
+            f"parallel.zero_stage={zero}",
+            "--run-dir",
+            str(run),
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "CP 2 (ring)" in proc.stdout, proc.stdout[-2000:]
         _same(references[True], run)

@@ -32,8 +32,16 @@ def _start(rank: int, world: int, prefixes: list[str], cache: str, warm: bool) -
     gpt_dataset.GPTDataset.check_indices = check
     for _ in range(2 if warm else 1):  # warm: a second start-up finds rank 0's cache
         parts = gpt_dataset.build_many_split_datasets(
-            prefixes, [0.9, 0.1], 5, 0, [(40, 8)] * len(prefixes), Path(cache), rank,
-            barrier, share=broadcast_from_main)
+            prefixes,
+            [0.9, 0.1],
+            5,
+            0,
+            [(40, 8)] * len(prefixes),
+            Path(cache),
+            rank,
+            barrier,
+            share=broadcast_from_main,
+        )
     samples = [ds.sample(g).tolist() for split in parts for ds in split for g in range(3)]
     return {**counts, "samples": samples}
 
@@ -65,13 +73,17 @@ def _read_at_tp2(rank: int, world: int, path: str, prefetch: int) -> dict:
     reads = []
     real = data.batch
     data.batch = lambda idx: (reads.append(len(idx)), real(idx))[1]  # type: ignore[method-assign]
-    loader = TrainLoader(data, 2, 2, 0, 1, seed=3, prefetch=prefetch,
-                         readers=dist.new_group([0, 1], backend="gloo"))
+    loader = TrainLoader(
+        data, 2, 2, 0, 1, seed=3, prefetch=prefetch, readers=dist.new_group([0, 1], backend="gloo")
+    )
     steps = [[(x.tolist(), y.tolist()) for x, y in loader.next_step()] for _ in range(3)]
     loader.close()
     alone = TrainLoader(PackedDataset(np.load(path), 8, "train"), 2, 2, 0, 1, seed=3)
-    return {"reads": len(reads), "steps": steps,
-            "alone": [[(x.tolist(), y.tolist()) for x, y in alone.next_step()] for _ in range(3)]}
+    return {
+        "reads": len(reads),
+        "steps": steps,
+        "alone": [[(x.tolist(), y.tolist()) for x, y in alone.next_step()] for _ in range(3)],
+    }
 
 
 @pytest.mark.multiprocess

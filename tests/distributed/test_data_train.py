@@ -13,19 +13,36 @@ pytestmark = pytest.mark.slow
 
 
 def losses(run_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text()
-                                                 .splitlines()) if "loss" in r}
+    return {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
 
 
 def test_train_on_paths_blend_and_resume_exactly(tmp_path, text_corpus):
-    prep = cli_main("prepare-data", "--input", str(text_corpus), "--tokenizer", "bpe:300",
-                    "--output-prefix", str(tmp_path / "a"))
+    prep = cli_main(
+        "prepare-data",
+        "--input",
+        str(text_corpus),
+        "--tokenizer",
+        "bpe:300",
+        "--output-prefix",
+        str(tmp_path / "a"),
+    )
     assert prep.returncode == 0, prep.stderr[-2000:]
     tok = tmp_path / "a.tokenizer.json"
-    args = tiny_overrides(**{"data.paths": f"[{tmp_path / 'a'},{text_corpus}]",
-                             "data.weights": "[0.4,0.6]", "data.tokenizer": str(tok),
-                             "data.cache_dir": str(tmp_path / "cache"), "train.steps": 4,
-                             "eval.interval": 2, "checkpoint.interval": 2})
+    args = tiny_overrides(
+        **{
+            "data.paths": f"[{tmp_path / 'a'},{text_corpus}]",
+            "data.weights": "[0.4,0.6]",
+            "data.tokenizer": str(tok),
+            "data.cache_dir": str(tmp_path / "cache"),
+            "train.steps": 4,
+            "eval.interval": 2,
+            "checkpoint.interval": 2,
+        }
+    )
     run = tmp_path / "run"
     proc = run_cli("train", "configs/quickstart.yaml", *args, "--run-dir", str(run))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -46,18 +63,27 @@ def test_train_on_paths_blend_and_resume_exactly(tmp_path, text_corpus):
     # another blend would make the saved position index another stream: refused, nothing written
     before = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     other = [a.replace("[0.4,0.6]", "[0.5,0.5]") for a in args]
-    changed = cli_main("train", "configs/quickstart.yaml", *other, "train.steps=6",
-                       "--run-dir", str(resumed))
+    changed = cli_main(
+        "train", "configs/quickstart.yaml", *other, "train.steps=6", "--run-dir", str(resumed)
+    )
     assert_one_line_error(changed, "data.weights=[0.5, 0.5] differs from the checkpoint")
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == before
 
 
 def test_paths_errors_are_one_line(tmp_path):
-    bad = cli_main("train", "configs/quickstart.yaml",
-                   *tiny_overrides(**{"data.paths": f"[{tmp_path / 'missing.jsonl'}]"}),
-                   "--run-dir", str(tmp_path / "run"))
+    bad = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(**{"data.paths": f"[{tmp_path / 'missing.jsonl'}]"}),
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert_one_line_error(bad, "missing.jsonl: no such file")
-    bad = cli_main("train", "configs/quickstart.yaml",
-                   *tiny_overrides(**{"data.paths": "[a,b]", "data.weights": "[1]"}),
-                   "--run-dir", str(tmp_path / "run"))
+    bad = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(**{"data.paths": "[a,b]", "data.weights": "[1]"}),
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert_one_line_error(bad, "data.weights=[1.0]: needs one weight per data.paths entry (2)")

@@ -25,9 +25,17 @@ def test_sample_from_the_training_model(tmp_path, monkeypatch):
         return build_model(*a, **kw)
 
     monkeypatch.setattr(trainer_module, "build_model", counted)
-    cfg = load_config(ROOT / "configs/quickstart.yaml",
-                      tiny_overrides(**{"train.steps": 2, "log.sample_tokens": 12,
-                                        "eval.interval": 0, "eval.at_end": "false"}))
+    cfg = load_config(
+        ROOT / "configs/quickstart.yaml",
+        tiny_overrides(
+            **{
+                "train.steps": 2,
+                "log.sample_tokens": 12,
+                "eval.interval": 0,
+                "eval.at_end": "false",
+            }
+        ),
+    )
     with _cli_environment(None, None):
         t = trainer_module.Trainer(cfg, tmp_path / "run")
         try:
@@ -36,10 +44,21 @@ def test_sample_from_the_training_model(tmp_path, monkeypatch):
             assert builds == [True]  # the training model only
             assert t.engine.module.training
             # the text a whole copy of the trained weights generates (how it was made before)
-            copy = build_model(t.cfg, weights=full_state_dict(t.engine.module, t.topo),
-                               weights_source="test", training=False).model
-            expected = generate_text(copy, t.tokenizer, t.cfg.log.sample_prompt, 12,
-                                     temperature=0.8, top_k=40, seed=t.cfg.train.seed)
+            copy = build_model(
+                t.cfg,
+                weights=full_state_dict(t.engine.module, t.topo),
+                weights_source="test",
+                training=False,
+            ).model
+            expected = generate_text(
+                copy,
+                t.tokenizer,
+                t.cfg.log.sample_prompt,
+                12,
+                temperature=0.8,
+                top_k=40,
+                seed=t.cfg.train.seed,
+            )
         finally:
             t.run_lock.release()
     assert result.sample == expected and result.sample.startswith(t.cfg.log.sample_prompt)

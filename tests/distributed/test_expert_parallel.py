@@ -32,21 +32,41 @@ V = 64  # vocabulary: a multiple of 8 * TP, so every layout pads it alike (not a
 def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int):
     from megaformer.config import load_config
 
-    moe = {"model.moe.interval": 1, "model.moe.num_experts": 4, "model.moe.top_k": 2,
-           "model.moe.d_expert": 32, "model.moe.num_shared_experts": 1, "model.moe.d_shared": 16,
-           "model.moe.shared_gate": True,
-           "model.moe.aux_loss_coef": 0.0 if pp > 1 else 0.05,
-           "model.moe.z_loss_coef": 0.0 if pp > 1 else 0.01,
-           "model.moe.bias_update_rate": 0.01 if pp > 1 else 0.0}
-    over = {"model.vocab_size": V, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
-            "model.n_kv_heads": 2, "model.max_seq_len": 16, "data.seq_len": 16,
-            "train.micro_batch_size": 2, "train.global_batch_size": 2 * dp,
-            # a small lr: AdamW divides by sqrt(v), which amplifies fp32 round-off in near-zero
-            # gradients (as in tests/distributed/test_tensor_parallel.py)
-            "train.lr": 3e-4, "train.warmup_steps": 0, "train.grad_clip": 0.5,
-            "parallel.tensor": tp, "parallel.pipeline": pp, "parallel.expert": ep,
-            "parallel.zero_stage": zero, "parallel.sequence_parallel": sp,
-            "parallel.vocab_multiple": 8, **moe}
+    moe = {
+        "model.moe.interval": 1,
+        "model.moe.num_experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.d_expert": 32,
+        "model.moe.num_shared_experts": 1,
+        "model.moe.d_shared": 16,
+        "model.moe.shared_gate": True,
+        "model.moe.aux_loss_coef": 0.0 if pp > 1 else 0.05,
+        "model.moe.z_loss_coef": 0.0 if pp > 1 else 0.01,
+        "model.moe.bias_update_rate": 0.01 if pp > 1 else 0.0,
+    }
+    over = {
+        "model.vocab_size": V,
+        "model.d_model": 32,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 2,
+        "model.max_seq_len": 16,
+        "data.seq_len": 16,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 2 * dp,
+        # a small lr: AdamW divides by sqrt(v), which amplifies fp32 round-off in near-zero
+        # gradients (as in tests/distributed/test_tensor_parallel.py)
+        "train.lr": 3e-4,
+        "train.warmup_steps": 0,
+        "train.grad_clip": 0.5,
+        "parallel.tensor": tp,
+        "parallel.pipeline": pp,
+        "parallel.expert": ep,
+        "parallel.zero_stage": zero,
+        "parallel.sequence_parallel": sp,
+        "parallel.vocab_multiple": 8,
+        **moe,
+    }
     return load_config("configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
 
 
@@ -68,7 +88,9 @@ def _reference(cfg, batches: list[list[torch.Tensor]]) -> list[dict]:
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         clip_grads_(model.parameters(), cfg.train.grad_clip, norm)
         opt.step()
-        out.append({"loss": float(loss.detach()), "norm": norm, "grads": grads, "moe": end_of_step(model)})
+        out.append(
+            {"loss": float(loss.detach()), "norm": norm, "grads": grads, "moe": end_of_step(model)}
+        )
     return out
 
 
@@ -99,25 +121,34 @@ def _one_layout(rank: int, world: int, tp: int, pp: int, ep: int, zero: int, sp:
     cfg = _config(tp, pp, ep, zero, sp, dp)
     topo = build_topology(world, rank, tp=tp, pp=pp, ep=ep)
     gen = torch.Generator().manual_seed(7)
-    batches = [[torch.randint(0, V, (2, 16), generator=gen) for _ in range(dp)]
-               for _ in range(STEPS)]
+    batches = [
+        [torch.randint(0, V, (2, 16), generator=gen) for _ in range(dp)] for _ in range(STEPS)
+    ]
     ref = _reference(cfg, batches)
 
     built = build_model(cfg, topo)
     experts.deepspeed_groups(topo)
     with experts.recognised_by_deepspeed(True):
-        engine, *_ = deepspeed.initialize(model=built.model,
-                                          optimizer=build_optimizer(built.model, cfg.train),
-                                          config=build_deepspeed_config(cfg, 1),
-                                          mpu=topo if pp == 1 else None, dist_init_required=False)
+        engine, *_ = deepspeed.initialize(
+            model=built.model,
+            optimizer=build_optimizer(built.model, cfg.train),
+            config=build_deepspeed_config(cfg, 1),
+            mpu=topo if pp == 1 else None,
+            dist_init_required=False,
+        )
     names = built.param_names
     params = [(names[id(p)] if names else n, p) for n, p in engine.module.named_parameters()]
     assert engine.has_moe_layers and any(experts.is_expert_param(p) for _, p in params)
     plain = isinstance(engine.optimizer, torch.optim.Optimizer)
     seen: dict = {}
     if plain:  # ZeRO-0: the trainer's clipping by megaformer's norm; the gradients before it
-        clipper = GradNormClipper(engine.module.parameters, topo.group("tp"), topo.group("pp"),
-                                  cfg.train.grad_clip, topo.group("ep"))
+        clipper = GradNormClipper(
+            engine.module.parameters,
+            topo.group("tp"),
+            topo.group("pp"),
+            cfg.train.grad_clip,
+            topo.group("ep"),
+        )
 
         def clip() -> None:
             seen["grads"] = {n: p.grad.clone() for n, p in params}
@@ -154,8 +185,13 @@ def _one_layout(rank: int, world: int, tp: int, pp: int, ep: int, zero: int, sp:
         if pp > 1:  # a stage's router means cover its own blocks: compare the per-block loads
             got = {k: v for k, v in got.items() if k.startswith("moe/load")}
         stats.append((got, {k: v for k, v in ref[s]["moe"].items() if k in got}))
-    return {"errs": errs, "losses": losses, "norms": norms, "stats": stats,
-            "experts": sorted({tuple(p.shape) for n, p in params if experts.is_expert_param(p)})}
+    return {
+        "errs": errs,
+        "losses": losses,
+        "norms": norms,
+        "stats": stats,
+        "experts": sorted({tuple(p.shape) for n, p in params if experts.is_expert_param(p)}),
+    }
 
 
 def _layouts(rank: int, world: int, layouts: list[tuple]) -> dict:
@@ -197,10 +233,12 @@ def test_ep2_equals_one_process():
 
 @pytest.mark.multiprocess
 def test_ep2_with_dp_zero12_tp_sp_and_pp_equals_one_process():
-    layouts = [(1, 1, 2, 1, False),   # EP 2 x DP 2 (expert-data groups of 2), ZeRO-1
-               (1, 1, 2, 2, False),   # the same with ZeRO-2 (gradients partitioned too)
-               (2, 1, 2, 0, True),    # EP 2 x TP 2 with sequence parallelism
-               (1, 2, 2, 0, False)]   # EP 2 x PP 2 (aux-loss-free bias)
+    layouts = [
+        (1, 1, 2, 1, False),  # EP 2 x DP 2 (expert-data groups of 2), ZeRO-1
+        (1, 1, 2, 2, False),  # the same with ZeRO-2 (gradients partitioned too)
+        (2, 1, 2, 0, True),  # EP 2 x TP 2 with sequence parallelism
+        (1, 2, 2, 0, False),
+    ]  # EP 2 x PP 2 (aux-loss-free bias)
     _check(run_ranks(4, _layouts, layouts, timeout=600))
 
 
@@ -209,22 +247,39 @@ def test_ep2_with_dp_zero12_tp_sp_and_pp_equals_one_process():
 MOE = ["model.n_layers=2", "model.moe.interval=1", "model.moe.num_experts=4"]
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.expert=3"], 6, "parallel.expert=3: must divide model.moe.num_experts=4"),
-    (["parallel.expert=4"], 2, "parallel.expert=4: must divide the data-parallel size 2"),
-    (["parallel.expert=2", "parallel.tensor=2"], 6,
-     "parallel.expert=2: must divide the data-parallel size 3 (world size 6 / parallel.tensor"),
-    (["parallel.expert=2", "parallel.tensor=2"], 5,
-     "world size 5: not divisible by parallel.tensor * parallel.pipeline = 2"),
-    (["parallel.expert=2", "parallel.zero_stage=3"], 2, "model.moe with parallel.zero_stage=3"),
-    # context parallelism refuses MoE models altogether for now; EP x CP has its own check too
-    (["parallel.expert=2", "parallel.context=2"], 4, "parallel.context=2"),
-    (["parallel.expert=2", "train.precision=fp16"], 2, "parallel.expert=2 with train.precision=fp16"),
-    (["model.moe.interval=0", "parallel.expert=2"], 2, "parallel.expert=2: needs a mixture-of-experts"),
-    (["model.moe.top_k=5"], 1, "model.moe.top_k=5: more than model.moe.num_experts=4"),
-    (["model.moe.capacity_factor=1.25"], 1, "set model.moe.dropless=false"),
-    (["model.moe.shared_gate=true"], 1, "model.moe.shared_gate=true: gates the shared experts"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.expert=3"], 6, "parallel.expert=3: must divide model.moe.num_experts=4"),
+        (["parallel.expert=4"], 2, "parallel.expert=4: must divide the data-parallel size 2"),
+        (
+            ["parallel.expert=2", "parallel.tensor=2"],
+            6,
+            "parallel.expert=2: must divide the data-parallel size 3 (world size 6 / parallel.tensor",
+        ),
+        (
+            ["parallel.expert=2", "parallel.tensor=2"],
+            5,
+            "world size 5: not divisible by parallel.tensor * parallel.pipeline = 2",
+        ),
+        (["parallel.expert=2", "parallel.zero_stage=3"], 2, "model.moe with parallel.zero_stage=3"),
+        # context parallelism refuses MoE models altogether for now; EP x CP has its own check too
+        (["parallel.expert=2", "parallel.context=2"], 4, "parallel.context=2"),
+        (
+            ["parallel.expert=2", "train.precision=fp16"],
+            2,
+            "parallel.expert=2 with train.precision=fp16",
+        ),
+        (
+            ["model.moe.interval=0", "parallel.expert=2"],
+            2,
+            "parallel.expert=2: needs a mixture-of-experts",
+        ),
+        (["model.moe.top_k=5"], 1, "model.moe.top_k=5: more than model.moe.num_experts=4"),
+        (["model.moe.capacity_factor=1.25"], 1, "set model.moe.dropless=false"),
+        (["model.moe.shared_gate=true"], 1, "model.moe.shared_gate=true: gates the shared experts"),
+    ],
+)
 def test_bad_expert_parallel_input_is_one_line(overrides, world, message):
     from megaformer.config import load_config, validate_for_world
     from megaformer.errors import ConfigError
@@ -235,6 +290,7 @@ def test_bad_expert_parallel_input_is_one_line(overrides, world, message):
 
 
 # ----------------------------------------------------------------------------- dispatch
+
 
 def _dispatch_counts(rank: int, world: int) -> dict:
     """Skewed routing, uneven splits (one rank sends nothing to one expert): the rows each rank
@@ -258,9 +314,14 @@ def _dispatch_counts(rank: int, world: int) -> dict:
         y = dispatch_to_experts(x, counts, experts, group)
         y.sum().backward()
     assert E == counts.numel()
-    return {"rows": seen["rows"].squeeze(1).tolist(), "local": seen["local"].tolist(),
-            "y": y.detach().squeeze(1).tolist(), "x": x.detach().squeeze(1).tolist(),
-            "grad": x.grad.squeeze(1).tolist(), "bytes": c.bytes["all_to_all"]}
+    return {
+        "rows": seen["rows"].squeeze(1).tolist(),
+        "local": seen["local"].tolist(),
+        "y": y.detach().squeeze(1).tolist(),
+        "x": x.detach().squeeze(1).tolist(),
+        "grad": x.grad.squeeze(1).tolist(),
+        "bytes": c.bytes["all_to_all"],
+    }
 
 
 @pytest.mark.multiprocess
@@ -279,15 +340,29 @@ def test_all_to_all_dispatch_moves_exactly_the_routed_rows():
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def _records(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-ARGS = tiny_overrides("stdlib", **{
-    "train.steps": 6, "eval.interval": 0, "eval.at_end": "false", "checkpoint.interval": 2,
-    "checkpoint.keep_last": "null", "data.max_bytes": 50000, "model.moe.interval": 1,
-    "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.d_expert": 32,
-    "model.moe.z_loss_coef": 0.001, "model.moe.bias_update_rate": 0.003, "parallel.zero_stage": 1})
+ARGS = tiny_overrides(
+    "stdlib",
+    **{
+        "train.steps": 6,
+        "eval.interval": 0,
+        "eval.at_end": "false",
+        "checkpoint.interval": 2,
+        "checkpoint.keep_last": "null",
+        "data.max_bytes": 50000,
+        "model.moe.interval": 1,
+        "model.moe.num_experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.d_expert": 32,
+        "model.moe.z_loss_coef": 0.001,
+        "model.moe.bias_update_rate": 0.003,
+        "parallel.zero_stage": 1,
+    },
+)
 
 
 def _resume(src: Path, dst: Path, step: int, ep: int) -> None:
@@ -298,8 +373,9 @@ def _resume(src: Path, dst: Path, step: int, ep: int) -> None:
         if int(later.name.split("_")[1]) > step:
             shutil.rmtree(later)
     (dst / "checkpoints" / "latest").write_text(f"step_{step:07d}\n")
-    out = run_torchrun(2, "train", "configs/quickstart.yaml", *ARGS, f"parallel.expert={ep}",
-                       "--run-dir", str(dst))
+    out = run_torchrun(
+        2, "train", "configs/quickstart.yaml", *ARGS, f"parallel.expert={ep}", "--run-dir", str(dst)
+    )
     assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
 
 
@@ -311,8 +387,9 @@ def test_sharded_checkpoint_resumes_at_another_expert_degree(tmp_path):
     from safetensors.torch import load_file
 
     full, down, up = tmp_path / "full", tmp_path / "ep2_to_1", tmp_path / "ep1_to_2"
-    out = run_torchrun(2, "train", "configs/quickstart.yaml", *ARGS, "parallel.expert=2",
-                       "--run-dir", str(full))
+    out = run_torchrun(
+        2, "train", "configs/quickstart.yaml", *ARGS, "parallel.expert=2", "--run-dir", str(full)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "expert-parallel groups:   [0,1]" in out.stdout, out.stdout[-2000:]
     _resume(full, down, 2, ep=1)
@@ -330,8 +407,10 @@ def test_sharded_checkpoint_resumes_at_another_expert_degree(tmp_path):
         state = ShardedState(run / "checkpoints/step_0000004")
         rows = sorted(b[2][0] for b in state.boxes_of("layers.0.mlp.experts.w1", "master"))
         assert len(rows) >= boxes and (boxes == 1 or rows[-1] == 2), rows
-    biases = [load_file(str(r / "checkpoints/step_0000006/moe_router/stage_000.safetensors"))
-              for r in (full, up)]
+    biases = [
+        load_file(str(r / "checkpoints/step_0000006/moe_router/stage_000.safetensors"))
+        for r in (full, up)
+    ]
     for k in biases[0]:
         assert torch.allclose(biases[0][k], biases[1][k])
 
@@ -342,10 +421,10 @@ def _norm_with_expert_share(rank: int, world: int) -> tuple[float, float]:
     from megaformer.parallel.grad_norm import global_grad_norm
 
     dense = torch.nn.Parameter(torch.zeros(3))
-    dense.grad = torch.tensor([1.0, 2.0, 2.0])                  # ||.||^2 = 9 on every rank
+    dense.grad = torch.tensor([1.0, 2.0, 2.0])  # ||.||^2 = 9 on every rank
     expert = torch.nn.Parameter(torch.zeros(2, 2))
-    expert.allreduce = False                                     # DeepSpeed's mark of an expert
-    expert.grad = torch.full((2, 2), 3.0 * (rank + 1))           # 36 (rank 0), 144 (rank 1)
+    expert.allreduce = False  # DeepSpeed's mark of an expert
+    expert.grad = torch.full((2, 2), 3.0 * (rank + 1))  # 36 (rank 0), 144 (rank 1)
     norm = global_grad_norm([dense, expert], None, None, dist.new_group(list(range(world))))
     return norm, (9.0 + sum(36.0 * (r + 1) ** 2 for r in range(world))) ** 0.5
 

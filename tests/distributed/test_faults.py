@@ -17,15 +17,31 @@ import torch
 from megaformer.checkpoint.weights import load_weights
 from megaformer.training import preemption
 from megaformer.training.watchdog import StepWatchdog
-from tests.helpers import (assert_one_line_error, cluster_overrides, run_cli, run_process,
-                           step_records, subprocess_env, tiny_overrides, torchrun_cmd)
+from tests.helpers import (
+    assert_one_line_error,
+    cluster_overrides,
+    run_cli,
+    run_process,
+    step_records,
+    subprocess_env,
+    tiny_overrides,
+    torchrun_cmd,
+)
 
 
-
-def launch(run_dir: Path, fault: str, *extra: str, restarts: int = 0,
-           nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = torchrun_cmd(nproc, "train", "configs/quickstart.yaml", *cluster_overrides(), *extra,
-                       "--run-dir", str(run_dir), restarts=restarts)
+def launch(
+    run_dir: Path, fault: str, *extra: str, restarts: int = 0, nproc: int = 2
+) -> subprocess.CompletedProcess:
+    cmd = torchrun_cmd(
+        nproc,
+        "train",
+        "configs/quickstart.yaml",
+        *cluster_overrides(),
+        *extra,
+        "--run-dir",
+        str(run_dir),
+        restarts=restarts,
+    )
     env = subprocess_env(MEGAFORMER_FAULT=fault, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")
     return run_process(cmd, env=env)
 
@@ -63,11 +79,16 @@ def test_sigterm_then_killed_save_then_killed_rank_continue_exactly(tmp_path, dd
     second = launch(run, "kill-in-save@step=4,rank=0;kill@step=6,rank=1,attempt=1", restarts=2)
     out = second.stdout + second.stderr
     assert second.returncode == 0, out[-5000:]
-    assert "ignoring " in out and ".tmp-step_0000004" in out          # the killed save, skipped
-    assert out.count("resumed from") == 3, out[-5000:]                # step 3, step 3 again, step 4
+    assert "ignoring " in out and ".tmp-step_0000004" in out  # the killed save, skipped
+    assert out.count("resumed from") == 3, out[-5000:]  # step 3, step 3 again, step 4
     assert "resumed from " + str(ckpts / "step_0000004") in out
     assert sorted(p.name for p in ckpts.iterdir()) == [
-        "latest", "step_0000002", "step_0000003", "step_0000004", "step_0000006"]
+        "latest",
+        "step_0000002",
+        "step_0000003",
+        "step_0000004",
+        "step_0000006",
+    ]
     assert_matches(run, ddp_reference)
     assert same_weights(ckpts / "step_0000006", ddp_reference / "checkpoints" / "step_0000006")
 
@@ -81,8 +102,14 @@ def test_nan_on_one_rank_is_skipped_then_a_stalled_rank_trips_the_watchdog(tmp_p
     step on a loaded 2-core machine can take over 5 s, which fired the watchdog early)."""
     run = tmp_path / "run"
     t0 = time.monotonic()
-    proc = launch(run, "nan@step=2,rank=1;stall@step=5,rank=1", "parallel.zero_stage=2",
-                  "checkpoint.interval=1", "train.watchdog_factor=5", "train.watchdog_min_seconds=15")
+    proc = launch(
+        run,
+        "nan@step=2,rank=1;stall@step=5,rank=1",
+        "parallel.zero_stage=2",
+        "checkpoint.interval=1",
+        "train.watchdog_factor=5",
+        "train.watchdog_min_seconds=15",
+    )
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
@@ -108,12 +135,27 @@ def test_consecutive_nans_stop_with_one_line_and_the_last_good_checkpoint(tmp_pa
     train.max_bad_steps=2 NaN steps in a row stop the run with one error line, exit 2."""
     run = tmp_path / "run"
     env = subprocess_env(MEGAFORMER_FAULT="nan@step=3;nan@step=5-6")
-    proc = run_cli("train", "configs/quickstart.yaml",
-                   *tiny_overrides(**{"train.steps": 8, "checkpoint.interval": 1, "eval.interval": 0,
-                                      "checkpoint.keep_last": "null", "train.max_bad_steps": 2}),
-                   "--run-dir", str(run), env=env)
-    line = assert_one_line_error(proc, "non-finite loss or gradients in 2 consecutive steps "
-                                       "(steps 5-6; train.max_bad_steps=2)", "step_0000005")
+    proc = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(
+            **{
+                "train.steps": 8,
+                "checkpoint.interval": 1,
+                "eval.interval": 0,
+                "checkpoint.keep_last": "null",
+                "train.max_bad_steps": 2,
+            }
+        ),
+        "--run-dir",
+        str(run),
+        env=env,
+    )
+    line = assert_one_line_error(
+        proc,
+        "non-finite loss or gradients in 2 consecutive steps (steps 5-6; train.max_bad_steps=2)",
+        "step_0000005",
+    )
     assert "update skipped (1 in a row, 1 in total)" in proc.stdout, line
     ckpts = run / "checkpoints"
     assert same_weights(ckpts / "step_0000002", ckpts / "step_0000003")
@@ -148,8 +190,9 @@ def test_stop_request_from_a_signal_or_the_clock():
 
 
 def test_watchdog_limit_follows_the_running_median(tmp_path):
-    dog = StepWatchdog(factor=4, min_seconds=0.5, log_path=tmp_path / "rank_0.log", rank=0,
-                       poll_seconds=60)
+    dog = StepWatchdog(
+        factor=4, min_seconds=0.5, log_path=tmp_path / "rank_0.log", rank=0, poll_seconds=60
+    )
     try:
         assert dog.limit() is None  # unarmed until one step has completed
         dog.times.extend([0.1, 0.3, 0.2])

@@ -18,8 +18,15 @@ import pytest
 from megaformer.errors import LaunchError
 from megaformer.training.distributed import detect_launch, first_host
 from megaformer.training.faults import Fault, parse
-from tests.helpers import (ROOT, cluster_overrides, free_port, kill_group, run_process, step_records,
-                           subprocess_env)
+from tests.helpers import (
+    ROOT,
+    cluster_overrides,
+    free_port,
+    kill_group,
+    run_process,
+    step_records,
+    subprocess_env,
+)
 
 
 def assert_same_losses(run_dir: Path, reference: Path) -> None:
@@ -32,25 +39,64 @@ def assert_same_losses(run_dir: Path, reference: Path) -> None:
 
 # ----------------------------------------------------------------------------- detection (fast)
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, ("python", 0, 1, 0)),
-    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"},
-     ("torchrun", 3, 8, 1)),
-    ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "CROSS_RANK": "0", "LOCAL_SIZE": "8"},
-     ("deepspeed", 5, 16, 5)),
-    ({"RANK": "1", "WORLD_SIZE": "2"}, ("environment", 1, 2, 0)),
-    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "12",
-      "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[07-09,12]"},
-     ("srun", 9, 12, 1)),
-    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
-     ("mpi (Open MPI)", 2, 4, 0)),
-    ({"PMI_RANK": "7", "PMI_SIZE": "8", "MPI_LOCALRANKID": "3"}, ("mpi (PMI)", 7, 8, 3)),
-    ({"PMIX_RANK": "1", "PMIX_SIZE": "2"}, ("mpi (PMIx)", 1, 2, 0)),
-    # a batch script (no job step) is not a world of SLURM_NTASKS processes; torchrun inside srun wins
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}, ("python", 0, 1, 0)),
-    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "6", "WORLD_SIZE": "16",
-      "LOCAL_RANK": "2", "TORCHELASTIC_RUN_ID": "j"}, ("torchrun", 6, 16, 2)),
-])
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, ("python", 0, 1, 0)),
+        (
+            {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"},
+            ("torchrun", 3, 8, 1),
+        ),
+        (
+            {
+                "RANK": "5",
+                "WORLD_SIZE": "16",
+                "LOCAL_RANK": "5",
+                "CROSS_RANK": "0",
+                "LOCAL_SIZE": "8",
+            },
+            ("deepspeed", 5, 16, 5),
+        ),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, ("environment", 1, 2, 0)),
+        (
+            {
+                "SLURM_STEP_ID": "0",
+                "SLURM_PROCID": "9",
+                "SLURM_NTASKS": "16",
+                "SLURM_STEP_NUM_TASKS": "12",
+                "SLURM_LOCALID": "1",
+                "SLURM_JOB_ID": "4242",
+                "SLURM_STEP_NODELIST": "gpu[07-09,12]",
+            },
+            ("srun", 9, 12, 1),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "2",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            },
+            ("mpi (Open MPI)", 2, 4, 0),
+        ),
+        ({"PMI_RANK": "7", "PMI_SIZE": "8", "MPI_LOCALRANKID": "3"}, ("mpi (PMI)", 7, 8, 3)),
+        ({"PMIX_RANK": "1", "PMIX_SIZE": "2"}, ("mpi (PMIx)", 1, 2, 0)),
+        # a batch script (no job step) is not a world of SLURM_NTASKS processes; torchrun inside srun wins
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}, ("python", 0, 1, 0)),
+        (
+            {
+                "SLURM_STEP_ID": "0",
+                "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "2",
+                "RANK": "6",
+                "WORLD_SIZE": "16",
+                "LOCAL_RANK": "2",
+                "TORCHELASTIC_RUN_ID": "j",
+            },
+            ("torchrun", 6, 16, 2),
+        ),
+    ],
+)
 def test_detect_launch(env, expected):
     info = detect_launch(env)
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == expected
@@ -70,7 +116,10 @@ def test_detect_launch_errors_and_node_lists():
 
 def test_fault_spec():
     assert parse("nan@step=3,rank=1;stall@step=4-6,seconds=2;kill@step=6,rank=1,attempt=1") == [
-        Fault("nan", 3, 3, 1), Fault("stall", 4, 6, None, 0, 2.0), Fault("kill", 6, 6, 1, 1)]
+        Fault("nan", 3, 3, 1),
+        Fault("stall", 4, 6, None, 0, 2.0),
+        Fault("kill", 6, 6, 1, 1),
+    ]
     with pytest.raises(LaunchError, match="KIND@step=S"):
         parse("explode@step=3")
 
@@ -79,25 +128,51 @@ def test_one_line_errors_for_a_bad_launch_environment(tmp_path):
     from tests.helpers import assert_one_line_error, cli_main, tiny_overrides
 
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
-    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "--run-dir",
-                    str(tmp_path / "run"), env=env)
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        "--run-dir",
+        str(tmp_path / "run"),
+        env=env,
+    )
     assert_one_line_error(proc, "mpi (Open MPI): world size 2 but MASTER_ADDR/MASTER_PORT")
 
 
 # ----------------------------------------------------------------------------- real launches
+
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_torchrun_nodes_over_loopback_equal_one_node(tmp_path, ddp_reference):
     """launch/torchrun.sh with NNODES=2: node ranks 0 and 1, one process each, c10d rendezvous."""
     port = free_port()
-    procs = [subprocess.Popen(
-        ["bash", "launch/torchrun.sh", "1", "configs/quickstart.yaml", *cluster_overrides(),
-         "--run-dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=subprocess_env(PYTHON=sys.executable, NNODES="2", NODE_RANK=str(node),
-                           RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID="loopback"))
-        for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                "bash",
+                "launch/torchrun.sh",
+                "1",
+                "configs/quickstart.yaml",
+                *cluster_overrides(),
+                "--run-dir",
+                str(tmp_path / "run"),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=subprocess_env(
+                PYTHON=sys.executable,
+                NNODES="2",
+                NODE_RANK=str(node),
+                RDZV_ENDPOINT=f"127.0.0.1:{port}",
+                RDZV_ID="loopback",
+            ),
+        )
+        for node in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=600)[0] for p in procs]
     except BaseException:
@@ -115,15 +190,24 @@ def test_deepspeed_launcher_with_a_hostfile(tmp_path, ddp_reference):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# one host, two processes\nlocalhost slots=2\n")
     proc = run_process(
-        ["bash", "launch/deepspeed.sh", str(hostfile), "configs/quickstart.yaml", *cluster_overrides(),
-         "--run-dir", str(tmp_path / "run")],
-        env=subprocess_env(PYTHON=sys.executable, MASTER_PORT=str(free_port())))
+        [
+            "bash",
+            "launch/deepspeed.sh",
+            str(hostfile),
+            "configs/quickstart.yaml",
+            *cluster_overrides(),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        env=subprocess_env(PYTHON=sys.executable, MASTER_PORT=str(free_port())),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "launch: deepspeed, rank 0 of 2" in proc.stdout
     assert_same_losses(tmp_path / "run", ddp_reference)
 
 
 # ----------------------------------------------------------------------------- Slurm
+
 
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[dict]:
@@ -132,12 +216,22 @@ def slurm() -> Iterator[dict]:
     state = Path("/tmp/megaformer-slurm")
 
     def stop() -> None:
-        subprocess.run(["bash", "tests/slurm/stop_local_slurm.sh", str(state)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            ["bash", "tests/slurm/stop_local_slurm.sh", str(state)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     try:
-        proc = subprocess.run(["bash", "tests/slurm/setup_local_slurm.sh", str(state)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            ["bash", "tests/slurm/setup_local_slurm.sh", str(state)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     except BaseException:
         stop()
         raise
@@ -170,11 +264,29 @@ def test_slurm_sbatch_two_tasks_preempted_requeued_and_resumed(tmp_path, slurm, 
     resumes and finishes with the uninterrupted run's losses. (Every rank sleeps 1 s per step
     from step 3 on, so the warning lands mid-run; sleeping changes no number.)"""
     run = tmp_path / "run"
-    env = subprocess_env(PYTHON=sys.executable, MEGAFORMER_FAULT="stall@step=3-6,seconds=1", **slurm)
-    sub = subprocess.run(["sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "job.out"),
-                          "launch/slurm.sbatch", "configs/quickstart.yaml", *cluster_overrides(),
-                          "--run-dir", str(run)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
+    env = subprocess_env(
+        PYTHON=sys.executable, MEGAFORMER_FAULT="stall@step=3-6,seconds=1", **slurm
+    )
+    sub = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "-n",
+            "2",
+            "-o",
+            str(tmp_path / "job.out"),
+            "launch/slurm.sbatch",
+            "configs/quickstart.yaml",
+            *cluster_overrides(),
+            "--run-dir",
+            str(run),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     signalled = released = False
@@ -182,8 +294,11 @@ def test_slurm_sbatch_two_tasks_preempted_requeued_and_resumed(tmp_path, slurm, 
     deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline:
-            if not signalled and (run / "metrics.jsonl").is_file() and \
-                    max(step_records(run), default=0) >= 2:
+            if (
+                not signalled
+                and (run / "metrics.jsonl").is_file()
+                and max(step_records(run), default=0) >= 2
+            ):
                 subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
                 signalled = True
             state = _job_state(job, env)
@@ -212,13 +327,26 @@ def test_slurm_sbatch_two_tasks_preempted_requeued_and_resumed(tmp_path, slurm, 
 
 
 def _sbatch_and_wait(args: list[str], env: dict, timeout: float = 600) -> str:
-    sub = subprocess.run(["sbatch", "--parsable", *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60)
+    sub = subprocess.run(
+        ["sbatch", "--parsable", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     deadline = time.monotonic() + timeout
     state = _job_state(job, env)
-    while state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+    while state not in (
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+    ):
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job], env=env)
             break
@@ -233,9 +361,24 @@ def test_slurm_sbatch_one_torchrun_per_node(tmp_path, slurm, ddp_reference):
     """One task on the node runs torchrun (c10d rendezvous on the allocation's first node) with
     NPROC_PER_NODE=2 processes: the same losses as the single-node run."""
     env = subprocess_env(PYTHON=sys.executable, NPROC_PER_NODE="2", **slurm)
-    state = _sbatch_and_wait(["-N", "1", "-n", "1", "-c", "2", "-o", str(tmp_path / "job.out"),
-                              "launch/slurm.sbatch", "configs/quickstart.yaml", *cluster_overrides(),
-                              "--run-dir", str(tmp_path / "run")], env)
+    state = _sbatch_and_wait(
+        [
+            "-N",
+            "1",
+            "-n",
+            "1",
+            "-c",
+            "2",
+            "-o",
+            str(tmp_path / "job.out"),
+            "launch/slurm.sbatch",
+            "configs/quickstart.yaml",
+            *cluster_overrides(),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        env,
+    )
     log = (tmp_path / "job.out").read_text()
     assert state == "COMPLETED", (state, log[-4000:])
     assert "torchrun mode, world 2" in log and "launch: torchrun, rank 0 of 2" in log, log[-4000:]

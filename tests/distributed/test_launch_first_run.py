@@ -16,8 +16,15 @@ import pytest
 
 from tests.helpers import ROOT, cluster_overrides, kill_group, run_cli, run_process, subprocess_env
 
-TORCHRUN = [sys.executable, "-m", "megaformer.cli.torchrun", "--standalone", "--nproc-per-node=2",
-            "-m", "megaformer"]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "megaformer.cli.torchrun",
+    "--standalone",
+    "--nproc-per-node=2",
+    "-m",
+    "megaformer",
+]
 
 
 @pytest.mark.parametrize("world,micro", [(1, 16), (2, 8), (4, 4)])
@@ -44,13 +51,30 @@ def test_null_micro_batch_must_divide_over_ranks():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_documented_two_process_quickstart_runs(tmp_path):
-    proc = run_process(["bash", "launch/torchrun.sh", "2", "configs/quickstart.yaml",
-                        "train.steps=2", "model.n_layers=1", "model.d_model=32", "model.n_heads=4",
-                        "model.n_kv_heads=2", "data.max_bytes=300000", "eval.interval=0",
-                        "eval.at_end=false", "checkpoint.interval=0", "log.sample_tokens=0",
-                        "log.progress_bar=false", "log.tensorboard=false",
-                        "--run-dir", str(tmp_path / "run")],
-                       env=subprocess_env(PYTHON=sys.executable), timeout=600)
+    proc = run_process(
+        [
+            "bash",
+            "launch/torchrun.sh",
+            "2",
+            "configs/quickstart.yaml",
+            "train.steps=2",
+            "model.n_layers=1",
+            "model.d_model=32",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "data.max_bytes=300000",
+            "eval.interval=0",
+            "eval.at_end=false",
+            "checkpoint.interval=0",
+            "log.sample_tokens=0",
+            "log.progress_bar=false",
+            "log.tensorboard=false",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        env=subprocess_env(PYTHON=sys.executable),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(micro 8 x accumulation 1 x DP 2)" in proc.stdout and "done: step 2" in proc.stdout
 
@@ -65,8 +89,9 @@ def test_launcher_without_torch_says_what_to_set(tmp_path):
     (bare / "python3").symlink_to("/bin/false")
     env = subprocess_env(PATH=f"{bare}:/usr/bin:/bin")
     env.pop("PYTHON", None)
-    proc = run_process(["bash", str(launch / "torchrun.sh"), "2", "configs/quickstart.yaml"], env=env,
-                       timeout=60)
+    proc = run_process(
+        ["bash", str(launch / "torchrun.sh"), "2", "configs/quickstart.yaml"], env=env, timeout=60
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot import torch and megaformer" in lines[0]
@@ -84,15 +109,32 @@ def test_dry_run_checks_the_tokenizer_of_prepared_data(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello world\n" * 50)
     prefix = tmp_path / "prep"
-    made = run_cli("prepare-data", "--input", str(corpus), "--tokenizer", "bpe:300",
-                   "--output-prefix", str(prefix))
+    made = run_cli(
+        "prepare-data",
+        "--input",
+        str(corpus),
+        "--tokenizer",
+        "bpe:300",
+        "--output-prefix",
+        str(prefix),
+    )
     assert made.returncode == 0, made.stderr[-2000:]
-    proc = run_cli("train", "configs/quickstart.yaml", f"data.paths=[{prefix}]", "data.tokenizer=byte",
-                   "--dry-run")
+    proc = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        f"data.paths=[{prefix}]",
+        "data.tokenizer=byte",
+        "--dry-run",
+    )
     assert proc.returncode == 2 and "but the run's tokenizer has vocab" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    ok = run_cli("train", "configs/quickstart.yaml", f"data.paths=[{prefix}]",
-                 f"data.tokenizer={prefix}.tokenizer.json", "--dry-run")
+    ok = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        f"data.paths=[{prefix}]",
+        f"data.tokenizer={prefix}.tokenizer.json",
+        "--dry-run",
+    )
     assert ok.returncode == 0, ok.stderr
 
 
@@ -101,9 +143,17 @@ def test_dry_run_checks_the_tokenizer_of_prepared_data(tmp_path):
 def test_missing_data_after_launch_is_one_line_and_exit_2(tmp_path):
     """2 gloo ranks meet a missing data path (torchrun without the launcher's pre-check): rank 0
     prints one line, rank 1 nothing, torchrun no failure table; exit 2."""
-    proc = run_process([*TORCHRUN, "train", "configs/quickstart.yaml",
-                        *cluster_overrides(**{"data.paths": "[data/nope]"}),
-                        "--run-dir", str(tmp_path / "run")], timeout=300)
+    proc = run_process(
+        [
+            *TORCHRUN,
+            "train",
+            "configs/quickstart.yaml",
+            *cluster_overrides(**{"data.paths": "[data/nope]"}),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) <= 3, proc.stderr
@@ -112,8 +162,15 @@ def test_missing_data_after_launch_is_one_line_and_exit_2(tmp_path):
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(PYTHON=sys.executable), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=subprocess_env(PYTHON=sys.executable),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -128,9 +185,17 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 @pytest.mark.multiprocess
 def test_ctrl_c_under_torchrun_saves_and_exits_130(tmp_path):
     run = tmp_path / "run"
-    proc = _start(["bash", "launch/torchrun.sh", "2", "configs/quickstart.yaml",
-                   *cluster_overrides(**{"train.steps": 100000, "checkpoint.interval": 0}),
-                   "--run-dir", str(run)])
+    proc = _start(
+        [
+            "bash",
+            "launch/torchrun.sh",
+            "2",
+            "configs/quickstart.yaml",
+            *cluster_overrides(**{"train.steps": 100000, "checkpoint.interval": 0}),
+            "--run-dir",
+            str(run),
+        ]
+    )
     try:
         _wait_for(run / "metrics.jsonl", proc)
         proc.send_signal(signal.SIGINT)  # the launcher (exec-ed torchrun) forwards it to the ranks
@@ -141,7 +206,9 @@ def test_ctrl_c_under_torchrun_saves_and_exits_130(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert list((run / "checkpoints").glob("step_*")), err[-3000:]
     assert "interrupted (SIGINT)" in out
-    assert "resume from it with the same command: launch/torchrun.sh 2 configs/quickstart.yaml" in out
+    assert (
+        "resume from it with the same command: launch/torchrun.sh 2 configs/quickstart.yaml" in out
+    )
     assert "Traceback" not in err
 
 
@@ -149,9 +216,16 @@ def test_ctrl_c_under_torchrun_saves_and_exits_130(tmp_path):
 @pytest.mark.multiprocess
 def test_ranks_end_when_their_launcher_is_killed(tmp_path):
     run = tmp_path / "run"
-    proc = _start([*TORCHRUN, "train", "configs/quickstart.yaml",
-                   *cluster_overrides(**{"train.steps": 100000, "checkpoint.interval": 0}),
-                   "--run-dir", str(run)])
+    proc = _start(
+        [
+            *TORCHRUN,
+            "train",
+            "configs/quickstart.yaml",
+            *cluster_overrides(**{"train.steps": 100000, "checkpoint.interval": 0}),
+            "--run-dir",
+            str(run),
+        ]
+    )
     try:
         _wait_for(run / "metrics.jsonl", proc)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()

@@ -24,23 +24,47 @@ V = 64
 def _dense_config(zero: int, dp: int):
     from megaformer.config import load_config
 
-    over = {"model.vocab_size": V, "model.d_model": 64, "model.n_layers": 8, "model.n_heads": 4,
-            "model.max_seq_len": 16, "data.seq_len": 16, "model.tie_embeddings": "false",
-            "train.micro_batch_size": 2, "train.global_batch_size": 2 * dp,
-            "train.lr": 3e-4, "train.warmup_steps": 0, "train.grad_clip": 0.5,
-            "train.precision": "fp32", "parallel.zero_stage": zero, "parallel.vocab_multiple": 8}
+    over = {
+        "model.vocab_size": V,
+        "model.d_model": 64,
+        "model.n_layers": 8,
+        "model.n_heads": 4,
+        "model.max_seq_len": 16,
+        "data.seq_len": 16,
+        "model.tie_embeddings": "false",
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 2 * dp,
+        "train.lr": 3e-4,
+        "train.warmup_steps": 0,
+        "train.grad_clip": 0.5,
+        "train.precision": "fp32",
+        "parallel.zero_stage": zero,
+        "parallel.vocab_multiple": 8,
+    }
     return load_config("configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
 
 
 def _moe_config(tp: int, ep: int, dp: int):
     from megaformer.config import load_config
 
-    over = {"model.vocab_size": V, "model.d_model": 32, "model.n_layers": 4, "model.n_heads": 4,
-            "model.n_kv_heads": 2, "model.max_seq_len": 16, "data.seq_len": 16,
-            "model.moe.interval": 1, "model.moe.num_experts": 8, "model.moe.top_k": 2,
-            "model.moe.d_expert": 64, "train.micro_batch_size": 2,
-            "train.global_batch_size": 2 * dp, "parallel.tensor": tp, "parallel.expert": ep,
-            "parallel.vocab_multiple": 8}
+    over = {
+        "model.vocab_size": V,
+        "model.d_model": 32,
+        "model.n_layers": 4,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 2,
+        "model.max_seq_len": 16,
+        "data.seq_len": 16,
+        "model.moe.interval": 1,
+        "model.moe.num_experts": 8,
+        "model.moe.top_k": 2,
+        "model.moe.d_expert": 64,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 2 * dp,
+        "parallel.tensor": tp,
+        "parallel.expert": ep,
+        "parallel.vocab_multiple": 8,
+    }
     return load_config("configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
 
 
@@ -82,7 +106,9 @@ def _zero3(rank: int, world: int, train: bool) -> dict:
     cfg = _dense_config(3, world)
     topo = build_topology(world, rank)
     ds_config = build_deepspeed_config(cfg, 1)
-    built = measure(lambda: build_model(cfg, topo, partition=zero3_partitioner(cfg, ds_config, topo)))
+    built = measure(
+        lambda: build_model(cfg, topo, partition=zero3_partitioner(cfg, ds_config, topo))
+    )
     model = built.result.model
     held = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
     ref = build_model(cfg, None).model  # one process, the same seed
@@ -93,8 +119,13 @@ def _zero3(rank: int, world: int, train: bool) -> dict:
     out = {"peak": built.peak, "end": built.end, "held": held, "same": same}
     if not train:
         return out
-    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.train),
-                                      config=ds_config, mpu=topo, dist_init_required=False)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=build_optimizer(model, cfg.train),
+        config=ds_config,
+        mpu=topo,
+        dist_init_required=False,
+    )
     losses = []
     for x in _batches(world)[:, rank]:
         loss = engine(x, x)
@@ -187,9 +218,14 @@ def _experts(rank: int, world: int, tp: int, ep: int) -> dict:
     local = [p for p in model.parameters()]
     full = full_state_dict(model, topo)  # gathered over TP and EP
     ref = build_model(cfg, None).plain.state_dict()
-    same = all(torch.equal(v, ref[k][:v.shape[0]]) for k, v in full.items())
-    return {"peak": built.peak, "end": built.end, "held": _nbytes(model), "same": same,
-            "expert_rows": sorted({p.shape[0] for p in local if experts.is_expert_param(p)})}
+    same = all(torch.equal(v, ref[k][: v.shape[0]]) for k, v in full.items())
+    return {
+        "peak": built.peak,
+        "end": built.end,
+        "held": _nbytes(model),
+        "same": same,
+        "expert_rows": sorted({p.shape[0] for p in local if experts.is_expert_param(p)}),
+    }
 
 
 @pytest.mark.multiprocess

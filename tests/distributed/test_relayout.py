@@ -50,8 +50,16 @@ def assert_same_continuation(run: Path, reference: Path) -> None:
 
 
 def torchrun_train(run: Path, *overrides: str) -> str:
-    proc = run_torchrun(2, "train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
-                        *overrides, "--run-dir", str(run))
+    proc = run_torchrun(
+        2,
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        *COMMON,
+        *overrides,
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -107,8 +115,8 @@ def test_reshard_refusals(layout_a, tmp_path):
     with pytest.raises(CheckpointError, match=r"rank_00001.safetensors: .*truncated"):
         reshard_checkpoint(bad, tmp_path / "out", 2, 1)
     n = int.from_bytes(data[:8], "little")
-    header = data[8:8 + n].replace(b'"F32"', b'"F16"', 1)  # tampered: dtype edited
-    shard.write_bytes(data[:8] + header + data[8 + n:])
+    header = data[8 : 8 + n].replace(b'"F32"', b'"F16"', 1)  # tampered: dtype edited
+    shard.write_bytes(data[:8] + header + data[8 + n :])
     with pytest.raises(CheckpointError, match=r"rank_00001.safetensors: truncated or tampered"):
         reshard_checkpoint(bad, tmp_path / "out", 2, 1)
     assert not (tmp_path / "out").exists()
@@ -120,9 +128,19 @@ def test_resume_at_data_parallel_1_with_async_save(layout_a, tmp_path):
     run = tmp_path / "dp1"
     shutil.copytree(layout_a, run)
     rewind(run)
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
-                   "parallel.zero_stage=1", "checkpoint.interval=3", "checkpoint.async_save=true",
-                   "checkpoint.keep_last=1", "checkpoint.export_weights=true", "--run-dir", str(run))
+    proc = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        *COMMON,
+        "parallel.zero_stage=1",
+        "checkpoint.interval=3",
+        "checkpoint.async_save=true",
+        "checkpoint.keep_last=1",
+        "checkpoint.export_weights=true",
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "data 2 -> 1" in proc.stdout and "(in the background)" in proc.stdout
     assert_same_continuation(run, layout_a)

@@ -39,16 +39,24 @@ def test_report_memory_from_zero_and_loss_with_unigram_baseline(tmp_path, monkey
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen: dict[str, Figure] = {}
     save = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig",
-                        lambda fig, path, *a, **k: (seen.__setitem__(Path(path).stem, fig),
-                                                    save(fig, path, *a, **k))[1])
+    monkeypatch.setattr(
+        Figure,
+        "savefig",
+        lambda fig, path, *a, **k: (
+            seen.__setitem__(Path(path).stem, fig),
+            save(fig, path, *a, **k),
+        )[1],
+    )
     write_report(tmp_path, tmp_path / "out")
     assert seen["memory"].axes[0].get_ylim()[0] == 0.0
     ax = seen["loss"].axes[0]
     flat = [line for line in ax.get_lines() if line.get_label() == "unigram baseline"]
     assert len(flat) == 1 and list(flat[0].get_ydata()) == [3.25, 3.25]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train", "validation",
-                                                                   "unigram baseline"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "train",
+        "validation",
+        "unigram baseline",
+    ]
     assert os.path.exists(tmp_path / "out" / "loss.png")
 
 
@@ -63,6 +71,7 @@ def test_known_third_party_noise_is_dropped(caplog):
     with caplog.at_level(logging.WARNING):
         logging.getLogger("torchao").warning("Failed to load /x/torchao/_C.so: undefined symbol")
         logging.getLogger("lm_eval.api.task").warning(
-            "t: Custom kwargs can be passed to `--metadata` in console (as json string)")
+            "t: Custom kwargs can be passed to `--metadata` in console (as json string)"
+        )
         logging.getLogger("torchao").warning("something else")
     assert [r.getMessage() for r in caplog.records] == ["something else"]

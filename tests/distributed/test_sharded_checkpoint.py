@@ -32,9 +32,17 @@ LAYOUTS = {
     "C": ("parallel.pipeline=2", "parallel.zero_stage=1", "parallel.pipeline_partition=parameters"),
     "D": ("parallel.zero_stage=0",),  # DP4 without ZeRO: megaformer's own optimizer state split
 }
-COMMON = ("checkpoint.interval=2", "eval.interval=0", "eval.at_end=false", "model.dropout=0.0",
-          "model.attention_dropout=0.0", "train.micro_batch_size=2", "parallel.vocab_multiple=1",
-          "checkpoint.keep_last=null", "train.lr_schedule=constant")
+COMMON = (
+    "checkpoint.interval=2",
+    "eval.interval=0",
+    "eval.at_end=false",
+    "model.dropout=0.0",
+    "model.attention_dropout=0.0",
+    "train.micro_batch_size=2",
+    "parallel.vocab_multiple=1",
+    "checkpoint.keep_last=null",
+    "train.lr_schedule=constant",
+)
 CHAIN = ["A", "B", "C", "A"]
 
 
@@ -53,8 +61,17 @@ def keep_only(run: Path, step: int) -> None:
 
 
 def train4(run: Path, layout: str, steps: int) -> str:
-    proc = run_torchrun(4, "train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
-                        *LAYOUTS[layout], f"train.steps={steps}", "--run-dir", str(run))
+    proc = run_torchrun(
+        4,
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        *COMMON,
+        *LAYOUTS[layout],
+        f"train.steps={steps}",
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -67,6 +84,7 @@ def largest_read_share(out: str) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------- geometry (fast)
+
 
 @pytest.mark.parametrize("shape", [(7,), (5, 6), (3, 4, 5)])
 def test_flat_ranges_are_unions_of_boxes(shape):
@@ -104,16 +122,35 @@ def zero3_pieces(world: int, shapes: dict[str, list[int]]) -> list[dict]:
             p = -(-n // world)
             if min((r + 1) * p, n) > r * p:
                 ranges[name] = [0, 0, r * p, min((r + 1) * p, n)]
-        out.append({"rank": r, "file": sharded.rank_file(r), "bytes": 1 << 30, "ranges": ranges,
-                    "shapes": shapes, "shards": {n: [s, None, None] for n, s in shapes.items()}})
+        out.append(
+            {
+                "rank": r,
+                "file": sharded.rank_file(r),
+                "bytes": 1 << 30,
+                "ranges": ranges,
+                "shapes": shapes,
+                "shards": {n: [s, None, None] for n, s in shapes.items()},
+            }
+        )
     return out
 
 
-PROXY = {"tok_embeddings.weight": [32000, 512], "final_norm.weight": [512],
-         **{f"layers.{i}.{n}": s for i in range(12) for n, s in (
-             ("attention_norm.weight", [512]), ("attention.wqkv.weight", [1536, 512]),
-             ("attention.wo.weight", [512, 512]), ("ffn_norm.weight", [512]),
-             ("feed_forward.w13.weight", [4096, 512]), ("feed_forward.w2.weight", [512, 2048]))}}
+PROXY = {
+    "tok_embeddings.weight": [32000, 512],
+    "final_norm.weight": [512],
+    **{
+        f"layers.{i}.{n}": s
+        for i in range(12)
+        for n, s in (
+            ("attention_norm.weight", [512]),
+            ("attention.wqkv.weight", [1536, 512]),
+            ("attention.wo.weight", [512, 512]),
+            ("ffn_norm.weight", [512]),
+            ("feed_forward.w13.weight", [4096, 512]),
+            ("feed_forward.w2.weight", [512, 2048]),
+        )
+    },
+}
 
 
 def test_zero3_index_at_dp512_is_bounded_per_rank(tmp_path):
@@ -132,23 +169,31 @@ def test_zero3_index_at_dp512_is_bounded_per_rank(tmp_path):
     listed = json.dumps({"boxes": state.listed()}, indent=1)
     assert len(listed) > 500 * len(text)  # what format 1 would have held
     boxes = state.boxes_of("layers.3.attention.wo.weight", "exp_avg")  # the rule, expanded
-    assert boxes[1] == ["rank_00001.safetensors", "layers.3.attention.wo.weight/exp_avg/0",
-                        [1, 0], [1, 512]]  # rank r: row r (512 elements each)
+    assert boxes[1] == [
+        "rank_00001.safetensors",
+        "layers.3.attention.wo.weight/exp_avg/0",
+        [1, 0],
+        [1, 512],
+    ]  # rank r: row r (512 elements each)
     assert sum(math.prod(b[3]) for b in boxes) == 512 * 512
 
 
 def test_index_runs_round_trip_every_partition():
     """Equal parts (ZeRO-3), even splits (ZeRO-0), irregular fragments (ZeRO 1/2) and TP shards:
     the runs expand to exactly the saved entries."""
-    cases = [[(r, 0, 0, r * 7, min((r + 1) * 7, 30)) for r in range(5)],           # equal parts
-             [(r, 0, 0, r * 30 // 4, (r + 1) * 30 // 4) for r in range(4)],          # even split
-             [(0, 0, 0, 0, 3), (1, 0, 0, 3, 11), (2, 0, 0, 11, 12), (3, 0, 0, 12, 30)],  # ZeRO 1/2
-             [(2 * r + t, 16 * t, 0, 8 * r, 8 * r + 8) for t in range(2) for r in range(2)]]
+    cases = [
+        [(r, 0, 0, r * 7, min((r + 1) * 7, 30)) for r in range(5)],  # equal parts
+        [(r, 0, 0, r * 30 // 4, (r + 1) * 30 // 4) for r in range(4)],  # even split
+        [(0, 0, 0, 0, 3), (1, 0, 0, 3, 11), (2, 0, 0, 11, 12), (3, 0, 0, 12, 30)],  # ZeRO 1/2
+        [(2 * r + t, 16 * t, 0, 8 * r, 8 * r + 8) for t in range(2) for r in range(2)],
+    ]
     for entries in cases:
         runs = sharded.compress_ranges(entries)
         got = sorted(e for run in runs for e in sharded.expand_run(run))
         assert got == sorted(entries), (entries, runs)
-    assert len(sharded.compress_ranges(cases[0])) == 1 and len(sharded.compress_ranges(cases[1])) == 1
+    assert (
+        len(sharded.compress_ranges(cases[0])) == 1 and len(sharded.compress_ranges(cases[1])) == 1
+    )
     assert len(sharded.compress_ranges(cases[3])) == 2  # one run per TP shard
 
 
@@ -163,7 +208,9 @@ def test_small_index_claiming_a_huge_tensor_is_refused_before_reading(tmp_path):
         ShardedState(tmp_path)
     index["shapes"]["w"] = [1 << 25, 32]  # the shards do not hold the claimed tensor
     (tmp_path / "state" / "index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="the boxes of w hold 2048 elements, the tensor 1073741824"):
+    with pytest.raises(
+        CheckpointError, match="the boxes of w hold 2048 elements, the tensor 1073741824"
+    ):
         ShardedState(tmp_path)
     index = json.loads(text)
     index["ranges"]["w"][0][7] -= 1  # the last element of w saved nowhere
@@ -187,6 +234,7 @@ def test_a_read_looks_up_only_the_ranks_whose_ranges_meet_it(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 4 ranks
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
@@ -248,8 +296,13 @@ def test_resume_round_the_layouts_from_the_shards(reference, tmp_path):
         assert ratio <= 1.10 and (layout == "C" or share <= 1.10 / 4), (layout, share, ratio)
         got = losses(run)
         for step in (2 * i + 1, 2 * i + 2):
-            assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (CHAIN[i - 1], layout,
-                                                                         step, got[step], ref[step])
+            assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (
+                CHAIN[i - 1],
+                layout,
+                step,
+                got[step],
+                ref[step],
+            )
         prev = run
     assert ref[2 * len(CHAIN)] < ref[2]  # it trains: the comparison is not between constants
 
@@ -278,15 +331,31 @@ def test_one_process_reads_four_ranks_shards_and_generates(reference, tmp_path):
     run = tmp_path / "one"
     shutil.copytree(reference, run)
     keep_only(run, 2)
-    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
-                    "parallel.zero_stage=0", "train.steps=4", "train.micro_batch_size=4",
-                    "--run-dir", str(run))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        *COMMON,
+        "parallel.zero_stage=0",
+        "train.steps=4",
+        "train.micro_batch_size=4",
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = losses(reference), losses(run)
     for step in (3, 4):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
-    gen = cli_main("generate", str(reference / "checkpoints" / "step_0000002"), "--prompt", "def ",
-                   "--max-new-tokens", "8", "--temperature", "0")
+    gen = cli_main(
+        "generate",
+        str(reference / "checkpoints" / "step_0000002"),
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
     assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr[-2000:]
 
 
@@ -303,23 +372,48 @@ def test_truncated_or_missing_shard_is_one_line(reference, tmp_path):
         else:
             shard.unlink()
         before = sorted(p.name for p in (run / "checkpoints").iterdir())
-        proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *COMMON,
-                        "parallel.zero_stage=0", "train.steps=4", "train.micro_batch_size=4",
-                        "--run-dir", str(run))
-        assert_one_line_error(proc, "rank_00002.safetensors",
-                              "truncated" if damage == "truncate" else "missing")
+        proc = cli_main(
+            "train",
+            "configs/quickstart.yaml",
+            *tiny_overrides(),
+            *COMMON,
+            "parallel.zero_stage=0",
+            "train.steps=4",
+            "train.micro_batch_size=4",
+            "--run-dir",
+            str(run),
+        )
+        assert_one_line_error(
+            proc, "rank_00002.safetensors", "truncated" if damage == "truncate" else "missing"
+        )
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
 # ----------------------------------------------------------------------------- previous release
 
 PREVIOUS = Path(__file__).resolve().parents[1] / "data" / "previous_release_run"
-PREVIOUS_MODEL = ("model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-                  "model.max_seq_len=16", "data.max_bytes=20000", "train.micro_batch_size=2",
-                  "train.global_batch_size=4", "train.lr=3e-3", "train.warmup_steps=1",
-                  "eval.interval=0", "eval.at_end=false", "checkpoint.interval=2", "log.interval=1",
-                  "log.progress_bar=false", "log.tensorboard=false", "log.sample_tokens=0",
-                  "model.dropout=0.0", "model.attention_dropout=0.0", "train.steps=4")
+PREVIOUS_MODEL = (
+    "model.d_model=16",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.max_seq_len=16",
+    "data.max_bytes=20000",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.lr=3e-3",
+    "train.warmup_steps=1",
+    "eval.interval=0",
+    "eval.at_end=false",
+    "checkpoint.interval=2",
+    "log.interval=1",
+    "log.progress_bar=false",
+    "log.tensorboard=false",
+    "log.sample_tokens=0",
+    "model.dropout=0.0",
+    "model.attention_dropout=0.0",
+    "train.steps=4",
+)
 
 
 @pytest.mark.slow
@@ -331,12 +425,21 @@ def test_previous_release_checkpoint_still_resumes(tmp_path, zero_stage):
     checkpoint it writes is sharded."""
     run = tmp_path / "run"
     shutil.copytree(PREVIOUS, run)
-    proc = cli_main("train", "configs/quickstart.yaml", "data.source=stdlib", *PREVIOUS_MODEL,
-                    f"parallel.zero_stage={zero_stage}", "--run-dir", str(run))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        "data.source=stdlib",
+        *PREVIOUS_MODEL,
+        f"parallel.zero_stage={zero_stage}",
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    old = {r["step"]: r["loss"] for r in map(json.loads,
-                                              (PREVIOUS / "metrics.jsonl").read_text().splitlines())
-           if "loss" in r}
+    old = {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (PREVIOUS / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
     new = losses(run)
     for step in (3, 4):
         assert abs(old[step] - new[step]) <= 1e-5 * abs(old[step]), (step, old[step], new[step])
@@ -349,18 +452,36 @@ def test_bf16_resumes_at_another_zero_stage_and_in_fp32(tmp_path):
     same shards also start an fp32 run (whose losses then follow fp32 arithmetic)."""
     common = (*COMMON, "train.precision=bf16", "train.micro_batch_size=4")
     ref = tmp_path / "ref"
-    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *common,
-                    "parallel.zero_stage=1", "train.steps=4", "--run-dir", str(ref))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        *common,
+        "parallel.zero_stage=1",
+        "train.steps=4",
+        "--run-dir",
+        str(ref),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     index = json.loads((ref / "checkpoints" / "step_0000002" / "state" / "index.json").read_text())
     assert index["precision"] == "bf16"
-    for overrides in (("train.precision=bf16", "parallel.zero_stage=2"),
-                      ("train.precision=fp32", "parallel.zero_stage=0")):
+    for overrides in (
+        ("train.precision=bf16", "parallel.zero_stage=2"),
+        ("train.precision=fp32", "parallel.zero_stage=0"),
+    ):
         run = tmp_path / overrides[0].split("=")[1]
         shutil.copytree(ref, run)
         keep_only(run, 2)
-        proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), *common,
-                        *overrides, "train.steps=4", "--run-dir", str(run))
+        proc = cli_main(
+            "train",
+            "configs/quickstart.yaml",
+            *tiny_overrides(),
+            *common,
+            *overrides,
+            "train.steps=4",
+            "--run-dir",
+            str(run),
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         a, b = losses(ref), losses(run)
         tol = 1e-5 if "bf16" in overrides[0] else 2e-2  # fp32 arithmetic vs bf16's

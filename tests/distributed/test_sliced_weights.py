@@ -40,10 +40,16 @@ def proxy(tmp_path_factory) -> tuple[Path, Path]:
 
     base = tmp_path_factory.mktemp("sliced")
     torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=704,
-                                      num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=SEQ,
-                                      tie_word_embeddings=False)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(base / "hf", safe_serialization=True)
     run = import_from_hf(base / "hf", base / "run")
     ByteTokenizer().save(ckpt_layout.resolve_checkpoint(run) / "tokenizer.json")
@@ -179,11 +185,18 @@ def _build(rank: int, world: int, how: str, hf: str, run: str) -> dict:
         del weights
     peak, read = mem.growth, counter["bytes"]
     ids, targets = _batch()
-    logp, _ = PipelineRunner(built.model, built.plain, topo, torch.device("cpu")).scores(ids, targets)
+    logp, _ = PipelineRunner(built.model, built.plain, topo, torch.device("cpu")).scores(
+        ids, targets
+    )
     counter["bytes"] = 0
     text = generate_from_checkpoint(run, "def ", 6, topo=topo)
-    return {"read": read, "peak": peak, "logp": logp, "text": text,
-            "generate_read": counter["bytes"]}
+    return {
+        "read": read,
+        "peak": peak,
+        "logp": logp,
+        "text": text,
+        "generate_read": counter["bytes"],
+    }
 
 
 def _one_process(run: Path) -> tuple[torch.Tensor, str, int]:
@@ -209,9 +222,11 @@ def test_each_rank_reads_and_builds_its_share(proxy, how):
     share = 1 / (TP * PP) + 0.10
     results = run_ranks(TP * PP, _build, how, str(hf), str(run), timeout=900)
     for rank, r in enumerate(results):
-        print(f"{how} rank {rank}: read {r['read'] / file_bytes:.3f} of the weights, build peak "
-              f"{r['peak'] / model_bytes:.2f} x the fp32 model, generate read "
-              f"{r['generate_read'] / file_bytes:.3f}")
+        print(
+            f"{how} rank {rank}: read {r['read'] / file_bytes:.3f} of the weights, build peak "
+            f"{r['peak'] / model_bytes:.2f} x the fp32 model, generate read "
+            f"{r['generate_read'] / file_bytes:.3f}"
+        )
         assert r["read"] <= share * file_bytes, rank
         assert r["generate_read"] <= share * file_bytes, rank
         assert r["peak"] < model_bytes, rank
@@ -230,8 +245,10 @@ def test_whole_weights_before(proxy):
     _, _, model_bytes = _one_process(run)
     results = run_ranks(TP * PP, _build, "whole", str(hf), str(run), timeout=900)
     for rank, r in enumerate(results):
-        print(f"whole rank {rank}: read {r['read'] / model_bytes:.3f}, build peak "
-              f"{r['peak'] / model_bytes:.2f} x the fp32 model")
+        print(
+            f"whole rank {rank}: read {r['read'] / model_bytes:.3f}, build peak "
+            f"{r['peak'] / model_bytes:.2f} x the fp32 model"
+        )
         assert r["read"] >= model_bytes
 
 
@@ -245,16 +262,26 @@ def test_init_from_a_hugging_face_folder_equals_converting_first(proxy, tmp_path
     hf, run = proxy
     steps = ["train.steps=1", "eval.interval=0", "eval.at_end=false", "model.max_seq_len=64"]
     direct = tmp_path / "direct"
-    proc = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(), *steps,
-                   "--init-from", str(hf), "--run-dir", str(direct))
+    proc = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        *steps,
+        "--init-from",
+        str(hf),
+        "--run-dir",
+        str(direct),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (direct / "checkpoints").exists() or not any(
-        (p / "model.safetensors").exists() for p in (direct / "checkpoints").iterdir())
+        (p / "model.safetensors").exists() for p in (direct / "checkpoints").iterdir()
+    )
     # converting first: the converted run's weights-only checkpoint in a fresh run directory
     converted = tmp_path / "converted"
     shutil.copytree(run / "checkpoints", converted / "checkpoints")
-    proc = run_cli("train", str(direct / "config.yaml"), "model.init_from=null",
-                   "--run-dir", str(converted))
+    proc = run_cli(
+        "train", str(direct / "config.yaml"), "model.init_from=null", "--run-dir", str(converted)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _first_loss(direct), _first_loss(converted)
     assert math.isfinite(a) and abs(a - b) <= 1e-5, (a, b)
@@ -263,8 +290,15 @@ def test_init_from_a_hugging_face_folder_equals_converting_first(proxy, tmp_path
 def test_init_from_refuses_a_missing_folder(tmp_path):
     from tests.helpers import assert_one_line_error, cli_main
 
-    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "--init-from",
-                    str(tmp_path / "nowhere"), "--run-dir", str(tmp_path / "run"))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        "--init-from",
+        str(tmp_path / "nowhere"),
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert_one_line_error(proc, "no such Hugging Face model folder")
 
 
@@ -291,10 +325,17 @@ def test_experts_are_read_one_rank_share_at_a_time(tmp_path):
     from megaformer.checkpoint.hf.init_from import hf_weights
 
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32)
+    cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
     transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
     run = import_from_hf(tmp_path / "hf", tmp_path / "run")
     ckpt = ckpt_layout.resolve_checkpoint(run)

@@ -15,29 +15,54 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import (cli_main, reference_and_tensor_parallel, run_cli, run_torchrun,
-                           tiny_overrides)
 from tests.dist_harness import run_ranks
+from tests.helpers import (
+    cli_main,
+    reference_and_tensor_parallel,
+    run_cli,
+    run_torchrun,
+    tiny_overrides,
+)
 
 pytestmark = pytest.mark.multiprocess
 
 VARIANTS = {
     "mha-swiglu-tied": dict(n_heads=4, n_kv_heads=None, activation="swiglu", tie_embeddings=True),
-    "gqa-gelu-untied-bias": dict(n_heads=8, n_kv_heads=4, d_model=64, activation="gelu",
-                                 tie_embeddings=False, bias=True, norm="layernorm",
-                                 position="learned"),
+    "gqa-gelu-untied-bias": dict(
+        n_heads=8,
+        n_kv_heads=4,
+        d_model=64,
+        activation="gelu",
+        tie_embeddings=False,
+        bias=True,
+        norm="layernorm",
+        position="learned",
+    ),
     "gqa-parallel-residual": dict(n_heads=8, n_kv_heads=4, residual="parallel", d_model=64),
     # the output projection fused with a chunked vocab-parallel CE (chunks of 5 of the 32 tokens);
     # its TP=1 form equals the plain loss in tests/unit/test_fast_paths.py
-    "chunked-ce-tied": dict(n_heads=4, activation="swiglu", tie_embeddings=True, loss_chunk_tokens=5),
-    "chunked-ce-untied-gelu": dict(n_heads=4, activation="gelu", tie_embeddings=False, bias=True,
-                                   norm="layernorm", loss_chunk_tokens=5),
+    "chunked-ce-tied": dict(
+        n_heads=4, activation="swiglu", tie_embeddings=True, loss_chunk_tokens=5
+    ),
+    "chunked-ce-untied-gelu": dict(
+        n_heads=4,
+        activation="gelu",
+        tie_embeddings=False,
+        bias=True,
+        norm="layernorm",
+        loss_chunk_tokens=5,
+    ),
     # Qwen3/Qwen2/Mistral switches: heads wider than d_model / h, replicated q/k norms (their
     # gradients summed over TP), q/k/v biases split with their columns, a sliding window, YaRN
-    "qk-norm-qkv-bias-window": dict(n_heads=8, n_kv_heads=4, head_dim=8, qk_norm=True,
-                                    qkv_bias=True, sliding_window=5,
-                                    rope_scaling={"rope_type": "yarn", "factor": 2.0,
-                                                  "original_max_position_embeddings": 8}),
+    "qk-norm-qkv-bias-window": dict(
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=8,
+        qk_norm=True,
+        qkv_bias=True,
+        sliding_window=5,
+        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8},
+    ),
 }
 
 
@@ -61,8 +86,10 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
 
     cfg = _model_cfg(**VARIANTS[variant])
     ref, tp, topo, full0 = reference_and_tensor_parallel(cfg, world, rank, sp)
-    init_err = max(_rel(full0[n], p.detach()[:257] if "emb" in n or "lm_head" in n else p.detach())
-                   for n, p in ref.named_parameters())
+    init_err = max(
+        _rel(full0[n], p.detach()[:257] if "emb" in n or "lm_head" in n else p.detach())
+        for n, p in ref.named_parameters()
+    )
     # a small lr: AdamW divides by sqrt(v), which amplifies fp32 round-off in near-zero gradients
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1) for m in (ref, tp)]
     gen = torch.Generator().manual_seed(1)
@@ -78,8 +105,10 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
             loss.backward()
             pair.append(loss.item())
         # gradients, gathered to full shape (vocab padding dropped)
-        ref_grads = {n: p.grad[:257] if ("emb" in n or "lm_head" in n) else p.grad
-                     for n, p in ref.named_parameters()}
+        ref_grads = {
+            n: p.grad[:257] if ("emb" in n or "lm_head" in n) else p.grad
+            for n, p in ref.named_parameters()
+        }
         tp_grads = {}
         for n, p in tp.named_parameters():
             g = p.grad
@@ -103,13 +132,22 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
         for opt in opts:
             opt.step()
         losses.append(pair)
-    return {"worst": worst, "losses": losses, "grad_errs": grad_errs, "norms": norms, "init_err": init_err,
-            "n_sharded": sum(getattr(p, "tensor_model_parallel", False) for p in tp.parameters())}
+    return {
+        "worst": worst,
+        "losses": losses,
+        "grad_errs": grad_errs,
+        "norms": norms,
+        "init_err": init_err,
+        "n_sharded": sum(getattr(p, "tensor_model_parallel", False) for p in tp.parameters()),
+    }
 
 
 def _tp_suite(rank: int, world: int) -> dict:
-    return {f"{variant}/{'sp' if sp else 'nosp'}": _tp_vs_reference(rank, world, variant, sp)
-            for variant in VARIANTS for sp in (False, True)}
+    return {
+        f"{variant}/{'sp' if sp else 'nosp'}": _tp_vs_reference(rank, world, variant, sp)
+        for variant in VARIANTS
+        for sp in (False, True)
+    }
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -141,15 +179,19 @@ def _vocab_parallel_ce(rank: int, world: int) -> dict:
     labels = torch.randint(0, V, (3, 5), generator=gen)
     labels[1, 2] = -100
     shard = full.chunk(world, dim=-1)[rank].clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(shard, labels, rank * Vp // world, topo.group("tp"),
-                                        vocab_size=V)
+    loss = vocab_parallel_cross_entropy(
+        shard, labels, rank * Vp // world, topo.group("tp"), vocab_size=V
+    )
     loss.backward()
     ref_in = full.clone().requires_grad_(True)
     ref = F.cross_entropy(ref_in[..., :V].flatten(0, 1), labels.flatten(), ignore_index=-100)
     ref.backward()
     ref_grad = ref_in.grad.chunk(world, dim=-1)[rank]
-    return {"loss": (loss.item(), ref.item()), "grad_err": float((shard.grad - ref_grad).abs().max()),
-            "pad_grad": float(ref_in.grad[..., V:].abs().max())}
+    return {
+        "loss": (loss.item(), ref.item()),
+        "grad_err": float((shard.grad - ref_grad).abs().max()),
+        "pad_grad": float(ref_in.grad[..., V:].abs().max()),
+    }
 
 
 def test_vocab_parallel_cross_entropy_never_sees_padding():
@@ -173,35 +215,59 @@ def _rng_streams(rank: int, world: int) -> dict:
     torch.manual_seed(7)
     untouched = torch.rand(4)  # the default stream does not notice the fork
     topo = build_topology(world, rank, tp=world)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, max_seq_len=8,
-                      dropout=0.5, attention_dropout=0.5)
+    cfg = ModelConfig(
+        vocab_size=50,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        max_seq_len=8,
+        dropout=0.5,
+        attention_dropout=0.5,
+    )
     out = {}
     for sp in (False, True):
         torch.manual_seed(0)
         m = parallelize(Transformer(cfg), topo, sp, TensorParallelRNG(0, rank))
-        out[sp] = (isinstance(m.layers[0].drop, ForkedDropout),
-                   isinstance(m.layers[0].attn.core, ForkedAttentionCore))
-    return {"sharded": sharded.tolist(), "replicated": replicated.tolist(),
-            "untouched": untouched.tolist(), "wiring": out}
+        out[sp] = (
+            isinstance(m.layers[0].drop, ForkedDropout),
+            isinstance(m.layers[0].attn.core, ForkedAttentionCore),
+        )
+    return {
+        "sharded": sharded.tolist(),
+        "replicated": replicated.tolist(),
+        "untouched": untouched.tolist(),
+        "wiring": out,
+    }
 
 
 def test_dropout_rng_differs_where_sharded_matches_where_replicated():
     a, b = run_ranks(2, _rng_streams)
     assert a["sharded"] != b["sharded"]
     assert a["replicated"] == b["replicated"] == a["untouched"]
-    assert a["wiring"][False] == (False, True)   # residual dropout on replicated activations
-    assert a["wiring"][True] == (True, True)     # under SP the residual stream is sharded
+    assert a["wiring"][False] == (False, True)  # residual dropout on replicated activations
+    assert a["wiring"][True] == (True, True)  # under SP the residual stream is sharded
 
 
 # ----------------------------------------------------------------------------- through DeepSpeed
 
+
 def _records(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {
+        r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
 
 
-TP_COMMON = tiny_overrides("stdlib", **{"train.steps": 3, "eval.interval": 3,
-                                        "train.micro_batch_size": 2, "train.global_batch_size": 8,
-                                        "model.d_ffn": 64, "log.sample_tokens": 10})
+TP_COMMON = tiny_overrides(
+    "stdlib",
+    **{
+        "train.steps": 3,
+        "eval.interval": 3,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,
+        "model.d_ffn": 64,
+        "log.sample_tokens": 10,
+    },
+)
 
 
 @pytest.fixture(scope="module")
@@ -216,10 +282,17 @@ def tp_reference(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,stage,sp", [(2, 2, 1, True), (4, 2, 1, False), (4, 2, 2, True)])
 def test_training_with_tp_and_zero_equals_one_process(tp_reference, tmp_path, world, tp, stage, sp):
-    run = run_torchrun(world, "train", "configs/quickstart.yaml", *TP_COMMON,
-                       f"parallel.tensor={tp}", f"parallel.zero_stage={stage}",
-                       f"parallel.sequence_parallel={str(sp).lower()}",
-                       "--run-dir", str(tmp_path / "tp"))
+    run = run_torchrun(
+        world,
+        "train",
+        "configs/quickstart.yaml",
+        *TP_COMMON,
+        f"parallel.tensor={tp}",
+        f"parallel.zero_stage={stage}",
+        f"parallel.sequence_parallel={str(sp).lower()}",
+        "--run-dir",
+        str(tmp_path / "tp"),
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"TP {tp}" in run.stdout and "tensor-parallel groups:   [0,1]" in run.stdout
     a, b = _records(tp_reference), _records(tmp_path / "tp")
@@ -243,12 +316,25 @@ def test_training_with_tp_and_zero_equals_one_process(tp_reference, tmp_path, wo
 @pytest.mark.slow
 def test_resume_under_tensor_and_sequence_parallelism_is_exact(tmp_path):
     """TP=2 with SP and dropout (both RNG streams in use): stop at step 2, resume, same losses."""
-    args = tiny_overrides("stdlib", **{"train.steps": 4, "eval.interval": 0,
-                                       "checkpoint.interval": 2, "model.dropout": 0.1,
-                                       "model.attention_dropout": 0.1, "parallel.tensor": 2,
-                                       "parallel.sequence_parallel": "true"})
+    args = tiny_overrides(
+        "stdlib",
+        **{
+            "train.steps": 4,
+            "eval.interval": 0,
+            "checkpoint.interval": 2,
+            "model.dropout": 0.1,
+            "model.attention_dropout": 0.1,
+            "parallel.tensor": 2,
+            "parallel.sequence_parallel": "true",
+        },
+    )
     full = tmp_path / "full"
-    assert run_torchrun(2, "train", "configs/quickstart.yaml", *args, "--run-dir", str(full)).returncode == 0
+    assert (
+        run_torchrun(
+            2, "train", "configs/quickstart.yaml", *args, "--run-dir", str(full)
+        ).returncode
+        == 0
+    )
     import shutil
 
     resumed = tmp_path / "resumed"

@@ -17,11 +17,19 @@ from megaformer.kernels.selection import choose, track
 
 
 def resolve(backend, device, dtype, head_dim=16, dropout=False, doc_mask=False):
-    return choose("attention", device, dtype, backend=backend, head_dim=head_dim, dropout=dropout,
-                  doc_mask=doc_mask)
+    return choose(
+        "attention",
+        device,
+        dtype,
+        backend=backend,
+        head_dim=head_dim,
+        dropout=dropout,
+        doc_mask=doc_mask,
+    )
 
-HEADS = [(4, 4), (4, 2), (4, 1)]            # MHA, GQA, MQA
-LENGTHS = [(6, 6), (3, 8), (1, 8)]          # T == S, and the KV-cache cases T < S
+
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+LENGTHS = [(6, 6), (3, 8), (1, 8)]  # T == S, and the KV-cache cases T < S
 
 
 def qkv(B, H, Hkv, T, S, D=16, dtype=torch.float32, device="cpu", seed=0):
@@ -148,8 +156,11 @@ def test_sdpa_backend_priority_from_the_environment(monkeypatch):
     monkeypatch.delenv("MEGAFORMER_SDPA_BACKENDS", raising=False)
     assert kernels.sdpa_priority() is None
     monkeypatch.setenv("MEGAFORMER_SDPA_BACKENDS", "flash, cudnn,math")
-    assert kernels.sdpa_priority() == [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                                       SDPBackend.MATH]
+    assert kernels.sdpa_priority() == [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ]
     monkeypatch.setenv("MEGAFORMER_SDPA_BACKENDS", "flash,cudnnn")
     with pytest.raises(ConfigError, match="cudnnn") as e:
         kernels.sdpa_priority()
@@ -164,7 +175,9 @@ def _fake_flash_attn(version: str) -> types.ModuleType:
     return module
 
 
-@pytest.mark.parametrize("version,usable", [("2.0.9", False), ("2.1.0", True), ("2.7.4.post1", True)])
+@pytest.mark.parametrize(
+    "version,usable", [("2.0.9", False), ("2.1.0", True), ("2.7.4.post1", True)]
+)
 def test_flash_attn_before_2_1_is_not_used(monkeypatch, version, usable):
     """FA2 < 2.1 aligns causal masks of T < S queries top-left, which breaks KV-cache decoding."""
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(version))

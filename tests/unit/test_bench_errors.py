@@ -13,7 +13,9 @@ from tests.helpers import tiny_model
 
 
 def _cfg() -> Config:
-    return Config(model=tiny_model(), train=TrainConfig(seed=1, micro_batch_size=2, recompute="none"))
+    return Config(
+        model=tiny_model(), train=TrainConfig(seed=1, micro_batch_size=2, recompute="none")
+    )
 
 
 def _broken_at_build() -> bench.Runner:
@@ -33,8 +35,10 @@ def _broken_at_step(good):
             if calls[0] == 2:
                 raise ValueError("NaN in the attention kernel")
             return step(x)
+
         r.step = failing  # type: ignore[method-assign]
         return r
+
     return broken_runner
 
 
@@ -46,6 +50,7 @@ def test_a_failing_model_keeps_the_other_rows(monkeypatch, sequential):
     def factories(cfg, device, compare_hf):
         megaformer = real(cfg, device, False)[0]
         return [_broken_at_build, megaformer, _broken_at_step(megaformer)]
+
     monkeypatch.setattr(bench, "_runner_factories", factories)
     out = bench.run_bench(cfg, steps=3, warmup=1, device="cpu", sequential=sequential)
     rows = {r["name"]: r for r in out["results"]}
@@ -62,7 +67,9 @@ def test_a_user_error_is_not_a_row(monkeypatch):
     def factories(cfg, device, compare_hf):
         def no_twin() -> bench.Runner:
             raise UserError("bench --compare-hf: no transformers twin")
+
         return [no_twin]
+
     monkeypatch.setattr(bench, "_runner_factories", factories)
     with pytest.raises(UserError, match="no transformers twin"):
         bench.run_bench(_cfg(), steps=1, warmup=0, device="cpu")

@@ -22,7 +22,9 @@ def max_prefix_error(weights, n: int, chunk: int = 1 << 22) -> float:
     worst = 0.0
     for start, which, offset in blend_chunks(weights, n, chunk):
         cnt = np.bincount(which, minlength=D)
-        by_dataset = offset[np.argsort(which.astype(np.int16), kind="stable")]  # d's offsets, in slot order
+        by_dataset = offset[
+            np.argsort(which.astype(np.int16), kind="stable")
+        ]  # d's offsets, in slot order
         first = np.concatenate([[0], np.cumsum(cnt)[:-1]])
         assert np.array_equal(by_dataset, np.repeat(base - first, cnt) + np.arange(len(which)))
         base += cnt

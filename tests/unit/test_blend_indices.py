@@ -13,8 +13,15 @@ from megaformer.data.indexed import smallest_int
 
 
 def test_smallest_int():
-    assert [smallest_int(v) for v in (0, 127, 128, 32767, 32768, 2**31 - 1, 2**31)] == \
-        [np.int8, np.int8, np.int16, np.int16, np.int32, np.int32, np.int64]
+    assert [smallest_int(v) for v in (0, 127, 128, 32767, 32768, 2**31 - 1, 2**31)] == [
+        np.int8,
+        np.int8,
+        np.int16,
+        np.int16,
+        np.int32,
+        np.int32,
+        np.int64,
+    ]
 
 
 def test_sample_index_is_int32_and_independent_of_the_chunk():
@@ -33,12 +40,21 @@ def test_sample_index_is_int32_and_independent_of_the_chunk():
 def test_blend_index_dtypes_and_cache(tmp_path):
     which, offset = blend_index([1, 2, 3], 200_000)
     assert which.dtype == np.int8 and offset.dtype == np.int32
-    parts = [type("Part", (), {"sample": lambda self, k: np.array([k]), "ensure": lambda *a, **k: None,
-                               "seq_len": i})() for i in range(3)]
+    parts = [
+        type(
+            "Part",
+            (),
+            {"sample": lambda self, k: np.array([k]), "ensure": lambda *a, **k: None, "seq_len": i},
+        )()
+        for i in range(3)
+    ]
     built = BlendedDataset(parts, [1, 2, 3], 5000, tmp_path)
     assert isinstance(built.which, np.memmap)  # rank 0 keeps the saved arrays mapped, not in memory
-    assert sorted(p.name.rsplit("-", 1)[-1] for p in tmp_path.glob("blend-*")) == \
-        [f"{built._key().rsplit('-', 1)[-1]}.json", "offset.npy", "which.npy"]
+    assert sorted(p.name.rsplit("-", 1)[-1] for p in tmp_path.glob("blend-*")) == [
+        f"{built._key().rsplit('-', 1)[-1]}.json",
+        "offset.npy",
+        "which.npy",
+    ]
     again = BlendedDataset(parts, [1, 2, 3], 4000, tmp_path, build=False)
     assert isinstance(again.which, np.memmap) and np.array_equal(again.which, built.which)
     # a malformed cache (a dataset number out of range) is ignored and rebuilt
@@ -47,5 +63,8 @@ def test_blend_index_dtypes_and_cache(tmp_path):
     bad[10] = 7
     np.save(paths["which"], bad)
     fixed = BlendedDataset(parts, [1, 2, 3], 5000, tmp_path)
-    assert np.array_equal(fixed.which, which_ref := blend_index([1, 2, 3], 5000)[0]) and which_ref[10] != 7
+    assert (
+        np.array_equal(fixed.which, which_ref := blend_index([1, 2, 3], 5000)[0])
+        and which_ref[10] != 7
+    )
     assert json.loads(paths["meta"].read_text())["samples"] == 5000

@@ -14,8 +14,11 @@ from tests.helpers import tiny_model
 
 
 def _cfg(recompute: str = "none", tensor: int = 1, **model) -> Config:
-    return Config(model=tiny_model(**model), parallel=ParallelConfig(tensor=tensor),
-                  train=TrainConfig(seed=7, recompute=recompute))
+    return Config(
+        model=tiny_model(**model),
+        parallel=ParallelConfig(tensor=tensor),
+        train=TrainConfig(seed=7, recompute=recompute),
+    )
 
 
 def test_meta_build_allocates_nothing_on_the_host():
@@ -47,15 +50,18 @@ def test_built_on_the_device_it_is_given():
 def test_weights_are_loaded_and_vocabulary_padded():
     cfg = _cfg()
     src = build_model(_cfg(), device="cpu").plain
-    weights = {k: v[:cfg.model.vocab_size] if k == "tok_embeddings.weight" else v
-               for k, v in src.state_dict().items() if k != "lm_head.weight"}
+    weights = {
+        k: v[: cfg.model.vocab_size] if k == "tok_embeddings.weight" else v
+        for k, v in src.state_dict().items()
+        if k != "lm_head.weight"
+    }
     weights = {k: torch.randn_like(v) for k, v in weights.items()}
     built = build_model(cfg, device="cpu", weights=weights, weights_source="test")
     got = built.plain.state_dict()
     assert built.plain.padded_vocab_size == 128  # parallel.vocab_multiple
     for k, v in weights.items():
-        assert torch.equal(got[k][:v.shape[0]], v), k
-    assert got["tok_embeddings.weight"][cfg.model.vocab_size:].abs().sum() == 0
+        assert torch.equal(got[k][: v.shape[0]], v), k
+    assert got["tok_embeddings.weight"][cfg.model.vocab_size :].abs().sum() == 0
     gen = build_model(cfg, device="cpu", weights=weights, weights_source="test", training=False)
     assert gen.plain.padded_vocab_size == cfg.model.vocab_size and not gen.model.training
 
@@ -101,15 +107,16 @@ def _tp_pp_shards(rank: int, world: int) -> dict:
     import deepspeed
 
     from megaformer.parallel.topology import build_topology
-
     from megaformer.training.distributed import disable_cpu_shm_comm_op
 
     os.environ["DS_ACCELERATOR"] = "cpu"
     disable_cpu_shm_comm_op()  # no JIT build of DeepSpeed's inference-only shared-memory op
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    cfg = Config(model=tiny_model(n_layers=4, tie_embeddings=False),
-                 parallel=ParallelConfig(tensor=2, pipeline=2, vocab_multiple=128),
-                 train=TrainConfig(seed=7))
+    cfg = Config(
+        model=tiny_model(n_layers=4, tie_embeddings=False),
+        parallel=ParallelConfig(tensor=2, pipeline=2, vocab_multiple=128),
+        train=TrainConfig(seed=7),
+    )
     topo = build_topology(world, rank, tp=2, pp=2)
     built = build_model(cfg, topo, device="cpu")
     names = built.param_names
@@ -123,8 +130,11 @@ def test_split_builds_hold_only_their_shards_of_the_one_process_weights():
     """TP2 x PP2 starts from exactly one process's weights: each rank's parameters are its
     tensor-parallel slices of them, and only its own stage's layers hold memory (the rest of the
     model stays on the meta device: nothing whole is built)."""
-    ref_cfg = Config(model=tiny_model(n_layers=4, tie_embeddings=False),
-                     parallel=ParallelConfig(vocab_multiple=256), train=TrainConfig(seed=7))
+    ref_cfg = Config(
+        model=tiny_model(n_layers=4, tie_embeddings=False),
+        parallel=ParallelConfig(vocab_multiple=256),
+        train=TrainConfig(seed=7),
+    )
     ref = build_model(ref_cfg, device="cpu").plain  # the same padded vocabulary (256 rows)
     ref_sd = dict(ref.named_parameters())
     total = sum(p.numel() for p in ref.parameters())
@@ -135,8 +145,11 @@ def test_split_builds_hold_only_their_shards_of_the_one_process_weights():
         assert blocks == ({"0", "1"} if stage == 0 else {"2", "3"})
         assert ("tok_embeddings.weight" in got["local"]) == (stage == 0)
         assert ("lm_head.weight" in got["local"]) == (stage == 1)
-        assert all(not n.startswith(f"layers.{b}.") for n in got["local"] for b in
-                   ({"2", "3"} if stage == 0 else {"0", "1"}))
+        assert all(
+            not n.startswith(f"layers.{b}.")
+            for n in got["local"]
+            for b in ({"2", "3"} if stage == 0 else {"0", "1"})
+        )
         assert got["meta"] and not set(got["meta"]) & set(got["local"])
         assert sum(t.numel() for t in got["local"].values()) < 0.4 * total
         for name, shard in got["local"].items():

@@ -38,7 +38,10 @@ def test_check_on_cpu_passes_and_says_what_needs_a_gpu():
         assert 0 < err <= check.TOLERANCE[torch.float32], (name, detail)
     for name in ("kernels bf16/fp16", "attention TFLOP/s"):
         assert rows[name][0] == "skip" and "needs a GPU" in rows[name][1], rows[name]
-    assert rows["all-reduce busbw"][0] == "skip" and "more than one rank" in rows["all-reduce busbw"][1]
+    assert (
+        rows["all-reduce busbw"][0] == "skip"
+        and "more than one rank" in rows["all-reduce busbw"][1]
+    )
     result, detail = rows["matmul TFLOP/s"]
     assert result == "info" and "no peak" in detail, detail
     assert float(detail.split(" TFLOP/s")[0]) > 0
@@ -62,7 +65,9 @@ def test_a_wrong_kernel_fails_the_check(monkeypatch):
     assert rows["kernel layer_norm"]["result"] == "FAIL"
     assert "RuntimeError: no kernel image is available" in rows["kernel layer_norm"]["detail"]
     assert rows["kernel rms_norm"]["result"] == "pass"
-    table = check.format_table([check.Row(r["check"], r["result"], r["detail"]) for r in out["rows"]])
+    table = check.format_table(
+        [check.Row(r["check"], r["result"], r["detail"]) for r in out["rows"]]
+    )
     assert _rows(table)["kernel swiglu"][0] == "FAIL" and table.endswith("2 failed")
 
 
@@ -79,7 +84,7 @@ def test_device_cuda_without_a_gpu_is_a_user_error():
 
 
 def test_slow_peers_flags_ranks_more_than_10_percent_below_the_others():
-    assert check.slow_peers([100, 98, 85, 101]) == [2]     # median of the others 100 -> 85 < 90
+    assert check.slow_peers([100, 98, 85, 101]) == [2]  # median of the others 100 -> 85 < 90
     assert check.slow_peers([100, 98, 91, 101]) == []
     assert check.slow_peers([100, 89]) == [1]
     assert check.slow_peers([100, 91]) == []
@@ -87,8 +92,14 @@ def test_slow_peers_flags_ranks_more_than_10_percent_below_the_others():
     assert check.slow_peers([7.0]) == []
 
 
-def _gpu_report(rank: int, matmul: float, attention: float = 400.0, busbw: float = 150.0,
-                name: str = "NVIDIA H100 80GB HBM3", correct: bool = True) -> RankReport:
+def _gpu_report(
+    rank: int,
+    matmul: float,
+    attention: float = 400.0,
+    busbw: float = 150.0,
+    name: str = "NVIDIA H100 80GB HBM3",
+    correct: bool = True,
+) -> RankReport:
     r = RankReport(rank, f"node{rank // 8}", "cuda", name)
     r.kernels["swiglu"] = KernelOutcome({"bf16": 3e-3, "fp32": 1e-7})
     r.matmul = Throughput(matmul, "bf16 8192x8192x8192", "bf16")
@@ -104,8 +115,10 @@ def _by_check(rows):
 
 def test_gpu_rows_from_synthetic_ranks():
     # 16 GPUs on two hosts: rank 5's matmul 16 % below, rank 9's link 20 % below the others
-    reports = [_gpu_report(i, 700.0 if i != 5 else 590.0, busbw=150.0 if i != 9 else 120.0)
-               for i in range(16)]
+    reports = [
+        _gpu_report(i, 700.0 if i != 5 else 590.0, busbw=150.0 if i != 9 else 120.0)
+        for i in range(16)
+    ]
     rows = _by_check(check.build_rows(reports))
     mm = rows["matmul TFLOP/s"]
     assert mm.result == "FAIL" and mm.values["slow_ranks"] == [5]
@@ -126,7 +139,9 @@ def test_gpu_rows_from_synthetic_ranks():
     unknown = _by_check(check.build_rows([_gpu_report(0, 50.0, name="Imaginary GPU 9000")]))
     assert unknown["matmul TFLOP/s"].result == "info"
     assert "not in the peak table" in unknown["matmul TFLOP/s"].detail
-    explicit = _by_check(check.build_rows([_gpu_report(0, 50.0, name="Imaginary GPU 9000")], peak=100.0))
+    explicit = _by_check(
+        check.build_rows([_gpu_report(0, 50.0, name="Imaginary GPU 9000")], peak=100.0)
+    )
     assert explicit["matmul TFLOP/s"].values["ratio"] == pytest.approx(0.5)
 
     # a wrong all-reduce sum fails whatever the bandwidth

@@ -39,22 +39,36 @@ class FakeEngine:
 def snapshot(step: int):
     def files(tmp: Path, memo) -> dict:
         g = torch.Generator().manual_seed(step)
-        return {"model.safetensors": {"w": torch.randn(64, 32, generator=g)},
-                "optimizer/stage_00.safetensors": {"w/master": torch.randn(64, 32, generator=g)},
-                "meta.json": json.dumps({"step": step})}
+        return {
+            "model.safetensors": {"w": torch.randn(64, 32, generator=g)},
+            "optimizer/stage_00.safetensors": {"w/master": torch.randn(64, 32, generator=g)},
+            "meta.json": json.dumps({"step": step}),
+        }
+
     return files
 
 
 def save(run: Path, step: int, background=None, keep_last=None) -> Path:
     return ckpt_save.save_checkpoint(
-        FakeEngine(), run, step, rank=0, world_size=1, client_state={"step": step},
-        snapshot=snapshot(step), keep_last=keep_last, barrier=lambda: None,
-        background=background)
+        FakeEngine(),
+        run,
+        step,
+        rank=0,
+        world_size=1,
+        client_state={"step": step},
+        snapshot=snapshot(step),
+        keep_last=keep_last,
+        barrier=lambda: None,
+        background=background,
+    )
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(folder.rglob("*")) if f.is_file() and "rng" not in f.parts}
+    return {
+        str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and "rng" not in f.parts
+    }
 
 
 def test_background_save_writes_what_a_synchronous_save_writes(tmp_path):
@@ -71,7 +85,10 @@ def test_background_save_writes_what_a_synchronous_save_writes(tmp_path):
     assert torch.equal(state["module"]["a"], ref["module"]["a"]) and state["step"] == {"step": 3}
     assert state["module"]["a"].data_ptr() == state["module"]["tied"].data_ptr()  # still tied
     root = tmp_path / "bg" / "checkpoints"
-    assert [p.name for p in ckpt_layout.complete_checkpoints(root)] == ["step_0000002", "step_0000003"]
+    assert [p.name for p in ckpt_layout.complete_checkpoints(root)] == [
+        "step_0000002",
+        "step_0000003",
+    ]
     assert (root / "latest").read_text().strip() == "step_0000003"
     assert not list(root.glob(".tmp-*")) and not list(root.rglob("*.partial"))
 
@@ -84,7 +101,9 @@ def test_background_failure_surfaces_at_the_next_check(tmp_path):
 
     writer.submit(fail, "checkpoint X")
     writer._thread.join()
-    with pytest.raises(CheckpointError, match="writing checkpoint X failed: OSError.*No space left"):
+    with pytest.raises(
+        CheckpointError, match="writing checkpoint X failed: OSError.*No space left"
+    ):
         writer.check()
     writer.check()  # reported once
 
@@ -93,8 +112,18 @@ def test_background_seal_waits_for_other_ranks_files(tmp_path):
     """Rank 0 seals only when every rank's thread is done (rank 1 never is here)."""
     writer = ckpt_files.BackgroundWriter()
     ckpt = ckpt_save.save_checkpoint(
-        FakeEngine(), tmp_path, 5, rank=0, world_size=2, client_state={}, snapshot=snapshot(5),
-        keep_last=None, barrier=lambda: None, background=writer, wait_timeout_s=0.3)
+        FakeEngine(),
+        tmp_path,
+        5,
+        rank=0,
+        world_size=2,
+        client_state={},
+        snapshot=snapshot(5),
+        keep_last=None,
+        barrier=lambda: None,
+        background=writer,
+        wait_timeout_s=0.3,
+    )
     with pytest.raises(CheckpointError, match=r"did not write.*\.rank_1\.done"):
         writer.wait()
     assert not ckpt.exists()  # never sealed: not a checkpoint
@@ -109,7 +138,7 @@ def test_truncated_and_tampered_files_are_named(tmp_path):
     cases = {
         "truncated": data[:-4],
         "grown": data + b"\0" * 8,
-        "shape edited": data[:8] + data[8:8 + n].replace(b"[4,4]", b"[4,5]") + data[8 + n:],
+        "shape edited": data[:8] + data[8 : 8 + n].replace(b"[4,4]", b"[4,5]") + data[8 + n :],
         "header cut": data[:20],
         "empty": b"",
     }
@@ -137,8 +166,10 @@ def rank0_fsyncs(tmp_path: Path, monkeypatch, world: int, background: bool) -> i
                 (tmp / "rng" / f"rank_{r}.pt").write_bytes(b"x")
 
     def files(tmp: Path, memo) -> dict:
-        return {"state/rank_00000.safetensors": {"w/master/0": torch.ones(4)},
-                "meta.json": json.dumps({"step": 1})}
+        return {
+            "state/rank_00000.safetensors": {"w/master/0": torch.ones(4)},
+            "meta.json": json.dumps({"step": 1}),
+        }
 
     calls = []
     real = ckpt_files.os.fsync
@@ -150,9 +181,19 @@ def rank0_fsyncs(tmp_path: Path, monkeypatch, world: int, background: bool) -> i
 
     writer = ckpt_files.BackgroundWriter() if background else None
     ckpt = ckpt_save.save_checkpoint(
-        FakeEngine(), run, 1, rank=0, world_size=world, client_state={}, snapshot=files,
-        keep_last=None, barrier=others_write, engine_files=False, background=writer,
-        thread_sync=agree if background else None)
+        FakeEngine(),
+        run,
+        1,
+        rank=0,
+        world_size=world,
+        client_state={},
+        snapshot=files,
+        keep_last=None,
+        barrier=others_write,
+        engine_files=False,
+        background=writer,
+        thread_sync=agree if background else None,
+    )
     if writer is not None:
         writer.wait()
     assert ckpt.is_dir() and len(list((ckpt / "state").iterdir())) == world

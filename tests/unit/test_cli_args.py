@@ -7,11 +7,14 @@ import pytest
 from tests.helpers import cli_main
 
 
-@pytest.mark.parametrize("args", [
-    ["train", "configs/quickstart.yaml", "--dry-run", "train.steps=7", "model.n_layers=3"],
-    ["train", "configs/quickstart.yaml", "train.steps=7", "--dry-run", "model.n_layers=3"],
-    ["train", "--dry-run", "configs/quickstart.yaml", "train.steps=7", "model.n_layers=3"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "configs/quickstart.yaml", "--dry-run", "train.steps=7", "model.n_layers=3"],
+        ["train", "configs/quickstart.yaml", "train.steps=7", "--dry-run", "model.n_layers=3"],
+        ["train", "--dry-run", "configs/quickstart.yaml", "train.steps=7", "model.n_layers=3"],
+    ],
+)
 def test_overrides_and_flags_in_any_order(args):
     proc = cli_main(*args)
     assert proc.returncode == 0, proc.stderr

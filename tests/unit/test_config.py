@@ -7,13 +7,24 @@ import dataclasses
 import pytest
 
 from megaformer.analysis.params import count_parameters
-from megaformer.config import (SECTIONS, Config, apply_overrides, config_from_dict, describe_keys,
-                               load_config, validate_for_world)
+from megaformer.config import (
+    SECTIONS,
+    Config,
+    apply_overrides,
+    config_from_dict,
+    describe_keys,
+    load_config,
+    validate_for_world,
+)
 from megaformer.errors import ConfigError
 from tests.helpers import ROOT, assert_one_line_error, cli_main, run_cli
 
-PUBLISHED = {"gpt2-124m": 124_439_808, "llama-1b": 1_235_814_400, "llama-7b": 6_738_415_616,
-             "llama-70b": 68_976_648_192}
+PUBLISHED = {
+    "gpt2-124m": 124_439_808,
+    "llama-1b": 1_235_814_400,
+    "llama-7b": 6_738_415_616,
+    "llama-70b": 68_976_648_192,
+}
 
 
 @pytest.mark.parametrize("name", ["quickstart", "gpt2-124m", "llama-1b", "llama-7b", "llama-70b"])
@@ -28,11 +39,22 @@ def test_shipped_configs_load_and_count(name):
 
 
 def test_overrides_are_typed_and_applied():
-    cfg = load_config(ROOT / "configs/quickstart.yaml",
-                      ["model.n_layers=4", "train.steps=50", "train.lr=1e-3", "log.interval=5",
-                       "checkpoint.interval=7", "eval.interval=3", "parallel.zero_stage=2",
-                       "train.seed=9", "model.n_kv_heads=null", "parallel.tensor=1",
-                       "parallel.pipeline=1"])
+    cfg = load_config(
+        ROOT / "configs/quickstart.yaml",
+        [
+            "model.n_layers=4",
+            "train.steps=50",
+            "train.lr=1e-3",
+            "log.interval=5",
+            "checkpoint.interval=7",
+            "eval.interval=3",
+            "parallel.zero_stage=2",
+            "train.seed=9",
+            "model.n_kv_heads=null",
+            "parallel.tensor=1",
+            "parallel.pipeline=1",
+        ],
+    )
     assert (cfg.model.n_layers, cfg.train.steps, cfg.train.lr) == (4, 50, 1e-3)
     assert (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval) == (5, 7, 3)
     assert cfg.parallel.zero_stage == 2 and cfg.train.seed == 9 and cfg.model.n_kv_heads is None
@@ -52,22 +74,59 @@ BAD = [
     ({"model": {"d_model": "big"}}, "model.d_model='big': expected int"),
     ({"model": {"d_model": 1.5}}, "model.d_model=1.5: expected int"),
     ({"train": {"lr": True}}, "train.lr=True: expected float"),
-    ({"model": {"d_model": 100, "n_heads": 3}}, "model.d_model=100: must be divisible by model.n_heads=3"),
-    ({"model": {"n_heads": 4, "n_kv_heads": 3, "d_model": 64}}, "model.n_heads=4: must be divisible by model.n_kv_heads=3"),
+    (
+        {"model": {"d_model": 100, "n_heads": 3}},
+        "model.d_model=100: must be divisible by model.n_heads=3",
+    ),
+    (
+        {"model": {"n_heads": 4, "n_kv_heads": 3, "d_model": 64}},
+        "model.n_heads=4: must be divisible by model.n_kv_heads=3",
+    ),
     ({"model": {"position": "alibi"}}, "model.position='alibi': must be one of"),
-    ({"model": {"max_seq_len": 64}, "data": {"seq_len": 128}}, "data.seq_len=128: longer than model.max_seq_len=64"),
-    ({"train": {"micro_batch_size": 3, "global_batch_size": 8}}, "train.global_batch_size=8: must be a multiple of train.micro_batch_size=3"),
+    (
+        {"model": {"max_seq_len": 64}, "data": {"seq_len": 128}},
+        "data.seq_len=128: longer than model.max_seq_len=64",
+    ),
+    (
+        {"train": {"micro_batch_size": 3, "global_batch_size": 8}},
+        "train.global_batch_size=8: must be a multiple of train.micro_batch_size=3",
+    ),
     ({"train": {"steps": 0}}, "train.steps=0: must be > 0"),
     ({"parallel": {"zero_stage": 4}}, "parallel.zero_stage=4: must be one of 0, 1, 2, 3"),
-    ({"parallel": {"tensor": 3}, "model": {"d_model": 64, "n_heads": 4}}, "parallel.tensor=3: must divide model.n_heads=4"),
-    ({"parallel": {"tensor": 4}, "model": {"d_model": 64, "n_heads": 8, "n_kv_heads": 2}}, "must divide the key/value heads (model.n_kv_heads=2)"),
-    ({"parallel": {"tensor": 2}, "model": {"d_model": 64, "n_heads": 4, "d_ffn": 129}}, "must divide the FFN width 129"),
-    ({"parallel": {"tensor": 2, "sequence_parallel": True}, "model": {"d_model": 64, "n_heads": 4, "max_seq_len": 64}, "data": {"seq_len": 33}}, "sequence length 33 must be divisible by parallel.tensor=2"),
-    ({"parallel": {"tensor": 2, "zero_stage": 3}, "model": {"d_model": 64, "n_heads": 4}}, "ZeRO-3"),
-    ({"parallel": {"pipeline": 2, "zero_stage": 2}}, "does not support ZeRO-2/3; use parallel.zero_stage=1"),
+    (
+        {"parallel": {"tensor": 3}, "model": {"d_model": 64, "n_heads": 4}},
+        "parallel.tensor=3: must divide model.n_heads=4",
+    ),
+    (
+        {"parallel": {"tensor": 4}, "model": {"d_model": 64, "n_heads": 8, "n_kv_heads": 2}},
+        "must divide the key/value heads (model.n_kv_heads=2)",
+    ),
+    (
+        {"parallel": {"tensor": 2}, "model": {"d_model": 64, "n_heads": 4, "d_ffn": 129}},
+        "must divide the FFN width 129",
+    ),
+    (
+        {
+            "parallel": {"tensor": 2, "sequence_parallel": True},
+            "model": {"d_model": 64, "n_heads": 4, "max_seq_len": 64},
+            "data": {"seq_len": 33},
+        },
+        "sequence length 33 must be divisible by parallel.tensor=2",
+    ),
+    (
+        {"parallel": {"tensor": 2, "zero_stage": 3}, "model": {"d_model": 64, "n_heads": 4}},
+        "ZeRO-3",
+    ),
+    (
+        {"parallel": {"pipeline": 2, "zero_stage": 2}},
+        "does not support ZeRO-2/3; use parallel.zero_stage=1",
+    ),
     ({"parallel": {"pipeline": 8}, "model": {"n_layers": 4}}, "more stages than model.n_layers=4"),
     ({"parallel": {"pipeline": 2}, "train": {"precision": "bf16"}}, "needs parallel.zero_stage=1"),
-    ({"parallel": {"pipeline": 2, "pipeline_partition": "3,2"}, "model": {"n_layers": 4}}, "parallel.pipeline_partition='3,2'"),
+    (
+        {"parallel": {"pipeline": 2, "pipeline_partition": "3,2"}, "model": {"n_layers": 4}},
+        "parallel.pipeline_partition='3,2'",
+    ),
     ({"model": {"dropout": 1.0}}, "model.dropout=1.0: must be in [0, 1)"),
     ({"deepspeed": {"train_batch_size": 4}}, "deepspeed.train_batch_size: derived by megaformer"),
     ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "set parallel.zero_stage instead"),
@@ -121,10 +180,15 @@ def test_resolved_config_round_trips():
 
 def test_cli_config_errors_are_one_line(tmp_path):
     assert_one_line_error(cli_main("train", str(tmp_path / "nope.yaml")), "config file not found")
-    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "model.d_model=100"),
-                          "model.d_model=100", "divisible")
-    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "model.layers=3"),
-                          "unknown config key 'model.layers'")
+    assert_one_line_error(
+        cli_main("train", "configs/quickstart.yaml", "model.d_model=100"),
+        "model.d_model=100",
+        "divisible",
+    )
+    assert_one_line_error(
+        cli_main("train", "configs/quickstart.yaml", "model.layers=3"),
+        "unknown config key 'model.layers'",
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
     assert_one_line_error(cli_main("train", str(bad)), "not valid YAML")
@@ -132,8 +196,10 @@ def test_cli_config_errors_are_one_line(tmp_path):
 
 def test_cli_config_error_exit_code_in_a_fresh_process(tmp_path):
     """The contract as a shell sees it: exit status 2, one line on stderr, no traceback."""
-    assert_one_line_error(run_cli("train", "configs/quickstart.yaml", "model.layers=3", fresh=True),
-                          "unknown config key 'model.layers'")
+    assert_one_line_error(
+        run_cli("train", "configs/quickstart.yaml", "model.layers=3", fresh=True),
+        "unknown config key 'model.layers'",
+    )
 
 
 def test_cli_dry_run_reports_parameter_count():
@@ -151,19 +217,24 @@ def test_help_lists_config_keys():
 
 # ----------------------------------------------------------------------------- the package's shape
 
+
 def test_a_misspelled_choice_is_one_line_naming_the_allowed_values():
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"position": "ropes"}})
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg == ("model.position='ropes': must be one of sinusoidal, learned, rope, none, "
-                   "did you mean 'rope'?")
+    assert msg == (
+        "model.position='ropes': must be one of sinusoidal, learned, rope, none, "
+        "did you mean 'rope'?"
+    )
     with pytest.raises(ConfigError, match=r"^parallel.zero_stage=4: must be one of 0, 1, 2, 3$"):
         config_from_dict({"parallel": {"zero_stage": 4}})
-    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "train.precision=bf61",
-                                   "--dry-run"),
-                          "train.precision='bf61'", "must be one of fp32, bf16, fp16",
-                          "did you mean 'bf16'?")
+    assert_one_line_error(
+        cli_main("train", "configs/quickstart.yaml", "train.precision=bf61", "--dry-run"),
+        "train.precision='bf61'",
+        "must be one of fp32, bf16, fp16",
+        "did you mean 'bf16'?",
+    )
 
 
 def test_choices_are_declared_once_as_literal_types():
@@ -207,14 +278,19 @@ def test_one_map_from_precision_to_dtype():
 
     from megaformer.config import precision_dtype
 
-    assert [precision_dtype(p) for p in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16,
-                                                                      torch.float16]
+    assert [precision_dtype(p) for p in ("fp32", "bf16", "fp16")] == [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ]
     maps = []
     for path in sorted((ROOT / "megaformer").rglob("*.py")) + sorted((ROOT / "tools").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Dict) and any(
-                    isinstance(k, ast.Constant) and k.value == "bf16" for k in node.keys) and any(
-                    isinstance(v, ast.Attribute) and v.attr == "bfloat16" for v in node.values):
+            if (
+                isinstance(node, ast.Dict)
+                and any(isinstance(k, ast.Constant) and k.value == "bf16" for k in node.keys)
+                and any(isinstance(v, ast.Attribute) and v.attr == "bfloat16" for v in node.values)
+            ):
                 maps.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert maps == ["megaformer/config/train.py:24"]
 
@@ -230,12 +306,16 @@ def test_the_old_kernels_key_is_read_with_one_warning(caplog):
         again = load_config(ROOT / "configs" / "quickstart.yaml", ["model.fused_kernels=torch"])
     assert saved.model.kernels == first.model.kernels == again.model.kernels == "torch"
     warnings = [r.getMessage() for r in caplog.records if "fused_kernels" in r.getMessage()]
-    assert warnings == ["model.fused_kernels is now called model.kernels; the old name will stop "
-                        "working in a later release"]
+    assert warnings == [
+        "model.fused_kernels is now called model.kernels; the old name will stop "
+        "working in a later release"
+    ]
     assert "fused_kernels" not in saved.to_yaml() and "kernels: torch" in saved.to_yaml()
     with pytest.raises(ConfigError, match="model.fused_kernels and model.kernels: the same key"):
         config_from_dict({"model": {"fused_kernels": "torch", "kernels": "auto"}})
-    with pytest.raises(ConfigError, match=r"^model.fused_kernels='cuda': must be one of auto, torch"):
+    with pytest.raises(
+        ConfigError, match=r"^model.fused_kernels='cuda': must be one of auto, torch"
+    ):
         config_from_dict({"model": {"fused_kernels": "cuda"}})
 
 
@@ -248,25 +328,48 @@ def test_preflight_runs_once_per_train(tmp_path, monkeypatch):
     from megaformer.parallel import fp8
     from tests.helpers import tiny_overrides
 
-    calls = {"preflight": 0, "validate_for_training": 0, "validate_for_world": 0,
-             "check_fp8_device": 0, "model_plan": 0}
-    originals = {"preflight": pf.preflight, "validate_for_training": pf.validate_for_training,
-                 "validate_for_world": pf.validate_for_world, "check_fp8_device": fp8.check_fp8_device,
-                 "model_plan": pf.model_plan}
+    calls = {
+        "preflight": 0,
+        "validate_for_training": 0,
+        "validate_for_world": 0,
+        "check_fp8_device": 0,
+        "model_plan": 0,
+    }
+    originals = {
+        "preflight": pf.preflight,
+        "validate_for_training": pf.validate_for_training,
+        "validate_for_world": pf.validate_for_world,
+        "check_fp8_device": fp8.check_fp8_device,
+        "model_plan": pf.model_plan,
+    }
 
     def counting(name):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     for module in [m for name, m in sys.modules.items() if name.startswith("megaformer")]:
         for name, original in originals.items():
             if getattr(module, name, None) is original:
                 monkeypatch.setattr(module, name, counting(name))
-    proc = cli_main("train", "configs/quickstart.yaml", *tiny_overrides(), "train.steps=1",
-                    "eval.at_end=false", "checkpoint.save_at_end=false", "train.device=cpu",
-                    "--run-dir", str(tmp_path / "run"))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        "train.steps=1",
+        "eval.at_end=false",
+        "checkpoint.save_at_end=false",
+        "train.device=cpu",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert calls == {"preflight": 1, "validate_for_training": 1, "validate_for_world": 1,
-                     "check_fp8_device": 1, "model_plan": 1}
+    assert calls == {
+        "preflight": 1,
+        "validate_for_training": 1,
+        "validate_for_world": 1,
+        "check_fp8_device": 1,
+        "model_plan": 1,
+    }

@@ -28,18 +28,44 @@ from tests.helpers import assert_one_line_error, cli_main, run_torchrun, tiny_ov
 transformers = pytest.importorskip("transformers")
 
 VOCAB, T = 300, 40  # T > the windows (8) and the original RoPE contexts (16) below
-COMMON = dict(vocab_size=VOCAB, bos_token_id=256, eos_token_id=256, hidden_size=64,
-              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16, "rope_theta": 10000.0}
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-        "rope_theta": 10000.0}
+COMMON = dict(
+    vocab_size=VOCAB,
+    bos_token_id=256,
+    eos_token_id=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
 KINDS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
-              dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
-                   max_window_layers=0, rope_parameters=YARN)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=0,
+            rope_parameters=YARN,
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=8)),
 }
@@ -73,7 +99,8 @@ def _ids(n: int = T) -> torch.Tensor:
 
 def _hf(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, local_files_only=True, dtype=torch.float32).eval()
+        folder, local_files_only=True, dtype=torch.float32
+    ).eval()
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -86,7 +113,9 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_import_equals_transformers_export_is_identical_generation_equal(hf_folders, tmp_path, kind):
+def test_import_equals_transformers_export_is_identical_generation_equal(
+    hf_folders, tmp_path, kind
+):
     src = hf_folders[kind]
     run = import_from_hf(src, tmp_path / "run")
     ours, _, cfg, _ = load_checkpoint_model(run)
@@ -97,8 +126,12 @@ def test_import_equals_transformers_export_is_identical_generation_equal(hf_fold
     diff = (ours_logits - theirs).abs().max().item()
     assert diff <= 1e-5 and theirs.std().item() > 0.1, diff
     # the switches the class needs were taken, not defaulted
-    expected = {"llama": ("rope_scaling", "llama3"), "qwen2": ("sliding_window", 8),
-                "qwen3": ("head_dim", 32), "mistral": ("sliding_window", 8)}[kind]
+    expected = {
+        "llama": ("rope_scaling", "llama3"),
+        "qwen2": ("sliding_window", 8),
+        "qwen3": ("head_dim", 32),
+        "mistral": ("sliding_window", 8),
+    }[kind]
     got = getattr(m, expected[0])
     assert (got["rope_type"] if isinstance(got, dict) else got) == expected[1]
     assert m.qk_norm == (kind == "qwen3") and m.attn_bias == (kind == "qwen2")
@@ -137,23 +170,44 @@ def test_the_window_and_the_scaling_change_the_function(hf_folders, tmp_path):
 @pytest.mark.multiprocess
 def test_qwen3_trains_at_tp2_and_its_export_equals(hf_folders, tmp_path):
     run = tmp_path / "run"
-    proc = cli_main("convert", str(hf_folders["qwen3"]), str(run), "--to", "megaformer",
-                    "--tp", "2")
+    proc = cli_main(
+        "convert", str(hf_folders["qwen3"]), str(run), "--to", "megaformer", "--tp", "2"
+    )
     assert proc.returncode == 0, proc.stderr
     before = ckpt_weights.load_weights(ckpt_layout.resolve_checkpoint(run))
     args = [a for a in tiny_overrides() if not a.startswith("model.")]
     lr = 1e-3
-    proc = run_torchrun(2, "train", str(run / "config.yaml"), *args, "train.steps=3",
-                        f"train.lr={lr}", "train.warmup_steps=0", "eval.interval=0",
-                        "data.seq_len=40", "--run-dir", str(run))
+    proc = run_torchrun(
+        2,
+        "train",
+        str(run / "config.yaml"),
+        *args,
+        "train.steps=3",
+        f"train.lr={lr}",
+        "train.warmup_steps=0",
+        "eval.interval=0",
+        "data.seq_len=40",
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     after = ckpt_weights.load_weights(ckpt_layout.resolve_checkpoint(run))
     for k in ("layers.0.attn.q_norm.weight", "layers.1.attn.k_norm.weight"):
         delta = (after[k] - before[k]).abs().max().item()  # replicated, gradient summed over TP
         assert 0.5 * lr < delta <= 3.5 * lr, (k, delta)
     dst = tmp_path / "hf"
-    proc = cli_main("convert", str(run), str(dst), "--to", "hf", "--arch", "qwen3", "--verify",
-                    "--verify-tolerance", "1e-5")
+    proc = cli_main(
+        "convert",
+        str(run),
+        str(dst),
+        "--to",
+        "hf",
+        "--arch",
+        "qwen3",
+        "--verify",
+        "--verify-tolerance",
+        "1e-5",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "verify: max |logit difference|" in proc.stdout
     ours, _, _, _ = load_checkpoint_model(run)
@@ -163,8 +217,10 @@ def test_qwen3_trains_at_tp2_and_its_export_equals(hf_folders, tmp_path):
 
 # ----------------------------------------------------------------------------- tokenizers
 
+
 def test_weights_only_folder_converts_with_a_warning_and_training_asks_for_a_tokenizer(
-        hf_folders, tmp_path, caplog):
+    hf_folders, tmp_path, caplog
+):
     src = tmp_path / "weights"
     shutil.copytree(hf_folders["mistral"], src)
     (src / "tokenizer.json").unlink()
@@ -174,8 +230,9 @@ def test_weights_only_folder_converts_with_a_warning_and_training_asks_for_a_tok
     args = [a for a in tiny_overrides() if not a.startswith(("model.", "data.tokenizer"))]
     proc = cli_main("train", str(run / "config.yaml"), *args, "--run-dir", str(run))
     assert_one_line_error(proc, "data.tokenizer=none", "converted without a tokenizer")
-    with_tok = import_from_hf(src, tmp_path / "run2",
-                              tokenizer=hf_folders["mistral"] / "tokenizer.json")
+    with_tok = import_from_hf(
+        src, tmp_path / "run2", tokenizer=hf_folders["mistral"] / "tokenizer.json"
+    )
     _, tok, _, _ = load_checkpoint_model(with_tok)
     assert tok.eod_id == 256
 
@@ -183,9 +240,16 @@ def test_weights_only_folder_converts_with_a_warning_and_training_asks_for_a_tok
 def _sentencepiece_model(folder: Path) -> Path:
     spm = pytest.importorskip("sentencepiece")
     text = folder / "corpus.txt"
-    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(folder / "sp"), vocab_size=60,
-                                   model_type="bpe", minloglevel=2)
+    text.write_text(
+        "\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200))
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(folder / "sp"),
+        vocab_size=60,
+        model_type="bpe",
+        minloglevel=2,
+    )
     return folder / "sp.model"
 
 
@@ -222,13 +286,24 @@ def test_configured_eos_of_a_tokenizer_json_is_kept_through_the_checkpoint(hf_fo
 
 # ----------------------------------------------------------------------------- configs and refusals
 
+
 def test_minimal_config_json_takes_transformers_defaults(hf_folders, tmp_path):
     src = tmp_path / "minimal"
     shutil.copytree(hf_folders["qwen3"], src)
-    (src / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32}))
+    (src / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "vocab_size": VOCAB,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+            }
+        )
+    )
     run = import_from_hf(src, tmp_path / "run")
     cfg = ckpt_layout.read_config(ckpt_layout.resolve_checkpoint(run))
     defaults = transformers.Qwen3Config()
@@ -244,10 +319,15 @@ def test_options_megaformer_cannot_express_are_refused_in_one_line(hf_folders, t
     cfg.update(max_window_layers=1, layer_types=None)
     (src / "config.json").write_text(json.dumps(cfg))
     proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
-    assert_one_line_error(proc, "Qwen2ForCausalLM option layer_types mixing sliding_attention",
-                          "applies to every layer")
-    cfg.update(max_window_layers=0, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                      "rope_theta": 10000.0})
+    assert_one_line_error(
+        proc,
+        "Qwen2ForCausalLM option layer_types mixing sliding_attention",
+        "applies to every layer",
+    )
+    cfg.update(
+        max_window_layers=0,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
     (src / "config.json").write_text(json.dumps(cfg))
     proc = cli_main("convert", str(src), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, "option rope_type=dynamic cannot be expressed", "llama3, yarn")
@@ -264,8 +344,14 @@ def test_export_refuses_what_the_class_lacks(hf_folders, tmp_path):
 
 
 def test_verify_fails_above_tolerance_and_leaves_nothing(hf_folders, tmp_path):
-    proc = cli_main("convert", str(hf_folders["mistral"]), str(tmp_path / "ok"), "--to",
-                    "megaformer", "--verify")
+    proc = cli_main(
+        "convert",
+        str(hf_folders["mistral"]),
+        str(tmp_path / "ok"),
+        "--to",
+        "megaformer",
+        "--verify",
+    )
     assert proc.returncode == 0, proc.stderr
     diff = float(proc.stdout.split("max |logit difference| = ")[1].split()[0])
     assert diff <= 1e-5
@@ -288,19 +374,31 @@ def test_verify_fails_above_tolerance_and_leaves_nothing(hf_folders, tmp_path):
 
 # ----------------------------------------------------------------------------- the switches themselves
 
-@pytest.mark.parametrize("scaling", [
-    LLAMA3, YARN, {**YARN, "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 16, "truncate": False},
-    {**YARN, "attention_factor": 1.3}])
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        LLAMA3,
+        YARN,
+        {**YARN, "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 16, "truncate": False},
+        {**YARN, "attention_factor": 1.3},
+    ],
+)
 def test_rope_scaling_matches_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from megaformer.model.positions import RotaryEmbedding
 
-    hf_cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2,
-                                      max_position_embeddings=256, rope_parameters=dict(scaling))
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        max_position_embeddings=256,
+        rope_parameters=dict(scaling),
+    )
     inv, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg, "cpu")
-    ours = RotaryEmbedding(64, 1.0, scaling["rope_theta"],
-                           {k: v for k, v in scaling.items() if k != "rope_theta"})
+    ours = RotaryEmbedding(
+        64, 1.0, scaling["rope_theta"], {k: v for k, v in scaling.items() if k != "rope_theta"}
+    )
     assert torch.equal(ours.inv_freq(), inv.float())
     assert ours.attention_factor == pytest.approx(factor, rel=1e-12)
 
@@ -321,8 +419,12 @@ def test_sliding_window_on_every_path_equals_the_banded_reference(backend):
     assert (got - want).abs().max().item() < 1e-5
     last = attention(q[:, :, -3:], k, v, causal=True, backend=backend, window=W)  # KV-cache shape
     assert (last - want[:, :, -3:]).abs().max().item() < 1e-5
-    assert choose_for("attention", q, backend="auto", head_dim=16, dropout=False, doc_mask=False,
-                      window=True).impl != "native"
+    assert (
+        choose_for(
+            "attention", q, backend="auto", head_dim=16, dropout=False, doc_mask=False, window=True
+        ).impl
+        != "native"
+    )
 
 
 def test_rms_norm_gradient_of_a_strided_view_of_rows():
@@ -341,17 +443,37 @@ def test_rms_norm_gradient_of_a_strided_view_of_rows():
         assert (a - b).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("model,needle", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-     "model.rope_scaling: rope_type llama3 needs high_freq_factor, low_freq_factor, "
-     "original_max_position_embeddings"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "model.rope_scaling.rope_type='linear'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8,
-                       "beta": 3}}, "model.rope_scaling.beta: unknown for rope_type yarn"),
-    ({"head_dim": 0}, "model.head_dim=0: must be > 0"),
-    ({"sliding_window": 0}, "model.sliding_window=0: must be > 0"),
-    ({"d_model": 30, "n_heads": 4}, "must be divisible by model.n_heads=4 (or set model.head_dim)"),
-])
+@pytest.mark.parametrize(
+    "model,needle",
+    [
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "model.rope_scaling: rope_type llama3 needs high_freq_factor, low_freq_factor, "
+            "original_max_position_embeddings",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+            "model.rope_scaling.rope_type='linear'",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 8,
+                    "beta": 3,
+                }
+            },
+            "model.rope_scaling.beta: unknown for rope_type yarn",
+        ),
+        ({"head_dim": 0}, "model.head_dim=0: must be > 0"),
+        ({"sliding_window": 0}, "model.sliding_window=0: must be > 0"),
+        (
+            {"d_model": 30, "n_heads": 4},
+            "must be divisible by model.n_heads=4 (or set model.head_dim)",
+        ),
+    ],
+)
 def test_new_model_keys_are_validated_in_one_line(model, needle):
     from megaformer.config import ConfigError, config_from_dict, validate
 
@@ -370,8 +492,11 @@ def test_counts_follow_the_switches():
     from megaformer.config import ModelConfig
     from megaformer.model.transformer import Transformer
 
-    for kw in (dict(head_dim=24, qk_norm=True, qkv_bias=True), dict(bias=True, qkv_bias=False),
-               dict(n_kv_heads=2, head_dim=4, qk_norm=True, sliding_window=3)):
+    for kw in (
+        dict(head_dim=24, qk_norm=True, qkv_bias=True),
+        dict(bias=True, qkv_bias=False),
+        dict(n_kv_heads=2, head_dim=4, qk_norm=True, sliding_window=3),
+    ):
         cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, **kw)
         with torch.device("meta"):
             assert count_parameters(cfg)["total"] == Transformer(cfg).num_parameters(), kw

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import cli_main
 from tests.cuda.test_cuda import TRAINING_CASES, training_args
+from tests.helpers import cli_main
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -41,6 +41,10 @@ def test_subprocess_env_keeps_the_machines_pythonpath(monkeypatch):
     from tests.helpers import ROOT, subprocess_env
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/site", str(ROOT), "/tmp/mf-site"]))
-    assert subprocess_env()["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/opt/site", "/tmp/mf-site"]
+    assert subprocess_env()["PYTHONPATH"].split(os.pathsep) == [
+        str(ROOT),
+        "/opt/site",
+        "/tmp/mf-site",
+    ]
     monkeypatch.delenv("PYTHONPATH")
     assert subprocess_env()["PYTHONPATH"] == str(ROOT)

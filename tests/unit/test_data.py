@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 
 from megaformer.data.corpus import iter_documents, source_files
-from megaformer.data.dataset import (PackedDataset, ShuffledOrder, TrainLoader, tokenize_corpus,
-                                     unigram_cross_entropy, validation_batches)
+from megaformer.data.dataset import (
+    PackedDataset,
+    ShuffledOrder,
+    TrainLoader,
+    tokenize_corpus,
+    unigram_cross_entropy,
+    validation_batches,
+)
 from megaformer.data.tokenizer import ByteTokenizer, build_tokenizer, load_tokenizer
 from megaformer.errors import DataError
 
@@ -33,11 +39,14 @@ def test_folder_txt_and_jsonl_sources(tmp_path, text_corpus):
     assert list(iter_documents(str(js), text_field="body")) == ["a", "b"]
 
 
-@pytest.mark.parametrize("setup,message", [
-    (lambda p: None, "no such file or folder"),
-    (lambda p: p.mkdir(), "holds no text files"),
-    (lambda p: p.with_suffix(".bin").write_bytes(b"x") or None, None),
-])
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (lambda p: None, "no such file or folder"),
+        (lambda p: p.mkdir(), "holds no text files"),
+        (lambda p: p.with_suffix(".bin").write_bytes(b"x") or None, None),
+    ],
+)
 def test_source_errors(tmp_path, setup, message):
     target = tmp_path / "src"
     setup(target)
@@ -172,7 +181,9 @@ def test_prefetch_thread_pins_the_batches_for_a_cuda_device(monkeypatch):
 def test_validation_set_does_not_depend_on_data_parallel_size():
     ds = PackedDataset(np.arange(1001, dtype=np.uint16), 10)
     one = [int(v) for x, _ in validation_batches(ds, 2, 4, 3, 0, 1) for v in x[:, 0]]
-    two = [int(v) for r in range(2) for x, _ in validation_batches(ds, 2, 2, 3, r, 2) for v in x[:, 0]]
+    two = [
+        int(v) for r in range(2) for x, _ in validation_batches(ds, 2, 2, 3, r, 2) for v in x[:, 0]
+    ]
     assert sorted(one) == sorted(two) and len(one) == 24
     assert one == [int(v) for x, _ in validation_batches(ds, 2, 4, 3, 0, 1) for v in x[:, 0]]
 

@@ -37,7 +37,7 @@ def test_every_token_of_an_epoch_is_in_exactly_one_sample(tmp_path):
     epoch0 = inputs[:T]
     assert np.array_equal(np.sort(epoch0), np.arange(T))  # every token exactly once
     # documents are whole and shuffled: the epoch is the documents in a permuted order
-    order = [int(d) for d in ds.doc_idx[:len(data)]]
+    order = [int(d) for d in ds.doc_idx[: len(data)]]
     assert sorted(order) == list(range(len(data))) and order != list(range(len(data)))
     assert np.array_equal(epoch0, np.concatenate([data.get(d) for d in order]))
     # training order: each block of len(ds) samples is a permutation of that block
@@ -63,7 +63,9 @@ def test_indices_are_prefixes_cached_and_split(tmp_path):
     # splits: contiguous document ranges, disjoint tokens
     assert split_ranges(200, [0.9, 0.05, 0.05]) == [(0, 180), (180, 190), (190, 200)]
     tr, va, te = build_split_datasets(tmp_path / "u", [0.9, 0.05, 0.05], 5, 0, (10, 10, 10), cache)
-    seen = [set(np.concatenate([d.sample(g) for g in range(len(d))]).tolist()) for d in (tr, va, te)]
+    seen = [
+        set(np.concatenate([d.sample(g) for g in range(len(d))]).tolist()) for d in (tr, va, te)
+    ]
     assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
     with pytest.raises(DataError, match="the valid split has .* fewer than seq_len"):
         build_split_datasets(tmp_path / "u", [0.999, 0.001], 64, 0, (10, 10), cache)
@@ -83,8 +85,18 @@ def test_blend_shares_stay_within_one_sample(weights):
 
 
 def test_blended_samples_come_from_their_dataset(tmp_path):
-    parts = [GPTDataset(unique_tokens(tmp_path / f"d{i}", seed=i, base=10_000 * i), "train",
-                        (0, 37), 6, 0, 100, None) for i in range(2)]
+    parts = [
+        GPTDataset(
+            unique_tokens(tmp_path / f"d{i}", seed=i, base=10_000 * i),
+            "train",
+            (0, 37),
+            6,
+            0,
+            100,
+            None,
+        )
+        for i in range(2)
+    ]
     blend = BlendedDataset(parts, [0.25, 0.75], 400, tmp_path / "cache")
     x, _ = blend.batch(np.arange(400))
     source = (x[:, 0] // 10_000).numpy()
@@ -125,8 +137,16 @@ def test_resume_continues_with_exactly_the_next_sample(gpt):
     full = sum(_stream([TrainLoader(gpt, 2, 2, 0, 1, seed=0, prefetch=1)], 6), [])  # 24 samples
     first = sum(_stream([TrainLoader(gpt, 2, 2, 0, 1, seed=0)], 2), [])
     # resume at 8 consumed samples with another global batch (DP 2 x mbs 1 x accumulation 3 = 6)
-    rest = sum(_stream([TrainLoader(gpt, 1, 3, r, 2, seed=0, consumed_samples=8, prefetch=3)
-                        for r in range(2)], 16 // 6 + 1), [])
+    rest = sum(
+        _stream(
+            [
+                TrainLoader(gpt, 1, 3, r, 2, seed=0, consumed_samples=8, prefetch=3)
+                for r in range(2)
+            ],
+            16 // 6 + 1,
+        ),
+        [],
+    )
     assert first + rest[:16] == full
 
 

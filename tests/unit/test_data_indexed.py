@@ -19,17 +19,19 @@ from megaformer.errors import DataError
 
 def parse_idx(raw: bytes) -> dict:
     magic = raw[:9]
-    version, = struct.unpack("<Q", raw[9:17])
-    code, = struct.unpack("<B", raw[17:18])
+    (version,) = struct.unpack("<Q", raw[9:17])
+    (code,) = struct.unpack("<B", raw[17:18])
     S, D = struct.unpack("<QQ", raw[18:34])
     off = 34
-    lengths = list(struct.unpack(f"<{S}i", raw[off:off + 4 * S]))
+    lengths = list(struct.unpack(f"<{S}i", raw[off : off + 4 * S]))
     off += 4 * S
-    pointers = list(struct.unpack(f"<{S}q", raw[off:off + 8 * S]))
+    pointers = list(struct.unpack(f"<{S}q", raw[off : off + 8 * S]))
     off += 8 * S
-    docs = list(struct.unpack(f"<{D}q", raw[off:off + 8 * D]))
+    docs = list(struct.unpack(f"<{D}q", raw[off : off + 8 * D]))
     assert off + 8 * D == len(raw)
-    return dict(magic=magic, version=version, code=code, lengths=lengths, pointers=pointers, docs=docs)
+    return dict(
+        magic=magic, version=version, code=code, lengths=lengths, pointers=pointers, docs=docs
+    )
 
 
 def write(prefix, docs, dtype=np.uint16):
@@ -44,8 +46,14 @@ def test_bytes_follow_the_published_layout(tmp_path):
     docs = [[1, 2, 3], [65535], [7, 8]]
     write(tmp_path / "d", docs)
     idx = parse_idx((tmp_path / "d.idx").read_bytes())
-    assert idx == dict(magic=b"MMIDIDX\x00\x00", version=1, code=8, lengths=[3, 1, 2],
-                       pointers=[0, 6, 8], docs=[0, 1, 2, 3])
+    assert idx == dict(
+        magic=b"MMIDIDX\x00\x00",
+        version=1,
+        code=8,
+        lengths=[3, 1, 2],
+        pointers=[0, 6, 8],
+        docs=[0, 1, 2, 3],
+    )
     assert (tmp_path / "d.bin").read_bytes() == struct.pack("<6H", 1, 2, 3, 65535, 7, 8)
     write(tmp_path / "w", [[70000, 1]], dtype=np.int32)
     idx = parse_idx((tmp_path / "w.idx").read_bytes())
@@ -67,15 +75,27 @@ def test_reads_a_file_written_by_hand(tmp_path):
     assert ds.get(2, 1, 2).tolist() == [14, 15]
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda p: (p / "d.idx").write_bytes((p / "d.idx").read_bytes()[:40]), "d.idx: truncated"),
-    (lambda p: (p / "d.idx").write_bytes(b"NOTMAGIC!" + (p / "d.idx").read_bytes()[9:]), "magic"),
-    (lambda p: (p / "d.idx").write_bytes((p / "d.idx").read_bytes()[:9] + struct.pack("<Q", 2)
-                                         + (p / "d.idx").read_bytes()[17:]), "version 2"),
-    (lambda p: (p / "d.bin").write_bytes((p / "d.bin").read_bytes()[:-2]), "d.bin: 10 bytes"),
-    (lambda p: (p / "d.bin").write_bytes((p / "d.bin").read_bytes() + b"xx"), "mismatched"),
-    (lambda p: (p / "d.bin").unlink(), "d.bin: no such file"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda p: (p / "d.idx").write_bytes((p / "d.idx").read_bytes()[:40]), "d.idx: truncated"),
+        (
+            lambda p: (p / "d.idx").write_bytes(b"NOTMAGIC!" + (p / "d.idx").read_bytes()[9:]),
+            "magic",
+        ),
+        (
+            lambda p: (p / "d.idx").write_bytes(
+                (p / "d.idx").read_bytes()[:9]
+                + struct.pack("<Q", 2)
+                + (p / "d.idx").read_bytes()[17:]
+            ),
+            "version 2",
+        ),
+        (lambda p: (p / "d.bin").write_bytes((p / "d.bin").read_bytes()[:-2]), "d.bin: 10 bytes"),
+        (lambda p: (p / "d.bin").write_bytes((p / "d.bin").read_bytes() + b"xx"), "mismatched"),
+        (lambda p: (p / "d.bin").unlink(), "d.bin: no such file"),
+    ],
+)
 def test_damaged_files_are_named(tmp_path, damage, needle):
     write(tmp_path / "d", [[1, 2, 3], [4, 5, 6]])
     damage(tmp_path)

@@ -11,8 +11,13 @@ import pytest
 
 from megaformer.data import gpt_dataset, indexed
 from megaformer.data.blend import BlendedDataset, blend_index
-from megaformer.data.gpt_dataset import (GPTDataset, build_document_index, build_sample_index,
-                                         build_shuffle_index, build_split_datasets)
+from megaformer.data.gpt_dataset import (
+    GPTDataset,
+    build_document_index,
+    build_sample_index,
+    build_shuffle_index,
+    build_split_datasets,
+)
 from megaformer.data.indexed import IndexedDataset, IndexedWriter
 from megaformer.data.npy_files import NpyWriter
 
@@ -40,23 +45,38 @@ def reference(data, a, b, L, seed, n_blocks):
     return doc, sample, build_shuffle_index(block, n_blocks, seed)
 
 
-@pytest.mark.parametrize("threads,doc_chunk,row_chunk", [(1, 1 << 20, 1 << 20), (3, 7, 5), (2, 64, 3)])
-def test_units_build_the_whole_array_indices_and_files(tmp_path, monkeypatch, threads, doc_chunk,
-                                                       row_chunk):
+@pytest.mark.parametrize(
+    "threads,doc_chunk,row_chunk", [(1, 1 << 20, 1 << 20), (3, 7, 5), (2, 64, 3)]
+)
+def test_units_build_the_whole_array_indices_and_files(
+    tmp_path, monkeypatch, threads, doc_chunk, row_chunk
+):
     monkeypatch.setattr(gpt_dataset, "THREADS", threads)
     monkeypatch.setattr(gpt_dataset, "DOC_CHUNK", doc_chunk)
     monkeypatch.setattr(gpt_dataset, "ROW_CHUNK", row_chunk)
     data = corpus(tmp_path / "d", 400, seed=threads)
-    for (a, b), L, seed, n_samples in (((0, 400), 16, 3, 1500), ((37, 311), 5, 0, 4000),
-                                       ((300, 400), 64, 9, 80)):
-        ref = reference(data, a, b, L, seed, GPTDataset(data, "train", (a, b), L, seed, 1, None)
-                        ._blocks_for(n_samples))
+    for (a, b), L, seed, n_samples in (
+        ((0, 400), 16, 3, 1500),
+        ((37, 311), 5, 0, 4000),
+        ((300, 400), 64, 9, 80),
+    ):
+        ref = reference(
+            data,
+            a,
+            b,
+            L,
+            seed,
+            GPTDataset(data, "train", (a, b), L, seed, 1, None)._blocks_for(n_samples),
+        )
         memory = GPTDataset(data, "train", (a, b), L, seed, n_samples, None)
         cache = tmp_path / f"cache-{a}"
         cached = GPTDataset(data, "train", (a, b), L, seed, n_samples, cache)
         assert memory.n_built >= n_samples and len(ref[0]) > b - a  # several epochs
-        for got, want, name in zip((memory.doc_idx, memory.sample_idx, memory.shuffle_idx), ref,
-                                   ("doc", "sample", "shuffle")):
+        for got, want, name in zip(
+            (memory.doc_idx, memory.sample_idx, memory.shuffle_idx),
+            ref,
+            ("doc", "sample", "shuffle"),
+        ):
             assert got.dtype == want.dtype == np.int32 and np.array_equal(got, want), name
             path = cache / f"{cached.key()}-{name}.npy"
             ref_file = tmp_path / "ref.npy"
@@ -90,7 +110,11 @@ def test_cached_index_is_checked_unit_by_unit(tmp_path, monkeypatch):
     refused("sample", lambda s: s.__setitem__((40, 1), s[40, 1] + 1), "does not match")
     refused("sample", lambda s: s.__setitem__((-1, 0), 10**9), "does not match")
     n = len(arrays[2])
-    refused("shuffle", lambda s: s.__setitem__(slice(0, n), np.arange(n)[::-1]), "permutation of each block")
+    refused(
+        "shuffle",
+        lambda s: s.__setitem__(slice(0, n), np.arange(n)[::-1]),
+        "permutation of each block",
+    )
     refused("shuffle", lambda s: s.__setitem__(3, s[4]), "permutation of each block")
     with pytest.raises(ValueError, match="shape"):
         built.check_indices(arrays[0][:-1], arrays[1], arrays[2], blocks)
@@ -118,20 +142,22 @@ def test_each_idx_is_hashed_once(tmp_path, monkeypatch):
             return self.h.hexdigest()
 
     monkeypatch.setattr(indexed.hashlib, "sha256", Counting)
-    train, valid, _ = build_split_datasets(tmp_path / "d", [0.8, 0.2, 0], 8, 0, (500, 50, 0),
-                                           tmp_path / "cache")
+    train, valid, _ = build_split_datasets(
+        tmp_path / "d", [0.8, 0.2, 0], 8, 0, (500, 50, 0), tmp_path / "cache"
+    )
     assert sum(reads) == (tmp_path / "d.idx").stat().st_size  # train and valid keys: one read
     assert train.key() != valid.key()
 
 
-@pytest.mark.parametrize("dtype,shape", [(np.int8, (0,)), (np.int32, (1000, 2)), (np.int64, (77,)),
-                                          (np.int16, (5,))])
+@pytest.mark.parametrize(
+    "dtype,shape", [(np.int8, (0,)), (np.int32, (1000, 2)), (np.int64, (77,)), (np.int16, (5,))]
+)
 def test_npy_writer_writes_numpy_save_bytes(tmp_path, dtype, shape):
     want = np.random.default_rng(0).integers(-100, 100, shape).astype(dtype)
     path = tmp_path / "x.npy"
     w = NpyWriter(path, dtype, shape)
     for a in reversed(range(0, shape[0], 13)):  # pieces in any order
-        w.put(a, want[a:a + 13])
+        w.put(a, want[a : a + 13])
     assert not path.exists()  # published only when complete
     w.commit()
     np.save(tmp_path / "ref.npy", want)
@@ -145,8 +171,14 @@ def test_cached_blend_is_written_in_chunks_as_numpy_saves_it(tmp_path, monkeypat
     from megaformer.data import blend
 
     monkeypatch.setattr(blend, "CHUNK", 1000)
-    parts = [type("Part", (), {"sample": lambda self, k: np.array([k]), "ensure": lambda *a, **k: None,
-                               "seq_len": i})() for i in range(5)]
+    parts = [
+        type(
+            "Part",
+            (),
+            {"sample": lambda self, k: np.array([k]), "ensure": lambda *a, **k: None, "seq_len": i},
+        )()
+        for i in range(5)
+    ]
     weights = [0.4, 0.3, 0.2, 0.05, 0.05]
     built = BlendedDataset(parts, weights, 12_345, tmp_path)
     which, offset = blend_index(weights, 12_345)
@@ -179,7 +211,9 @@ def test_prepared_data_in_a_shared_cache_is_reused_only_when_our_own(tmp_path):
     assert _prepare_sources(cfg, cache, 0, lambda: None, tokenizer) == [out]  # ours: reused
     planted = indexed.idx_path(out)
     os.chmod(planted, 0o664)  # another member of the group could have written it
-    with pytest.raises(DataError, match=f"{planted}: a prepared dataset in data.cache_dir that is not"):
+    with pytest.raises(
+        DataError, match=f"{planted}: a prepared dataset in data.cache_dir that is not"
+    ):
         _prepare_sources(cfg, cache, 0, lambda: None, tokenizer)
     os.chmod(planted, 0o644)
     if os.getuid() == 0:  # another user's file
@@ -204,8 +238,10 @@ def test_units_share_one_budget_of_threads_and_memory(monkeypatch):
 
     def two_builds_at_once(unit_bytes):
         peak[0] = 0
-        calls = [threading.Thread(target=gpt_dataset.run_units, args=([unit] * 6, unit_bytes))
-                 for _ in range(2)]
+        calls = [
+            threading.Thread(target=gpt_dataset.run_units, args=([unit] * 6, unit_bytes))
+            for _ in range(2)
+        ]
         for c in calls:
             c.start()
         for c in calls:
@@ -250,5 +286,7 @@ def test_compiled_shuffle_is_numpys(monkeypatch, n):
             got = shuffled_range(5, 5 + n, np.dtype(dtype), seed)
             assert got.dtype == dtype and np.array_equal(got, want)
     monkeypatch.setattr(gpt_dataset, "_native_rows", lambda: None)
-    assert np.array_equal(shuffled_range(5, 5 + n, np.dtype(np.int32), [1234, 3]),
-                          5 + np.random.default_rng([1234, 3]).permutation(n))
+    assert np.array_equal(
+        shuffled_range(5, 5 + n, np.dtype(np.int32), [1234, 3]),
+        5 + np.random.default_rng([1234, 3]).permutation(n),
+    )

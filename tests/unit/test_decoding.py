@@ -30,7 +30,7 @@ def naive(m: Transformer, prefix: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(m(torch.tensor([seq[-L:]]))[0, -1].argmax()))
-    return seq[len(prefix):]
+    return seq[len(prefix) :]
 
 
 def test_cached_and_recomputed_decoding_equal_a_naive_loop_past_the_full_context():
@@ -39,14 +39,14 @@ def test_cached_and_recomputed_decoding_equal_a_naive_loop_past_the_full_context
     n = 14  # 11 + 14 > 16: crosses the full context
     want = naive(m, prefix, n)
     assert greedy_tokens(m, prefix, n) == want
-    assert m.generate(torch.tensor([prefix]), n, temperature=0)[0, len(prefix):].tolist() == want
+    assert m.generate(torch.tensor([prefix]), n, temperature=0)[0, len(prefix) :].tolist() == want
 
     def full(window: torch.Tensor, start: int) -> torch.Tensor:
         return m(window)[:, -1]
 
     ids = torch.tensor([prefix])
-    assert decode(full, ids, n, 16, cached=False)[0, len(prefix):].tolist() == want
-    assert decode(kv_cached(m), ids, n, 16)[0, len(prefix):].tolist() == want
+    assert decode(full, ids, n, 16, cached=False)[0, len(prefix) :].tolist() == want
+    assert decode(kv_cached(m), ids, n, 16)[0, len(prefix) :].tolist() == want
     assert len(set(want)) > 3  # not a constant continuation
     # sequence parallelism's runner (padded to a multiple, no cache) and the cached one
     assert PlainRunner(m, seq_multiple=4).greedy(prefix, n) == want
@@ -76,6 +76,7 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
     m = model()
     x = torch.tensor([[1, 2, 3]])
     a = m.generate(x, 8, temperature=0.9, top_k=5, generator=torch.Generator().manual_seed(3))
-    b = decode(kv_cached(m), x, 8, 16, temperature=0.9, top_k=5,
-               generator=torch.Generator().manual_seed(3))
+    b = decode(
+        kv_cached(m), x, 8, 16, temperature=0.9, top_k=5, generator=torch.Generator().manual_seed(3)
+    )
     assert torch.equal(a, b) and a.shape == (1, 11)

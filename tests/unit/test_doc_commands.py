@@ -24,9 +24,11 @@ import pytest
 from tests.helpers import ROOT, subprocess_env
 
 MARKER = "<!-- runnable"
-TINY_RUN = ("model.n_layers=1 model.d_model=32 model.n_heads=4 model.n_kv_heads=2 train.steps=2 "
-            "data.max_bytes=200000 eval.interval=2 eval.iters=1 log.sample_tokens=8 "
-            "log.progress_bar=false log.tensorboard=false")
+TINY_RUN = (
+    "model.n_layers=1 model.d_model=32 model.n_heads=4 model.n_kv_heads=2 train.steps=2 "
+    "data.max_bytes=200000 eval.interval=2 eval.iters=1 log.sample_tokens=8 "
+    "log.progress_bar=false log.tensorboard=false"
+)
 SKIPPED = re.compile(r"^(python3? -m venv|\S*pip3? install)\b")
 TRAINING = re.compile(r"megaformer train\b|torchrun\.sh\b")
 
@@ -66,19 +68,26 @@ def with_overrides(command: str, overrides: str) -> str:
 
 
 def _pages() -> list[Path]:
-    return sorted(p for p in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
-                  if MARKER in p.read_text())
+    return sorted(
+        p for p in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"] if MARKER in p.read_text()
+    )
 
 
 def test_marked_blocks_are_read():
-    text = ("intro\n\n<!-- runnable -->\n\n    python3 -m venv .venv && .venv/bin/pip install -e . "
-            "&& .venv/bin/megaformer train c.yaml\n    megaformer report runs/x\n\nprose\n\n"
-            "    megaformer train not-marked.yaml\n\n<!-- runnable: note -->\n```bash\nls configs\n```\n")
-    assert runnable_commands(text) == [".venv/bin/megaformer train c.yaml", "megaformer report runs/x",
-                                       "ls configs"]
+    text = (
+        "intro\n\n<!-- runnable -->\n\n    python3 -m venv .venv && .venv/bin/pip install -e . "
+        "&& .venv/bin/megaformer train c.yaml\n    megaformer report runs/x\n\nprose\n\n"
+        "    megaformer train not-marked.yaml\n\n<!-- runnable: note -->\n```bash\nls configs\n```\n"
+    )
+    assert runnable_commands(text) == [
+        ".venv/bin/megaformer train c.yaml",
+        "megaformer report runs/x",
+        "ls configs",
+    ]
     assert with_overrides("launch/torchrun.sh 2 c.yaml", "a=1") == "launch/torchrun.sh 2 c.yaml a=1"
     assert with_overrides(".venv/bin/megaformer generate runs/x", "a=1") == (
-        ".venv/bin/megaformer generate runs/x")
+        ".venv/bin/megaformer generate runs/x"
+    )
     assert "getting-started.md" in [p.name for p in _pages()]
 
 
@@ -94,7 +103,9 @@ def test_documented_commands_run(page, tmp_path):
     env.pop("PYTHON", None)  # the launchers find ./.venv as they would in a clone
     for command in runnable_commands(page.read_text()):
         run = with_overrides(command, overrides)
-        proc = subprocess.run(["bash", "-c", run], cwd=tmp_path, env=env, text=True,
-                              capture_output=True, timeout=900)
+        proc = subprocess.run(
+            ["bash", "-c", run], cwd=tmp_path, env=env, text=True, capture_output=True, timeout=900
+        )
         assert proc.returncode == 0, f"{page.name}: `{run}` exited {proc.returncode}:\n" + (
-            proc.stdout[-2000:] + proc.stderr[-3000:])
+            proc.stdout[-2000:] + proc.stderr[-3000:]
+        )

@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers import ROOT
 
+
 def _config_docs():
     spec = importlib.util.spec_from_file_location("config_docs", ROOT / "tools" / "config_docs.py")
     mod = importlib.util.module_from_spec(spec)
@@ -36,8 +37,17 @@ def _quiet(monkeypatch):
 @pytest.mark.slow
 def test_site_builds_strict(tmp_path):
     _build(ROOT, tmp_path / "site")
-    for page in ("index", "configuration", "parallelism", "benchmarks", "troubleshooting", "security"):
-        assert (tmp_path / "site" / ("" if page == "index" else page) / "index.html").is_file(), page
+    for page in (
+        "index",
+        "configuration",
+        "parallelism",
+        "benchmarks",
+        "troubleshooting",
+        "security",
+    ):
+        assert (tmp_path / "site" / ("" if page == "index" else page) / "index.html").is_file(), (
+            page
+        )
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------- chunked CE
 
+
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
 def test_chunked_cross_entropy_equals_plain(chunk):
     """N = 2 x 23 tokens (chunks that do not divide N), vocabulary 37 of 48 rows (padding), some
@@ -91,7 +92,9 @@ def test_model_chunked_loss_equals_plain_loss():
         with track() as ran:
             loss = m(x, y)
             loss.backward()
-        assert ran["cross_entropy"] == ({"chunked"} if chunk else {"native", "torch"} & ran["cross_entropy"])
+        assert ran["cross_entropy"] == (
+            {"chunked"} if chunk else {"native", "torch"} & ran["cross_entropy"]
+        )
         losses.append(loss.item())
         grads.append({n: p.grad for n, p in m.named_parameters()})
     assert abs(losses[0] - losses[1]) <= 1e-6 * losses[0]
@@ -122,6 +125,7 @@ def test_chunked_loss_memory_is_bounded_by_the_chunk():
 
 
 # ----------------------------------------------------------------------------- document masking
+
 
 def test_document_ids_and_cu_seqlens():
     ids = torch.tensor([[5, 9, 0, 3, 0, 7], [0, 1, 2, 0, 4, 4]])
@@ -171,7 +175,9 @@ def test_document_mask_is_computed_once_per_forward(monkeypatch):
 
     calls = []
     real = attn.document_causal_mask
-    monkeypatch.setattr(attn, "document_causal_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        attn, "document_causal_mask", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     torch.manual_seed(0)
     m = Transformer(_tiny(document_mask=True, n_layers=3, attention_backend="sdpa"))
     m.eod_id = 0
@@ -190,13 +196,14 @@ def test_document_mask_needs_eod_id():
 
 # ----------------------------------------------------------------------------- torch.compile
 
+
 @pytest.mark.slow
 def test_compiled_blocks_equal_eager_in_one_graph():
     """compile_blocks (aot_eager: dynamo + autograd tracing, no C++ build) gives eager's loss and
     gradients, with document masking on, and dynamo traces each block as one graph."""
-    from megaformer.model.block import compile_blocks
-
     from torch._dynamo.utils import counters
+
+    from megaformer.model.block import compile_blocks
 
     x = torch.randint(1, 57, (2, 16), generator=torch.Generator().manual_seed(5))
     x[:, 7] = 0
@@ -308,7 +315,9 @@ def test_compiled_blocks_with_flash_attn_installed_are_one_graph(tmp_path, monke
         selection.mark_constant_for_compile()
         torch._dynamo.reset()
         explained = torch._dynamo.explain(blocks)(x)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (
+            explained.break_reasons
+        )
     finally:
         monkeypatch.undo()
         capabilities.flash_status.cache_clear()
@@ -316,9 +325,11 @@ def test_compiled_blocks_with_flash_attn_installed_are_one_graph(tmp_path, monke
         capabilities.flash_status()  # the real package (or none) again
 
 
-@pytest.mark.skipif(os.environ.get("MEGAFORMER_TEST_INDUCTOR") != "1",
-                    reason="inductor's first CPU compile of a block takes ~140 s (C++ build); "
-                           "set MEGAFORMER_TEST_INDUCTOR=1 to run it")
+@pytest.mark.skipif(
+    os.environ.get("MEGAFORMER_TEST_INDUCTOR") != "1",
+    reason="inductor's first CPU compile of a block takes ~140 s (C++ build); "
+    "set MEGAFORMER_TEST_INDUCTOR=1 to run it",
+)
 def test_inductor_compiled_block_equals_eager():
     from megaformer.model.block import compile_blocks
 
@@ -332,21 +343,36 @@ def test_inductor_compiled_block_equals_eager():
 
 # ----------------------------------------------------------------------------- config
 
-@pytest.mark.parametrize("raw,needle", [
-    ({"model": {"loss_chunk_tokens": -1}}, "model.loss_chunk_tokens=-1"),
-    ({"model": {"loss_chunk_tokens": 512, "n_layers": 2}, "parallel": {"pipeline": 2, "zero_stage": 1}},
-     "model.loss_chunk_tokens"),
-    ({"model": {"document_mask": True, "n_layers": 2}, "parallel": {"pipeline": 2, "zero_stage": 1}},
-     "model.document_mask"),
-    ({"model": {"fused_kernels": "cuda"}}, "model.fused_kernels='cuda'"),
-    ({"train": {"compile": "yes"}}, "train.compile='yes'"),
-])
+
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ({"model": {"loss_chunk_tokens": -1}}, "model.loss_chunk_tokens=-1"),
+        (
+            {
+                "model": {"loss_chunk_tokens": 512, "n_layers": 2},
+                "parallel": {"pipeline": 2, "zero_stage": 1},
+            },
+            "model.loss_chunk_tokens",
+        ),
+        (
+            {
+                "model": {"document_mask": True, "n_layers": 2},
+                "parallel": {"pipeline": 2, "zero_stage": 1},
+            },
+            "model.document_mask",
+        ),
+        ({"model": {"fused_kernels": "cuda"}}, "model.fused_kernels='cuda'"),
+        ({"train": {"compile": "yes"}}, "train.compile='yes'"),
+    ],
+)
 def test_new_keys_are_validated(raw, needle):
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
         config_from_dict(raw)
 
 
 # ----------------------------------------------------------------------------- through the trainer
+
 
 @pytest.mark.slow
 def test_training_with_chunked_loss_and_document_mask(tmp_path):
@@ -366,16 +392,23 @@ def test_training_with_chunked_loss_and_document_mask(tmp_path):
     corpus.mkdir()
     rng = random.Random(0)
     for i in range(300):
-        words = " ".join(rng.choice(["def", "x", "return", "(", ")", "+", "1", ":"])
-                         for _ in range(rng.randint(6, 20)))
+        words = " ".join(
+            rng.choice(["def", "x", "return", "(", ")", "+", "1", ":"])
+            for _ in range(rng.randint(6, 20))
+        )
         (corpus / f"d{i}.txt").write_text(words[:60])
     runs = {}
     for chunk in (48, 0):  # the chunked loss against the plain one, after updates too
         run = tmp_path / f"run{chunk}"
-        proc = run_cli("train", "configs/quickstart.yaml",
-                       *tiny_overrides(corpus, **{"train.steps": 3, "eval.interval": 0}),
-                       "model.document_mask=true", f"model.loss_chunk_tokens={chunk}",
-                       "--run-dir", str(run))
+        proc = run_cli(
+            "train",
+            "configs/quickstart.yaml",
+            *tiny_overrides(corpus, **{"train.steps": 3, "eval.interval": 0}),
+            "model.document_mask=true",
+            f"model.loss_chunk_tokens={chunk}",
+            "--run-dir",
+            str(run),
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         runs[chunk] = {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -388,9 +421,9 @@ def test_training_with_chunked_loss_and_document_mask(tmp_path):
 
 # ----------------------------------------------------------------------------- GEMM dispatch
 
+
 def _onednn_or_skip():
     from megaformer.kernels import gemm
-
     from megaformer.kernels.capabilities import onednn_available
 
     if not onednn_available():
@@ -458,7 +491,9 @@ def test_model_gemm_dispatch_equals_torch_ops(activation):
     fewer-pass CPU kernels) equals the same weights in mode torch: loss and every gradient; and
     each mode ran what its rule names."""
     _onednn_or_skip()
-    extra = {} if activation == "swiglu" else {"position": "learned", "norm": "layernorm", "bias": True}
+    extra = (
+        {} if activation == "swiglu" else {"position": "learned", "norm": "layernorm", "bias": True}
+    )
     x = torch.randint(0, 57, (2, 16), generator=torch.Generator().manual_seed(8))
     out, ran = [], {}
     for mode in ("auto", "torch"):
@@ -471,7 +506,10 @@ def test_model_gemm_dispatch_equals_torch_ops(activation):
     assert ran["auto"]["linear"] == {"onednn"} and ran["auto"]["projections"] == {"fused"}
     assert all(impls == {"torch"} for op, impls in ran["torch"].items() if op != "attention")
     if activation == "swiglu":
-        assert ran["auto"]["swiglu"] <= {"native", "cpu"} and ran["auto"]["rms_norm"] <= {"native", "cpu"}
+        assert ran["auto"]["swiglu"] <= {"native", "cpu"} and ran["auto"]["rms_norm"] <= {
+            "native",
+            "cpu",
+        }
     assert abs(out[0][0] - out[1][0]) <= 1e-6 * out[1][0]
     # all gradients as one vector, and each to an absolute bound: the key bias's gradient is 0 up
     # to rounding (softmax ignores a per-row constant), so its relative error compares noise
@@ -481,6 +519,7 @@ def test_model_gemm_dispatch_equals_torch_ops(activation):
 
 
 # ----------------------------------------------------------------------------- CPU dropout
+
 
 def test_int16_dropout_statistics_and_gradient():
     """Drop rate p within sampling error, E[y] = x (scale 1/q), dx = dy * m / q, seeded (the torch
@@ -529,6 +568,7 @@ def test_cpu_attention_dropout_is_softmax_masked_scaled():
 
 # ----------------------------------------------------------------------------- CPU eager RMSNorm, RoPE
 
+
 def _grads_of(fn, *inputs, dy):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     y = fn(*leaves)
@@ -559,7 +599,7 @@ def test_cpu_rotary_function_equals_reference_on_strided_heads(layout):
     B, T, H, D = 2, 6, 4, 16
     heads = 1 if layout == "one_head" else H
     if layout == "projection":  # rows of 3 H D, q the first H D: row stride > H D
-        x = torch.randn(B, T, 3 * H * D, generator=g)[..., :H * D].view(B, T, H, D).transpose(1, 2)
+        x = torch.randn(B, T, 3 * H * D, generator=g)[..., : H * D].view(B, T, H, D).transpose(1, 2)
     elif layout == "contiguous":
         x = torch.randn(B, H, T, D, generator=g)
     else:
@@ -593,8 +633,9 @@ def test_cpu_packed_swiglu_equals_reference():
     want = _grads_of(lambda t: F.silu(t[..., :24]) * t[..., 24:], y, dy=dh)
     for a, b in zip(got, want):
         assert _rel(a, b) < 1e-6
-    assert torch.autograd.gradcheck(lambda t: PackedSwiGLUFunction.apply(t, False),
-                                    (y[:1, :2].double().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda t: PackedSwiGLUFunction.apply(t, False), (y[:1, :2].double().requires_grad_(),)
+    )
 
 
 def test_rope_tables_are_built_on_the_target_device_once():

@@ -109,9 +109,9 @@ def _tp_layers(rank: int, world: int, recipe: str) -> float:
     g = torch.Generator().manual_seed(2)
     big = torch.ones(32)
     big[:16] = 4096.0
-    x = torch.randn(8, 32, generator=g) * big                  # over K
+    x = torch.randn(8, 32, generator=g) * big  # over K
     w = torch.randn(32, 32, generator=g) / big[:, None] / big  # over N and K
-    dy = torch.randn(8, 32, generator=g) * big                 # over N
+    dy = torch.randn(8, 32, generator=g) * big  # over N
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     y = Fp8Matmul(recipe, True)(xr, wr)
     y.backward(dy)
@@ -120,15 +120,19 @@ def _tp_layers(rank: int, world: int, recipe: str) -> float:
     part = slice(rank * 32 // world, (rank + 1) * 32 // world)
     group = dist.group.WORLD
     errs = []
-    for layer, split in ((ColumnParallelLinear(full, group, False), "N"),
-                         (RowParallelLinear(full, group, False), "K")):
+    for layer, split in (
+        (ColumnParallelLinear(full, group, False), "N"),
+        (RowParallelLinear(full, group, False), "K"),
+    ):
         layer.fp8 = Fp8Matmul(recipe, True, split, group)
         xi = (x if split == "N" else x[:, part]).clone().requires_grad_()
         yi = layer(xi)
         yi.backward(dy[:, part] if split == "N" else dy)
-        pairs = [(yi, y[:, part] if split == "N" else y),
-                 (xi.grad, xr.grad if split == "N" else xr.grad[:, part]),
-                 (layer.weight.grad, wr.grad[part] if split == "N" else wr.grad[:, part])]
+        pairs = [
+            (yi, y[:, part] if split == "N" else y),
+            (xi.grad, xr.grad if split == "N" else xr.grad[:, part]),
+            (layer.weight.grad, wr.grad[part] if split == "N" else wr.grad[:, part]),
+        ]
         errs += [float((a - b).norm() / b.norm()) for a, b in pairs]
     return max(errs)
 
@@ -159,10 +163,19 @@ def _train_losses(fp8: str, steps: int = 50) -> list[float]:
     from megaformer.config import load_config
     from megaformer.parallel.build import build_model
 
-    cfg = load_config("configs/quickstart.yaml", [
-        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.max_seq_len=64", "model.vocab_size=257", f"train.fp8={fp8}",
-        "train.fp8_emulate=true"])
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.max_seq_len=64",
+            "model.vocab_size=257",
+            f"train.fp8={fp8}",
+            "train.fp8_emulate=true",
+        ],
+    )
     model = build_model(cfg, device="cpu").model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     with open(os.__file__, "rb") as f:  # the standard library's os.py: some real text
@@ -172,7 +185,7 @@ def _train_losses(fp8: str, steps: int = 50) -> list[float]:
     losses = []
     for _ in range(steps):
         starts = torch.randint(0, len(data) - 65, (8,), generator=gen)
-        batch = torch.stack([data[s:s + 65] for s in starts])
+        batch = torch.stack([data[s : s + 65] for s in starts])
         opt.zero_grad()
         loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
@@ -204,12 +217,26 @@ def test_fp8_refused_without_fp8_gemms(tmp_path):
     with pytest.raises(ConfigError, match="train.fp8=rowwise: the CPU has no FP8 GEMMs"):
         preflight(cfg, 1, "cpu")
     check_fp8_device(load_config("configs/quickstart.yaml", ["train.fp8=off"]).train, "cpu")
-    check_fp8_device(load_config("configs/quickstart.yaml",
-                                 ["train.fp8=rowwise", "train.fp8_emulate=true"]).train, "cpu")
-    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", *tiny_overrides(),
-                                   "train.fp8=tensorwise", "train.device=cpu",
-                                   "--run-dir", str(tmp_path / "run")),
-                          "train.fp8=tensorwise", "no FP8 GEMMs", "fp8_emulate")
+    check_fp8_device(
+        load_config(
+            "configs/quickstart.yaml", ["train.fp8=rowwise", "train.fp8_emulate=true"]
+        ).train,
+        "cpu",
+    )
+    assert_one_line_error(
+        cli_main(
+            "train",
+            "configs/quickstart.yaml",
+            *tiny_overrides(),
+            "train.fp8=tensorwise",
+            "train.device=cpu",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ),
+        "train.fp8=tensorwise",
+        "no FP8 GEMMs",
+        "fp8_emulate",
+    )
     assert not (tmp_path / "run").exists()  # refused before anything was built or written
 
 
@@ -230,15 +257,24 @@ def test_fp8_tokens_per_micro_batch_and_context_rank_need_multiples_of_16():
     from megaformer.config import load_config
 
     base = ["train.fp8=tensorwise", "model.max_seq_len=64", "train.global_batch_size=24"]
-    with pytest.raises(ConfigError, match=r"micro_batch_size \* seq_len / parallel.context = "
-                                          r"3 \* 40 / 1 = 120, are not a multiple of 16"):
-        load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=3", "data.seq_len=40"])
+    with pytest.raises(
+        ConfigError,
+        match=r"micro_batch_size \* seq_len / parallel.context = "
+        r"3 \* 40 / 1 = 120, are not a multiple of 16",
+    ):
+        load_config(
+            "configs/quickstart.yaml", [*base, "train.micro_batch_size=3", "data.seq_len=40"]
+        )
     load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=2", "data.seq_len=40"])
-    load_config("configs/quickstart.yaml", [*base, "train.micro_batch_size=3", "data.seq_len=40",
-                                            "train.fp8_emulate=true"])
+    load_config(
+        "configs/quickstart.yaml",
+        [*base, "train.micro_batch_size=3", "data.seq_len=40", "train.fp8_emulate=true"],
+    )
     # (with context parallelism the count divides by CP; real FP8 and CP do not go together on
     # CUDA, where FP8 needs the compiled blocks context parallelism refuses)
-    with pytest.raises(ConfigError, match="train.fp8=tensorwise with parallel.context=2: FP8 GEMMs"):
+    with pytest.raises(
+        ConfigError, match="train.fp8=tensorwise with parallel.context=2: FP8 GEMMs"
+    ):
         load_config("configs/quickstart.yaml", [*base, "parallel.context=2"])
 
 
@@ -252,12 +288,23 @@ def test_eager_fp8_refused_on_cuda(tmp_path, monkeypatch):
     eager = load_config("configs/quickstart.yaml", ["train.fp8=rowwise"]).train
     with pytest.raises(ConfigError, match="train.fp8=rowwise on CUDA needs train.compile=true"):
         fp8.check_fp8_device(eager, "cuda")
-    for ok in (["train.fp8=rowwise", "train.compile=true"],
-               ["train.fp8=rowwise", "train.fp8_emulate=true"], ["train.fp8=off"]):
+    for ok in (
+        ["train.fp8=rowwise", "train.compile=true"],
+        ["train.fp8=rowwise", "train.fp8_emulate=true"],
+        ["train.fp8=off"],
+    ):
         fp8.check_fp8_device(load_config("configs/quickstart.yaml", ok).train, "cuda")
     fp8.check_fp8_device(eager, "cpu")  # (the stand-in says the CPU has FP8 GEMMs)
-    args = ["train", "configs/quickstart.yaml", *tiny_overrides(), "train.device=cuda",
-            "train.fp8=tensorwise", "--dry-run", "--run-dir", str(tmp_path / "run")]
+    args = [
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(),
+        "train.device=cuda",
+        "train.fp8=tensorwise",
+        "--dry-run",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     assert_one_line_error(cli_main(*args), "train.fp8=tensorwise on CUDA", "train.compile=true")
     assert cli_main(*args, "train.compile=true").returncode == 0
 
@@ -270,8 +317,11 @@ def _aten_ops(fn) -> collections.Counter:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return collections.Counter(
-        e.name for e in prof.events() if e.name.startswith("aten::")
-        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+        e.name
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+    )
 
 
 def _fp8_operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -319,9 +369,11 @@ def test_fp8_blocks_compile_without_graph_breaks(recipe):
     assert all(p.grad is not None for p in model.layers.parameters())
 
 
-@pytest.mark.skipif(os.environ.get("MEGAFORMER_TEST_INDUCTOR") != "1",
-                    reason="inductor's first CPU compile takes ~1-2 min (C++ build); "
-                           "set MEGAFORMER_TEST_INDUCTOR=1 to run it")
+@pytest.mark.skipif(
+    os.environ.get("MEGAFORMER_TEST_INDUCTOR") != "1",
+    reason="inductor's first CPU compile takes ~1-2 min (C++ build); "
+    "set MEGAFORMER_TEST_INDUCTOR=1 to run it",
+)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_compiled_fp8_linear_leaves_only_the_gemms_outside_inductor_kernels(recipe):
     """train.compile's path for the same layer: inductor fuses the casts into its generated
@@ -334,8 +386,11 @@ def test_compiled_fp8_linear_leaves_only_the_gemms_outside_inductor_kernels(reci
     forward(x, w).backward(dy)  # the compilation
     compiled = _aten_ops(lambda: forward(x, w).backward(dy))
     assert compiled["aten::mm"] == 3, compiled
-    others = {k: v for k, v in compiled.items()
-              if k not in ("aten::mm", "aten::add_", "aten::resolve_conj", "aten::empty_strided")}
+    others = {
+        k: v
+        for k, v in compiled.items()
+        if k not in ("aten::mm", "aten::add_", "aten::resolve_conj", "aten::empty_strided")
+    }
     assert not others, (recipe, compiled)
 
 
@@ -347,8 +402,11 @@ def test_fp8_converts_only_the_block_linears():
     model = Transformer(tiny_model(), padded_vocab_size=40)
     assert apply_fp8(model, "tensorwise", True) == 2 * 7  # q k v o, w1 w3 w2 per block
     converted = {n for n, m in model.named_modules() if getattr(m, "fp8", None) is not None}
-    assert converted == {f"layers.{i}.{n}" for i in range(2) for n in
-                         ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")}
+    assert converted == {
+        f"layers.{i}.{n}"
+        for i in range(2)
+        for n in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")
+    }
     assert apply_fp8(Transformer(tiny_model(), padded_vocab_size=40), "off", True) == 0
 
 
@@ -365,10 +423,19 @@ def test_fp8_training_run_logs_dtype_split_and_compares_with_fp32(tmp_path):
 
     runs = {}
     for name, fp8 in (("fp32", "off"), ("fp8", "tensorwise")):
-        overrides = tiny_overrides(**{"train.steps": 4, "eval.interval": 0, "eval.at_end": "false",
-                                      "log.peak_tflops": 0.5, "log.diagnostics": "true",
-                                      "log.diagnostics_interval": 2, "train.fp8": fp8,
-                                      "train.fp8_emulate": "true", "checkpoint.save_at_end": "false"})
+        overrides = tiny_overrides(
+            **{
+                "train.steps": 4,
+                "eval.interval": 0,
+                "eval.at_end": "false",
+                "log.peak_tflops": 0.5,
+                "log.diagnostics": "true",
+                "log.diagnostics_interval": 2,
+                "train.fp8": fp8,
+                "train.fp8_emulate": "true",
+                "checkpoint.save_at_end": "false",
+            }
+        )
         runs[name] = tmp_path / name
         r = run_cli("train", "configs/quickstart.yaml", *overrides, "--run-dir", str(runs[name]))
         assert r.returncode == 0, r.stderr[-3000:]
@@ -401,8 +468,16 @@ def test_fp8_share_of_the_flops_and_mixed_peak():
     from megaformer.analysis.summary import flops_summary
     from megaformer.config import ModelConfig, load_config
 
-    m = ModelConfig(vocab_size=1000, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, d_ffn=160,
-                    activation="swiglu", max_seq_len=128)
+    m = ModelConfig(
+        vocab_size=1000,
+        d_model=64,
+        n_layers=3,
+        n_heads=8,
+        n_kv_heads=2,
+        d_ffn=160,
+        activation="swiglu",
+        max_seq_len=128,
+    )
     s = 128  # d_k 8: q 64, k and v 16 each
     by_hand = 3 * (2 * s * 64 * (64 + 16 + 16) + 2 * s * 64 * 64 + 3 * 2 * s * 64 * 160)
     assert fp8_forward_flops(m, s) == by_hand
@@ -420,8 +495,15 @@ def test_fp8_share_of_the_flops_and_mixed_peak():
     assert f["fp8_peak_tflops"] == 1979 and f["share"] == pytest.approx(fp8_share(cfg.model, 256))
     assert f["mixed_peak_tflops"] == pytest.approx(mixed_peak(f["share"], 1979, 989.5))
     assert d["measured"]["mfu"] == pytest.approx(d["measured"]["tflops_per_gpu"] / 989.5)
-    out = cli_main("flops", "configs/quickstart.yaml", "train.fp8=rowwise", "--gpu", "H200",
-                   "--step-time", "0.01")
+    out = cli_main(
+        "flops",
+        "configs/quickstart.yaml",
+        "train.fp8=rowwise",
+        "--gpu",
+        "H200",
+        "--step-time",
+        "0.01",
+    )
     assert out.returncode == 0 and "MFU vs bf16 peak" in out.stdout and "mixed peak" in out.stdout
 
 
@@ -433,21 +515,44 @@ def test_fp8_with_bf16_through_zero1_and_zero3_equals_one_process(tmp_path):
     not plain bf16's (the FP8 casts are on: the first gradient norm moves by ~2e-3)."""
     from tests.helpers import run_cli, run_torchrun, step_records
 
-    common = tiny_overrides(**{"train.steps": 3, "eval.interval": 0, "eval.at_end": "false",
-                               "train.precision": "bf16", "train.fp8_emulate": "true",
-                               "checkpoint.save_at_end": "false", "log.peak_tflops": 0.5})
+    common = tiny_overrides(
+        **{
+            "train.steps": 3,
+            "eval.interval": 0,
+            "eval.at_end": "false",
+            "train.precision": "bf16",
+            "train.fp8_emulate": "true",
+            "checkpoint.save_at_end": "false",
+            "log.peak_tflops": 0.5,
+        }
+    )
     ref = {}
     for fp8 in ("off", "tensorwise"):
-        one = run_cli("train", "configs/quickstart.yaml", *common, f"train.fp8={fp8}",
-                      "parallel.zero_stage=1", "--run-dir", str(tmp_path / fp8))
+        one = run_cli(
+            "train",
+            "configs/quickstart.yaml",
+            *common,
+            f"train.fp8={fp8}",
+            "parallel.zero_stage=1",
+            "--run-dir",
+            str(tmp_path / fp8),
+        )
         assert one.returncode == 0, one.stderr[-3000:]
         ref[fp8] = step_records(tmp_path / fp8)
     a, plain = ref["tensorwise"], ref["off"]
     assert abs(plain[1]["grad_norm"] / a[1]["grad_norm"] - 1) > 1e-3
     for zero in (1, 3):
         run = tmp_path / f"zero{zero}"
-        proc = run_torchrun(2, "train", "configs/quickstart.yaml", *common, "train.fp8=tensorwise",
-                            f"parallel.zero_stage={zero}", "--run-dir", str(run))
+        proc = run_torchrun(
+            2,
+            "train",
+            "configs/quickstart.yaml",
+            *common,
+            "train.fp8=tensorwise",
+            f"parallel.zero_stage={zero}",
+            "--run-dir",
+            str(run),
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "FP8:" in proc.stdout and f"ZeRO {zero}" in proc.stdout, proc.stdout[-2000:]
         b = step_records(run)

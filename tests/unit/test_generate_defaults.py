@@ -18,17 +18,22 @@ def test_generate_samples_by_default_greedy_on_request():
     args = parser.parse_args(["generate", "runs/x"])
     assert (sampling_temperature(args), args.top_k, args.greedy) == (0.8, 40, False)
     assert sampling_temperature(parser.parse_args(["generate", "runs/x", "--greedy"])) == 0.0
-    assert sampling_temperature(parser.parse_args(["generate", "runs/x", "--temperature", "0"])) == 0
+    assert (
+        sampling_temperature(parser.parse_args(["generate", "runs/x", "--temperature", "0"])) == 0
+    )
     assert sampling_temperature(parser.parse_args(["generate", "runs/x", "--pp", "2"])) == 0.0
 
 
-@pytest.mark.parametrize("omp,load,cores,expected", [
-    ("3", 0.0, 8, 3),        # OMP_NUM_THREADS wins
-    (None, 0.2, 8, 8),       # idle machine: every physical core
-    (None, 5.6, 8, 2),       # 8 cores, load 5.6: the 2 idle ones
-    (None, 7.9, 2, 1),       # busier than its cores: one thread, never zero
-    (None, 1.0, 2, 1),
-])
+@pytest.mark.parametrize(
+    "omp,load,cores,expected",
+    [
+        ("3", 0.0, 8, 3),  # OMP_NUM_THREADS wins
+        (None, 0.2, 8, 8),  # idle machine: every physical core
+        (None, 5.6, 8, 2),  # 8 cores, load 5.6: the 2 idle ones
+        (None, 7.9, 2, 1),  # busier than its cores: one thread, never zero
+        (None, 1.0, 2, 1),
+    ],
+)
 def test_decoding_threads(monkeypatch, omp, load, cores, expected):
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     monkeypatch.setattr(generation, "physical_cores", lambda: cores)

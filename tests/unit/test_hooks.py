@@ -112,8 +112,9 @@ def test_added_hook_sees_the_record_and_its_additions_reach_the_tail():
     assert isinstance(straggler, StepHookProtocol)
     loop.run(start=0)
     assert straggler.seen == [{"step": n, "loss": 10.0 / n} for n in range(1, 5)]
-    assert [r for _, r in written.after] == [{"step": n, "loss": 10.0 / n, "slowest_rank": 0}
-                                            for n in range(1, 5)]
+    assert [r for _, r in written.after] == [
+        {"step": n, "loss": 10.0 / n, "slowest_rank": 0} for n in range(1, 5)
+    ]
 
 
 def test_final_marks_the_last_step():
@@ -123,6 +124,7 @@ def test_final_marks_the_last_step():
 
 
 # ----------------------------------------------------------------------------- through a Trainer
+
 
 def _trainer(run_dir, *overrides: str):
     from megaformer.config import load_config
@@ -168,5 +170,7 @@ def test_a_hook_added_to_the_trainer_gets_each_steps_record_and_train_step_runs_
     assert [s["grad_norm"] for s in steps] == [written[0]["grad_norm"], written[1]["grad_norm"]]
     assert not any(s["bad"] for s in steps)
     assert trainer.loader.consumed_samples == 2 * 8  # two global batches of 8 sequences
-    assert not (tmp_path / "bare" / "metrics.jsonl").exists() or \
-        (tmp_path / "bare" / "metrics.jsonl").read_text() == ""
+    assert (
+        not (tmp_path / "bare" / "metrics.jsonl").exists()
+        or (tmp_path / "bare" / "metrics.jsonl").read_text() == ""
+    )

@@ -44,17 +44,26 @@ def _steady_faults(*modes: str) -> list[int]:
     the threshold as mmap-ed blocks are freed, so whether freed activations go back to the kernel
     would depend on the order of frees, and the default's count with it."""
     pinned = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    procs = [subprocess.Popen([sys.executable, "-c", PROBE, mode], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=pinned if mode == "default" else None) for mode in modes]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PROBE, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=pinned if mode == "default" else None,
+        )
+        for mode in modes
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return [int(out.split()[-1]) for out, _ in outs]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux")
-                    or "musl" in (ctypes.util.find_library("c") or ""), reason="glibc malloc only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or "musl" in (ctypes.util.find_library("c") or ""),
+    reason="glibc malloc only",
+)
 @pytest.mark.slow
 def test_tuned_allocator_reuses_pages():
     default, tuned = _steady_faults("default", "tuned")

@@ -18,9 +18,12 @@ def test_every_interval_and_at_end():
 
 
 def test_loop_intervals_from_config():
-    cfg = Config(train=TrainConfig(steps=7), log=LogConfig(interval=2),
-                 eval=EvalConfig(interval=3, at_end=False),
-                 checkpoint=CheckpointConfig(interval=0, save_at_end=True))
+    cfg = Config(
+        train=TrainConfig(steps=7),
+        log=LogConfig(interval=2),
+        eval=EvalConfig(interval=3, at_end=False),
+        checkpoint=CheckpointConfig(interval=0, save_at_end=True),
+    )
     due = LoopIntervals.from_config(cfg)
     assert [s for s in range(1, 8) if due.log_due(s, bad=False)] == [2, 4, 6, 7]
     assert due.log_due(3, bad=True)  # a skipped step is always logged

@@ -14,24 +14,36 @@ PACKAGE = Path(megaformer.__file__).parent
 # Lower rank = lower layer. A unit is a subpackage (kernels, model, ...) or a top-level module.
 RANK = {
     # the base: no megaformer imports beyond each other
-    "megaformer": 0, "errors": 0, "config": 0, "accelerators": 0, "comm": 0, "deepspeed_attrs": 0,
+    "megaformer": 0,
+    "errors": 0,
+    "config": 0,
+    "accelerators": 0,
+    "comm": 0,
+    "deepspeed_attrs": 0,
     "safe_files": 0,
     "kernels": 1,
     "model": 2,
-    "parallel": 3, "runtime": 3,
+    "parallel": 3,
+    "runtime": 3,
     # the one module of config that asks the device (kernel selection, FP8): a layer of its own
     "config.preflight": 3.5,
     "data": 4,
     "checkpoint": 5,
     "generation": 6,
     "diagnostics": 7,
-    "analysis": 8, "evaluation": 8,
+    "analysis": 8,
+    "evaluation": 8,
     "training": 9,
-    "cli": 10, "__main__": 11,
+    "cli": 10,
+    "__main__": 11,
 }
 # Units of equal rank that must not import each other.
-PEERS_APART = {("parallel", "runtime"), ("runtime", "parallel"), ("analysis", "evaluation"),
-               ("evaluation", "analysis")}
+PEERS_APART = {
+    ("parallel", "runtime"),
+    ("runtime", "parallel"),
+    ("analysis", "evaluation"),
+    ("evaluation", "analysis"),
+}
 # (importing module, imported module) -> why an upward import is there for now. Keep it empty.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
 # Import cycles inside a package that are there for now (each a set of modules). Keep it empty.
@@ -65,13 +77,16 @@ def _imports(module: str, path: Path, root: str = "megaformer") -> list[tuple[st
             found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
             found.append((name, node.lineno))
-            found += [(f"{name}.{a.name}", node.lineno) for a in node.names
-                      if _is_submodule(path, module, name, a.name)]
+            found += [
+                (f"{name}.{a.name}", node.lineno)
+                for a in node.names
+                if _is_submodule(path, module, name, a.name)
+            ]
     return [(n, line) for n, line in found if n == root or n.startswith(root + ".")]
 
 
@@ -89,8 +104,11 @@ def _cycles(package: Path = PACKAGE) -> list[frozenset[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         targets = {_known(t, modules) for t, _ in _imports(module, path, package.name)}
-        graph[module] = {t for t in targets if t and t != module and _unit(t) == _unit(module)
-                         and _unit(module) != package.name}
+        graph[module] = {
+            t
+            for t in targets
+            if t and t != module and _unit(t) == _unit(module) and _unit(module) != package.name
+        }
     return [c for c in _components(graph) if len(c) > 1]
 
 
@@ -144,7 +162,9 @@ def _components(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 def test_every_unit_has_a_rank():
     units = {_unit(m) for m, _ in _modules()}
-    assert units - set(RANK) == set(), "rank the new package/module in RANK and in megaformer/__init__.py"
+    assert units - set(RANK) == set(), (
+        "rank the new package/module in RANK and in megaformer/__init__.py"
+    )
 
 
 def test_imports_point_down():
@@ -155,8 +175,11 @@ def test_imports_point_down():
             dst = _unit(target)
             if dst == src or (module, target) in EXCEPTIONS:
                 continue
-            if RANK[dst] > RANK[src] or (src, dst) in PEERS_APART or \
-                    (RANK[dst] == RANK[src] and RANK[src] > 0):
+            if (
+                RANK[dst] > RANK[src]
+                or (src, dst) in PEERS_APART
+                or (RANK[dst] == RANK[src] and RANK[src] > 0)
+            ):
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {src} imports {target}")
     assert wrong == [], "upward imports:\n" + "\n".join(wrong)
 

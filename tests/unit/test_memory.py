@@ -6,17 +6,35 @@ import pytest
 import torch
 
 from megaformer.analysis.measure import measure, optimizer_state_tensors, tensor_bytes
-from megaformer.analysis.memory import (Layout, activation_bytes, estimate, korthikanti_layer_bytes,
-                                        params_per_rank, state_bytes)
+from megaformer.analysis.memory import (
+    Layout,
+    activation_bytes,
+    estimate,
+    korthikanti_layer_bytes,
+    params_per_rank,
+    state_bytes,
+)
 from megaformer.analysis.params import count_parameters
 from megaformer.config import ModelConfig
 from megaformer.model import Transformer
 
 CONFIGS = {
-    "llama-gqa": dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
-    "gpt-dropout": dict(vocab_size=300, d_model=96, n_layers=3, n_heads=4, max_seq_len=64,
-                        activation="gelu", position="learned", norm="layernorm", bias=True,
-                        tie_embeddings=False, dropout=0.1),
+    "llama-gqa": dict(
+        vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64
+    ),
+    "gpt-dropout": dict(
+        vocab_size=300,
+        d_model=96,
+        n_layers=3,
+        n_heads=4,
+        max_seq_len=64,
+        activation="gelu",
+        position="learned",
+        norm="layernorm",
+        bias=True,
+        tie_embeddings=False,
+        dropout=0.1,
+    ),
 }
 
 
@@ -70,7 +88,7 @@ def test_model_states_under_zero_and_tp():
     s2 = state_bytes(cfg, Layout(dp=4, zero=2, precision="bf16"))
     assert s2["grads"] == P / 2 and s2["weights"] == 2 * P
     s3 = state_bytes(cfg, Layout(dp=4, zero=3, precision="bf16"))
-    assert s3["total"] == 16 * P / 4                       # ZeRO paper: (2 + 2 + 12) P / N_d
+    assert s3["total"] == 16 * P / 4  # ZeRO paper: (2 + 2 + 12) P / N_d
     # TP=2 halves matrices and vocabulary, replicates the norms (2 per block + final)
     norms = (2 * 4 + 1) * 64
     assert params_per_rank(cfg, Layout(tp=2)) == (P - norms) // 2 + norms
@@ -93,16 +111,18 @@ def test_activation_scaling_with_sp_and_recompute_and_korthikanti():
     base = Layout(micro_batch=1, precision="bf16")
     a = activation_bytes(cfg, 4096, base)
     tp = activation_bytes(cfg, 4096, Layout(micro_batch=1, precision="bf16", tp=8))
-    sp = activation_bytes(cfg, 4096, Layout(micro_batch=1, precision="bf16", tp=8,
-                                            sequence_parallel=True))
+    sp = activation_bytes(
+        cfg, 4096, Layout(micro_batch=1, precision="bf16", tp=8, sequence_parallel=True)
+    )
     assert sp["per_layer"] == pytest.approx(a["per_layer"] / 8)
     assert a["per_layer"] / 8 < tp["per_layer"] < a["per_layer"]
     full = activation_bytes(cfg, 4096, Layout(micro_batch=1, precision="bf16", recompute="full"))
-    assert full["layers"] == 32 * 4096 * 4096 * 2              # 2 s b h bytes per layer
+    assert full["layers"] == 32 * 4096 * 4096 * 2  # 2 s b h bytes per layer
     # Korthikanti table 2 (s=2048, b=1, h=12288, a=96, t=8) relations
     s, b, h, heads = 2048, 1, 12288, 96
     none = korthikanti_layer_bytes(s, b, h, heads)
     assert none == s * b * h * (34 + 5 * heads * s / h)
     assert korthikanti_layer_bytes(s, b, h, heads, t=8, sp=True) == pytest.approx(none / 8)
-    assert korthikanti_layer_bytes(s, b, h, heads, t=8, sp=True, recompute="selective") == \
-        pytest.approx(34 * s * b * h / 8)
+    assert korthikanti_layer_bytes(
+        s, b, h, heads, t=8, sp=True, recompute="selective"
+    ) == pytest.approx(34 * s * b * h / 8)

@@ -10,8 +10,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaformer.config import ModelConfig
-from megaformer.model import (MLP, Attention, Block, RotaryEmbedding, Transformer, apply_rotary,
-                              sinusoidal_table)
+from megaformer.model import (
+    MLP,
+    Attention,
+    Block,
+    RotaryEmbedding,
+    Transformer,
+    apply_rotary,
+    sinusoidal_table,
+)
 
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
 
@@ -33,9 +40,21 @@ def ids(B: int = 2, T: int = 10, V: int = 37, seed: int = 1) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- shapes and masking
 
+
 @pytest.mark.parametrize("position", POSITIONS)
-@pytest.mark.parametrize("variant", [dict(), dict(norm="layernorm", activation="gelu", bias=True,
-                                                   residual="parallel", tie_embeddings=False)])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(
+            norm="layernorm",
+            activation="gelu",
+            bias=True,
+            residual="parallel",
+            tie_embeddings=False,
+        ),
+    ],
+)
 def test_shapes(position, variant):
     m = build(position=position, **variant)
     out = m(ids(2, 7))
@@ -45,7 +64,9 @@ def test_shapes(position, variant):
 
 @pytest.mark.parametrize("position", POSITIONS)
 def test_causal_masking(position):
-    m = build(position=position, n_kv_heads=2, init_std=0.3)  # large enough that attention is not ~uniform
+    m = build(
+        position=position, n_kv_heads=2, init_std=0.3
+    )  # large enough that attention is not ~uniform
     x = ids(2, 12)
     j = 6
     y = x.clone()
@@ -71,6 +92,7 @@ def test_attention_permutation_equivariance_without_positions_or_mask():
 
 # ----------------------------------------------------------------------------- positions
 
+
 @pytest.mark.parametrize("k", [1, 5])
 def test_sinusoidal_shift_is_a_fixed_linear_map(k):
     n, d = 512, 16
@@ -82,10 +104,13 @@ def test_sinusoidal_shift_is_a_fixed_linear_map(k):
     M = torch.linalg.lstsq(pe[idx], pe[idx + k]).solution.T  # PE(pos) M^T = PE(pos + k)
     assert (pe[: n - k] @ M.T - pe[k:]).abs().max() < 1e-4  # for every position
     predicted = torch.zeros(d, d, dtype=torch.float64)
-    for i in range(d // 2):  # [sin(a+b), cos(a+b)] = [[cos b, sin b], [-sin b, cos b]] [sin a, cos a]
+    for i in range(
+        d // 2
+    ):  # [sin(a+b), cos(a+b)] = [[cos b, sin b], [-sin b, cos b]] [sin a, cos a]
         b = k / 10000 ** (2 * i / d)
-        predicted[2 * i: 2 * i + 2, 2 * i: 2 * i + 2] = torch.tensor(
-            [[math.cos(b), math.sin(b)], [-math.sin(b), math.cos(b)]], dtype=torch.float64)
+        predicted[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor(
+            [[math.cos(b), math.sin(b)], [-math.sin(b), math.cos(b)]], dtype=torch.float64
+        )
     assert (M - predicted).abs().max() < 1e-4
 
 
@@ -95,8 +120,10 @@ def complex_rope(x: torch.Tensor, positions: torch.Tensor, rot: int, theta: floa
     half = rot // 2
     w = torch.tensor([theta ** (-2 * i / rot) for i in range(half)], dtype=torch.float64)
     z = torch.complex(x[..., :half], x[..., half:rot])
-    z = z * torch.polar(torch.ones(len(positions), half, dtype=torch.float64),
-                        positions.double()[:, None] * w[None, :])
+    z = z * torch.polar(
+        torch.ones(len(positions), half, dtype=torch.float64),
+        positions.double()[:, None] * w[None, :],
+    )
     return torch.cat((z.real, z.imag, x[..., rot:]), dim=-1)
 
 
@@ -110,7 +137,7 @@ def test_rope_matches_complex_reference(fraction):
     out = apply_rotary(x, *rope(pos))
     ref = complex_rope(x, pos, rope.rot, 500.0)
     assert torch.allclose(out.double(), ref, atol=1e-5)
-    assert torch.equal(out[..., rope.rot:], x[..., rope.rot:])
+    assert torch.equal(out[..., rope.rot :], x[..., rope.rot :])
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -128,6 +155,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 # ----------------------------------------------------------------------------- dimensions and GQA
 
+
 def test_head_dim_and_default_ffn():
     cfg = tiny(n_heads=4, activation="gelu")
     attn, mlp = Attention(cfg), MLP(cfg)
@@ -138,7 +166,9 @@ def test_head_dim_and_default_ffn():
     gqa = Attention(tiny(n_kv_heads=2))
     assert gqa.wk.weight.shape == (2 * 8, 32) and gqa.wv.weight.shape == (2 * 8, 32)
     sw = MLP(tiny(d_model=96, n_heads=4, activation="swiglu"))
-    assert sw.w1.weight.shape[0] == sw.w3.weight.shape[0] == 256  # 2/3 * 4 * 96 = 256, multiple of 64
+    assert (
+        sw.w1.weight.shape[0] == sw.w3.weight.shape[0] == 256
+    )  # 2/3 * 4 * 96 = 256, multiple of 64
 
 
 def test_gqa_with_all_kv_heads_is_mha():
@@ -164,6 +194,7 @@ def test_gqa_and_mqa_equal_mha_with_duplicated_kv_heads(n_kv):
 
 
 # ----------------------------------------------------------------------------- residual forms
+
 
 def _rms(x, g, eps):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
@@ -201,7 +232,9 @@ def test_sequential_and_parallel_residual_match_formulas():
                 h = x + _hand_attention(blk, _rms(x, ga, eps))
                 expected = h + _hand_mlp(blk, _rms(h, gm, eps))
             else:
-                expected = x + _hand_attention(blk, _rms(x, ga, eps)) + _hand_mlp(blk, _rms(x, gm, eps))
+                expected = (
+                    x + _hand_attention(blk, _rms(x, ga, eps)) + _hand_mlp(blk, _rms(x, gm, eps))
+                )
         # fp32 round-off of sums over d terms scales with the outputs (|out| up to ~25 here)
         scale = float(expected.abs().max())
         assert torch.allclose(out, expected, atol=1e-6 * scale, rtol=1e-5), residual
@@ -211,13 +244,16 @@ def test_sequential_and_parallel_residual_match_formulas():
 
 # ----------------------------------------------------------------------------- parameters and init
 
+
 def test_tied_and_untied_embeddings():
     tied, untied = build(tie_embeddings=True), build(tie_embeddings=False)
     assert tied.lm_head.weight is tied.tok_embeddings.weight
     assert tied.lm_head.weight.data_ptr() == tied.tok_embeddings.weight.data_ptr()
     assert untied.lm_head.weight.data_ptr() != untied.tok_embeddings.weight.data_ptr()
     assert untied.num_parameters() - tied.num_parameters() == 37 * 32
-    assert tied.num_parameters(exclude_embeddings=True) == untied.num_parameters(exclude_embeddings=True)
+    assert tied.num_parameters(exclude_embeddings=True) == untied.num_parameters(
+        exclude_embeddings=True
+    )
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -234,8 +270,12 @@ def test_biases_follow_config(bias):
 def test_scaled_init():
     L, std = 8, 0.02
     m = build(d_model=64, n_heads=4, n_layers=L, d_ffn=256, init_std=std, bias=True)
-    out = torch.cat([torch.cat([b.attn.wo.weight.flatten(), b.mlp.w2.weight.flatten()]) for b in m.layers])
-    other = torch.cat([torch.cat([b.attn.wq.weight.flatten(), b.mlp.w1.weight.flatten()]) for b in m.layers])
+    out = torch.cat(
+        [torch.cat([b.attn.wo.weight.flatten(), b.mlp.w2.weight.flatten()]) for b in m.layers]
+    )
+    other = torch.cat(
+        [torch.cat([b.attn.wq.weight.flatten(), b.mlp.w1.weight.flatten()]) for b in m.layers]
+    )
     assert out.std().item() == pytest.approx(std / math.sqrt(2 * L), rel=0.05)
     assert out.mean().abs() < 1e-3
     assert other.std().item() == pytest.approx(std, rel=0.05)
@@ -264,6 +304,7 @@ def test_dropout_behaviour():
 
 # ----------------------------------------------------------------------------- loss
 
+
 def test_loss_is_cross_entropy_ignoring_minus_100():
     m = build()
     x = ids(2, 10)
@@ -273,7 +314,9 @@ def test_loss_is_cross_entropy_ignoring_minus_100():
     logits = m(x)
     loss = m(x, labels=labels)
     assert loss.dim() == 0
-    assert torch.allclose(loss, F.cross_entropy(logits.view(-1, 37), labels.view(-1), ignore_index=-100))
+    assert torch.allclose(
+        loss, F.cross_entropy(logits.view(-1, 37), labels.view(-1), ignore_index=-100)
+    )
     keep = labels != -100
     manual = -torch.log_softmax(logits[keep], -1).gather(-1, labels[keep][:, None]).mean()
     assert torch.allclose(loss, manual, atol=1e-6)
@@ -299,6 +342,7 @@ def test_vocab_size_must_be_set():
 
 # ----------------------------------------------------------------------------- KV cache and generation
 
+
 def naive_greedy(m: Transformer, x: torch.Tensor, n: int) -> torch.Tensor:
     L = m.cfg.max_seq_len
     for _ in range(n):
@@ -314,8 +358,10 @@ def test_cached_logits_equal_full_forward(position):
     full = m(x)
     logits, cache = m.forward_cached(x[:, :6], None, 0)
     parts = [logits]
-    for t in range(6, 11, 2):  # chunks of 2 then 1: T < S with T > 1 exercises the bottom-right mask
-        logits, cache = m.forward_cached(x[:, t:t + 2], cache, t)
+    for t in range(
+        6, 11, 2
+    ):  # chunks of 2 then 1: T < S with T > 1 exercises the bottom-right mask
+        logits, cache = m.forward_cached(x[:, t : t + 2], cache, t)
         parts.append(logits)
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
 

@@ -30,30 +30,37 @@ from tests.helpers import reference_and_tensor_parallel, run_cli, tiny_overrides
 def _cfg(**moe) -> ModelConfig:
     base = dict(interval=1, num_experts=4, top_k=2)
     base.update(moe)
-    return ModelConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=2, max_seq_len=16,
-                       moe=MoEConfig(**base))
+    return ModelConfig(
+        vocab_size=37, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=MoEConfig(**base)
+    )
 
 
 # ----------------------------------------------------------------------------- config
 
-@pytest.mark.parametrize("override,message", [
-    ("model.moe.top_k=5", "model.moe.top_k=5: more than model.moe.num_experts=4"),
-    ("model.moe.top_k=0", "model.moe.top_k=0: must be in 1..8"),
-    ("model.moe.capacity_factor=1.25", "set model.moe.dropless=false"),
-    ("model.moe.dropless=false", "needs model.moe.capacity_factor"),
-    ("model.moe.interval=3", "model.moe.interval=3: no block would be MoE"),
-    ("model.moe.interval=-1", "model.moe.interval=-1: must be >= 0"),
-    ("model.moe.score=relu", "model.moe.score='relu': must be one of softmax, sigmoid"),
-    ("model.moe.d_expert=0", "model.moe.d_expert=0: must be > 0"),
-    ("model.moe.expert=2", "unknown config key 'model.moe.expert'"),
-    ("parallel.pipeline=2", "model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline=2"),
-    ("parallel.zero_stage=3", "model.moe with parallel.zero_stage=3"),
-    ("log.diagnostics=true", "log.diagnostics=true with model.moe"),
-])
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.moe.top_k=5", "model.moe.top_k=5: more than model.moe.num_experts=4"),
+        ("model.moe.top_k=0", "model.moe.top_k=0: must be in 1..8"),
+        ("model.moe.capacity_factor=1.25", "set model.moe.dropless=false"),
+        ("model.moe.dropless=false", "needs model.moe.capacity_factor"),
+        ("model.moe.interval=3", "model.moe.interval=3: no block would be MoE"),
+        ("model.moe.interval=-1", "model.moe.interval=-1: must be >= 0"),
+        ("model.moe.score=relu", "model.moe.score='relu': must be one of softmax, sigmoid"),
+        ("model.moe.d_expert=0", "model.moe.d_expert=0: must be > 0"),
+        ("model.moe.expert=2", "unknown config key 'model.moe.expert'"),
+        ("parallel.pipeline=2", "model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline=2"),
+        ("parallel.zero_stage=3", "model.moe with parallel.zero_stage=3"),
+        ("log.diagnostics=true", "log.diagnostics=true with model.moe"),
+    ],
+)
 def test_config_errors_are_one_line(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config("configs/quickstart.yaml", ["model.n_layers=2", "model.moe.interval=1",
-                                                "model.moe.num_experts=4", override])
+        load_config(
+            "configs/quickstart.yaml",
+            ["model.n_layers=2", "model.moe.interval=1", "model.moe.num_experts=4", override],
+        )
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -73,8 +80,15 @@ def test_interval_picks_blocks_and_config_round_trips():
 
 # ----------------------------------------------------------------------------- routing
 
-@pytest.mark.parametrize("moe", [dict(), dict(score="sigmoid", num_shared_experts=1, d_shared=8),
-                                 dict(top_k=1, renormalize=False)])
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        dict(),
+        dict(score="sigmoid", num_shared_experts=1, d_shared=8),
+        dict(top_k=1, renormalize=False),
+    ],
+)
 def test_dropless_output_is_independent_of_the_batch(moe):
     torch.manual_seed(0)
     model = Transformer(_cfg(**moe)).eval()
@@ -83,7 +97,7 @@ def test_dropless_output_is_independent_of_the_batch(moe):
     with torch.no_grad():
         together = model(batch)
         for i in range(4):
-            alone = model(batch[i:i + 1])
+            alone = model(batch[i : i + 1])
             assert torch.allclose(alone[0], together[i], atol=1e-6, rtol=0), i
         # the batch does mix experts: every expert gets tokens from several sequences
         block = model.layers[0].mlp
@@ -215,16 +229,25 @@ def test_capacity_drops_and_counts_assignments_past_it():
 
 # ----------------------------------------------------------------------------- tensor parallel
 
+
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return float((a - b).norm() / max(float(b.norm()), floor, 1e-30))
 
 
 def _tp_case(rank: int, world: int, moe: dict, sp: bool) -> dict:
-    cfg = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
-                      moe=MoEConfig(**{"interval": 1, "num_experts": 4, "top_k": 2, **moe}))
+    cfg = ModelConfig(
+        vocab_size=37,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=16,
+        moe=MoEConfig(**{"interval": 1, "num_experts": 4, "top_k": 2, **moe}),
+    )
     ref, tp, topo, init = reference_and_tensor_parallel(cfg, world, rank, sp)
-    assert all(torch.equal(init[n], p.detach()[:37] if "emb" in n or "lm_head" in n else p.detach())
-               for n, p in ref.named_parameters())
+    assert all(
+        torch.equal(init[n], p.detach()[:37] if "emb" in n or "lm_head" in n else p.detach())
+        for n, p in ref.named_parameters()
+    )
     # a small lr, as in tests/distributed/test_tensor_parallel.py: AdamW amplifies round-off in tiny gradients
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-4) for m in (ref, tp)]
     gen = torch.Generator().manual_seed(1)
@@ -238,8 +261,10 @@ def _tp_case(rank: int, world: int, moe: dict, sp: bool) -> dict:
             loss.backward()
             pair.append(loss.item())
         losses.append(pair)
-        ref_g = {n: p.grad[:37] if "emb" in n or "lm_head" in n else p.grad
-                 for n, p in ref.named_parameters()}
+        ref_g = {
+            n: p.grad[:37] if "emb" in n or "lm_head" in n else p.grad
+            for n, p in ref.named_parameters()
+        }
         total = float(torch.stack([g.norm() for g in ref_g.values()]).norm())
         worst = 0.0
         for n, p in tp.named_parameters():
@@ -262,13 +287,23 @@ def _tp_case(rank: int, world: int, moe: dict, sp: bool) -> dict:
 
 
 def _tp_suite(rank: int, world: int) -> dict:
-    cases = {"swiglu-gated-shared-aux-z-bias": dict(num_shared_experts=1, shared_gate=True,
-                                                    aux_loss_coef=0.1, z_loss_coef=0.01,
-                                                    bias_update_rate=0.01),
-             "sigmoid-capacity": dict(score="sigmoid", dropless=False, capacity_factor=1.0,
-                                      aux_loss_coef=0.1)}
-    return {f"{name}/{sp}": _tp_case(rank, world, moe, sp)
-            for name, moe in cases.items() for sp in (False, True)}
+    cases = {
+        "swiglu-gated-shared-aux-z-bias": dict(
+            num_shared_experts=1,
+            shared_gate=True,
+            aux_loss_coef=0.1,
+            z_loss_coef=0.01,
+            bias_update_rate=0.01,
+        ),
+        "sigmoid-capacity": dict(
+            score="sigmoid", dropless=False, capacity_factor=1.0, aux_loss_coef=0.1
+        ),
+    }
+    return {
+        f"{name}/{sp}": _tp_case(rank, world, moe, sp)
+        for name, moe in cases.items()
+        for sp in (False, True)
+    }
 
 
 @pytest.mark.multiprocess
@@ -283,15 +318,27 @@ def test_tensor_parallel_moe_equals_one_process():
 
 # ----------------------------------------------------------------------------- training
 
+
 def _records(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-MOE_ARGS = tiny_overrides("stdlib", **{
-    "train.steps": 4, "eval.interval": 0, "eval.at_end": "false", "checkpoint.interval": 2,
-    "data.max_bytes": 50000, "model.moe.interval": 1, "model.moe.num_experts": 4,
-    "model.moe.top_k": 2, "model.moe.d_expert": 32, "model.moe.z_loss_coef": 0.001,
-    "model.moe.bias_update_rate": 0.003})
+MOE_ARGS = tiny_overrides(
+    "stdlib",
+    **{
+        "train.steps": 4,
+        "eval.interval": 0,
+        "eval.at_end": "false",
+        "checkpoint.interval": 2,
+        "data.max_bytes": 50000,
+        "model.moe.interval": 1,
+        "model.moe.num_experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.d_expert": 32,
+        "model.moe.z_loss_coef": 0.001,
+        "model.moe.bias_update_rate": 0.003,
+    },
+)
 
 
 @pytest.mark.multiprocess
@@ -324,18 +371,27 @@ def test_training_logs_moe_metrics_and_resumes_exactly(tmp_path):
     for step in (3, 4):
         for key in ("loss", "grad_norm", "moe/aux_loss", "moe/load_max/0", "moe/load_cv/1"):
             assert b[step][key] == a[step][key], (step, key)
-    final = [load_file(str(run / "checkpoints/step_0000004/moe_router/stage_000.safetensors"))
-             for run in (full, resumed)]
+    final = [
+        load_file(str(run / "checkpoints/step_0000004/moe_router/stage_000.safetensors"))
+        for run in (full, resumed)
+    ]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
 # ----------------------------------------------------------------------------- counting
 
-@pytest.mark.parametrize("moe,model", [
-    (dict(), dict()),
-    (dict(num_shared_experts=2, d_shared=24, d_expert=40, top_k=3), dict(activation="gelu", bias=True)),
-    (dict(interval=2, top_k=1), dict(n_layers=4, tie_embeddings=False)),
-])
+
+@pytest.mark.parametrize(
+    "moe,model",
+    [
+        (dict(), dict()),
+        (
+            dict(num_shared_experts=2, d_shared=24, d_expert=40, top_k=3),
+            dict(activation="gelu", bias=True),
+        ),
+        (dict(interval=2, top_k=1), dict(n_layers=4, tie_embeddings=False)),
+    ],
+)
 def test_parameters_total_and_active_and_flops_count_active(moe, model):
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -344,8 +400,9 @@ def test_parameters_total_and_active_and_flops_count_active(moe, model):
     from megaformer.analysis.params import count_parameters
 
     base = dict(vocab_size=37, d_model=16, n_layers=2, n_heads=2, max_seq_len=16)
-    cfg = ModelConfig(**{**base, **model}, moe=MoEConfig(**{"interval": 1, "num_experts": 4,
-                                                            "top_k": 2, **moe}))
+    cfg = ModelConfig(
+        **{**base, **model}, moe=MoEConfig(**{"interval": 1, "num_experts": 4, "top_k": 2, **moe})
+    )
     net = Transformer(cfg)
     counts = count_parameters(cfg)
     assert counts["total"] == net.num_parameters() == sum(p.numel() for p in net.parameters())
@@ -363,8 +420,9 @@ def test_parameters_total_and_active_and_flops_count_active(moe, model):
     n_dense = cfg.n_layers - cfg.moe_layers
     mlp_moe = forward_flops(cfg, 16).mlp - n_dense * dense.mlp // cfg.n_layers
     assert fc.get_total_flops() == mlp_moe
-    assert matmul_parameters(cfg) == (counts["active"] - counts["embedding"] - _norms(net)
-                                      - _biases(net) + 37 * 16)
+    assert matmul_parameters(cfg) == (
+        counts["active"] - counts["embedding"] - _norms(net) - _biases(net) + 37 * 16
+    )
     assert params_per_rank(cfg, Layout(), 37) == counts["total"]  # memory: every expert
     half = params_per_rank(cfg, Layout(tp=2), 37)  # experts split over TP, the router not
     router = sum(b.router.weight.numel() for b in blocks)
@@ -377,26 +435,66 @@ def _norms(net) -> int:
 
 
 def _biases(net) -> int:
-    return sum(p.numel() for n, p in net.named_parameters() if n.endswith("bias") and "norm" not in n)
+    return sum(
+        p.numel() for n, p in net.named_parameters() if n.endswith("bias") and "norm" not in n
+    )
 
 
 # ----------------------------------------------------------------------------- conversion
 
-HF_COMMON = dict(vocab_size=300, bos_token_id=256, eos_token_id=256, hidden_size=64,
-                 intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
+HF_COMMON = dict(
+    vocab_size=300,
+    bos_token_id=256,
+    eos_token_id=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+)
 HF_MOE = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_local_experts=4, sliding_window=8), dict(interval=1, d_expert=96)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(num_experts=4, moe_intermediate_size=32, head_dim=32, decoder_sparse_step=2,
-                       norm_topk_prob=True, mlp_only_layers=[]), dict(interval=2, d_expert=32)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, sliding_window=8),
+        dict(interval=1, d_expert=96),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=4,
+            moe_intermediate_size=32,
+            head_dim=32,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+        ),
+        dict(interval=2, d_expert=32),
+    ),
     # a shared expert behind a sigmoid gate; Qwen2's q/k/v biases; no renormalisation
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                       decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=[]),
-                  dict(interval=1, d_expert=32, renormalize=False, num_shared_experts=1,
-                       d_shared=48, shared_gate=True)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=1,
+            norm_topk_prob=False,
+            mlp_only_layers=[],
+        ),
+        dict(
+            interval=1,
+            d_expert=32,
+            renormalize=False,
+            num_shared_experts=1,
+            d_shared=48,
+            shared_gate=True,
+        ),
+    ),
 }
 
 
@@ -422,19 +520,30 @@ def test_mixtral_and_qwen3_moe_import_with_logit_parity_and_export_identically(t
     ours, _, cfg, _ = load_checkpoint_model(run)
     moe = cfg.model.moe
     assert (moe.interval, moe.num_experts, moe.top_k, moe.d_expert, moe.renormalize) == (
-        want["interval"], 4, 2, want["d_expert"], want.get("renormalize", True))
+        want["interval"],
+        4,
+        2,
+        want["d_expert"],
+        want.get("renormalize", True),
+    )
     assert (moe.num_shared_experts, moe.d_shared, moe.shared_gate) == (
-        want.get("num_shared_experts", 0), want.get("d_shared"), want.get("shared_gate", False))
+        want.get("num_shared_experts", 0),
+        want.get("d_shared"),
+        want.get("shared_gate", False),
+    )
     ids = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf(ids).logits
         assert (ours(ids) - theirs).abs().max().item() <= 1e-5 and theirs.std().item() > 0.1
     back = export_to_hf(run, tmp_path / "back")
-    a, b = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-            for d in (tmp_path / "hf", back))
+    a, b = (
+        {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        for d in (tmp_path / "hf", back)
+    )
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     again = transformers.AutoModelForCausalLM.from_pretrained(
-        back, local_files_only=True, dtype=torch.float32).eval()
+        back, local_files_only=True, dtype=torch.float32
+    ).eval()
     assert type(again).__name__ == model_cls
     with torch.no_grad():
         assert (again(ids).logits - theirs).abs().max().item() == 0.0
@@ -446,18 +555,30 @@ def test_export_refuses_moe_options_the_class_lacks():
     from megaformer.errors import ConversionError
 
     def cfg(**moe):
-        return config_from_dict({"model": {"vocab_size": 300, "n_layers": 2, "moe": {
-            "interval": 1, "num_experts": 4, **moe}}})
+        return config_from_dict(
+            {
+                "model": {
+                    "vocab_size": 300,
+                    "n_layers": 2,
+                    "moe": {"interval": 1, "num_experts": 4, **moe},
+                }
+            }
+        )
 
     assert choose_architecture(cfg(), None).hf_class == "MixtralForCausalLM"
-    with pytest.raises(ConversionError, match="model.moe.interval=1 cannot be expressed by "
-                                              "LlamaForCausalLM"):
+    with pytest.raises(
+        ConversionError, match="model.moe.interval=1 cannot be expressed by LlamaForCausalLM"
+    ):
         choose_architecture(cfg(), "llama")
-    with pytest.raises(ConversionError, match="model.moe.num_shared_experts=1 cannot be "
-                                              "expressed by MixtralForCausalLM"):
+    with pytest.raises(
+        ConversionError,
+        match="model.moe.num_shared_experts=1 cannot be expressed by MixtralForCausalLM",
+    ):
         choose_architecture(cfg(num_shared_experts=1), "mixtral")
-    with pytest.raises(ConversionError, match="model.moe.bias_update_rate=0.001 cannot be "
-                                              "expressed by Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        ConversionError,
+        match="model.moe.bias_update_rate=0.001 cannot be expressed by Qwen3MoeForCausalLM",
+    ):
         choose_architecture(cfg(bias_update_rate=0.001), "qwen3_moe")
     with pytest.raises(ConversionError, match="no Hugging Face class can express this model"):
         choose_architecture(cfg(score="sigmoid"), None)
@@ -482,7 +603,9 @@ def test_grouped_gemm_path_equals_the_loop_over_experts(activation):
         xi = x.clone().requires_grad_()
         y = path(xi, counts)
         y.float().square().sum().backward()
-        grads.append((y.detach().float(), xi.grad.float(), [p.grad.float() for p in ex.parameters()]))
+        grads.append(
+            (y.detach().float(), xi.grad.float(), [p.grad.float() for p in ex.parameters()])
+        )
     (ya, xa, pa), (yb, xb, pb) = grads
     assert torch.allclose(ya, yb, rtol=2e-2, atol=2e-2) and ya.abs().max() > 0.1
     assert torch.allclose(xa, xb, rtol=2e-2, atol=5e-2)
@@ -491,8 +614,10 @@ def test_grouped_gemm_path_equals_the_loop_over_experts(activation):
     assert float(pa[0][1].abs().max()) == float(pb[0][1].abs().max()) == 0.0  # expert 1: no rows
 
 
-@pytest.mark.parametrize("coefs", [dict(aux_loss_coef=0.1, z_loss_coef=0.01),
-                                   dict(aux_loss_coef=0.0, bias_update_rate=0.01)])
+@pytest.mark.parametrize(
+    "coefs",
+    [dict(aux_loss_coef=0.1, z_loss_coef=0.01), dict(aux_loss_coef=0.0, bias_update_rate=0.01)],
+)
 def test_full_recompute_gives_the_same_gradients_and_counts_the_load_once(coefs):
     from megaformer.parallel.recompute import apply_recompute
 
@@ -542,12 +667,17 @@ def test_pipeline_stages_split_moe_blocks_and_equal_one_process(tmp_path):
 
     from tests.helpers import run_torchrun
 
-    args = [*MOE_ARGS, "model.moe.aux_loss_coef=0", "model.moe.z_loss_coef=0",
-            "checkpoint.interval=0"]
+    args = [
+        *MOE_ARGS,
+        "model.moe.aux_loss_coef=0",
+        "model.moe.z_loss_coef=0",
+        "checkpoint.interval=0",
+    ]
     one, pp = tmp_path / "one", tmp_path / "pp"
     assert run_cli("train", "configs/quickstart.yaml", *args, "--run-dir", str(one)).returncode == 0
-    out = run_torchrun(2, "train", "configs/quickstart.yaml", *args, "parallel.pipeline=2",
-                       "--run-dir", str(pp))
+    out = run_torchrun(
+        2, "train", "configs/quickstart.yaml", *args, "parallel.pipeline=2", "--run-dir", str(pp)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = _records(one), _records(pp)
     for step in (1, 2, 3, 4):
@@ -562,19 +692,34 @@ def test_pipeline_stages_split_moe_blocks_and_equal_one_process(tmp_path):
     assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
-@pytest.mark.parametrize("activation,moe", [
-    ("swiglu", dict(interval=1, num_experts=8, top_k=2, d_expert=64, num_shared_experts=1,
-                    d_shared=128)),
-    ("gelu", dict(interval=2, num_experts=4, top_k=1, d_expert=128)),
-])
+@pytest.mark.parametrize(
+    "activation,moe",
+    [
+        (
+            "swiglu",
+            dict(
+                interval=1, num_experts=8, top_k=2, d_expert=64, num_shared_experts=1, d_shared=128
+            ),
+        ),
+        ("gelu", dict(interval=2, num_experts=4, top_k=1, d_expert=128)),
+    ],
+)
 def test_memory_estimate_matches_measured_cpu_memory(activation, moe):
     """Activations held after the forward and the peak of an AdamW step, against the CPU
     allocator's record (as tests/unit/test_memory.py does for dense models)."""
     from megaformer.analysis.memory import Layout, activation_bytes, estimate
     from tests.unit.test_memory import _measured
 
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=64, activation=activation, moe=MoEConfig(**moe))
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=64,
+        activation=activation,
+        moe=MoEConfig(**moe),
+    )
     act, peak = _measured(cfg, 4, 64, "none", None)
     layout = Layout(micro_batch=4, device="cpu")
     assert abs(activation_bytes(cfg, 64, layout)["total"] / act - 1) < 0.02
@@ -591,8 +736,9 @@ def test_inspect_reports_the_expert_load_of_a_prompt():
     load: dict = {}
     with torch.no_grad(), _expert_load(model, load):
         model(ids)
-    assert sorted(load) == [0, 1] and all(sum(row) == 11 * 2 and len(row) == 4
-                                          for row in load.values())
+    assert sorted(load) == [0, 1] and all(
+        sum(row) == 11 * 2 and len(row) == 4 for row in load.values()
+    )
     text = format_expert_load(load, 11, 2)
     assert text.splitlines()[0] == "expert load: tokens routed to each expert (11 tokens x top-2)"
     assert len(text.splitlines()) == 3 and "cv" in text.splitlines()[1]
@@ -601,11 +747,19 @@ def test_inspect_reports_the_expert_load_of_a_prompt():
 
 # ----------------------------------------------------------------------------- no host reads
 
+
 def _bf16_autocast_block():
     """An MoE block with fp32 weights run under CPU bf16 autocast (what ``bench`` runs)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=2, max_seq_len=16, d_ffn=32,
-                      moe=MoEConfig(interval=1, num_experts=4, top_k=2))
+    cfg = ModelConfig(
+        vocab_size=37,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        max_seq_len=16,
+        d_ffn=32,
+        moe=MoEConfig(interval=1, num_experts=4, top_k=2),
+    )
     return Transformer(cfg).layers[0], torch.randn(2, 16, 16, requires_grad=True)
 
 
@@ -651,8 +805,12 @@ def test_experts_rule_names_what_the_experts_run():
     from megaformer.kernels.selection import choose, model_plan
 
     assert choose("experts", "cpu", torch.float32, d_model=16, d_ffn=32).impl == "loop"
-    assert choose("experts", "cpu", torch.float32, compute_dtype=torch.bfloat16, d_model=16,
-                  d_ffn=32).impl == "grouped"
+    assert (
+        choose(
+            "experts", "cpu", torch.float32, compute_dtype=torch.bfloat16, d_model=16, d_ffn=32
+        ).impl
+        == "grouped"
+    )
     assert choose("experts", "cpu", torch.bfloat16, d_model=16, d_ffn=36).impl == "loop"
     plan = dict(model_plan(_cfg(), "cpu", torch.bfloat16, autocast=True))
     assert plan["experts"].impl == ("grouped" if hasattr(torch, "_grouped_mm") else "loop")
@@ -669,7 +827,7 @@ def test_combine_accumulates_the_top_k_outputs_in_fp32():
     for n in range(8):
         for j in range(2):
             e = int(idx[n, j])
-            xe = x[0, n:n + 1]
+            xe = x[0, n : n + 1]
             h = moe.experts._act(xe @ moe.experts.w1[e].t(), xe @ moe.experts.w3[e].t())
             want[n] += gates[n, j].float() * (h @ moe.experts.w2[e].t()).float()[0]
     assert torch.equal(moe(x)[0], want.to(torch.bfloat16))

@@ -1,10 +1,10 @@
 """The router against hand computation, where the gates are not all one.
 
-    selection  T_n  = top-k_e (s_ne + b_e)       the aux-loss-free bias b chooses experts ...
-    gates      g_ne = s_ne                        ... and never weights them (no renormalisation)
-    output     y_n  = sum_{e in T_n} g_ne FFN_e(x_n)
-    sigmoid load-balancing loss  E sum_e f_e mean_n p_ne,  p_ne = s_ne / sum_e' s_ne',
-                                  f_e = (assignments to e) / (n k)
+selection  T_n  = top-k_e (s_ne + b_e)       the aux-loss-free bias b chooses experts ...
+gates      g_ne = s_ne                        ... and never weights them (no renormalisation)
+output     y_n  = sum_{e in T_n} g_ne FFN_e(x_n)
+sigmoid load-balancing loss  E sum_e f_e mean_n p_ne,  p_ne = s_ne / sum_e' s_ne',
+                              f_e = (assignments to e) / (n k)
 """
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ from megaformer.model.moe import MoE, end_of_step
 
 def _moe(**moe) -> MoE:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=2, max_seq_len=16,
-                      moe=MoEConfig(**{"interval": 1, "num_experts": 4, "top_k": 2, **moe}))
+    cfg = ModelConfig(
+        vocab_size=37,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=16,
+        moe=MoEConfig(**{"interval": 1, "num_experts": 4, "top_k": 2, **moe}),
+    )
     block = MoE(cfg, layer=0)
     with torch.no_grad():
         block.router.weight.normal_(0, 0.5)
@@ -47,8 +53,10 @@ def test_aux_free_bias_selects_experts_and_never_weights_them():
     block.eval()
     x = torch.randn(24, 16)
     scores = torch.softmax(x @ block.router.weight.detach().t(), -1)
-    chosen = [sorted(range(4), key=lambda e: -(float(scores[n, e]) + float(bias[e])))[:2]
-              for n in range(24)]
+    chosen = [
+        sorted(range(4), key=lambda e: -(float(scores[n, e]) + float(bias[e])))[:2]
+        for n in range(24)
+    ]
     plain = [sorted(range(4), key=lambda e: -float(scores[n, e]))[:2] for n in range(24)]
     assert sum(set(a) != set(b) for a, b in zip(chosen, plain)) >= 4  # the bias changes choices
 
@@ -60,15 +68,25 @@ def test_aux_free_bias_selects_experts_and_never_weights_them():
 
     with torch.no_grad():
         y = block(x)
-        ref = torch.stack([sum(scores[n, e] * _ffn(block, e, x[n:n + 1])[0] for e in chosen[n])
-                           for n in range(24)])
+        ref = torch.stack(
+            [
+                sum(scores[n, e] * _ffn(block, e, x[n : n + 1])[0] for e in chosen[n])
+                for n in range(24)
+            ]
+        )
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_sigmoid_load_balancing_loss_equals_hand_computed_value():
     E, k = 5, 2
-    block = _moe(num_experts=E, top_k=k, score="sigmoid", renormalize=False, aux_loss_coef=0.1,
-                 z_loss_coef=0.0)
+    block = _moe(
+        num_experts=E,
+        top_k=k,
+        score="sigmoid",
+        renormalize=False,
+        aux_loss_coef=0.1,
+        z_loss_coef=0.0,
+    )
     x = torch.randn(3, 7, 16)
     block.train()
     block(x)
@@ -86,7 +104,9 @@ def test_sigmoid_load_balancing_loss_equals_hand_computed_value():
     assert block.aux_loss.item() == pytest.approx(0.1 * aux, rel=1e-5)
     assert end_of_step(block)["moe/aux_loss"] == pytest.approx(aux, rel=1e-5)
     # not the softmax formula: the two differ by far more than the tolerance here
-    soft = [[math.exp(v) for v in (sum(a * b for a, b in zip(row, W[e])) for e in range(E))]
-            for row in rows]
+    soft = [
+        [math.exp(v) for v in (sum(a * b for a, b in zip(row, W[e])) for e in range(E))]
+        for row in rows
+    ]
     soft_mean = [sum(r[e] / sum(r) for r in soft) / n for e in range(E)]
     assert abs(E * sum(counts[e] / (n * k) * soft_mean[e] for e in range(E)) - aux) > 1e-3 * aux

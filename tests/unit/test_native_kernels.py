@@ -16,11 +16,23 @@ from megaformer.kernels.selection import choose_for, track
 
 
 def _native_attention(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
-    return choose_for("attention", q, backend="auto", head_dim=q.shape[-1], dropout=dropout_p > 0,
-                      doc_mask=False).impl == "native"
+    return (
+        choose_for(
+            "attention",
+            q,
+            backend="auto",
+            head_dim=q.shape[-1],
+            dropout=dropout_p > 0,
+            doc_mask=False,
+        ).impl
+        == "native"
+    )
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
-                                reason="no C compiler: the native kernels cannot be built here")
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None,
+    reason="no C compiler: the native kernels cannot be built here",
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,14 +81,14 @@ def test_dropout_rate_mean_gradient_and_seeding():
     kept = y != 0
     sigma = (p * (1 - p) / n) ** 0.5
     assert abs(kept.float().mean().item() - (1 - p)) < 5 * sigma
-    assert abs(y.mean().item() - 1.0) < 6 * sigma / (1 - p)           # E[y] = x
+    assert abs(y.mean().item() - 1.0) < 6 * sigma / (1 - p)  # E[y] = x
     assert torch.allclose(y.detach()[kept], torch.full((int(kept.sum()),), 1 / (1 - p)), rtol=1e-6)
     dy = torch.randn(n)
     y.backward(dy)
     assert torch.allclose(x.grad, torch.where(kept, dy / (1 - p), 0.0), rtol=1e-6, atol=0)
     torch.manual_seed(3)
-    assert torch.equal(dropout(x.detach(), p) != 0, kept)              # torch.manual_seed governs it
-    assert not torch.equal(dropout(x.detach(), p) != 0, kept)          # the next draw differs
+    assert torch.equal(dropout(x.detach(), p) != 0, kept)  # torch.manual_seed governs it
+    assert not torch.equal(dropout(x.detach(), p) != 0, kept)  # the next draw differs
 
 
 def test_dropout_mask_is_independent_of_thread_count_and_uncorrelated():
@@ -92,9 +104,9 @@ def test_dropout_mask_is_independent_of_thread_count_and_uncorrelated():
         torch.set_num_threads(threads)
     assert torch.equal(masks[0], masks[1])
     m = masks[0].float()
-    both = (m[1:] * m[:-1]).mean().item()          # neighbours: P(keep, keep) = 1/4
+    both = (m[1:] * m[:-1]).mean().item()  # neighbours: P(keep, keep) = 1/4
     assert abs(both - 0.25) < 5 * (0.25 * 0.75 / m.numel()) ** 0.5
-    lag = (m[4096:] * m[:-4096]).mean().item()     # across a 4096-element block boundary
+    lag = (m[4096:] * m[:-4096]).mean().item()  # across a 4096-element block boundary
     assert abs(lag - 0.25) < 5 * (0.25 * 0.75 / m.numel()) ** 0.5
 
 
@@ -103,8 +115,10 @@ def test_attention_softmax_dropout_equals_reference(t_len, s_len, causal):
     """attention() on CPU with dropout: softmax(QK^T/sqrt(d) + causal) * m / q @ V for the mask
     the same seed draws, and gradients through it, against float64 autograd."""
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, h, n, 16, generator=g).requires_grad_()
-               for h, n in ((4, t_len), (2, s_len), (2, s_len)))
+    q, k, v = (
+        torch.randn(2, h, n, 16, generator=g).requires_grad_()
+        for h, n in ((4, t_len), (2, s_len), (2, s_len))
+    )
     torch.manual_seed(5)
     out = attention(q, k, v, causal=causal, dropout_p=0.25)
     dout = torch.randn_like(out)
@@ -130,7 +144,7 @@ def test_cross_entropy_with_padding_columns_and_ignored_labels():
     from megaformer.kernels.cross_entropy import native_cross_entropy
 
     g = torch.Generator().manual_seed(6)
-    z = (torch.randn(3, 11, 70, generator=g) * 5).requires_grad_()   # vocabulary 64 + 6 padding
+    z = (torch.randn(3, 11, 70, generator=g) * 5).requires_grad_()  # vocabulary 64 + 6 padding
     labels = torch.randint(0, 64, (3, 11), generator=g)
     labels[0, :4] = -100
     loss = native_cross_entropy(z, labels, 64, -100)
@@ -153,8 +167,10 @@ def test_model_loss_and_gradients_equal_the_torch_ops():
     from megaformer.config import ModelConfig
     from megaformer.model.transformer import Transformer
 
-    for extra in ({"activation": "swiglu"},
-                  {"activation": "gelu_tanh", "norm": "layernorm", "position": "learned", "bias": True}):
+    for extra in (
+        {"activation": "swiglu"},
+        {"activation": "gelu_tanh", "norm": "layernorm", "position": "learned", "bias": True},
+    ):
         cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, **extra)
         x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(2))
         out = []
@@ -174,8 +190,13 @@ def test_model_loss_and_gradients_equal_the_torch_ops():
 
 
 def _python(code: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
 
 
 @pytest.mark.slow
@@ -183,9 +204,11 @@ def test_build_is_cached_and_a_broken_compiler_falls_back(tmp_path):
     """A fresh cache builds once and the next process loads the same file; a compiler that fails
     leaves the torch ops running with the reason in status(); MEGAFORMER_NATIVE=0 turns them off.
     Each case then runs a forward + backward with dropout."""
-    code = ("import torch; from megaformer.kernels import native, dropout as d; print(native.status()); "
-            "x = torch.ones(1000, requires_grad=True); d.dropout(x, 0.5).sum().backward(); "
-            "print('ok', int((x.grad != 0).sum()) > 300)")
+    code = (
+        "import torch; from megaformer.kernels import native, dropout as d; print(native.status()); "
+        "x = torch.ones(1000, requires_grad=True); d.dropout(x, 0.5).sum().backward(); "
+        "print('ok', int((x.grad != 0).sum()) > 300)"
+    )
     env = {"MEGAFORMER_CACHE_DIR": str(tmp_path / "cache")}
     first = _python(code, env)
     assert first.returncode == 0, first.stderr
@@ -196,7 +219,10 @@ def test_build_is_cached_and_a_broken_compiler_falls_back(tmp_path):
     assert str(built[0]) in again.stdout and built[0].stat().st_mtime_ns == mtime
     broken = _python(code, {"MEGAFORMER_CACHE_DIR": str(tmp_path / "c2"), "CC": "false"})
     assert broken.returncode == 0, broken.stderr
-    assert "native CPU kernels unavailable (false failed" in broken.stdout and "ok True" in broken.stdout
+    assert (
+        "native CPU kernels unavailable (false failed" in broken.stdout
+        and "ok True" in broken.stdout
+    )
     assert not list((tmp_path / "c2").rglob("*.so"))  # no half-written library left behind
     off = _python(code, {"MEGAFORMER_NATIVE": "0"})
     assert "native CPU kernels off (MEGAFORMER_NATIVE=0)" in off.stdout and "ok True" in off.stdout
@@ -212,15 +238,19 @@ def test_rmsnorm_and_rope_equal_the_torch_paths():
     x, w = torch.randn(3, 5, 48, generator=g) * 3, torch.rand(48, generator=g) + 0.5
     dy = torch.randn(3, 5, 48, generator=g)
     B, T, H, D = 2, 6, 4, 16
-    q = torch.randn(B, T, 3 * H * D, generator=g)[..., :H * D].view(B, T, H, D).transpose(1, 2)
+    q = torch.randn(B, T, 3 * H * D, generator=g)[..., : H * D].view(B, T, H, D).transpose(1, 2)
     cos, sin = RotaryEmbedding(D)(torch.arange(2, 2 + T))
     dq = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
 
     def run(use_native):
-        xl, wl, ql = x.clone().requires_grad_(), w.clone().requires_grad_(), q.detach().requires_grad_()
+        xl, wl, ql = (
+            x.clone().requires_grad_(),
+            w.clone().requires_grad_(),
+            q.detach().requires_grad_(),
+        )
         y = RMSNormFunction.apply(xl, wl, 1e-5, use_native)
         y.backward(dy)
-        r = RotaryFunction.apply(ql, cos[..., :D // 2], sin[..., :D // 2], use_native)
+        r = RotaryFunction.apply(ql, cos[..., : D // 2], sin[..., : D // 2], use_native)
         r.backward(dq)
         return [y.detach(), xl.grad, wl.grad, r.detach(), ql.grad]
 
@@ -238,10 +268,14 @@ def test_adam_impl_choices_make_the_same_update(impl):
 
     def run(choice):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+        )
         opt = build_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.1, adam_impl=choice))
         for i in range(3):
-            model(torch.randn(5, 8, generator=torch.Generator().manual_seed(i))).square().sum().backward()
+            model(
+                torch.randn(5, 8, generator=torch.Generator().manual_seed(i))
+            ).square().sum().backward()
             opt.step()
             opt.zero_grad()
         return opt, torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -252,21 +286,26 @@ def test_adam_impl_choices_make_the_same_update(impl):
     assert _rel(got, ref) < 1e-6
 
 
-@pytest.mark.parametrize("B,H,HK,T,S,D,causal", [
-    (2, 8, 4, 96, 96, 32, True),     # GQA, the projection's strided layout
-    (2, 4, 4, 50, 50, 64, True),     # MHA, T not a multiple of the 32-query block
-    (1, 4, 2, 7, 70, 32, True),      # T < S: bottom-right causal alignment (a chunk after a cache)
-    (1, 4, 1, 1, 20, 16, True),      # one new token, MQA
-    (2, 4, 2, 33, 40, 48, False),    # no mask, S not a multiple of the 64-key block
-])
+@pytest.mark.parametrize(
+    "B,H,HK,T,S,D,causal",
+    [
+        (2, 8, 4, 96, 96, 32, True),  # GQA, the projection's strided layout
+        (2, 4, 4, 50, 50, 64, True),  # MHA, T not a multiple of the 32-query block
+        (1, 4, 2, 7, 70, 32, True),  # T < S: bottom-right causal alignment (a chunk after a cache)
+        (1, 4, 1, 1, 20, 16, True),  # one new token, MQA
+        (2, 4, 2, 33, 40, 48, False),  # no mask, S not a multiple of the 64-key block
+    ],
+)
 def test_native_flash_attention_equals_float64_reference(B, H, HK, T, S, D, causal):
     """attention(backend=auto) on fp32 CPU without dropout runs the native kernel: output and the
     gradients of q, k, v against softmax(QK^T/sqrt(D) + M)V in float64 autograd."""
     g = torch.Generator().manual_seed(B * 100 + T)
     if T == S:
         proj = torch.randn(B, T, (H + 2 * HK) * D, generator=g)
-        q, k, v = (proj[..., a * D:b * D].view(B, T, b - a, D).transpose(1, 2)
-                   for a, b in ((0, H), (H, H + HK), (H + HK, H + 2 * HK)))
+        q, k, v = (
+            proj[..., a * D : b * D].view(B, T, b - a, D).transpose(1, 2)
+            for a, b in ((0, H), (H, H + HK), (H + HK, H + 2 * HK))
+        )
     else:
         q, k, v = (torch.randn(B, n, L, D, generator=g) for n, L in ((H, T), (HK, S), (HK, S)))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -277,7 +316,7 @@ def test_native_flash_attention_equals_float64_reference(B, H, HK, T, S, D, caus
     out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     kk, vv = (t.repeat_interleave(H // HK, 1) for t in (k64, v64))
-    scores = q64 @ kk.transpose(-2, -1) / D ** 0.5
+    scores = q64 @ kk.transpose(-2, -1) / D**0.5
     if causal:
         scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
     want = torch.softmax(scores, -1) @ vv

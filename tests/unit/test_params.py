@@ -15,8 +15,13 @@ from tests.helpers import tiny_model
 TINY = [
     dict(position=pos, norm=norm, activation=act, bias=bias, tie_embeddings=tie, n_kv_heads=kv)
     for pos, norm, act, bias, tie, kv in itertools.product(
-        ("rope", "learned", "sinusoidal", "none"), ("rmsnorm", "layernorm"), ("gelu", "swiglu"),
-        (False, True), (True, False), (None, 2, 1))
+        ("rope", "learned", "sinusoidal", "none"),
+        ("rmsnorm", "layernorm"),
+        ("gelu", "swiglu"),
+        (False, True),
+        (True, False),
+        (None, 2, 1),
+    )
 ]
 
 
@@ -39,23 +44,80 @@ def test_analytic_equals_module_on_meta(kw):
 def test_analytic_equals_real_module(kw):
     cfg = tiny(d_ffn=48, **kw)
     m = Transformer(cfg)
-    assert sum(p.numel() for p in m.parameters()) == count_parameters(cfg)["total"] == m.num_parameters()
+    assert (
+        sum(p.numel() for p in m.parameters())
+        == count_parameters(cfg)["total"]
+        == m.num_parameters()
+    )
 
 
 PUBLISHED = {
-    "llama-2-7b": (dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ffn=11008,
-                        norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False,
-                        bias=False, max_seq_len=4096), 6_738_415_616),
-    "llama-2-70b": (dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                         d_ffn=28672, norm="rmsnorm", activation="swiglu", position="rope",
-                         tie_embeddings=False, bias=False, max_seq_len=4096), 68_976_648_192),
-    "gpt2-124m": (dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, position="learned",
-                       max_seq_len=1024, norm="layernorm", activation="gelu", bias=True,
-                       tie_embeddings=True), 124_439_808),
-    "llama-3.2-1b": (dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                          d_ffn=8192, norm="rmsnorm", activation="swiglu", position="rope",
-                          rope_theta=500000.0, tie_embeddings=True, bias=False, max_seq_len=8192),
-                     1_235_814_400),
+    "llama-2-7b": (
+        dict(
+            vocab_size=32000,
+            d_model=4096,
+            n_layers=32,
+            n_heads=32,
+            d_ffn=11008,
+            norm="rmsnorm",
+            activation="swiglu",
+            position="rope",
+            tie_embeddings=False,
+            bias=False,
+            max_seq_len=4096,
+        ),
+        6_738_415_616,
+    ),
+    "llama-2-70b": (
+        dict(
+            vocab_size=32000,
+            d_model=8192,
+            n_layers=80,
+            n_heads=64,
+            n_kv_heads=8,
+            d_ffn=28672,
+            norm="rmsnorm",
+            activation="swiglu",
+            position="rope",
+            tie_embeddings=False,
+            bias=False,
+            max_seq_len=4096,
+        ),
+        68_976_648_192,
+    ),
+    "gpt2-124m": (
+        dict(
+            vocab_size=50257,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            position="learned",
+            max_seq_len=1024,
+            norm="layernorm",
+            activation="gelu",
+            bias=True,
+            tie_embeddings=True,
+        ),
+        124_439_808,
+    ),
+    "llama-3.2-1b": (
+        dict(
+            vocab_size=128256,
+            d_model=2048,
+            n_layers=16,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ffn=8192,
+            norm="rmsnorm",
+            activation="swiglu",
+            position="rope",
+            rope_theta=500000.0,
+            tie_embeddings=True,
+            bias=False,
+            max_seq_len=8192,
+        ),
+        1_235_814_400,
+    ),
 }
 
 

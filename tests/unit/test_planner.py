@@ -13,8 +13,15 @@ from tests.helpers import assert_one_line_error, cli_main
 
 def test_plan_rules_and_order():
     cfg = load_config("configs/llama-7b.yaml", ["train.global_batch_size=64"])
-    hw = Hardware(gpus=16, gpus_per_node=8, memory_gb=80, peak_tflops=989.5, intra_gbps=450,
-                  inter_gbps=50, efficiency=0.6)
+    hw = Hardware(
+        gpus=16,
+        gpus_per_node=8,
+        memory_gb=80,
+        peak_tflops=989.5,
+        intra_gbps=450,
+        inter_gbps=50,
+        efficiency=0.6,
+    )
     r = plan(cfg, hw, micro_batches=(1, 2))
     feasible = r["feasible"]
     assert feasible, r["rejected"][:3]
@@ -25,33 +32,46 @@ def test_plan_rules_and_order():
         assert L["tp"] * L["pp"] * L["dp"] == 16
         assert x["memory_gb"] + 2.0 <= 80
         assert not (L["zero"] == 3 and L["tp"] > 1) and not (L["zero"] >= 2 and L["pp"] > 1)
-        assert 0 < x["mfu"] < 0.6 + 1e-9                      # never above the assumed efficiency
+        assert 0 < x["mfu"] < 0.6 + 1e-9  # never above the assumed efficiency
     reasons = " ".join(x["reason"] for x in r["rejected"])
     assert "GB >" in reasons and "ZeRO-3 with TP" in reasons
     # 7B in bf16 without any sharding cannot fit 80 GB (16 bytes/param of states alone)
-    assert not any(x["layout"]["tp"] == x["layout"]["pp"] == 1 and x["layout"]["zero"] == 0
-                   for x in feasible)
+    assert not any(
+        x["layout"]["tp"] == x["layout"]["pp"] == 1 and x["layout"]["zero"] == 0 for x in feasible
+    )
 
 
 def test_plan_cli_json_and_errors():
-    r = cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40", "--gpu",
-                 "A100", "--json")
+    r = cli_main(
+        "plan",
+        "configs/gpt2-124m.yaml",
+        "--gpus",
+        "8",
+        "--gpu-mem",
+        "40",
+        "--gpu",
+        "A100",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["feasible"] and out["assumptions"]["memory_gb"] == 40
-    for x in out["feasible"]:   # ZeRO's memory table: model states per rank, each part named
+    for x in out["feasible"]:  # ZeRO's memory table: model states per rank, each part named
         m, zero = x["memory"], x["layout"]["zero"]
         assert {"weights", "grads", "optimizer", "activations", "total"} <= set(m), sorted(m)
         assert m["weights"] > 0 and m["grads"] > 0 and m["optimizer"] > 0
-        if zero == 0:   # bf16: 2 + 2 bytes/param, then fp32 master + Adam's two moments: 12
+        if zero == 0:  # bf16: 2 + 2 bytes/param, then fp32 master + Adam's two moments: 12
             assert x["layout"]["precision"] == "bf16"
             assert m["grads"] == pytest.approx(m["weights"])
             assert m["optimizer"] == pytest.approx(6 * m["weights"])
         assert m["total"] == pytest.approx(x["memory_gb"])
-    assert_one_line_error(cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40"),
-                          "--peak-tflops")
-    assert_one_line_error(cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu", "XPU-9"),
-                          "unknown GPU")
+    assert_one_line_error(
+        cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu-mem", "40"),
+        "--peak-tflops",
+    )
+    assert_one_line_error(
+        cli_main("plan", "configs/gpt2-124m.yaml", "--gpus", "8", "--gpu", "XPU-9"), "unknown GPU"
+    )
 
 
 def test_long_sequences_get_context_parallel_layouts():
@@ -60,8 +80,10 @@ def test_long_sequences_get_context_parallel_layouts():
     from megaformer.analysis.planner import Hardware, plan
     from megaformer.config import load_config
 
-    cfg = load_config("configs/llama-7b.yaml", ["data.seq_len=32768", "model.max_seq_len=32768",
-                                                "train.global_batch_size=16"])
+    cfg = load_config(
+        "configs/llama-7b.yaml",
+        ["data.seq_len=32768", "model.max_seq_len=32768", "train.global_batch_size=16"],
+    )
     r = plan(cfg, Hardware(16, 8, 80, 989.5, 450, 50, 0.6), micro_batches=(1,))
     cps = {(x["layout"]["cp"], x["layout"]["cp_mode"]) for x in r["feasible"]}
     assert (2, "ring") in cps and (2, "all_to_all") in cps
@@ -74,11 +96,14 @@ def test_long_sequences_get_context_parallel_layouts():
     assert ring["layers"] == pytest.approx(one["layers"] / 4 + fp32_out, rel=1e-6)
     # ring: K/V (bf16) passed cp - 1 times forward and backward, fp32 dK/dV cp times
     n, hkv = 32768 // 4, m.kv_heads * m.head_dim
-    assert context_comm_bytes(m, 32768, Layout(precision="bf16", cp=4)) == \
-        3 * n * 2 * hkv * 2 * 2 + 4 * n * 2 * hkv * 4
+    assert (
+        context_comm_bytes(m, 32768, Layout(precision="bf16", cp=4))
+        == 3 * n * 2 * hkv * 2 * 2 + 4 * n * 2 * hkv * 4
+    )
     hq = m.n_heads * m.head_dim
-    assert context_comm_bytes(m, 32768, Layout(precision="bf16", cp=4, cp_mode="all_to_all")) == \
-        pytest.approx(2 * 0.75 * n * (2 * hq + 2 * hkv) * 2)
+    assert context_comm_bytes(
+        m, 32768, Layout(precision="bf16", cp=4, cp_mode="all_to_all")
+    ) == pytest.approx(2 * 0.75 * n * (2 * hq + 2 * hkv) * 2)
 
 
 def test_moe_models_get_expert_parallel_layouts():
@@ -112,11 +137,28 @@ def test_fp8_gemms_run_at_the_fp8_peak():
     total = step_flops(m, s, gbs).hardware  # the vocabulary here needs no padding
     f8 = 3 * fp8_forward_flops(m, s) * gbs
     assert a["time"]["compute"] == pytest.approx(total / (8 * 989.5e12 * 0.5))
-    assert b["time"]["compute"] == pytest.approx(((total - f8) / 989.5e12 + f8 / 1979e12) / (8 * 0.5))
+    assert b["time"]["compute"] == pytest.approx(
+        ((total - f8) / 989.5e12 + f8 / 1979e12) / (8 * 0.5)
+    )
     assert b["mfu"] > a["mfu"]  # against the same bf16 peak
-    assert_one_line_error(cli_main("plan", "configs/llama-7b.yaml", "--gpus", "8", "--peak-tflops",
-                                   "900", "--gpu-mem", "80", "--intra-bw", "400", "--inter-bw", "50",
-                                   "train.fp8=rowwise"), "needs a --gpu with an FP8 peak")
+    assert_one_line_error(
+        cli_main(
+            "plan",
+            "configs/llama-7b.yaml",
+            "--gpus",
+            "8",
+            "--peak-tflops",
+            "900",
+            "--gpu-mem",
+            "80",
+            "--intra-bw",
+            "400",
+            "--inter-bw",
+            "50",
+            "train.fp8=rowwise",
+        ),
+        "needs a --gpu with an FP8 peak",
+    )
 
 
 def test_the_build_peak_is_counted():
@@ -126,8 +168,15 @@ def test_the_build_peak_is_counted():
     from megaformer.analysis.params import count_parameters
 
     cfg = load_config("configs/llama-70b.yaml")
-    hw = Hardware(gpus=512, gpus_per_node=8, memory_gb=80, peak_tflops=989.5, intra_gbps=450,
-                  inter_gbps=50, efficiency=0.6)
+    hw = Hardware(
+        gpus=512,
+        gpus_per_node=8,
+        memory_gb=80,
+        peak_tflops=989.5,
+        intra_gbps=450,
+        inter_gbps=50,
+        efficiency=0.6,
+    )
     r = plan(cfg, hw, micro_batches=(1,))
     P, M = count_parameters(cfg.model)["total"], largest_module_params(cfg.model)
     assert M == 855_654_400  # one block: attention 151.0 M + SwiGLU 704.6 M + 2 norms

@@ -63,25 +63,34 @@ def test_bpe_is_trained_saved_and_workers_agree(tmp_path, jsonl):
     assert texts == DOCS + ["a text file is one document\n\nwith a paragraph"]
     assert ds.n_tokens < sum(len(t.encode()) + 1 for t in texts)  # merges happened
     # the saved tokenizer file, two worker processes, small chunks: the same bytes
-    prepare(str(folder), str(tokenizer_path(tmp_path / "one")), tmp_path / "two", workers=2,
-            chunk_chars=500, progress=False)
+    prepare(
+        str(folder),
+        str(tokenizer_path(tmp_path / "one")),
+        tmp_path / "two",
+        workers=2,
+        chunk_chars=500,
+        progress=False,
+    )
     assert (tmp_path / "two.bin").read_bytes() == (tmp_path / "one.bin").read_bytes()
     assert (tmp_path / "two.idx").read_bytes() == (tmp_path / "one.idx").read_bytes()
 
 
 def test_parquet_glob_and_hub_code_path_on_local_files(tmp_path, monkeypatch):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     import datasets
     import huggingface_hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network: fail fast instead of retrying
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
     for i in range(2):
-        pq.write_table(pa.table({"body": [f"row {i}.{j}" for j in range(3)]}), tmp_path / f"p{i}.parquet")
-    r = prepare(str(tmp_path / "p*.parquet"), "byte", tmp_path / "pq", text_field="body", progress=False)
+        pq.write_table(
+            pa.table({"body": [f"row {i}.{j}" for j in range(3)]}), tmp_path / f"p{i}.parquet"
+        )
+    r = prepare(
+        str(tmp_path / "p*.parquet"), "byte", tmp_path / "pq", text_field="body", progress=False
+    )
     ds = IndexedDataset(tmp_path / "pq")
     assert r.documents == 6 and bytes(ds.get(4)[:-1].astype(np.uint8)).decode() == "row 1.1"
     # 'hf:' forces the hub reader (load_dataset(NAME, CONFIG, split=..., streaming=True)); a local
@@ -91,7 +100,9 @@ def test_parquet_glob_and_hub_code_path_on_local_files(tmp_path, monkeypatch):
     (hub / "train.jsonl").write_text('{"text": "from the hub path"}\n{"text": "two"}\n')
     r = prepare(f"hf:{hub}@train", "byte", tmp_path / "hub", progress=False)
     assert r.documents == 2
-    with pytest.raises(DataError, match="no-such/dataset-xyz@train: cannot load from the Hugging Face hub"):
+    with pytest.raises(
+        DataError, match="no-such/dataset-xyz@train: cannot load from the Hugging Face hub"
+    ):
         prepare("hf:no-such/dataset-xyz", "byte", tmp_path / "nohub", progress=False)
 
 
@@ -118,18 +129,42 @@ def test_a_failure_midway_leaves_no_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-@pytest.mark.parametrize("make,args,needles", [
-    (lambda p: p.joinpath("d.jsonl").write_text('{"content": "x"}\n'),
-     ["--input", "{d}/d.jsonl"], ["d.jsonl: no field 'text' (fields: content)"]),
-    (lambda p: p.joinpath("bad.txt").write_bytes(b"ok \xff\xfe not utf-8"),
-     ["--input", "{d}/bad.txt"], ["bad.txt: invalid UTF-8"]),
-    (lambda p: p.joinpath("d.jsonl").write_text('{"text": "x"}\n'),
-     ["--input", "{d}/d.jsonl", "--dtype", "uint8"], ["257 token ids do not fit uint8"]),
-    (lambda p: (p.joinpath("out.bin").write_bytes(b""), p.joinpath("d.jsonl").write_text('{"text": "x"}\n')),
-     ["--input", "{d}/d.jsonl"], ["out.bin: already exists; pass --overwrite"]),
-    (lambda p: (p.joinpath("m.idx").write_bytes(b"MMIDIDX\x00\x00\x01"), p.joinpath("m.bin").write_bytes(b"")),
-     ["--merge", "{d}/m"], ["m.idx: truncated"]),
-])
+@pytest.mark.parametrize(
+    "make,args,needles",
+    [
+        (
+            lambda p: p.joinpath("d.jsonl").write_text('{"content": "x"}\n'),
+            ["--input", "{d}/d.jsonl"],
+            ["d.jsonl: no field 'text' (fields: content)"],
+        ),
+        (
+            lambda p: p.joinpath("bad.txt").write_bytes(b"ok \xff\xfe not utf-8"),
+            ["--input", "{d}/bad.txt"],
+            ["bad.txt: invalid UTF-8"],
+        ),
+        (
+            lambda p: p.joinpath("d.jsonl").write_text('{"text": "x"}\n'),
+            ["--input", "{d}/d.jsonl", "--dtype", "uint8"],
+            ["257 token ids do not fit uint8"],
+        ),
+        (
+            lambda p: (
+                p.joinpath("out.bin").write_bytes(b""),
+                p.joinpath("d.jsonl").write_text('{"text": "x"}\n'),
+            ),
+            ["--input", "{d}/d.jsonl"],
+            ["out.bin: already exists; pass --overwrite"],
+        ),
+        (
+            lambda p: (
+                p.joinpath("m.idx").write_bytes(b"MMIDIDX\x00\x00\x01"),
+                p.joinpath("m.bin").write_bytes(b""),
+            ),
+            ["--merge", "{d}/m"],
+            ["m.idx: truncated"],
+        ),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_file(tmp_path, make, args, needles):
     make(tmp_path)
     argv = [a.format(d=tmp_path) for a in args]

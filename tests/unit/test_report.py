@@ -15,10 +15,24 @@ def _fake_run(folder: Path, n: int = 6, partial_last_line: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(1, n + 1):
-        lines.append(json.dumps({"step": i, "loss": 5.0 / i, "lr": 1e-3, "grad_norm": 1.0,
-                                 "tokens_per_s": 1000.0 + i, "step_time_s": 0.1,
-                                 "tflops_per_gpu": 0.5, "hw_tflops_per_gpu": 0.6, "mfu": 0.25,
-                                 "hfu": 0.3, "peak_mem_gb": 1.5, "consumed_tokens": 100 * i}))
+        lines.append(
+            json.dumps(
+                {
+                    "step": i,
+                    "loss": 5.0 / i,
+                    "lr": 1e-3,
+                    "grad_norm": 1.0,
+                    "tokens_per_s": 1000.0 + i,
+                    "step_time_s": 0.1,
+                    "tflops_per_gpu": 0.5,
+                    "hw_tflops_per_gpu": 0.6,
+                    "mfu": 0.25,
+                    "hfu": 0.3,
+                    "peak_mem_gb": 1.5,
+                    "consumed_tokens": 100 * i,
+                }
+            )
+        )
         if i % 3 == 0:
             lines.append(json.dumps({"step": i, "val_loss": 4.0 / i, "val_ppl": 2.0}))
     text = "\n".join(lines) + "\n"
@@ -32,15 +46,23 @@ def test_report_from_jsonl_in_progress(tmp_path):
     run = _fake_run(tmp_path / "run")
     records, _ = load_records(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert records[2]["val_loss"] == pytest.approx(4.0 / 3) and records[2]["loss"] == pytest.approx(5 / 3)
+    assert records[2]["val_loss"] == pytest.approx(4.0 / 3) and records[2]["loss"] == pytest.approx(
+        5 / 3
+    )
     r = write_report(run, tmp_path / "out")
     names = sorted(Path(p).name for p in r["plots"])
-    assert names == ["loss.png", "lr.png", "memory.png", "mfu.png", "tflops_per_gpu.png",
-                     "tokens_per_s.png"]
+    assert names == [
+        "loss.png",
+        "lr.png",
+        "memory.png",
+        "mfu.png",
+        "tflops_per_gpu.png",
+        "tokens_per_s.png",
+    ]
     for p in r["plots"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = Path(r["summary"]).read_text()
-    assert "| tokens/s | 1,004 |" in md   # median of steps 2..6 (first interval = warm-up)
+    assert "| tokens/s | 1,004 |" in md  # median of steps 2..6 (first interval = warm-up)
     assert "| MFU | 25.00% |" in md
 
 
@@ -55,9 +77,21 @@ def test_training_logs_throughput_then_report(tmp_path):
     """A tiny CPU run logs tokens/s, TFLOP/s per GPU, MFU/HFU (peak given) and peak memory to
     metrics.jsonl and TensorBoard; report reads the events when metrics.jsonl is gone."""
     run = tmp_path / "run"
-    r = run_cli("train", "configs/quickstart.yaml", *tiny_overrides(**{
-        "train.steps": 4, "eval.interval": 0, "log.tensorboard": True, "log.peak_tflops": 0.5,
-        "train.recompute": "none"}), "--run-dir", str(run))
+    r = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(
+            **{
+                "train.steps": 4,
+                "eval.interval": 0,
+                "log.tensorboard": True,
+                "log.peak_tflops": 0.5,
+                "train.recompute": "none",
+            }
+        ),
+        "--run-dir",
+        str(run),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "TFLOP/s/GPU" in r.stdout and "MFU" in r.stdout and "FLOPs:" in r.stdout
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -76,8 +110,11 @@ def test_training_logs_throughput_then_report(tmp_path):
 
 
 def test_unknown_gpu_in_training_config_is_one_line_error():
-    assert_one_line_error(cli_main("train", "configs/quickstart.yaml", "log.gpu=TPU-v9", "--dry-run"),
-                          "log.gpu", "unknown GPU")
+    assert_one_line_error(
+        cli_main("train", "configs/quickstart.yaml", "log.gpu=TPU-v9", "--dry-run"),
+        "log.gpu",
+        "unknown GPU",
+    )
 
 
 def _fake_diag_run(folder: Path, bump_step: int, bump_layer: int, bump: float) -> Path:
@@ -109,16 +146,24 @@ def test_report_of_two_runs_names_where_they_diverge(tmp_path):
     assert first["a"] == pytest.approx(2.5) and first["b"] == pytest.approx(2.5 * 1.08)
     assert d["diag_resid_rms"]["points"] == 3 * 8
     assert d["diag_attn_max_logit"]["first"] is None and d["diag_attn_max_logit"]["largest"] == 0
-    assert write_comparison(a, b, tmp_path / "o", threshold=0.1)["divergence"]["loss"]["first"] is None
+    assert (
+        write_comparison(a, b, tmp_path / "o", threshold=0.1)["divergence"]["loss"]["first"] is None
+    )
     names = sorted(Path(p).name for p in r["plots"])
-    assert names == ["compare_diag_attn_max_logit.png", "compare_diag_resid_rms.png",
-                     "compare_loss.png"]
+    assert names == [
+        "compare_diag_attn_max_logit.png",
+        "compare_diag_resid_rms.png",
+        "compare_loss.png",
+    ]
     md = Path(r["summary"]).read_text()
     assert Path(r["summary"]).parent == a / "compare_fp8"
     assert "| residual RMS | 24 | step 5, layer_01 | 2.5 | 2.7 | 8.00% | 8.00% |" in md
     out = cli_main("report", str(a), str(b), "--out", str(tmp_path / "cli"))
     assert out.returncode == 0, out.stderr
-    assert "residual RMS: first diverges at step 5, layer_01 (A 2.5, B 2.7, 8.00% > 5.0%)" in out.stdout
+    assert (
+        "residual RMS: first diverges at step 5, layer_01 (A 2.5, B 2.7, 8.00% > 5.0%)"
+        in out.stdout
+    )
     assert "max attention logit: within 5.0% at all 24 points" in out.stdout
     assert_one_line_error(cli_main("report", str(a), str(tmp_path / "nope")), "not a run directory")
     assert_one_line_error(cli_main("report", str(a), str(b), "--threshold", "0"), "--threshold")

@@ -15,8 +15,13 @@ import time
 
 import pytest
 
-from megaformer.runtime.run_lock import (OWNER_FILE, RunDirInUse, RunLock, check_not_owned,
-                                         read_owner)
+from megaformer.runtime.run_lock import (
+    OWNER_FILE,
+    RunDirInUse,
+    RunLock,
+    check_not_owned,
+    read_owner,
+)
 from tests.helpers import assert_one_line_error, cli_main, run_cli, subprocess_env, tiny_overrides
 
 
@@ -26,12 +31,24 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def _plant_owner(run_dir, host: str, pid: int, age_s: float = 0.0, job=None, attempt=(0, 0)) -> None:
+def _plant_owner(
+    run_dir, host: str, pid: int, age_s: float = 0.0, job=None, attempt=(0, 0)
+) -> None:
     """An owner file as another job would have left it, its last heartbeat ``age_s`` ago."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / OWNER_FILE
-    path.write_text(json.dumps({"host": host, "pid": pid, "started": time.time() - age_s - 60,
-                                "job": job, "attempt": list(attempt), "token": "other"}))
+    path.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "pid": pid,
+                "started": time.time() - age_s - 60,
+                "job": job,
+                "attempt": list(attempt),
+                "token": "other",
+            }
+        )
+    )
     os.utime(path, (time.time() - age_s, time.time() - age_s))
 
 
@@ -53,8 +70,13 @@ def test_second_job_is_refused_while_the_first_keeps_it(tmp_path):
         RunLock(tmp_path / "run").acquire()
     line = str(refused.value)
     assert "\n" not in line
-    for needle in (f"host {socket.gethostname()}", f"pid {os.getpid()}", "started ",
-                   "last heartbeat ", "s ago"):
+    for needle in (
+        f"host {socket.gethostname()}",
+        f"pid {os.getpid()}",
+        "started ",
+        "last heartbeat ",
+        "s ago",
+    ):
         assert needle in line, (needle, line)
     assert read_owner(tmp_path / "run" / OWNER_FILE).token == first.me.token  # untouched
     time.sleep(0.3)
@@ -73,8 +95,10 @@ def test_owner_whose_process_died_on_this_host_is_taken_over(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="megaformer"):
         lock.acquire()
     assert read_owner(lock.path).token == lock.me.token
-    assert any("taking over from a stale owner" in r.message and "is gone" in r.message
-               for r in caplog.records)
+    assert any(
+        "taking over from a stale owner" in r.message and "is gone" in r.message
+        for r in caplog.records
+    )
     lock.release()
 
 
@@ -132,8 +156,15 @@ def test_convert_and_prepare_refuse_an_owned_run_directory(tmp_path, sleeper):
     check_not_owned(tmp_path / "elsewhere", "convert")  # outside: fine
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world\n" * 50)
-    proc = cli_main("prepare-data", "--input", str(corpus), "--tokenizer", "byte",
-                    "--output-prefix", str(run / "data"))
+    proc = cli_main(
+        "prepare-data",
+        "--input",
+        str(corpus),
+        "--tokenizer",
+        "byte",
+        "--output-prefix",
+        str(run / "data"),
+    )
     assert_one_line_error(proc, "prepare-data:", "in use by a training job", f"pid {sleeper}")
     assert sorted(p.name for p in run.iterdir()) == [OWNER_FILE]
     from megaformer.checkpoint.hf.convert import staged_output  # both directions write through it
@@ -155,11 +186,21 @@ def test_train_refused_on_an_owned_run_directory_writes_nothing(tmp_path, sleepe
 @pytest.mark.slow
 def test_two_real_trainings_on_one_run_directory(tmp_path):
     run = tmp_path / "run"
-    args = ["train", "configs/quickstart.yaml",
-            *tiny_overrides(**{"train.steps": 400, "eval.interval": 0}), "--run-dir", str(run)]
-    first = subprocess.Popen([sys.executable, "-m", "megaformer", *args], env=subprocess_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    args = [
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(**{"train.steps": 400, "eval.interval": 0}),
+        "--run-dir",
+        str(run),
+    ]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "megaformer", *args],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     try:
         deadline = time.time() + 120
         while not (run / "metrics.jsonl").exists():  # the first one trains
@@ -175,8 +216,11 @@ def test_two_real_trainings_on_one_run_directory(tmp_path):
             first.kill()
     assert first.returncode == 0 and "stopped at step" in out, err[-2000:]
     assert not (run / OWNER_FILE).exists()  # released at the clean exit
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-             if '"loss"' in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
     assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved rows
     # and the directory is free for the next job, which resumes from the checkpoint
     with RunLock(run):

@@ -21,13 +21,12 @@ import pytest
 import torch
 
 from megaformer.checkpoint import layout as ckpt_layout
-from megaformer.checkpoint.legacy import engine_files
 from megaformer.checkpoint import save as ckpt_save
 from megaformer.checkpoint import weights as ckpt_weights
+from megaformer.checkpoint.legacy import engine_files
 from megaformer.config import Config, load_config
 from megaformer.errors import CheckpointError, ConfigError, DataError, UserError
-from tests.helpers import (assert_one_line_error, cli_main, run_process, tiny_model,
-                           tiny_overrides)
+from tests.helpers import assert_one_line_error, cli_main, run_process, tiny_model, tiny_overrides
 
 VICTIM_TEXT = "victim: must stay exactly like this\n"
 
@@ -49,6 +48,7 @@ class Marker:
 
 
 # ----------------------------------------------------------------------------- tiny checkpoints
+
 
 def tiny_run(root: Path) -> Path:
     """A run directory holding a weights-only checkpoint of a tiny untied model (no training)."""
@@ -76,25 +76,41 @@ def hf_folder(tmp_path: Path, run_dir: Path) -> Path:
 
 # ----------------------------------------------------------------------------- configs
 
+
 def test_deepspeed_section_is_an_allowlist_and_universal_loading_is_off(tmp_path):
     from megaformer.training.deepspeed_config import build_deepspeed_config
 
     cfg_file = tmp_path / "c.yaml"
-    for section, needle in (({"checkpoint": {"load_universal": True}}, "deepspeed.checkpoint:"),
-                            ({"flops_profiler": {"output_file": str(tmp_path / "x")}},
-                             "deepspeed.flops_profiler.output_file:"),
-                            ({"torch_autocast": {"enabled": True}}, "deepspeed.torch_autocast:"),
-                            ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
-                             "deepspeed.zero_optimization.offload_param.device='nvme'"),
-                            ({"wandb": {"enabled": True}}, "deepspeed.wandb:")):
+    for section, needle in (
+        ({"checkpoint": {"load_universal": True}}, "deepspeed.checkpoint:"),
+        (
+            {"flops_profiler": {"output_file": str(tmp_path / "x")}},
+            "deepspeed.flops_profiler.output_file:",
+        ),
+        ({"torch_autocast": {"enabled": True}}, "deepspeed.torch_autocast:"),
+        (
+            {"zero_optimization": {"offload_param": {"device": "nvme"}}},
+            "deepspeed.zero_optimization.offload_param.device='nvme'",
+        ),
+        ({"wandb": {"enabled": True}}, "deepspeed.wandb:"),
+    ):
         cfg_file.write_text(json.dumps({"deepspeed": section}))
-        with pytest.raises(ConfigError, match="^" + needle.replace(".", r"\.").replace("(", r"\(")
-                           ) as e:
+        with pytest.raises(
+            ConfigError, match="^" + needle.replace(".", r"\.").replace("(", r"\(")
+        ) as e:
             load_config(cfg_file)
         assert "\n" not in str(e.value)
     # reviewed keys pass, and the derived config never loads universal checkpoints
-    cfg_file.write_text(json.dumps({"deepspeed": {"zero_optimization": {"overlap_comm": True},
-                                                  "communication_data_type": "fp32"}}))
+    cfg_file.write_text(
+        json.dumps(
+            {
+                "deepspeed": {
+                    "zero_optimization": {"overlap_comm": True},
+                    "communication_data_type": "fp32",
+                }
+            }
+        )
+    )
     ds = build_deepspeed_config(load_config(cfg_file), grad_accum=1)
     assert ds["checkpoint"] == {"load_universal": False}
     assert ds["zero_optimization"] == {"stage": 0, "overlap_comm": True}
@@ -123,9 +139,11 @@ def test_deepspeed_loading_is_weights_only_for_the_whole_call(tmp_path):
 def test_yaml_alias_bomb_and_device_config_are_refused(tmp_path):
     bomb = tmp_path / "bomb.yaml"
     lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
-    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
-              f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
-              for i in range(8)]
+    lines += [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
+        for i in range(8)
+    ]
     bomb.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match="anchors and aliases.*line 1") as e:
         load_config(bomb)
@@ -140,8 +158,19 @@ def test_yaml_alias_bomb_and_device_config_are_refused(tmp_path):
 
 # ----------------------------------------------------------------------------- run directories
 
-@pytest.mark.parametrize("entry", ["metrics.jsonl", "checkpoints", "logs", "tokenizer.json",
-                                   "data_cache", "report", "config.yaml"])
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "metrics.jsonl",
+        "checkpoints",
+        "logs",
+        "tokenizer.json",
+        "data_cache",
+        "report",
+        "config.yaml",
+    ],
+)
 def test_symlinked_run_dir_entries_are_refused(tmp_path, entry):
     """`megaformer train` refuses a run directory whose entry is a link, before writing anything;
     the link's target is untouched."""
@@ -176,9 +205,14 @@ def test_metrics_report_and_prune_do_not_write_through_links(tmp_path):
     assert target.read_text() == VICTIM_TEXT
     # report: a planted summary.md link (an authorized_keys stand-in) is refused, not written
     (run / "metrics.jsonl").unlink()
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n"
-                                       + json.dumps({"step": "ssh-ed25519 AAAA", "loss": 1}) + "\n"
-                                       + json.dumps({"step": 2, "loss": "ssh-ed25519 AAAA"}) + "\n")
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "loss": 2.5})
+        + "\n"
+        + json.dumps({"step": "ssh-ed25519 AAAA", "loss": 1})
+        + "\n"
+        + json.dumps({"step": 2, "loss": "ssh-ed25519 AAAA"})
+        + "\n"
+    )
     keys = victim(tmp_path, "authorized_keys")
     (run / "report").mkdir()
     (run / "report" / "summary.md").symlink_to(keys)
@@ -193,13 +227,18 @@ def test_metrics_report_and_prune_do_not_write_through_links(tmp_path):
 def test_latest_may_only_name_a_checkpoint_inside_the_run(tmp_path, run_dir):
     other = tiny_run(tmp_path / "someone_else")
     pointer = run_dir / "checkpoints" / "latest"
-    for name in ("../../someone_else/checkpoints/step_0000000",
-                 str(other / "checkpoints" / "step_0000000")):
+    for name in (
+        "../../someone_else/checkpoints/step_0000000",
+        str(other / "checkpoints" / "step_0000000"),
+    ):
         pointer.write_text(name + "\n")
         with pytest.raises(CheckpointError, match="expected step_<digits>"):
             ckpt_layout.resolve_checkpoint(run_dir)
-        assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
-                              "latest", "expected step_<digits>")
+        assert_one_line_error(
+            cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
+            "latest",
+            "expected step_<digits>",
+        )
     pointer.write_text("step_0000000\n")
     assert ckpt_layout.resolve_checkpoint(run_dir) == run_dir / "checkpoints" / "step_0000000"
 
@@ -231,9 +270,20 @@ def test_pruning_keeps_the_sealed_checkpoint_and_never_follows_planted_entries(t
     (other / ckpt_layout.META).write_text("{}")
     victim(other)
     (run / "checkpoints" / "step_0000000").symlink_to(other, target_is_directory=True)
-    saved = [ckpt_save.save_checkpoint(CopyingEngine(), run, step, rank=0, world_size=1,
-                                     client_state={"step": step}, snapshot=snapshot(step),
-                                     keep_last=2, barrier=lambda: None) for step in (1, 2, 3)]
+    saved = [
+        ckpt_save.save_checkpoint(
+            CopyingEngine(),
+            run,
+            step,
+            rank=0,
+            world_size=1,
+            client_state={"step": step},
+            snapshot=snapshot(step),
+            keep_last=2,
+            barrier=lambda: None,
+        )
+        for step in (1, 2, 3)
+    ]
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["latest", "step_0000000", "step_0000002", "step_0000003", "step_9999999"]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000003"
@@ -243,6 +293,7 @@ def test_pruning_keeps_the_sealed_checkpoint_and_never_follows_planted_entries(t
 
 
 # ----------------------------------------------------------------------------- native kernel cache
+
 
 def test_planted_library_in_a_group_writable_cache_is_not_loaded(tmp_path, monkeypatch):
     from megaformer.kernels import native
@@ -258,8 +309,11 @@ def test_planted_library_in_a_group_writable_cache_is_not_loaded(tmp_path, monke
 
     monkeypatch.setenv("MEGAFORMER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_compile", fake_compile)
+
     def build(compiler: str) -> Path:
-        return native.build_library(compiler, native.SOURCE, native.FLAGS, native.LIBRARY, "native")[0]
+        return native.build_library(
+            compiler, native.SOURCE, native.FLAGS, native.LIBRARY, "native"
+        )[0]
 
     first = build("cc")
     assert oct((tmp_path / "cache" / "native").stat().st_mode & 0o777) == "0o700"
@@ -280,6 +334,7 @@ def test_planted_library_in_a_group_writable_cache_is_not_loaded(tmp_path, monke
 
 
 # ----------------------------------------------------------------------------- Hugging Face folders
+
 
 @pytest.mark.parametrize("where", ["../secret.safetensors", "ABSOLUTE"])
 def test_weight_map_pointing_outside_the_folder_is_refused(tmp_path, hf_folder, where):
@@ -305,8 +360,9 @@ def test_hf_shape_bomb_is_refused_before_anything_is_allocated(tmp_path, hf_fold
     """config.json claims hidden_size 4194304 (and biases the weights lack, which would be
     zero-filled at that width) beside the tiny tensors: refused on shapes, nothing written."""
     config = json.loads((hf_folder / "config.json").read_text())
-    config.update(hidden_size=4194304, head_dim=4194304 // config["num_attention_heads"],
-                  attention_bias=True)
+    config.update(
+        hidden_size=4194304, head_dim=4194304 // config["num_attention_heads"], attention_bias=True
+    )
     (hf_folder / "config.json").write_text(json.dumps(config))
     proc = cli_main("convert", str(hf_folder), str(tmp_path / "out"), "--to", "megaformer")
     assert_one_line_error(proc, "has shape", "the config describes")
@@ -334,6 +390,7 @@ def test_generate_checks_weight_shapes_before_building_the_model(run_dir):
 
 # ----------------------------------------------------------------------------- data
 
+
 def test_missing_local_dataset_path_is_an_error_not_a_hub_lookup(tmp_path, monkeypatch):
     import datasets
 
@@ -347,8 +404,15 @@ def test_missing_local_dataset_path_is_an_error_not_a_hub_lookup(tmp_path, monke
         with pytest.raises(DataError, match="no such file.*needs the prefix hf:") as e:
             open_source(spec)
         assert str(e.value).startswith(spec)
-    proc = cli_main("prepare-data", "--input", "someone/dataset", "--tokenizer", "byte",
-                    "--output-prefix", str(tmp_path / "out"))
+    proc = cli_main(
+        "prepare-data",
+        "--input",
+        "someone/dataset",
+        "--tokenizer",
+        "byte",
+        "--output-prefix",
+        str(tmp_path / "out"),
+    )
     assert_one_line_error(proc, "someone/dataset: no such file")
     assert open_source("hf:someone/dataset").hub == ("someone/dataset", None, "train")
 
@@ -389,15 +453,19 @@ def test_poisoned_shared_data_cache_is_ignored(tmp_path):
 
 # ----------------------------------------------------------------------------- code from a config
 
+
 def plant_task_folder(tmp_path: Path, marker: Path) -> Path:
     """An lm-eval task folder whose `!function` tag imports a .py that creates ``marker``."""
     folder = tmp_path / "tasks"
     folder.mkdir()
     (folder / "evil.yaml").write_text(
         "task: evil_task\ncustom_dataset: !function payload.ds\noutput_type: loglikelihood_rolling\n"
-        "test_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n")
-    (folder / "payload.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
-                                       "def ds(**kw):\n    return {{}}\n")
+        "test_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+    )
+    (folder / "payload.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "def ds(**kw):\n    return {{}}\n"
+    )
     return folder
 
 
@@ -407,15 +475,17 @@ def test_config_file_may_not_name_a_task_folder(tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
     folder = plant_task_folder(tmp_path, marker)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(json.dumps({"eval": {"tasks": ["evil_task"],
-                                        "tasks_include_path": str(folder)}}))
+    cfg.write_text(
+        json.dumps({"eval": {"tasks": ["evil_task"], "tasks_include_path": str(folder)}})
+    )
     proc = cli_main("train", str(cfg), *tiny_overrides(), "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(proc, "c.yaml: eval.tasks_include_path=", "MEGAFORMER_TRUST_TASKS_DIR")
     assert not marker.exists() and not (tmp_path / "run").exists()
     plain = tmp_path / "plain.yaml"
     plain.write_text(json.dumps({"eval": {"tasks": ["evil_task"]}}))
-    assert load_config(plain, [f"eval.tasks_include_path={folder}"]).eval.tasks_include_path \
-        == str(folder)
+    assert load_config(plain, [f"eval.tasks_include_path={folder}"]).eval.tasks_include_path == str(
+        folder
+    )
     monkeypatch.setenv("MEGAFORMER_TRUST_TASKS_DIR", str(folder))
     assert load_config(cfg).eval.tasks_include_path == str(folder)
     monkeypatch.setenv("MEGAFORMER_TRUST_TASKS_DIR", str(tmp_path))  # another folder: refused
@@ -425,6 +495,7 @@ def test_config_file_may_not_name_a_task_folder(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- reads through links
+
 
 def test_checkpoint_files_are_never_read_through_links(tmp_path, run_dir):
     """A linked tokenizer.json (a private-key stand-in), config.yaml, state/ folder or checkpoints/
@@ -439,23 +510,29 @@ def test_checkpoint_files_are_never_read_through_links(tmp_path, run_dir):
     tok.unlink()
     tok.symlink_to(key)
     out = tmp_path / "out"
-    line = assert_one_line_error(cli_main("convert", str(run_dir), str(out), "--to", "megaformer"),
-                                 f"{tok}: is a symbolic link")
+    line = assert_one_line_error(
+        cli_main("convert", str(run_dir), str(out), "--to", "megaformer"),
+        f"{tok}: is a symbolic link",
+    )
     assert "victim" not in line and not out.exists()
     tok.unlink()
     tok.write_bytes(saved)
     (ckpt / "config.yaml").unlink()
     (ckpt / "config.yaml").symlink_to(other / "checkpoints" / "step_0000000" / "config.yaml")
-    for args in (("generate", str(run_dir), "--max-new-tokens", "1"),
-                 ("convert", str(run_dir), str(out), "--to", "hf"),
-                 ("eval", str(run_dir), "--tasks", "x")):
+    for args in (
+        ("generate", str(run_dir), "--max-new-tokens", "1"),
+        ("convert", str(run_dir), str(out), "--to", "hf"),
+        ("eval", str(run_dir), "--tasks", "x"),
+    ):
         assert_one_line_error(cli_main(*args), f"{ckpt / 'config.yaml'}: is a symbolic link")
     assert not out.exists()
     (ckpt / "config.yaml").unlink()
     shutil.copy(other / "checkpoints" / "step_0000000" / "config.yaml", ckpt / "config.yaml")
     (ckpt / "state").symlink_to(other / "checkpoints" / "step_0000000", target_is_directory=True)
-    assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
-                          f"{ckpt / 'state'}: is a symbolic link")
+    assert_one_line_error(
+        cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
+        f"{ckpt / 'state'}: is a symbolic link",
+    )
     (ckpt / "state").unlink()
     # the reading helper opens each component without following links, and a FIFO does not hang
     with pytest.raises(CheckpointError, match="linked: is a symbolic link"):
@@ -466,25 +543,34 @@ def test_checkpoint_files_are_never_read_through_links(tmp_path, run_dir):
         open_inside(ckpt, "fifo")
     with pytest.raises(CheckpointError, match="not a plain path"):
         open_inside(ckpt, "../step_0000000/config.yaml")
-    assert read_inside(run_dir / "checkpoints", "step_0000000/config.yaml") \
+    assert (
+        read_inside(run_dir / "checkpoints", "step_0000000/config.yaml")
         == (ckpt / "config.yaml").read_bytes()
+    )
     os.unlink(ckpt / "fifo")
     shutil.rmtree(run_dir / "checkpoints")
     (run_dir / "checkpoints").symlink_to(other / "checkpoints", target_is_directory=True)
-    assert_one_line_error(cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
-                          f"{run_dir / 'checkpoints'}: is a symbolic link")
+    assert_one_line_error(
+        cli_main("generate", str(run_dir), "--max-new-tokens", "1"),
+        f"{run_dir / 'checkpoints'}: is a symbolic link",
+    )
     assert key.read_text() == VICTIM_TEXT
 
 
 # ----------------------------------------------------------------------------- sharded state
 
+
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Path:
     """A run directory whose checkpoint is a sharded state (two tiny training steps)."""
     run = tmp_path_factory.mktemp("sharded") / "run"
-    proc = cli_main("train", "configs/quickstart.yaml",
-                    *tiny_overrides(**{"train.steps": 2, "eval.interval": 0, "eval.at_end": False}),
-                    "--run-dir", str(run))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(**{"train.steps": 2, "eval.interval": 0, "eval.at_end": False}),
+        "--run-dir",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run
 
@@ -515,51 +601,81 @@ def test_overlapping_boxes_do_not_pass_as_a_whole_tensor(tmp_path, sharded_run):
     name, key = "tok_embeddings.weight", "tok_embeddings.weight/master/0"
     rows, cols = index["shapes"][name]
     half = rows // 2
-    tensors[key + "x"] = tensors[key][rows - 1:].contiguous()  # the odd last row
+    tensors[key + "x"] = tensors[key][rows - 1 :].contiguous()  # the odd last row
     tensors[key] = tensors[key][:half].contiguous()
     save_file(tensors, str(shard))
     index["files"][shard.name] = shard.stat().st_size
-    index["boxes"][f"{name}/master"] = [[shard.name, key, [0, 0], [half, cols]],
-                                        [shard.name, key, [0, 0], [half, cols]],
-                                        [shard.name, key + "x", [rows - 1, 0], [1, cols]]]
+    index["boxes"][f"{name}/master"] = [
+        [shard.name, key, [0, 0], [half, cols]],
+        [shard.name, key, [0, 0], [half, cols]],
+        [shard.name, key + "x", [rows - 1, 0], [1, cols]],
+    ]
     assert 2 * half + 1 == rows  # the element count adds up
     (ckpt / "state" / "index.json").write_text(json.dumps(index))
     out = tmp_path / "hf"
-    assert_one_line_error(cli_main("convert", str(run), str(out), "--to", "hf"),
-                          "two boxes of tok_embeddings.weight/master overlap")
+    assert_one_line_error(
+        cli_main("convert", str(run), str(out), "--to", "hf"),
+        "two boxes of tok_embeddings.weight/master overlap",
+    )
     assert not out.exists()
     index["boxes"][f"{name}/master"].pop(1)  # half missing: the volumes do not add up
     (ckpt / "state" / "index.json").write_text(json.dumps(index))
-    assert_one_line_error(cli_main("generate", str(run), "--max-new-tokens", "1"),
-                          f"hold {(half + 1) * cols} elements, the tensor {rows * cols}")
+    assert_one_line_error(
+        cli_main("generate", str(run), "--max-new-tokens", "1"),
+        f"hold {(half + 1) * cols} elements, the tensor {rows * cols}",
+    )
     # exact tilings of a 2-d tensor pass, partial rows included
     tiles = [["f", "k", [0, 0], [1, 3]], ["f", "k", [0, 3], [1, 2]], ["f", "k", [1, 0], [2, 5]]]
     check_exact_cover("w", (3, 5), tiles, Path("index.json"))
-    crossing = [["f", "k", [0, 0], [2, 3]], ["f", "k", [1, 2], [2, 3]], ["f", "k", [0, 3], [1, 2]],
-                ["f", "k", [2, 0], [1, 1]]]  # 15 elements, (1, 2) twice and (2, 1) never
-    with pytest.raises(CheckpointError, match=r"two boxes of w overlap \(at offsets \[0, 0\] and "
-                                              r"\[1, 2\]\)"):
+    crossing = [
+        ["f", "k", [0, 0], [2, 3]],
+        ["f", "k", [1, 2], [2, 3]],
+        ["f", "k", [0, 3], [1, 2]],
+        ["f", "k", [2, 0], [1, 1]],
+    ]  # 15 elements, (1, 2) twice and (2, 1) never
+    with pytest.raises(
+        CheckpointError,
+        match=r"two boxes of w overlap \(at offsets \[0, 0\] and "
+        r"\[1, 2\]\)",
+    ):
         check_exact_cover("w", (3, 5), crossing, Path("index.json"))
 
 
 # ----------------------------------------------------------------------------- writes through links
+
 
 def test_shared_cache_and_wandb_folder_are_not_written_through_links(tmp_path):
     """A link planted at the tokenizer scratch name of a shared data.cache_dir (a ~/.bashrc
     stand-in) is not written through; a linked RUN_DIR/wandb is refused before W&B starts; the
     folders megaformer creates in the cache are private."""
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
-                            for i in range(300)))
+    docs.write_text(
+        "".join(
+            json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(300)
+        )
+    )
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     bashrc = victim(tmp_path, "bashrc")
     for rank in range(2):
         (cache / f".tokenizer-{rank}.json").symlink_to(bashrc)
-    overrides = tiny_overrides(**{"train.steps": 1, "eval.interval": 0, "eval.at_end": False,
-                                  "checkpoint.save_at_end": False})
-    proc = cli_main("train", "configs/quickstart.yaml", *overrides, f"data.paths=[{docs}]",
-                    f"data.cache_dir={cache}", "--run-dir", str(tmp_path / "run"))
+    overrides = tiny_overrides(
+        **{
+            "train.steps": 1,
+            "eval.interval": 0,
+            "eval.at_end": False,
+            "checkpoint.save_at_end": False,
+        }
+    )
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *overrides,
+        f"data.paths=[{docs}]",
+        f"data.cache_dir={cache}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert bashrc.read_text() == VICTIM_TEXT
     assert oct((cache / "prepared").stat().st_mode & 0o777) == "0o700"
@@ -568,8 +684,15 @@ def test_shared_cache_and_wandb_folder_are_not_written_through_links(tmp_path):
     run.mkdir()
     (tmp_path / "elsewhere").mkdir()
     (run / "wandb").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    proc = cli_main("train", "configs/quickstart.yaml", *overrides, "log.wandb=true",
-                    "log.wandb_mode=offline", "--run-dir", str(run))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *overrides,
+        "log.wandb=true",
+        "log.wandb_mode=offline",
+        "--run-dir",
+        str(run),
+    )
     assert_one_line_error(proc, f"{run / 'wandb'}: is a symbolic link")
     assert list((tmp_path / "elsewhere").iterdir()) == []
 
@@ -582,9 +705,11 @@ ADDRESS_LIMIT = 3 << 30  # each bomb below asks for more; the genuine work needs
 def run_limited(*args: str) -> subprocess.CompletedProcess:
     """``megaformer ARGS`` in a fresh process whose address space is capped at
     :data:`ADDRESS_LIMIT`: a file that sizes an allocation fails there, never on the machine."""
-    code = ("import resource, sys\n"
-            f"resource.setrlimit(resource.RLIMIT_AS, ({ADDRESS_LIMIT}, {ADDRESS_LIMIT}))\n"
-            "from megaformer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({ADDRESS_LIMIT}, {ADDRESS_LIMIT}))\n"
+        "from megaformer.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
     return run_process([sys.executable, "-c", code, *args], timeout=600)
 
 
@@ -604,8 +729,11 @@ def test_no_allocation_is_sized_by_a_file_before_it_is_checked(tmp_path, sharded
     text = (ckpt / "config.yaml").read_text()
     (ckpt / "config.yaml").write_text(text.replace("vocab_size: 257", f"vocab_size: {rows}"))
     assert f"vocab_size: {rows}" in (ckpt / "config.yaml").read_text()
-    assert_one_line_error(run_limited("generate", str(run), "--max-new-tokens", "1"),
-                          "rank_00000.safetensors: the index places", "bytes of tensors")
+    assert_one_line_error(
+        run_limited("generate", str(run), "--max-new-tokens", "1"),
+        "rank_00000.safetensors: the index places",
+        "bytes of tensors",
+    )
     # report: a small metrics file is read in chunks, not into a buffer of the bound's size
     small = tmp_path / "small"
     small.mkdir()
@@ -621,17 +749,27 @@ def test_no_allocation_is_sized_by_a_file_before_it_is_checked(tmp_path, sharded
     writer.add(tokens, np.full(3 << 10, 1 << 10))
     writer.finish()
     overrides = tiny_overrides(**{"train.steps": 1, "eval.interval": 0})
-    proc = run_limited("train", "configs/quickstart.yaml", *overrides,
-                       f"data.paths=[{tmp_path / 'data'}]", "--run-dir", str(tmp_path / "r"))
+    proc = run_limited(
+        "train",
+        "configs/quickstart.yaml",
+        *overrides,
+        f"data.paths=[{tmp_path / 'data'}]",
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
     assert_one_line_error(proc, "data.bin: token id 2147483647", "outside the vocabulary")
     # a data position no saved step could have reached
     run, ckpt, _ = copy_run(sharded_run, tmp_path / "position")
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["consumed_samples"] = 10**12
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    proc = cli_main("train", "configs/quickstart.yaml",
-                    *tiny_overrides(**{"train.steps": 3, "eval.interval": 0,
-                                       "eval.at_end": False}), "--run-dir", str(run))
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(**{"train.steps": 3, "eval.interval": 0, "eval.at_end": False}),
+        "--run-dir",
+        str(run),
+    )
     assert_one_line_error(proc, "consumed_samples 1000000000000 is not a count")
     # report draws a bounded number of panels, whatever the number of layers named
     from megaformer.diagnostics.plots import MAX_DRAWN, thinned
@@ -640,11 +778,20 @@ def test_no_allocation_is_sized_by_a_file_before_it_is_checked(tmp_path, sharded
     layers.mkdir()
     with open(layers / "metrics.jsonl", "w") as fh:
         for step in (1, 2):
-            fh.write(json.dumps({"step": step, "loss": 1.0, **{
-                f"attn/layer_{i}/entropy/head_0": 0.5 for i in range(1100)}}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "loss": 1.0,
+                        **{f"attn/layer_{i}/entropy/head_0": 0.5 for i in range(1100)},
+                    }
+                )
+                + "\n"
+            )
     assert cli_main("report", str(layers)).returncode == 0
-    assert thinned(list(range(1100))) == [round(i * 1099 / (MAX_DRAWN - 1))
-                                          for i in range(MAX_DRAWN)]
+    assert thinned(list(range(1100))) == [
+        round(i * 1099 / (MAX_DRAWN - 1)) for i in range(MAX_DRAWN)
+    ]
 
 
 # ----------------------------------------------------------------------------- one line
@@ -662,19 +809,21 @@ def test_deep_nesting_and_long_integers_are_one_line(tmp_path, run_dir, sharded_
     metrics = tmp_path / "m"
     metrics.mkdir()
     (metrics / "metrics.jsonl").write_text(
-        "\n".join([DEEP_JSON, '{"step": ' + LONG_INT + "}", json.dumps({"step": 3, "loss": 1.5})]))
+        "\n".join([DEEP_JSON, '{"step": ' + LONG_INT + "}", json.dumps({"step": 3, "loss": 1.5})])
+    )
     proc = cli_main("report", str(metrics))
     assert proc.returncode == 0 and "1 records" in proc.stdout, proc.stderr[-2000:]
     ckpt = run_dir / "checkpoints" / "step_0000000"
     generate = ("generate", str(run_dir), "--max-new-tokens", "1")
     convert = ("convert", str(run_dir), str(tmp_path / "out"), "--to", "megaformer")
     for name, text, needle, command in (
-            ("meta.json", DEEP_JSON, "meta.json is missing or corrupt", convert),
-            ("meta.json", '{"step": ' + LONG_INT + "}", "meta.json is missing or corrupt", convert),
-            ("tokenizer.json", DEEP_JSON, "not a tokenizer.json file", generate),
-            ("tokenizer.json", LONG_INT, "not a tokenizer.json file", generate),
-            ("config.yaml", "a: " + DEEP_JSON, "nested too deeply", generate),
-            ("config.yaml", "train: {steps: " + LONG_INT + "}", "an integer too long", generate)):
+        ("meta.json", DEEP_JSON, "meta.json is missing or corrupt", convert),
+        ("meta.json", '{"step": ' + LONG_INT + "}", "meta.json is missing or corrupt", convert),
+        ("tokenizer.json", DEEP_JSON, "not a tokenizer.json file", generate),
+        ("tokenizer.json", LONG_INT, "not a tokenizer.json file", generate),
+        ("config.yaml", "a: " + DEEP_JSON, "nested too deeply", generate),
+        ("config.yaml", "train: {steps: " + LONG_INT + "}", "an integer too long", generate),
+    ):
         saved = (ckpt / name).read_bytes()
         (ckpt / name).write_text(text)
         line = assert_one_line_error(cli_main(*command), needle)
@@ -683,8 +832,10 @@ def test_deep_nesting_and_long_integers_are_one_line(tmp_path, run_dir, sharded_
     config = tmp_path / "deep.yaml"
     config.write_text("train:\n  steps: " + LONG_INT + "\n")
     assert_one_line_error(cli_main("train", str(config)), "deep.yaml: holds an integer too long")
-    for header in (DEEP_JSON, '{"x": {"dtype": "F32", "shape": [' + LONG_INT + '], '
-                              '"data_offsets": [0, 4]}}'):
+    for header in (
+        DEEP_JSON,
+        '{"x": {"dtype": "F32", "shape": [' + LONG_INT + '], "data_offsets": [0, 4]}}',
+    ):
         weights = tmp_path / "w.safetensors"
         raw = header.encode()
         weights.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
@@ -692,24 +843,39 @@ def test_deep_nesting_and_long_integers_are_one_line(tmp_path, run_dir, sharded_
             read_header(weights)
     run, sharded_ckpt, _ = copy_run(sharded_run, tmp_path / "sharded")
     (sharded_ckpt / "state" / "index.json").write_text(DEEP_JSON)
-    assert_one_line_error(cli_main("generate", str(run), "--max-new-tokens", "1"),
-                          "index.json: missing or corrupt")
+    assert_one_line_error(
+        cli_main("generate", str(run), "--max-new-tokens", "1"), "index.json: missing or corrupt"
+    )
     # a crafted RNG file: plain data that unpickles weights-only, but is not an RNG state
     run, sharded_ckpt, _ = copy_run(sharded_run, tmp_path / "rng")
-    torch.save({"torch": torch.get_rng_state(), "python": [3, list(range(625)), None],
-                "numpy": ["MT19937", [1, 2, 3], 0, 0, 0.0]}, sharded_ckpt / "rng" / "rank_0.pt")
-    proc = cli_main("train", "configs/quickstart.yaml",
-                    *tiny_overrides(**{"train.steps": 3, "eval.interval": 0,
-                                       "eval.at_end": False}), "--run-dir", str(run))
+    torch.save(
+        {
+            "torch": torch.get_rng_state(),
+            "python": [3, list(range(625)), None],
+            "numpy": ["MT19937", [1, 2, 3], 0, 0, 0.0],
+        },
+        sharded_ckpt / "rng" / "rank_0.pt",
+    )
+    proc = cli_main(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides(**{"train.steps": 3, "eval.interval": 0, "eval.at_end": False}),
+        "--run-dir",
+        str(run),
+    )
     assert_one_line_error(proc, "rank_0.pt: corrupt RNG state")
     dangling = tmp_path / "plots"
     dangling.symlink_to(tmp_path / "nowhere")
-    assert_one_line_error(cli_main("inspect", str(run_dir), "--prompt", "def ", "--out",
-                                   str(dangling)), "--out", "symbolic link")
+    assert_one_line_error(
+        cli_main("inspect", str(run_dir), "--prompt", "def ", "--out", str(dangling)),
+        "--out",
+        "symbolic link",
+    )
     assert not (tmp_path / "nowhere").exists()
 
 
 # ----------------------------------------------------------------------------- run locks
+
 
 def test_planted_lock_files_neither_hang_nor_refuse_others(tmp_path):
     """A FIFO named .owner in a shared (sticky) folder, a FIFO in a run directory, and a record
@@ -729,8 +895,9 @@ def test_planted_lock_files_neither_hang_nor_refuse_others(tmp_path):
     os.mkfifo(run / OWNER_FILE)
     future = tmp_path / "future"
     future.mkdir()
-    (future / OWNER_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1,
-                                                 "started": time.time(), "token": "t"}) + "\n")
+    (future / OWNER_FILE).write_text(
+        json.dumps({"host": "elsewhere", "pid": 1, "started": time.time(), "token": "t"}) + "\n"
+    )
     ahead = time.time() + 365 * 86400
     os.utime(future / OWNER_FILE, (ahead, ahead))
     done = []
@@ -747,8 +914,15 @@ def test_planted_lock_files_neither_hang_nor_refuse_others(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world\n" * 50)
     (shared / "me").mkdir()
-    proc = cli_main("prepare-data", "--input", str(corpus), "--tokenizer", "byte",
-                    "--output-prefix", str(shared / "me" / "data"))
+    proc = cli_main(
+        "prepare-data",
+        "--input",
+        str(corpus),
+        "--tokenizer",
+        "byte",
+        "--output-prefix",
+        str(shared / "me" / "data"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for folder in (run, future):
         with RunLock(folder) as lock:
@@ -758,14 +932,21 @@ def test_planted_lock_files_neither_hang_nor_refuse_others(tmp_path):
 
 # ----------------------------------------------------------------------------- smaller
 
+
 def test_blend_cache_must_be_a_schedule_this_module_writes(tmp_path):
     """A cached blend index that favours one dataset, repeats a sample or skips one, consistent
     in shape and range, is ignored and rebuilt; the cache folder and its missing parents are
     created private."""
     from megaformer.data.blend import BlendedDataset, blend_index
 
-    parts = [type("Part", (), {"sample": lambda self, k: np.array([k]),
-                               "ensure": lambda *a, **k: None, "seq_len": i})() for i in range(3)]
+    parts = [
+        type(
+            "Part",
+            (),
+            {"sample": lambda self, k: np.array([k]), "ensure": lambda *a, **k: None, "seq_len": i},
+        )()
+        for i in range(3)
+    ]
     cache = tmp_path / "shared" / "cache"
     built = BlendedDataset(parts, [1, 2, 3], 5000, cache)
     assert [oct(p.stat().st_mode & 0o777) for p in (cache.parent, cache)] == ["0o700"] * 2
@@ -820,5 +1001,6 @@ def test_network_use_is_announced_and_fault_injection_warns(tmp_path, monkeypatc
     assert sum("W&B: online" in r.getMessage() for r in caplog.records) == 1
     monkeypatch.setenv("MEGAFORMER_FAULT", "nan@step=3")
     assert FaultPlan.from_env(0).faults
-    assert any("fail ON PURPOSE" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any(
+        "fail ON PURPOSE" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records
+    )

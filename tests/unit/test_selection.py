@@ -35,7 +35,9 @@ def test_norms_on_cuda_follow_a_rule_not_a_timing(gpu_capabilities):
     assert rms_same == ("torch-native" if selection._TORCH_FUSED_RMS_NORM else "triton")
     assert choose("rms_norm", "cuda", bf16, weight_dtype=fp32).impl == "triton"
     assert choose("layer_norm", "cuda", bf16, weight_dtype=fp32).impl == "triton"
-    assert {choose("rms_norm", "cuda", bf16, weight_dtype=fp32).impl for _ in range(5)} == {"triton"}
+    assert {choose("rms_norm", "cuda", bf16, weight_dtype=fp32).impl for _ in range(5)} == {
+        "triton"
+    }
 
 
 def test_apex_only_with_its_extension_and_where_it_is_right(gpu_capabilities):
@@ -54,9 +56,15 @@ def test_python_only_apex_is_not_trusted(monkeypatch):
     """apex without its compiled fused_layer_norm_cuda extension is reported, not used."""
     capabilities.apex_status.cache_clear()
     real = capabilities._try_import
-    monkeypatch.setattr(capabilities, "_try_import",
-                        lambda m: (None, f"{m} not installed") if m == "fused_layer_norm_cuda"
-                        else (types.SimpleNamespace(), ""))
+    monkeypatch.setattr(
+        capabilities,
+        "_try_import",
+        lambda m: (
+            (None, f"{m} not installed")
+            if m == "fused_layer_norm_cuda"
+            else (types.SimpleNamespace(), "")
+        ),
+    )
     try:
         module, why = capabilities.apex_status()
         assert module is None and "fused_layer_norm_cuda" in why
@@ -68,13 +76,21 @@ def test_python_only_apex_is_not_trusted(monkeypatch):
 def test_cuda_rules_for_the_other_ops(gpu_capabilities):
     bf16 = torch.bfloat16
     assert choose("swiglu", "cuda", bf16).impl == "triton"
-    assert choose("bias_gelu", "cuda", bf16, autocast=True).impl == "triton"  # fp32 bias under autocast
-    assert choose("projections", "cuda", bf16).impl == "separate"  # no weight concatenation per call
+    assert (
+        choose("bias_gelu", "cuda", bf16, autocast=True).impl == "triton"
+    )  # fp32 bias under autocast
+    assert (
+        choose("projections", "cuda", bf16).impl == "separate"
+    )  # no weight concatenation per call
     assert choose("linear", "cuda", bf16).impl == "torch"
     assert choose("dropout", "cuda", bf16).impl == "torch"
     assert choose("rope", "cuda", bf16).impl == "torch"
-    assert choose("attention", "cuda", bf16, backend="auto", head_dim=128, dropout=False,
-                  doc_mask=False).impl == "sdpa"
+    assert (
+        choose(
+            "attention", "cuda", bf16, backend="auto", head_dim=128, dropout=False, doc_mask=False
+        ).impl
+        == "sdpa"
+    )
     with kernel_mode("torch"):
         assert choose("swiglu", "cuda", bf16).impl == "torch"
     # inside torch.compile inductor fuses the torch ops itself
@@ -89,14 +105,33 @@ def test_unknown_mode_and_op_are_refused():
 
 
 def test_model_plan_names_every_op_of_the_model():
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, position="rope",
-                      norm="rmsnorm", activation="swiglu", dropout=0.1)
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        position="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        dropout=0.1,
+    )
     plan = dict(model_plan(cfg, torch.device("cpu"), torch.float32))
-    assert set(plan) == {"linear", "projections", "attention", "rms_norm", "swiglu", "rope",
-                         "dropout", "cross_entropy"}
+    assert set(plan) == {
+        "linear",
+        "projections",
+        "attention",
+        "rms_norm",
+        "swiglu",
+        "rope",
+        "dropout",
+        "cross_entropy",
+    }
     assert all(c.reason for c in plan.values())
-    torch_plan = dict(model_plan(ModelConfig(**{**cfg.__dict__, "kernels": "torch"}),
-                                 torch.device("cpu"), torch.float32))
+    torch_plan = dict(
+        model_plan(
+            ModelConfig(**{**cfg.__dict__, "kernels": "torch"}), torch.device("cpu"), torch.float32
+        )
+    )
     assert {c.impl for op, c in torch_plan.items() if op != "attention"} == {"torch"}
     assert selection.get_mode() == "auto"  # the plan did not change this process's mode
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaformer.parallel.plan import padded_vocab_size
 from megaformer.comm import KINDS, UnknownGroupError
+from megaformer.parallel.plan import padded_vocab_size
 from megaformer.parallel.topology import DEGREES, Degrees, Topology, layout_groups
 from tests.dist_harness import run_ranks
 from tests.helpers import tiny_model
@@ -43,12 +43,21 @@ def test_impossible_world_size():
 def test_summary_names_the_groups():
     t = layout_groups(4, tp=2)
     text = t.summary()
-    assert "world 4 = TP 2 x PP 1 x DP 2" in text and "[0,1] [2,3]" in text and "[0,2] [1,3]" in text
+    assert (
+        "world 4 = TP 2 x PP 1 x DP 2" in text and "[0,1] [2,3]" in text and "[0,2] [1,3]" in text
+    )
 
 
-@pytest.mark.parametrize("vocab,tp,mult,expected", [(257, 1, 128, 384), (257, 2, 128, 512),
-                                                    (50257, 1, 128, 50304), (32000, 4, 128, 32256),
-                                                    (32000, 1, 128, 32000)])
+@pytest.mark.parametrize(
+    "vocab,tp,mult,expected",
+    [
+        (257, 1, 128, 384),
+        (257, 2, 128, 512),
+        (50257, 1, 128, 50304),
+        (32000, 4, 128, 32256),
+        (32000, 1, 128, 32000),
+    ],
+)
 def test_vocab_padding(vocab, tp, mult, expected):
     assert padded_vocab_size(vocab, tp, mult) == expected
 
@@ -69,14 +78,23 @@ def test_padding_changes_nothing_the_model_computes():
     assert int(out.max()) < 50
 
 
-@pytest.mark.parametrize("world,tp,pp,cp,ep", [(8, 1, 1, 2, 2), (16, 2, 1, 2, 2), (16, 1, 2, 2, 1),
-                                               (8, 2, 1, 1, 4), (4, 1, 1, 4, 1)])
+@pytest.mark.parametrize(
+    "world,tp,pp,cp,ep",
+    [(8, 1, 1, 2, 2), (16, 2, 1, 2, 2), (16, 1, 2, 2, 1), (8, 2, 1, 1, 4), (4, 1, 1, 4, 1)],
+)
 def test_context_and_expert_groups(world, tp, pp, cp, ep):
     t = layout_groups(world, tp=tp, cp=cp, pp=pp, ep=ep)
     dp = world // (tp * pp * cp)
     assert t.dp == dp and t.replicas == dp * cp
-    for groups, size in ((t.tp_groups, tp), (t.cp_groups, cp), (t.dp_groups, dp), (t.pp_groups, pp),
-                         (t.replica_groups, dp * cp), (t.ep_groups, ep), (t.edp_groups, dp // ep)):
+    for groups, size in (
+        (t.tp_groups, tp),
+        (t.cp_groups, cp),
+        (t.dp_groups, dp),
+        (t.pp_groups, pp),
+        (t.replica_groups, dp * cp),
+        (t.ep_groups, ep),
+        (t.edp_groups, dp // ep),
+    ):
         assert sorted(r for g in groups for r in g) == list(range(world))
         assert all(len(g) == size for g in groups)
     for rank in range(world):
@@ -121,7 +139,9 @@ def test_one_order_of_degrees_everywhere():
 
 def test_a_misspelled_group_kind_raises():
     t = layout_groups(4, tp=2)
-    with pytest.raises(UnknownGroupError, match="unknown process group kind 'tpp': choose from tp, cp"):
+    with pytest.raises(
+        UnknownGroupError, match="unknown process group kind 'tpp': choose from tp, cp"
+    ):
         t.group("tpp")
     with pytest.raises(RuntimeError, match="rank lists only"):
         t.group("tp")  # no process groups were created: not silently None (the whole world)
@@ -146,8 +166,13 @@ def _groups_of(rank: int, world: int) -> dict:
             frozen = True
         one = torch.ones(1) * (rank + 1)
         dist.all_reduce(one, group=g.cp)  # a group of one at degree 1: this rank's value alone
-        out[str(degrees)] = {"sizes": sizes, "members": members, "frozen": frozen,
-                             "cp_sum": float(one), "replica_is_dp": g.replica is g.dp}
+        out[str(degrees)] = {
+            "sizes": sizes,
+            "members": members,
+            "frozen": frozen,
+            "cp_sum": float(one),
+            "replica_is_dp": g.replica is g.dp,
+        }
     return out
 
 
@@ -155,8 +180,16 @@ def test_every_group_is_real_and_a_group_of_one_at_degree_one():
     results = run_ranks(2, _groups_of)
     for rank, r in enumerate(results):
         tp = r["{'tp': 2}"]
-        assert tp["sizes"] == {"tp": 2, "cp": 1, "dp": 1, "pp": 1, "ep": 1, "edp": 1, "replica": 1,
-                               "mp": 2}
+        assert tp["sizes"] == {
+            "tp": 2,
+            "cp": 1,
+            "dp": 1,
+            "pp": 1,
+            "ep": 1,
+            "edp": 1,
+            "replica": 1,
+            "mp": 2,
+        }
         assert tp["members"]["tp"] == [0, 1] and tp["members"]["cp"] == [rank]
         assert tp["frozen"] and tp["cp_sum"] == rank + 1 and tp["replica_is_dp"]
         cp = r["{'cp': 2, 'ep': 1}"]

@@ -37,14 +37,25 @@ from megaformer.checkpoint.hf.llama import Llama, LlamaFamily
 from megaformer.checkpoint.hf.mistral import Mistral
 from megaformer.checkpoint.hf.moe import Mixtral, Qwen2Moe, Qwen3Moe
 from megaformer.checkpoint.hf.qwen import Qwen2, Qwen3
-from megaformer.checkpoint.hf.stream import (Entry, TensorSource, check_inputs, output_specs,
-                                              run_plan)
+from megaformer.checkpoint.hf.stream import (
+    Entry,
+    TensorSource,
+    check_inputs,
+    output_specs,
+    run_plan,
+)
 from megaformer.checkpoint.hf.tokenizer_files import read_hf_tokenizer, write_hf_tokenizer
 from megaformer.checkpoint.hf.verify import DEFAULT_TOLERANCE
 from megaformer.checkpoint.hf.verify import verify as verify_logits
 from megaformer.checkpoint.sharded import ShardedWeights
-from megaformer.config import (PRECISIONS, Config, ConfigError, config_from_dict, precision_dtype,
-                               validate)
+from megaformer.config import (
+    PRECISIONS,
+    Config,
+    ConfigError,
+    config_from_dict,
+    precision_dtype,
+    validate,
+)
 from megaformer.data.tokenizer import NONE as NO_TOKENIZER
 from megaformer.data.tokenizer import load_tokenizer
 from megaformer.errors import CheckpointError, ConversionError
@@ -57,8 +68,19 @@ MAX_TOKENIZER_BYTES = 1 << 30
 log = logging.getLogger("megaformer")
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (Llama(), GPT2(), GPTNeoX(), Mistral(), Qwen2(), Qwen3(), Mixtral(),
-                        Qwen3Moe(), Qwen2Moe())}
+    a.name: a
+    for a in (
+        Llama(),
+        GPT2(),
+        GPTNeoX(),
+        Mistral(),
+        Qwen2(),
+        Qwen3(),
+        Mixtral(),
+        Qwen3Moe(),
+        Qwen2Moe(),
+    )
+}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 _DTYPE_LABEL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # a sharded checkpoint holds fp32 master weights: exported in the precision the model trained in
@@ -119,9 +141,15 @@ def choose_architecture(cfg: Config, arch: Optional[str]) -> Architecture:
     raise ConversionError(f"no Hugging Face class can express this model: {firsts}")
 
 
-def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Optional[str] = None,
-                 max_shard_size: Optional[int] = None, verify: bool = False,
-                 tolerance: float = DEFAULT_TOLERANCE) -> Path:
+def export_to_hf(
+    src: Path,
+    dst: Path,
+    arch: Optional[str] = None,
+    dtype: Optional[str] = None,
+    max_shard_size: Optional[int] = None,
+    verify: bool = False,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Path:
     """megaformer checkpoint (or run directory: its latest) -> Hugging Face folder ``dst``;
     with ``verify``, both run one batch in fp32 first (:mod:`.verify`) and a logit difference
     above ``tolerance`` leaves nothing behind."""
@@ -129,29 +157,50 @@ def export_to_hf(src: Path, dst: Path, arch: Optional[str] = None, dtype: Option
     adapter = choose_architecture(cfg, arch)
     m = cfg.model
     if m.dropout and isinstance(adapter, LlamaFamily):
-        log.warning("model.dropout=%s is a training-time setting %s has no key for; "
-                    "it does not change the exported function", m.dropout, adapter.hf_class)
+        log.warning(
+            "model.dropout=%s is a training-time setting %s has no key for; "
+            "it does not change the exported function",
+            m.dropout,
+            adapter.hf_class,
+        )
     ckpt_weights.check_weights(ckpt, m)  # shapes against config.yaml, before anything is allocated
     tokenizer = None
     if (ckpt / "tokenizer.json").exists() or (ckpt / "tokenizer.json").is_symlink():
         check_file(ckpt / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
         tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     else:
-        log.warning("%s has no tokenizer.json (converted without one): the export has no "
-                    "tokenizer files", ckpt)
-    source = (TensorSource(ckpt) if (ckpt / ckpt_layout.WEIGHTS).exists()
-              else ShardedWeights(ckpt, precision_dtype(cfg.train.precision)))
+        log.warning(
+            "%s has no tokenizer.json (converted without one): the export has no tokenizer files",
+            ckpt,
+        )
+    source = (
+        TensorSource(ckpt)
+        if (ckpt / ckpt_layout.WEIGHTS).exists()
+        else ShardedWeights(ckpt, precision_dtype(cfg.train.precision))
+    )
     plan = adapter.export_plan(m)
     out_dtype = _dtype(dtype)
     label = _DTYPE_LABEL.get(out_dtype or source.meta(plan[0].inputs[0]).dtype, "float32")
     with staged_output(dst) as tmp:
-        run_plan(plan, source, tmp, out_dtype, max_shard_size,
-                 metadata={"megaformer_version": __version__},
-                 ignore=lambda name: m.tie_embeddings and name == "lm_head.weight")
+        run_plan(
+            plan,
+            source,
+            tmp,
+            out_dtype,
+            max_shard_size,
+            metadata={"megaformer_version": __version__},
+            ignore=lambda name: m.tie_embeddings and name == "lm_head.weight",
+        )
         special = write_hf_tokenizer(tokenizer, tmp, m.max_seq_len) if tokenizer else {}
-        config = {"architectures": [adapter.hf_class], "model_type": adapter.model_type,
-                  "vocab_size": m.vocab_size, **adapter.hf_config(m), **special, "dtype": label,
-                  "use_cache": True}
+        config = {
+            "architectures": [adapter.hf_class],
+            "model_type": adapter.model_type,
+            "vocab_size": m.vocab_size,
+            **adapter.hf_config(m),
+            **special,
+            "dtype": label,
+            "use_cache": True,
+        }
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({**special}, indent=2) + "\n")
         if verify:
@@ -172,11 +221,15 @@ def _read_hf_config(src: Path, arch: Optional[str]) -> tuple[dict, Architecture]
         raise ConversionError(f"{path}: not a JSON object")
     model_type = hf.get("model_type")
     if model_type not in BY_MODEL_TYPE:
-        raise ConversionError(f"{path}: model_type={model_type!r} is not supported (supported: "
-                              f"{', '.join(BY_MODEL_TYPE)})")
+        raise ConversionError(
+            f"{path}: model_type={model_type!r} is not supported (supported: "
+            f"{', '.join(BY_MODEL_TYPE)})"
+        )
     adapter = BY_MODEL_TYPE[model_type]
     if arch is not None and arch != adapter.name:
-        raise ConversionError(f"--arch {arch}: {path} describes a {adapter.hf_class} ({adapter.name})")
+        raise ConversionError(
+            f"--arch {arch}: {path} describes a {adapter.hf_class} ({adapter.name})"
+        )
     return with_transformers_defaults(hf, model_type, path), adapter
 
 
@@ -188,30 +241,45 @@ def with_transformers_defaults(hf: dict, model_type: str, path: Path) -> dict:
         from transformers import CONFIG_MAPPING
         from transformers.utils import logging as hf_logging
     except ImportError:
-        raise ConversionError(f"{path}: reading a Hugging Face config needs transformers "
-                              "(pip install 'megaformer[hf]')") from None
+        raise ConversionError(
+            f"{path}: reading a Hugging Face config needs transformers "
+            "(pip install 'megaformer[hf]')"
+        ) from None
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its notes on odd but valid values are not errors here
     try:
         config = CONFIG_MAPPING[model_type].from_dict(
-            {k: v for k, v in hf.items() if k not in ("auto_map", "trust_remote_code")})
+            {k: v for k, v in hf.items() if k not in ("auto_map", "trust_remote_code")}
+        )
         full = config.to_dict()
-    except Exception as e:  # transformers' validation raises ValueError, TypeError, StrictDataclass...
+    except (
+        Exception
+    ) as e:  # transformers' validation raises ValueError, TypeError, StrictDataclass...
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise ConversionError(f"{path}: transformers cannot read this {model_type} config "
-                              f"({first})") from None
+        raise ConversionError(
+            f"{path}: transformers cannot read this {model_type} config ({first})"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
     return full
 
 
-def import_config(hf: dict, adapter: Architecture, tensor: int, pipeline: int,
-                  tokenizer_path: Optional[Path], name: str) -> Config:
+def import_config(
+    hf: dict,
+    adapter: Architecture,
+    tensor: int,
+    pipeline: int,
+    tokenizer_path: Optional[Path],
+    name: str,
+) -> Config:
     """megaformer config of the HF model at TP=tensor, PP=pipeline (validated: one-line errors);
     without a tokenizer, ``data.tokenizer: none`` (training asks for one by name)."""
     fields = {**adapter.model_fields(hf), "vocab_size": hf["vocab_size"]}
-    raw = {"model": fields, "parallel": {"tensor": tensor, "pipeline": pipeline},
-           "data": {"tokenizer": str(tokenizer_path) if tokenizer_path else NO_TOKENIZER}}
+    raw = {
+        "model": fields,
+        "parallel": {"tensor": tensor, "pipeline": pipeline},
+        "data": {"tokenizer": str(tokenizer_path) if tokenizer_path else NO_TOKENIZER},
+    }
     try:
         cfg = config_from_dict(raw, name=name)
         validate(cfg)
@@ -220,10 +288,17 @@ def import_config(hf: dict, adapter: Architecture, tensor: int, pipeline: int,
     return cfg
 
 
-def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
-                   arch: Optional[str] = None, dtype: Optional[str] = None,
-                   tokenizer: Optional[Path] = None, verify: bool = False,
-                   tolerance: float = DEFAULT_TOLERANCE) -> Path:
+def import_from_hf(
+    src: Path,
+    dst: Path,
+    tensor: int = 1,
+    pipeline: int = 1,
+    arch: Optional[str] = None,
+    dtype: Optional[str] = None,
+    tokenizer: Optional[Path] = None,
+    verify: bool = False,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Path:
     """Hugging Face folder -> a megaformer run directory ``dst`` with a weights-only checkpoint.
 
     ``tokenizer``: a tokenizer.json or SentencePiece tokenizer.model to use instead of the
@@ -237,45 +312,71 @@ def import_from_hf(src: Path, dst: Path, tensor: int = 1, pipeline: int = 1,
         check_file(src / "tokenizer.json", MAX_TOKENIZER_BYTES, ConversionError)
     tok = read_hf_tokenizer(src, tokenizer)
     if tok is None:
-        log.warning("%s has no tokenizer.json or tokenizer.model: converting the weights only "
-                    "(give one with --tokenizer PATH, or set data.tokenizer before training)", src)
-    cfg = import_config(hf, adapter, tensor, pipeline, dst / "tokenizer.json" if tok else None,
-                        dst.name)
+        log.warning(
+            "%s has no tokenizer.json or tokenizer.model: converting the weights only "
+            "(give one with --tokenizer PATH, or set data.tokenizer before training)",
+            src,
+        )
+    cfg = import_config(
+        hf, adapter, tensor, pipeline, dst / "tokenizer.json" if tok else None, dst.name
+    )
     if tok is not None and tok.vocab_size > cfg.model.vocab_size:
-        raise ConversionError(f"{tok.name}: {tok.vocab_size} tokens, more than the model's "
-                              f"vocab_size {cfg.model.vocab_size}")
+        raise ConversionError(
+            f"{tok.name}: {tok.vocab_size} tokens, more than the model's "
+            f"vocab_size {cfg.model.vocab_size}"
+        )
     out_dtype = _dtype(dtype)
     source, plan, ignore = import_plan(src, cfg.model, adapter, out_dtype)
     expected = ckpt_weights.expected_shapes(cfg.model)
 
     def write_weights(path: Path) -> None:
-        run_plan(plan, source, path.parent, out_dtype, metadata={"megaformer_version": __version__},
-                 ignore=ignore, expected_out=expected)
+        run_plan(
+            plan,
+            source,
+            path.parent,
+            out_dtype,
+            metadata={"megaformer_version": __version__},
+            ignore=ignore,
+            expected_out=expected,
+        )
 
     with staged_output(dst) as tmp:
-        ckpt_weights.save_weights_checkpoint(tmp, 0, write_weights, cfg.to_yaml(),
-                                        tok if tok is not None else _NoTokenizer(),
-                                        {"converted_from": adapter.hf_class, "source": str(src)})
+        ckpt_weights.save_weights_checkpoint(
+            tmp,
+            0,
+            write_weights,
+            cfg.to_yaml(),
+            tok if tok is not None else _NoTokenizer(),
+            {"converted_from": adapter.hf_class, "source": str(src)},
+        )
         (tmp / ckpt_layout.CONFIG).write_text(cfg.to_yaml())
         if tok is not None:
             tok.save(tmp / "tokenizer.json")
         if verify:
             verify_logits(tmp, src, tolerance)
-    log.info("imported %s (%s) into %s at tensor=%d pipeline=%d", src, adapter.hf_class, dst,
-             tensor, pipeline)
+    log.info(
+        "imported %s (%s) into %s at tensor=%d pipeline=%d",
+        src,
+        adapter.hf_class,
+        dst,
+        tensor,
+        pipeline,
+    )
     return dst
 
 
-def import_plan(src: Path, m: Any, adapter: Architecture, dtype: Optional[torch.dtype] = None
-                ) -> tuple[TensorSource, list[Entry], Callable[[str], bool]]:
+def import_plan(
+    src: Path, m: Any, adapter: Architecture, dtype: Optional[torch.dtype] = None
+) -> tuple[TensorSource, list[Entry], Callable[[str], bool]]:
     """(tensors, plan, which source tensors may go unread) of Hugging Face folder ``src`` as
     megaformer's model ``m``: every input present, none dropped unread, every output's shape the
     config's, checked on headers alone (nothing read or allocated)."""
     source = TensorSource(src)  # headers only
     names = set(source.keys())
     if m.n_layers > len(names):  # every block has tensors: bounds the plan and meta model
-        raise ConversionError(f"{src}: {len(names)} tensors cannot hold the "
-                              f"{m.n_layers} blocks config.json describes")
+        raise ConversionError(
+            f"{src}: {len(names)} tensors cannot hold the {m.n_layers} blocks config.json describes"
+        )
     expected = ckpt_weights.expected_shapes(m)  # on the meta device: nothing allocated
     plan = adapter.import_plan(m, names)
     tied_out = {"lm_head.weight", *OUT_NAMES} if m.tie_embeddings else set()
@@ -284,8 +385,12 @@ def import_plan(src: Path, m: Any, adapter: Architecture, dtype: Optional[torch.
         return adapter.ignore_on_import(n) or n in tied_out
 
     check_inputs(plan, source, ignore)
-    ckpt_weights.check_shapes([(n, shape) for n, shape, _ in output_specs(plan, source, dtype)],
-                              expected, str(src), ConversionError)
+    ckpt_weights.check_shapes(
+        [(n, shape) for n, shape, _ in output_specs(plan, source, dtype)],
+        expected,
+        str(src),
+        ConversionError,
+    )
     return source, plan, ignore
 
 

@@ -24,7 +24,6 @@ from megaformer.errors import ConfigError, ConversionError
 log = logging.getLogger("megaformer")
 
 
-
 def _folder(m: Any) -> Path:
     path = Path(m.init_from)
     if not path.is_dir():
@@ -48,8 +47,11 @@ def with_hf_model(cfg: Config) -> Config:
     configured = {**cfg.model.__dict__, "head_dim": cfg.model.configured_head_dim}
     changed = [k for k, v in fields.items() if configured.get(k) != v]
     if changed:
-        log.warning("model.init_from=%s: the model's %s come from its config.json", src,
-                    ", ".join(f"{k}={fields[k]!r}" for k in changed))
+        log.warning(
+            "model.init_from=%s: the model's %s come from its config.json",
+            src,
+            ", ".join(f"{k}={fields[k]!r}" for k in changed),
+        )
     out = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
     try:
         validate(out)

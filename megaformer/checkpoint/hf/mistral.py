@@ -30,7 +30,9 @@ class Mistral(LlamaFamily):
         return {"sliding_window": m.sliding_window}
 
     def window_field(self, hf: dict[str, Any]) -> dict[str, Any]:
-        self.refuse_hf(bool(hf.get("layer_types")) and len(set(hf["layer_types"])) > 1,
-                       "layer_types mixing sliding and full attention",
-                       "megaformer's sliding window applies to every layer")
+        self.refuse_hf(
+            bool(hf.get("layer_types")) and len(set(hf["layer_types"])) > 1,
+            "layer_types mixing sliding and full attention",
+            "megaformer's sliding window applies to every layer",
+        )
         return {"sliding_window": hf.get("sliding_window")}

@@ -43,10 +43,10 @@ def _pick(e: int):
 class _MoEFamily(LlamaFamily):
     """A Llama-family class with softmax top-k MoE FFNs (no shared experts, no biases)."""
 
-    router = ""                    # HF name of block {i}'s router, after "model.layers.{i}."
-    experts = ""                   # HF prefix of expert {e}, after "model.layers.{i}."
+    router = ""  # HF name of block {i}'s router, after "model.layers.{i}."
+    experts = ""  # HF prefix of expert {e}, after "model.layers.{i}."
     names = {"w1": "", "w3": "", "w2": ""}  # megaformer matrix -> HF matrix of one expert
-    every_block = False            # the class has MoE in every block (no interval)
+    every_block = False  # the class has MoE in every block (no interval)
 
     def moe_refusals(self, m: ModelConfig) -> list[str]:
         moe, c = m.moe, self.hf_class
@@ -54,14 +54,19 @@ class _MoEFamily(LlamaFamily):
             return [f"model.moe.interval=0 cannot be expressed by {c} (its FFNs are MoE)"]
         out = []
         if self.every_block and moe.interval != 1:
-            out.append(f"model.moe.interval={moe.interval} cannot be expressed by {c} (every "
-                       "block is MoE)")
-        for key, want, why in (("score", "softmax", "its router is a softmax"),
-                               ("num_shared_experts", 0, "it has no shared experts"),
-                               ("dropless", True, "it computes every routed token"),
-                               ("bias_update_rate", 0.0, "its routing has no expert bias")):
+            out.append(
+                f"model.moe.interval={moe.interval} cannot be expressed by {c} (every block is MoE)"
+            )
+        for key, want, why in (
+            ("score", "softmax", "its router is a softmax"),
+            ("num_shared_experts", 0, "it has no shared experts"),
+            ("dropless", True, "it computes every routed token"),
+            ("bias_update_rate", 0.0, "its routing has no expert bias"),
+        ):
             if getattr(moe, key) != want:
-                out.append(f"model.moe.{key}={getattr(moe, key)} cannot be expressed by {c} ({why})")
+                out.append(
+                    f"model.moe.{key}={getattr(moe, key)} cannot be expressed by {c} ({why})"
+                )
         return out
 
     def moe_config(self, m: ModelConfig) -> dict[str, Any]:
@@ -77,8 +82,11 @@ class _MoEFamily(LlamaFamily):
         fields = super().model_fields(hf)
         moe = self.moe_fields(hf)
         experts, k = moe["num_experts"], moe["top_k"]
-        self.refuse_hf(not (1 <= k <= min(8, experts)), f"num_experts_per_tok={k}",
-                       f"megaformer routes each token to 1..8 of its {experts} experts")
+        self.refuse_hf(
+            not (1 <= k <= min(8, experts)),
+            f"num_experts_per_tok={k}",
+            f"megaformer routes each token to 1..8 of its {experts} experts",
+        )
         fields["moe"] = {"score": "softmax", "dropless": True, "num_shared_experts": 0, **moe}
         return fields
 
@@ -90,7 +98,9 @@ class _MoEFamily(LlamaFamily):
             router = rename(f"{ours}router.weight", f"{hf}{self.router}.weight")
         out = [router]
         for w, name in self.names.items():
-            per = [f"{hf}{self.experts.format(e=e)}.{name}.weight" for e in range(m.moe.num_experts)]
+            per = [
+                f"{hf}{self.experts.format(e=e)}.{name}.weight" for e in range(m.moe.num_experts)
+            ]
             if export:
                 out += [Entry(p, (f"{ours}experts.{w}",), _pick(e)) for e, p in enumerate(per)]
             else:
@@ -124,19 +134,28 @@ class Mixtral(_MoEFamily, Mistral):
     def moe_refusals(self, m: ModelConfig) -> list[str]:
         out = super().moe_refusals(m)
         if m.moe.interval and not m.moe.renormalize:
-            out.append(f"model.moe.renormalize=false cannot be expressed by {self.hf_class} "
-                       "(its top-k weights are a softmax over the selected logits)")
+            out.append(
+                f"model.moe.renormalize=false cannot be expressed by {self.hf_class} "
+                "(its top-k weights are a softmax over the selected logits)"
+            )
         return out
 
     def moe_config(self, m: ModelConfig) -> dict[str, Any]:
-        return {"intermediate_size": m.expert_dim, "num_local_experts": m.moe.num_experts,
-                "num_experts_per_tok": m.moe.top_k, "router_jitter_noise": 0.0}
+        return {
+            "intermediate_size": m.expert_dim,
+            "num_local_experts": m.moe.num_experts,
+            "num_experts_per_tok": m.moe.top_k,
+            "router_jitter_noise": 0.0,
+        }
 
     def moe_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
-        return {"interval": 1, "num_experts": hf_get(hf, "num_local_experts", "num_experts",
-                                                     default=8),
-                "top_k": hf.get("num_experts_per_tok", 2), "renormalize": True,
-                "d_expert": hf["intermediate_size"]}
+        return {
+            "interval": 1,
+            "num_experts": hf_get(hf, "num_local_experts", "num_experts", default=8),
+            "top_k": hf.get("num_experts_per_tok", 2),
+            "renormalize": True,
+            "d_expert": hf["intermediate_size"],
+        }
 
 
 class Qwen3Moe(_MoEFamily, Qwen3):
@@ -146,20 +165,31 @@ class Qwen3Moe(_MoEFamily, Qwen3):
     names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
     def moe_config(self, m: ModelConfig) -> dict[str, Any]:
-        return {"intermediate_size": m.ffn_dim, "moe_intermediate_size": m.expert_dim,
-                "num_experts": m.moe.num_experts, "num_experts_per_tok": m.moe.top_k,
-                "norm_topk_prob": m.moe.renormalize, "decoder_sparse_step": m.moe.interval,
-                "mlp_only_layers": []}
+        return {
+            "intermediate_size": m.ffn_dim,
+            "moe_intermediate_size": m.expert_dim,
+            "num_experts": m.moe.num_experts,
+            "num_experts_per_tok": m.moe.top_k,
+            "norm_topk_prob": m.moe.renormalize,
+            "decoder_sparse_step": m.moe.interval,
+            "mlp_only_layers": [],
+        }
 
     def moe_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
-        self.refuse_hf(bool(hf.get("mlp_only_layers")), f"mlp_only_layers={hf.get('mlp_only_layers')}",
-                       "dense blocks are every block not picked by decoder_sparse_step")
+        self.refuse_hf(
+            bool(hf.get("mlp_only_layers")),
+            f"mlp_only_layers={hf.get('mlp_only_layers')}",
+            "dense blocks are every block not picked by decoder_sparse_step",
+        )
         experts = hf_get(hf, "num_experts", "num_local_experts", default=0)
         self.refuse_hf(experts < 1, f"num_experts={experts}", "an MoE model needs experts")
-        return {"interval": hf.get("decoder_sparse_step", 1) or 1, "num_experts": experts,
-                "top_k": hf.get("num_experts_per_tok", 2),
-                "renormalize": bool(hf.get("norm_topk_prob", False)),
-                "d_expert": hf["moe_intermediate_size"]}
+        return {
+            "interval": hf.get("decoder_sparse_step", 1) or 1,
+            "num_experts": experts,
+            "top_k": hf.get("num_experts_per_tok", 2),
+            "renormalize": bool(hf.get("norm_topk_prob", False)),
+            "d_expert": hf["moe_intermediate_size"],
+        }
 
 
 class Qwen2Moe(_MoEFamily, Qwen2):
@@ -172,23 +202,34 @@ class Qwen2Moe(_MoEFamily, Qwen2):
         out = [r for r in super().moe_refusals(m) if "num_shared_experts" not in r]
         moe = m.moe
         if moe.interval and (moe.num_shared_experts != 1 or not moe.shared_gate):
-            out.append(f"model.moe.num_shared_experts={moe.num_shared_experts} with shared_gate="
-                       f"{str(moe.shared_gate).lower()} cannot be expressed by {self.hf_class} "
-                       "(each MoE block has one shared expert behind a sigmoid gate)")
+            out.append(
+                f"model.moe.num_shared_experts={moe.num_shared_experts} with shared_gate="
+                f"{str(moe.shared_gate).lower()} cannot be expressed by {self.hf_class} "
+                "(each MoE block has one shared expert behind a sigmoid gate)"
+            )
         return out
 
     def moe_config(self, m: ModelConfig) -> dict[str, Any]:
-        return {"intermediate_size": m.ffn_dim, "moe_intermediate_size": m.expert_dim,
-                "shared_expert_intermediate_size": m.shared_dim,
-                "num_experts": m.moe.num_experts, "num_experts_per_tok": m.moe.top_k,
-                "norm_topk_prob": m.moe.renormalize, "decoder_sparse_step": m.moe.interval,
-                "mlp_only_layers": [], "qkv_bias": m.qkv_bias}
+        return {
+            "intermediate_size": m.ffn_dim,
+            "moe_intermediate_size": m.expert_dim,
+            "shared_expert_intermediate_size": m.shared_dim,
+            "num_experts": m.moe.num_experts,
+            "num_experts_per_tok": m.moe.top_k,
+            "norm_topk_prob": m.moe.renormalize,
+            "decoder_sparse_step": m.moe.interval,
+            "mlp_only_layers": [],
+            "qkv_bias": m.qkv_bias,
+        }
 
     def moe_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
         fields = Qwen3Moe.moe_fields(self, hf)  # type: ignore[arg-type]
         shared = hf.get("shared_expert_intermediate_size") or 0
-        self.refuse_hf(shared < 1, f"shared_expert_intermediate_size={shared}",
-                       "its MoE blocks always hold a shared expert")
+        self.refuse_hf(
+            shared < 1,
+            f"shared_expert_intermediate_size={shared}",
+            "its MoE blocks always hold a shared expert",
+        )
         return {**fields, "num_shared_experts": 1, "d_shared": shared, "shared_gate": True}
 
     def bias_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
@@ -196,8 +237,11 @@ class Qwen2Moe(_MoEFamily, Qwen2):
 
     def _moe_entries(self, m: ModelConfig, i: int, export: bool) -> list[Entry]:
         hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
-        pairs = [(f"{hf}shared_expert.{name}.weight", f"{ours}shared.{w}.weight")
-                 for w, name in self.names.items()]
+        pairs = [
+            (f"{hf}shared_expert.{name}.weight", f"{ours}shared.{w}.weight")
+            for w, name in self.names.items()
+        ]
         pairs.append((f"{hf}shared_expert_gate.weight", f"{ours}shared_gate.weight"))
         return super()._moe_entries(m, i, export) + [
-            rename(theirs, mine) if export else rename(mine, theirs) for theirs, mine in pairs]
+            rename(theirs, mine) if export else rename(mine, theirs) for theirs, mine in pairs
+        ]

@@ -24,11 +24,16 @@ class _Qwen(LlamaFamily):
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window") else None
         if layers:
             kinds = set(layers)
-            self.refuse_hf(kinds - {"full_attention", "sliding_attention"} != set(),
-                           f"layer_types={sorted(kinds)}", "only full or sliding attention exist here")
-            self.refuse_hf(len(kinds) > 1, "layer_types mixing sliding_attention and "
-                           "full_attention (max_window_layers)", "megaformer's sliding window "
-                           "applies to every layer")
+            self.refuse_hf(
+                kinds - {"full_attention", "sliding_attention"} != set(),
+                f"layer_types={sorted(kinds)}",
+                "only full or sliding attention exist here",
+            )
+            self.refuse_hf(
+                len(kinds) > 1,
+                "layer_types mixing sliding_attention and full_attention (max_window_layers)",
+                "megaformer's sliding window applies to every layer",
+            )
             if kinds == {"full_attention"}:
                 sliding = None
         return {"sliding_window": sliding}
@@ -36,14 +41,18 @@ class _Qwen(LlamaFamily):
     def window_config(self, m: ModelConfig) -> dict[str, Any]:
         w = m.sliding_window
         kind = "sliding_attention" if w is not None else "full_attention"
-        return {"use_sliding_window": w is not None, "sliding_window": w,
-                "max_window_layers": 0 if w is not None else m.n_layers,
-                "layer_types": [kind] * m.n_layers}
+        return {
+            "use_sliding_window": w is not None,
+            "sliding_window": w,
+            "max_window_layers": 0 if w is not None else m.n_layers,
+            "layer_types": [kind] * m.n_layers,
+        }
 
     def bias_refusals(self, m: ModelConfig) -> list[str]:
         if m.bias:
-            return [f"model.bias=true cannot be expressed by {self.hf_class} (its MLP has no "
-                    "biases)"]
+            return [
+                f"model.bias=true cannot be expressed by {self.hf_class} (its MLP has no biases)"
+            ]
         return []
 
 
@@ -51,8 +60,15 @@ class Qwen2(_Qwen):
     name, hf_class, model_type = "qwen2", "Qwen2ForCausalLM", "qwen2"
 
     def hf_biases(self, m: ModelConfig) -> dict[str, bool]:
-        return {"wq": True, "wk": True, "wv": True, "wo": False, "w1": False, "w3": False,
-                "w2": False}
+        return {
+            "wq": True,
+            "wk": True,
+            "wv": True,
+            "wo": False,
+            "w1": False,
+            "w3": False,
+            "w2": False,
+        }
 
     def bias_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
         return {"bias": False, "qkv_bias": True}
@@ -66,8 +82,15 @@ class Qwen3(_Qwen):
     qk_norm = True
 
     def hf_biases(self, m: ModelConfig) -> dict[str, bool]:
-        return {"wq": m.attn_bias, "wk": m.attn_bias, "wv": m.attn_bias, "wo": m.attn_bias,
-                "w1": False, "w3": False, "w2": False}
+        return {
+            "wq": m.attn_bias,
+            "wk": m.attn_bias,
+            "wv": m.attn_bias,
+            "wo": m.attn_bias,
+            "w1": False,
+            "w3": False,
+            "w2": False,
+        }
 
     def bias_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
         # attention_bias also covers o_proj, a "model.bias" linear here: the MLP's are then zero

@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megaformer.checkpoint.weights import check_shapes
 from megaformer.checkpoint.safetensors_check import read_header
+from megaformer.checkpoint.weights import check_shapes
 from megaformer.errors import CheckpointError, ConversionError
 from megaformer.safe_files import read_text_bounded, regular_files
 
@@ -39,9 +39,18 @@ SINGLE_FILE = "model.safetensors"
 SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+\.safetensors")
 MAX_INDEX_BYTES = 256 * 1024 * 1024
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -111,8 +120,9 @@ class SafetensorsFile:
         header = read_header(path)  # size and every tensor's byte range checked against it
         header.pop("__metadata__", None)
         # read_header checked size == 8 + header length + end of the last tensor
-        data_start = path.stat().st_size - max((e["data_offsets"][1] for e in header.values()),
-                                               default=0)
+        data_start = path.stat().st_size - max(
+            (e["data_offsets"][1] for e in header.values()), default=0
+        )
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         end = 0
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -155,8 +165,9 @@ class TensorSource:
         index = folder / INDEX_FILE
         if index.is_file() or index.is_symlink():
             try:
-                weight_map = json.loads(read_text_bounded(index, MAX_INDEX_BYTES,
-                                                          ConversionError))["weight_map"]
+                weight_map = json.loads(read_text_bounded(index, MAX_INDEX_BYTES, ConversionError))[
+                    "weight_map"
+                ]
                 names = set(weight_map.values())
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 raise ConversionError(f"{index}: not a safetensors index (no weight_map)") from None
@@ -165,14 +176,18 @@ class TensorSource:
                 raise ConversionError(f"{index}: not a safetensors index (no weight_map)")
             for fname in sorted(names, key=str):
                 if not shard_name_ok(fname):
-                    raise ConversionError(f"{index}: weight_map names {str(fname)[:80]!r}; expected "
-                                          "a plain *.safetensors file name inside the folder")
+                    raise ConversionError(
+                        f"{index}: weight_map names {str(fname)[:80]!r}; expected "
+                        "a plain *.safetensors file name inside the folder"
+                    )
             paths = sorted(folder / f for f in names)
         elif (folder / SINGLE_FILE).is_file():
             weight_map, paths = None, [folder / SINGLE_FILE]
         else:
-            raise ConversionError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
-                                  "weights are read; pickled .bin files are refused)")
+            raise ConversionError(
+                f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
+                "weights are read; pickled .bin files are refused)"
+            )
         regular_files(paths, ConversionError)  # no links, devices or folders as shards
         self._files: dict[str, SafetensorsFile] = {}
         for path in paths:
@@ -182,7 +197,9 @@ class TensorSource:
         if weight_map is not None:
             for name, fname in weight_map.items():
                 if name not in self._files or self._files[name].path.name != fname:
-                    raise ConversionError(f"{index}: lists {name} in {fname}, which does not hold it")
+                    raise ConversionError(
+                        f"{index}: lists {name} in {fname}, which does not hold it"
+                    )
 
     def keys(self) -> list[str]:
         return sorted(self._files)
@@ -206,8 +223,12 @@ class TensorSource:
 def shard_name_ok(name: object) -> bool:
     """A weight_map entry is a plain file name (no folder part, no '..', not hidden) ending in
     ``.safetensors``."""
-    return (isinstance(name, str) and SHARD_NAME.fullmatch(name) is not None
-            and name not in (".", "..") and not name.startswith("."))
+    return (
+        isinstance(name, str)
+        and SHARD_NAME.fullmatch(name) is not None
+        and name not in (".", "..")
+        and not name.startswith(".")
+    )
 
 
 def _where(source: object) -> str:
@@ -227,12 +248,15 @@ def check_inputs(plan: list[Entry], source: TensorSource, ignore: Callable[[str]
     extra = [k for k in sorted(names) if k not in used and not ignore(k)]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise ConversionError(f"{_where(source)}: tensor {extra[0]}{more} has no counterpart in the "
-                              "target format; refusing to drop it")
+        raise ConversionError(
+            f"{_where(source)}: tensor {extra[0]}{more} has no counterpart in the "
+            "target format; refusing to drop it"
+        )
 
 
-def output_specs(plan: list[Entry], source: TensorSource,
-                 dtype: Optional[torch.dtype]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+def output_specs(
+    plan: list[Entry], source: TensorSource, dtype: Optional[torch.dtype]
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every output, computed on meta tensors (no data read)."""
     specs = []
     for e in plan:
@@ -254,8 +278,13 @@ class SafetensorsShardWriter:
     (a tensor larger than that gets a shard of its own). One shard is named ``model.safetensors``;
     several are ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``."""
 
-    def __init__(self, folder: Path, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 max_bytes: Optional[int] = None, metadata: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        max_bytes: Optional[int] = None,
+        metadata: Optional[dict[str, str]] = None,
+    ) -> None:
         self.folder = folder
         self.metadata = {"format": "pt", **(metadata or {})}
         self.shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
@@ -268,8 +297,11 @@ class SafetensorsShardWriter:
             self.shards[-1].append(spec)
             size += nb
         n = len(self.shards)
-        self.names = ([SINGLE_FILE] if n == 1 else
-                      [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        self.names = (
+            [SINGLE_FILE]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
         self.total_size = sum(_nbytes(s[1], s[2]) for s in specs)
         self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._pos = 0
@@ -283,8 +315,11 @@ class SafetensorsShardWriter:
         offset = 0
         for name, shape, dtype in self.shards[i]:
             nb = _nbytes(shape, dtype)
-            header[name] = {"dtype": _CODES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nb]}
+            header[name] = {
+                "dtype": _CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nb],
+            }
             offset += nb
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # 8-byte alignment of the data, as safetensors does
@@ -303,8 +338,10 @@ class SafetensorsShardWriter:
         """Append the next tensor; it must be the one announced next, with its shape and dtype."""
         shard, (exp_name, shape, dtype) = self._order[self._pos]
         if name != exp_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise RuntimeError(f"writer expected {exp_name} {shape} {dtype}, got {name} "
-                               f"{tuple(tensor.shape)} {tensor.dtype}")
+            raise RuntimeError(
+                f"writer expected {exp_name} {shape} {dtype}, got {name} "
+                f"{tuple(tensor.shape)} {tensor.dtype}"
+            )
         if shard != self._shard:
             self._start_shard(shard)
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -328,10 +365,16 @@ class SafetensorsShardWriter:
         return list(self.names)
 
 
-def run_plan(plan: list[Entry], source: TensorSource, folder: Path, dtype: Optional[torch.dtype],
-             max_bytes: Optional[int] = None, metadata: Optional[dict[str, str]] = None,
-             ignore: Callable[[str], bool] = lambda name: False,
-             expected_out: Optional[dict[str, tuple[int, ...]]] = None) -> list[str]:
+def run_plan(
+    plan: list[Entry],
+    source: TensorSource,
+    folder: Path,
+    dtype: Optional[torch.dtype],
+    max_bytes: Optional[int] = None,
+    metadata: Optional[dict[str, str]] = None,
+    ignore: Callable[[str], bool] = lambda name: False,
+    expected_out: Optional[dict[str, tuple[int, ...]]] = None,
+) -> list[str]:
     """Check, lay out and stream ``plan`` from ``source`` into safetensors file(s) in ``folder``.
 
     ``expected_out``: the shapes the outputs must have (from the config); checked on meta tensors
@@ -339,8 +382,7 @@ def run_plan(plan: list[Entry], source: TensorSource, folder: Path, dtype: Optio
     check_inputs(plan, source, ignore)
     specs = output_specs(plan, source, dtype)
     if expected_out is not None:
-        check_shapes([(n, s) for n, s, _ in specs], expected_out, _where(source),
-                     ConversionError)
+        check_shapes([(n, s) for n, s, _ in specs], expected_out, _where(source), ConversionError)
     writer = SafetensorsShardWriter(folder, specs, max_bytes, metadata)
     for e in plan:
         out = e.fn(*(source.get(n) for n in e.inputs))

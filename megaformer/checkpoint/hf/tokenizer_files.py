@@ -19,8 +19,11 @@ from megaformer.data.tokenizer import EOD_TOKEN, ByteTokenizer, Tokenizer
 def byte_level_alphabet() -> list[str]:
     """The printable character standing for each byte 0..255 in byte-level BPE (GPT-2's scheme):
     bytes that are printable Latin-1 stand for themselves, the others are shifted to 256, 257, ..."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("\xa1"), ord("\xac") + 1)) \
+    printable = (
+        set(range(ord("!"), ord("~") + 1))
+        | set(range(ord("\xa1"), ord("\xac") + 1))
         | set(range(ord("\xae"), ord("\xff") + 1))
+    )
     chars, shifted = [], 0
     for b in range(256):
         if b in printable:
@@ -56,9 +59,15 @@ def write_hf_tokenizer(tokenizer: Tokenizer, folder: Path, max_len: int) -> dict
         tok = byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else tokenizer.tok
         tok.save(str(folder / "tokenizer.json"))
         eod, cls = tok.id_to_token(tokenizer.eod_id), "PreTrainedTokenizerFast"
-    config = {"tokenizer_class": cls, "bos_token": eod, "eos_token": eod,
-              "model_max_length": max_len, "clean_up_tokenization_spaces": False,
-              "add_bos_token": False, "add_eos_token": False}
+    config = {
+        "tokenizer_class": cls,
+        "bos_token": eod,
+        "eos_token": eod,
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"bos_token_id": tokenizer.eod_id, "eos_token_id": tokenizer.eod_id}
 

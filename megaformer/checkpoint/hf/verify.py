@@ -35,11 +35,12 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise ConversionError("--verify runs the model in transformers: pip install 'megaformer[hf]'"
-                              ) from None
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
-                                                 trust_remote_code=False,
-                                                 dtype=torch.float32).eval()
+        raise ConversionError(
+            "--verify runs the model in transformers: pip install 'megaformer[hf]'"
+        ) from None
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, trust_remote_code=False, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         out = model(ids).logits
     del model
@@ -67,12 +68,18 @@ def verify(run: Path, hf_folder: Path, tolerance: float = DEFAULT_TOLERANCE) -> 
     ours = megaformer_logits(run, ids)
     theirs = hf_logits(hf_folder, ids)
     if ours.shape != theirs.shape:
-        raise ConversionError(f"--verify: logits of shape {tuple(ours.shape)} (megaformer) and "
-                              f"{tuple(theirs.shape)} (transformers) differ")
+        raise ConversionError(
+            f"--verify: logits of shape {tuple(ours.shape)} (megaformer) and "
+            f"{tuple(theirs.shape)} (transformers) differ"
+        )
     diff = (ours - theirs).abs().max().item()
-    print(f"verify: max |logit difference| = {diff:.3g} over {ids.shape[0]} x {ids.shape[1]} "
-          f"tokens (fp32; tolerance {tolerance:g})")
+    print(
+        f"verify: max |logit difference| = {diff:.3g} over {ids.shape[0]} x {ids.shape[1]} "
+        f"tokens (fp32; tolerance {tolerance:g})"
+    )
     if not diff <= tolerance:  # NaN fails too
-        raise ConversionError(f"--verify: max |logit difference| {diff:.3g} exceeds the tolerance "
-                              f"{tolerance:g}; nothing was written")
+        raise ConversionError(
+            f"--verify: max |logit difference| {diff:.3g} exceeds the tolerance "
+            f"{tolerance:g}; nothing was written"
+        )
     return diff

@@ -26,15 +26,19 @@ def load_engine_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict, dict]:
         raise CheckpointError(f"{ckpt}: not a checkpoint folder named step_<digits>")
     try:
         with weights_only_forced():  # every torch.load inside DeepSpeed is weights-only
-            path, client = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
-                                                  load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+            path, client = engine.load_checkpoint(
+                str(ckpt.parent),
+                tag=ckpt.name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )
     except CheckpointError:
         raise
     except (RuntimeError, KeyError, ValueError, AssertionError, pickle.UnpicklingError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{ckpt}: cannot restore the training state ({first[:300]})") from None
+        raise CheckpointError(
+            f"{ckpt}: cannot restore the training state ({first[:300]})"
+        ) from None
     if path is None or client is None:
         raise CheckpointError(f"{ckpt}: DeepSpeed found no engine state for this layout")
     return client, load_rng_state(ckpt, rank)
-

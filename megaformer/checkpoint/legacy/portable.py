@@ -61,7 +61,8 @@ def relayout_changes(cfg: Any, ckpt: Path, world_size: int) -> list[str]:
         raise CheckpointError(
             f"{ckpt}: resuming with a different layout ({', '.join(changes)}) needs the "
             f"checkpoint's layout-free optimizer state ({STATE_DIR}/{STATE_JSON}), "
-            "which it lacks; resume at the saved layout")
+            "which it lacks; resume at the saved layout"
+        )
     return changes
 
 
@@ -73,7 +74,11 @@ def get_full(access: OptimizerAccess, p: torch.nn.Parameter, key: str) -> torch.
         if key == "master":
             return p.detach().float()
         state = access.inner.state.get(p, {})
-        return state[key].detach().float() if key in state else torch.zeros_like(p, dtype=torch.float32)
+        return (
+            state[key].detach().float()
+            if key in state
+            else torch.zeros_like(p, dtype=torch.float32)
+        )
     t = safe_get_full_fp32_param(p) if key == "master" else safe_get_full_optimizer_state(p, key)
     if t is None:
         raise CheckpointError(f"DeepSpeed has no {key} for a parameter of shape {tuple(p.shape)}")
@@ -113,9 +118,13 @@ def stage_file(pp_rank: int) -> str:
     return f"{STATE_DIR}/stage_{pp_rank:02d}.safetensors"
 
 
-def snapshot_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
-                            topo: Any, vocab_size: int,
-                            memo: Optional[dict] = None) -> Optional[dict[str, torch.Tensor]]:
+def snapshot_portable_state(
+    engine: Any,
+    params: list[tuple[str, torch.nn.Parameter]],
+    topo: Any,
+    vocab_size: int,
+    memo: Optional[dict] = None,
+) -> Optional[dict[str, torch.Tensor]]:
     """Collective (every rank): this pipeline stage's whole tensors, on the host, for the
     stage's writer (TP rank 0, DP rank 0); an empty dict on the other ranks. None when the
     optimizer is one the accessors do not cover (fp16's), so there is nothing layout-free.
@@ -139,8 +148,9 @@ def snapshot_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parame
                 t = t[:vocab_size]
             if writer:
                 t = t.detach().float()
-                out[f"{name}/{key}"] = (host_copy(t, memo) if memo is not None and live
-                                        else t.to("cpu").contiguous())  # fresh: already a copy
+                out[f"{name}/{key}"] = (
+                    host_copy(t, memo) if memo is not None and live else t.to("cpu").contiguous()
+                )  # fresh: already a copy
     return out
 
 
@@ -190,33 +200,45 @@ class PortableState:
         return {n: self.tensor(n, "master") for n in self.names()}
 
 
-def _shard(full: torch.Tensor, name: str, p: torch.nn.Parameter, topo: Any,
-           padded_vocab: int, source: Path) -> torch.Tensor:
+def _shard(
+    full: torch.Tensor, name: str, p: torch.nn.Parameter, topo: Any, padded_vocab: int, source: Path
+) -> torch.Tensor:
     """Whole tensor -> this rank's piece: vocabulary padded with zero rows, then TP-sliced."""
     if name in VOCAB_TABLES and full.shape[0] < padded_vocab:
         full = torch.cat([full, full.new_zeros(padded_vocab - full.shape[0], *full.shape[1:])])
     if getattr(p, "tensor_model_parallel", False) and topo.tp > 1:
         full = full.chunk(topo.tp, dim=p.partition_dim)[topo.tp_rank]
     if tuple(full.shape) != tuple(p.shape) and not zero3_partitioned(p):
-        raise CheckpointError(f"{source}: {name} does not fit this layout (shard {tuple(full.shape)}, "
-                              f"parameter {tuple(p.shape)})")
+        raise CheckpointError(
+            f"{source}: {name} does not fit this layout (shard {tuple(full.shape)}, "
+            f"parameter {tuple(p.shape)})"
+        )
     return full
 
 
-def restore_portable_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]], topo: Any,
-                           padded_vocab: int, state: PortableState, source: Path) -> None:
+def restore_portable_state(
+    engine: Any,
+    params: list[tuple[str, torch.nn.Parameter]],
+    topo: Any,
+    padded_vocab: int,
+    state: PortableState,
+    source: Path,
+) -> None:
     """Set every local parameter's master weight and Adam moments from ``state`` (collective-free
     except for what DeepSpeed's setters do)."""
     access = OptimizerAccess(engine)
     if not covered(engine, params):
-        raise CheckpointError(f"{source}: resuming at another layout is not supported with this "
-                              f"optimizer ({type(engine.optimizer).__name__}); resume at the saved "
-                              "layout")
+        raise CheckpointError(
+            f"{source}: resuming at another layout is not supported with this "
+            f"optimizer ({type(engine.optimizer).__name__}); resume at the saved "
+            "layout"
+        )
     access.prepare(float(state.info.get("adam_step", 0.0)))
     for name, p in params:
         for key in KEYS:
-            set_full(access, p, key, _shard(state.tensor(name, key), name, p, topo, padded_vocab, source))
-
+            set_full(
+                access, p, key, _shard(state.tensor(name, key), name, p, topo, padded_vocab, source)
+            )
 
 
 def copy_files(files: Iterable[Path], dst: Path) -> None:

@@ -17,6 +17,12 @@ __all__ = ["check_rope_scaling", "validate"]
 
 def validate(cfg: Config) -> None:
     """Cross-key checks that do not depend on the world size or the device."""
-    for check in (check_model, check_parallel, check_data, check_train, check_outputs,
-                  check_deepspeed):
+    for check in (
+        check_model,
+        check_parallel,
+        check_data,
+        check_train,
+        check_outputs,
+        check_deepspeed,
+    ):
         check(cfg)

@@ -14,40 +14,65 @@ if TYPE_CHECKING:
 def check_model(cfg: Config) -> None:
     """The model's own keys, and the model features a pipeline cannot carry."""
     m = cfg.model
-    for key in ("d_model", "n_layers", "n_heads", "max_seq_len", "vocab_size", "n_kv_heads", "d_ffn",
-                "sliding_window"):
+    for key in (
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "max_seq_len",
+        "vocab_size",
+        "n_kv_heads",
+        "d_ffn",
+        "sliding_window",
+    ):
         positive(f"model.{key}", getattr(m, key))
     positive("model.head_dim", m.configured_head_dim)
-    require(m.configured_head_dim is not None or m.d_model % m.n_heads == 0,
-            f"model.d_model={m.d_model}: must be divisible by model.n_heads={m.n_heads} "
-            "(or set model.head_dim)")
-    require(m.n_heads % m.kv_heads == 0,
-            f"model.n_heads={m.n_heads}: must be divisible by model.n_kv_heads={m.kv_heads}")
+    require(
+        m.configured_head_dim is not None or m.d_model % m.n_heads == 0,
+        f"model.d_model={m.d_model}: must be divisible by model.n_heads={m.n_heads} "
+        "(or set model.head_dim)",
+    )
+    require(
+        m.n_heads % m.kv_heads == 0,
+        f"model.n_heads={m.n_heads}: must be divisible by model.n_kv_heads={m.kv_heads}",
+    )
     if m.position == "rope":
         rot = int(m.head_dim * m.rotary_fraction)
-        require(0 < m.rotary_fraction <= 1,
-                f"model.rotary_fraction={m.rotary_fraction}: must be in (0, 1]")
-        require(rot >= 2 and rot % 2 == 0,
-                f"model.rotary_fraction={m.rotary_fraction}: rotary dims per head "
-                f"({m.head_dim} * fraction = {rot}) must be even and >= 2")
+        require(
+            0 < m.rotary_fraction <= 1,
+            f"model.rotary_fraction={m.rotary_fraction}: must be in (0, 1]",
+        )
+        require(
+            rot >= 2 and rot % 2 == 0,
+            f"model.rotary_fraction={m.rotary_fraction}: rotary dims per head "
+            f"({m.head_dim} * fraction = {rot}) must be even and >= 2",
+        )
         positive("model.rope_theta", m.rope_theta)
         check_rope_scaling(m.rope_scaling)
     else:
-        require(m.rope_scaling is None, f"model.rope_scaling: needs model.position=rope, "
-                                         f"not {m.position}")
+        require(
+            m.rope_scaling is None,
+            f"model.rope_scaling: needs model.position=rope, not {m.position}",
+        )
     if m.position == "sinusoidal":
-        require(m.d_model % 2 == 0, f"model.d_model={m.d_model}: sinusoidal positions need an even width")
+        require(
+            m.d_model % 2 == 0,
+            f"model.d_model={m.d_model}: sinusoidal positions need an even width",
+        )
     for key in ("dropout", "attention_dropout"):
         v = getattr(m, key)
         require(0 <= v < 1, f"model.{key}={v}: must be in [0, 1)")
     positive("model.norm_eps", m.norm_eps)
     positive("model.init_std", m.init_std)
     positive("model.loss_chunk_tokens", m.loss_chunk_tokens, allow_zero=True)
-    for key, on in (("model.loss_chunk_tokens", m.loss_chunk_tokens > 0),
-                    ("model.document_mask", m.document_mask)):
-        require(not (on and cfg.parallel.pipeline > 1),
-                f"{key}: not supported with parallel.pipeline={cfg.parallel.pipeline} "
-                "(the pipeline stages pass only the hidden states); use pipeline 1 or turn it off")
+    for key, on in (
+        ("model.loss_chunk_tokens", m.loss_chunk_tokens > 0),
+        ("model.document_mask", m.document_mask),
+    ):
+        require(
+            not (on and cfg.parallel.pipeline > 1),
+            f"{key}: not supported with parallel.pipeline={cfg.parallel.pipeline} "
+            "(the pipeline stages pass only the hidden states); use pipeline 1 or turn it off",
+        )
     check_moe(cfg)
 
 
@@ -56,24 +81,36 @@ def check_rope_scaling(scaling: Optional[dict]) -> None:
     if scaling is None:
         return
     kind = scaling.get("rope_type")
-    require(kind in ROPE_SCALING_KEYS, f"model.rope_scaling.rope_type={kind!r}: must be one of "
-                                        f"{', '.join(ROPE_SCALING_KEYS)} (or rope_scaling: null)")
+    require(
+        kind in ROPE_SCALING_KEYS,
+        f"model.rope_scaling.rope_type={kind!r}: must be one of "
+        f"{', '.join(ROPE_SCALING_KEYS)} (or rope_scaling: null)",
+    )
     required, optional = ROPE_SCALING_KEYS[kind]
     missing = sorted(required - set(scaling))
     require(not missing, f"model.rope_scaling: rope_type {kind} needs {', '.join(missing)}")
     unknown = sorted(set(scaling) - required - optional - {"rope_type"})
-    require(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}: unknown for "
-                          f"rope_type {kind} (known: {', '.join(sorted(required | optional))})")
+    require(
+        not unknown,
+        f"model.rope_scaling.{unknown[0] if unknown else ''}: unknown for "
+        f"rope_type {kind} (known: {', '.join(sorted(required | optional))})",
+    )
     for key in sorted((required | optional) & set(scaling)):
         value = scaling[key]
         if key == "truncate":
-            require(isinstance(value, bool), f"model.rope_scaling.truncate={value!r}: expected bool")
+            require(
+                isinstance(value, bool), f"model.rope_scaling.truncate={value!r}: expected bool"
+            )
         elif value is not None or key in required:
-            require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-                    f"model.rope_scaling.{key}={value!r}: expected a positive number")
+            require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"model.rope_scaling.{key}={value!r}: expected a positive number",
+            )
     if kind == "llama3":
-        require(scaling["high_freq_factor"] > scaling["low_freq_factor"],
-                "model.rope_scaling: high_freq_factor must exceed low_freq_factor")
+        require(
+            scaling["high_freq_factor"] > scaling["low_freq_factor"],
+            "model.rope_scaling: high_freq_factor must exceed low_freq_factor",
+        )
 
 
 def check_moe(cfg: Config) -> None:
@@ -81,42 +118,64 @@ def check_moe(cfg: Config) -> None:
     positive("model.moe.interval", moe.interval, allow_zero=True)
     if moe.interval == 0:
         return
-    require(moe.interval <= m.n_layers, f"model.moe.interval={moe.interval}: no block would be "
-                                         f"MoE with model.n_layers={m.n_layers}")
+    require(
+        moe.interval <= m.n_layers,
+        f"model.moe.interval={moe.interval}: no block would be "
+        f"MoE with model.n_layers={m.n_layers}",
+    )
     positive("model.moe.num_experts", moe.num_experts)
     require(1 <= moe.top_k <= 8, f"model.moe.top_k={moe.top_k}: must be in 1..8")
-    require(moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: more than "
-                                           f"model.moe.num_experts={moe.num_experts}")
+    require(
+        moe.top_k <= moe.num_experts,
+        f"model.moe.top_k={moe.top_k}: more than model.moe.num_experts={moe.num_experts}",
+    )
     for key in ("d_expert", "d_shared"):
         positive(f"model.moe.{key}", getattr(moe, key))
     for key in ("num_shared_experts", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
         positive(f"model.moe.{key}", getattr(moe, key), allow_zero=True)
-    require(not moe.shared_gate or moe.num_shared_experts > 0,
-            "model.moe.shared_gate=true: gates the shared experts; set "
-            "model.moe.num_shared_experts > 0")
+    require(
+        not moe.shared_gate or moe.num_shared_experts > 0,
+        "model.moe.shared_gate=true: gates the shared experts; set "
+        "model.moe.num_shared_experts > 0",
+    )
     if moe.dropless:
-        require(moe.capacity_factor is None,
-                f"model.moe.capacity_factor={moe.capacity_factor}: a capacity drops tokens; set "
-                "model.moe.dropless=false to use it (or capacity_factor: null)")
+        require(
+            moe.capacity_factor is None,
+            f"model.moe.capacity_factor={moe.capacity_factor}: a capacity drops tokens; set "
+            "model.moe.dropless=false to use it (or capacity_factor: null)",
+        )
     else:
-        require(moe.capacity_factor is not None,
-                "model.moe.dropless=false: needs model.moe.capacity_factor (e.g. 1.25)")
+        require(
+            moe.capacity_factor is not None,
+            "model.moe.dropless=false: needs model.moe.capacity_factor (e.g. 1.25)",
+        )
         positive("model.moe.capacity_factor", moe.capacity_factor)
     tp = cfg.parallel.tensor
     if tp > 1:
-        require(m.expert_dim % tp == 0, f"parallel.tensor={tp}: must divide the expert FFN width "
-                                         f"{m.expert_dim} (model.moe.d_expert)")
-        require(m.shared_dim % tp == 0, f"parallel.tensor={tp}: must divide the shared experts' "
-                                         f"FFN width {m.shared_dim}")
+        require(
+            m.expert_dim % tp == 0,
+            f"parallel.tensor={tp}: must divide the expert FFN width "
+            f"{m.expert_dim} (model.moe.d_expert)",
+        )
+        require(
+            m.shared_dim % tp == 0,
+            f"parallel.tensor={tp}: must divide the shared experts' FFN width {m.shared_dim}",
+        )
     if cfg.parallel.pipeline > 1:
-        require(moe.aux_loss_coef == 0 and moe.z_loss_coef == 0,
-                f"model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline="
-                f"{cfg.parallel.pipeline}: the pipeline stages pass only the hidden states, so "
-                "the router losses cannot reach the loss; set both to 0 (the auxiliary-loss-free "
-                "model.moe.bias_update_rate works under pipeline parallelism)")
-    require(cfg.parallel.zero_stage < 3,
-            "model.moe with parallel.zero_stage=3: experts are not partitioned by ZeRO-3 here; "
-            "use zero_stage 0, 1 or 2")
-    require(not cfg.log.diagnostics,
-            "log.diagnostics=true with model.moe: the residual-stream diagnostics do not cover "
-            "MoE blocks yet; switch one of them off")
+        require(
+            moe.aux_loss_coef == 0 and moe.z_loss_coef == 0,
+            f"model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline="
+            f"{cfg.parallel.pipeline}: the pipeline stages pass only the hidden states, so "
+            "the router losses cannot reach the loss; set both to 0 (the auxiliary-loss-free "
+            "model.moe.bias_update_rate works under pipeline parallelism)",
+        )
+    require(
+        cfg.parallel.zero_stage < 3,
+        "model.moe with parallel.zero_stage=3: experts are not partitioned by ZeRO-3 here; "
+        "use zero_stage 0, 1 or 2",
+    )
+    require(
+        not cfg.log.diagnostics,
+        "log.diagnostics=true with model.moe: the residual-stream diagnostics do not cover "
+        "MoE blocks yet; switch one of them off",
+    )

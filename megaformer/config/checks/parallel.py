@@ -32,16 +32,23 @@ def check_tensor_parallel(cfg: Config) -> None:
     if tp == 1:
         return
     require(m.n_heads % tp == 0, f"parallel.tensor={tp}: must divide model.n_heads={m.n_heads}")
-    require(m.kv_heads % tp == 0,
-            f"parallel.tensor={tp}: must divide the key/value heads (model.n_kv_heads="
-            f"{m.kv_heads}); replicating KV heads across TP ranks is not supported")
+    require(
+        m.kv_heads % tp == 0,
+        f"parallel.tensor={tp}: must divide the key/value heads (model.n_kv_heads="
+        f"{m.kv_heads}); replicating KV heads across TP ranks is not supported",
+    )
     require(m.ffn_dim % tp == 0, f"parallel.tensor={tp}: must divide the FFN width {m.ffn_dim}")
     if cfg.parallel.sequence_parallel:
-        require(cfg.seq_len % tp == 0, f"parallel.sequence_parallel=true: sequence length "
-                                        f"{cfg.seq_len} must be divisible by parallel.tensor={tp}")
-    require(cfg.parallel.zero_stage < 3,
-            f"parallel.zero_stage=3 with parallel.tensor={tp}: ZeRO-3 does not partition "
-            "tensor-parallel shards here; use zero_stage 0, 1 or 2")
+        require(
+            cfg.seq_len % tp == 0,
+            f"parallel.sequence_parallel=true: sequence length "
+            f"{cfg.seq_len} must be divisible by parallel.tensor={tp}",
+        )
+    require(
+        cfg.parallel.zero_stage < 3,
+        f"parallel.zero_stage=3 with parallel.tensor={tp}: ZeRO-3 does not partition "
+        "tensor-parallel shards here; use zero_stage 0, 1 or 2",
+    )
 
 
 def check_pipeline(cfg: Config) -> None:
@@ -52,18 +59,24 @@ def check_pipeline(cfg: Config) -> None:
             counts = [int(c) for c in spec.split(",")]
         except ValueError:
             counts = []
-        require(len(counts) == p.pipeline and all(c >= 1 for c in counts) and sum(counts) == n,
-                f"parallel.pipeline_partition={spec!r}: expected 'layers', 'parameters' or "
-                f"{p.pipeline} positive block counts summing to model.n_layers={n}")
+        require(
+            len(counts) == p.pipeline and all(c >= 1 for c in counts) and sum(counts) == n,
+            f"parallel.pipeline_partition={spec!r}: expected 'layers', 'parameters' or "
+            f"{p.pipeline} positive block counts summing to model.n_layers={n}",
+        )
     if p.pipeline == 1:
         return
     require(n >= p.pipeline, f"parallel.pipeline={p.pipeline}: more stages than model.n_layers={n}")
-    require(p.zero_stage <= 1,
-            f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's "
-            "pipeline engine does not support ZeRO-2/3; use parallel.zero_stage=1 (or 0)")
-    require(not (cfg.train.precision == "bf16" and p.zero_stage == 0),
-            f"train.precision=bf16 with parallel.pipeline={p.pipeline} needs parallel.zero_stage=1: "
-            "DeepSpeed accumulates bf16 micro-batch gradients in fp32 only in its ZeRO-1 optimizer")
+    require(
+        p.zero_stage <= 1,
+        f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's "
+        "pipeline engine does not support ZeRO-2/3; use parallel.zero_stage=1 (or 0)",
+    )
+    require(
+        not (cfg.train.precision == "bf16" and p.zero_stage == 0),
+        f"train.precision=bf16 with parallel.pipeline={p.pipeline} needs parallel.zero_stage=1: "
+        "DeepSpeed accumulates bf16 micro-batch gradients in fp32 only in its ZeRO-1 optimizer",
+    )
 
 
 def check_context(cfg: Config) -> None:
@@ -72,54 +85,79 @@ def check_context(cfg: Config) -> None:
     if cp == 1:
         return
     if p.context_mode == "ring":
-        require(cfg.seq_len % (2 * cp) == 0,
-                f"parallel.context={cp} (ring): sequence length {cfg.seq_len} must be divisible by "
-                f"2 * context = {2 * cp} (each rank holds two opposite chunks)")
+        require(
+            cfg.seq_len % (2 * cp) == 0,
+            f"parallel.context={cp} (ring): sequence length {cfg.seq_len} must be divisible by "
+            f"2 * context = {2 * cp} (each rank holds two opposite chunks)",
+        )
     else:
-        require(cfg.seq_len % cp == 0, f"parallel.context={cp}: sequence length {cfg.seq_len} must "
-                                        f"be divisible by the context degree")
+        require(
+            cfg.seq_len % cp == 0,
+            f"parallel.context={cp}: sequence length {cfg.seq_len} must "
+            f"be divisible by the context degree",
+        )
         local_heads = m.n_heads // p.tensor
-        require(local_heads % cp == 0,
-                f"parallel.context={cp} (all_to_all): the {local_heads} attention heads per "
-                "tensor-parallel rank must be divisible by the context degree; use "
-                "parallel.context_mode=ring")
-    require(m.moe.interval == 0,
-            f"parallel.context={cp} with model.moe: the router's load-balancing losses and expert "
-            "loads are per-sequence statistics that context parallelism would split; use "
-            "parallel.context=1 for mixture-of-experts models")
-    require(not cfg.train.compile,
-            f"parallel.context={cp} with train.compile=true: the context-parallel attention "
-            "communicates inside the blocks, which are not compiled; set train.compile=false")
+        require(
+            local_heads % cp == 0,
+            f"parallel.context={cp} (all_to_all): the {local_heads} attention heads per "
+            "tensor-parallel rank must be divisible by the context degree; use "
+            "parallel.context_mode=ring",
+        )
+    require(
+        m.moe.interval == 0,
+        f"parallel.context={cp} with model.moe: the router's load-balancing losses and expert "
+        "loads are per-sequence statistics that context parallelism would split; use "
+        "parallel.context=1 for mixture-of-experts models",
+    )
+    require(
+        not cfg.train.compile,
+        f"parallel.context={cp} with train.compile=true: the context-parallel attention "
+        "communicates inside the blocks, which are not compiled; set train.compile=false",
+    )
     if p.context_mode == "ring":
-        require(m.attention_backend in ("auto", "reference"),
-                f"parallel.context={cp} (ring) with model.attention_backend="
-                f"{m.attention_backend}: ring attention merges blocks by their log-sum-exp with its "
-                "own blockwise kernel; set attention_backend=auto or use "
-                "parallel.context_mode=all_to_all (any backend)")
-        require(m.attention_dropout == 0,
-                f"parallel.context={cp} (ring) with model.attention_dropout="
-                f"{m.attention_dropout}: ring attention has no attention dropout; use "
-                "parallel.context_mode=all_to_all or attention_dropout=0")
+        require(
+            m.attention_backend in ("auto", "reference"),
+            f"parallel.context={cp} (ring) with model.attention_backend="
+            f"{m.attention_backend}: ring attention merges blocks by their log-sum-exp with its "
+            "own blockwise kernel; set attention_backend=auto or use "
+            "parallel.context_mode=all_to_all (any backend)",
+        )
+        require(
+            m.attention_dropout == 0,
+            f"parallel.context={cp} (ring) with model.attention_dropout="
+            f"{m.attention_dropout}: ring attention has no attention dropout; use "
+            "parallel.context_mode=all_to_all or attention_dropout=0",
+        )
     if p.sequence_parallel and p.tensor > 1:
-        require(cfg.seq_len % (cp * p.tensor) == 0,
-                f"parallel.sequence_parallel=true: sequence length {cfg.seq_len} must be divisible "
-                f"by context * tensor = {cp * p.tensor}")
+        require(
+            cfg.seq_len % (cp * p.tensor) == 0,
+            f"parallel.sequence_parallel=true: sequence length {cfg.seq_len} must be divisible "
+            f"by context * tensor = {cp * p.tensor}",
+        )
 
 
 def check_expert(cfg: Config) -> None:
     ep, moe = cfg.parallel.expert, cfg.model.moe
     if ep == 1:
         return
-    require(moe.interval > 0, f"parallel.expert={ep}: needs a mixture-of-experts model "
-                               "(model.moe.interval > 0)")
-    require(moe.num_experts % ep == 0, f"parallel.expert={ep}: must divide "
-                                        f"model.moe.num_experts={moe.num_experts}")
-    require(cfg.parallel.context == 1,
-            f"parallel.expert={ep} with parallel.context={cfg.parallel.context}: expert and "
-            "context parallelism are not supported together; use one of them")
-    require(cfg.train.precision != "fp16",
-            f"parallel.expert={ep} with train.precision=fp16: the fp16 optimizer's checkpoints "
-            "cannot hold split experts; use train.precision=bf16")
+    require(
+        moe.interval > 0,
+        f"parallel.expert={ep}: needs a mixture-of-experts model (model.moe.interval > 0)",
+    )
+    require(
+        moe.num_experts % ep == 0,
+        f"parallel.expert={ep}: must divide model.moe.num_experts={moe.num_experts}",
+    )
+    require(
+        cfg.parallel.context == 1,
+        f"parallel.expert={ep} with parallel.context={cfg.parallel.context}: expert and "
+        "context parallelism are not supported together; use one of them",
+    )
+    require(
+        cfg.train.precision != "fp16",
+        f"parallel.expert={ep} with train.precision=fp16: the fp16 optimizer's checkpoints "
+        "cannot hold split experts; use train.precision=bf16",
+    )
 
 
 def check_fp8(cfg: Config) -> None:
@@ -129,23 +167,34 @@ def check_fp8(cfg: Config) -> None:
     t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor
     if t.fp8 == "off" or t.fp8_emulate:
         return
-    dims = {"model.d_model": m.d_model, "query width n_heads*head_dim / TP": m.n_heads * m.head_dim // tp,
-            "key/value width kv_heads*head_dim / TP": m.kv_heads * m.head_dim // tp,
-            "FFN width / TP": m.ffn_dim // tp}
+    dims = {
+        "model.d_model": m.d_model,
+        "query width n_heads*head_dim / TP": m.n_heads * m.head_dim // tp,
+        "key/value width kv_heads*head_dim / TP": m.kv_heads * m.head_dim // tp,
+        "FFN width / TP": m.ffn_dim // tp,
+    }
     if m.moe_layers and m.shared_dim:
         dims["shared-expert width / TP"] = m.shared_dim // tp
     for what, n in dims.items():
-        require(n % 16 == 0, f"train.fp8={t.fp8}: the {what} = {n} is not a multiple of 16, which "
-                              "FP8 GEMMs need; change the model's widths or use train.fp8=off")
+        require(
+            n % 16 == 0,
+            f"train.fp8={t.fp8}: the {what} = {n} is not a multiple of 16, which "
+            "FP8 GEMMs need; change the model's widths or use train.fp8=off",
+        )
     # the weight gradient dW = dY^T X contracts over the micro-batch's tokens on this CP rank
     cp = cfg.parallel.context
-    require(cp == 1, f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs (CUDA) need "
-                     "train.compile=true, which context parallelism does not support; use one of "
-                     "them (or train.fp8_emulate=true)")
+    require(
+        cp == 1,
+        f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs (CUDA) need "
+        "train.compile=true, which context parallelism does not support; use one of "
+        "them (or train.fp8_emulate=true)",
+    )
     if t.micro_batch_size is not None:  # null: resolved per world size, at launch
         tokens = t.micro_batch_size * cfg.seq_len // cp
-        require(tokens % 16 == 0,
-                f"train.fp8={t.fp8}: the tokens per micro-batch and context rank, micro_batch_size "
-                f"* seq_len / parallel.context = {t.micro_batch_size} * {cfg.seq_len} / {cp} = "
-                f"{tokens}, are not a multiple of 16, which the weight-gradient FP8 GEMM needs; "
-                "change train.micro_batch_size or the sequence length")
+        require(
+            tokens % 16 == 0,
+            f"train.fp8={t.fp8}: the tokens per micro-batch and context rank, micro_batch_size "
+            f"* seq_len / parallel.context = {t.micro_batch_size} * {cfg.seq_len} / {cp} = "
+            f"{tokens}, are not a multiple of 16, which the weight-gradient FP8 GEMM needs; "
+            "change train.micro_batch_size or the sequence length",
+        )

@@ -16,9 +16,11 @@ def check_data(cfg: Config) -> None:
     """Sequence length against the position table, the held-out fraction."""
     m, d = cfg.model, cfg.data
     positive("data.seq_len", d.seq_len)
-    require(cfg.seq_len <= m.max_seq_len,
-            f"data.seq_len={cfg.seq_len}: longer than model.max_seq_len={m.max_seq_len} "
-            "(the position table)")
+    require(
+        cfg.seq_len <= m.max_seq_len,
+        f"data.seq_len={cfg.seq_len}: longer than model.max_seq_len={m.max_seq_len} "
+        "(the position table)",
+    )
     require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction}: must be in (0, 1)")
     positive("data.max_bytes", d.max_bytes)
 
@@ -35,11 +37,15 @@ def check_train(cfg: Config) -> None:
     positive("train.exit_after_minutes", t.exit_after_minutes)
     positive("train.watchdog_factor", t.watchdog_factor, allow_zero=True)
     positive("train.watchdog_min_seconds", t.watchdog_min_seconds)
-    require(t.micro_batch_size is None or t.global_batch_size % t.micro_batch_size == 0,
-            f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
-            f"train.micro_batch_size={t.micro_batch_size}")
+    require(
+        t.micro_batch_size is None or t.global_batch_size % t.micro_batch_size == 0,
+        f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
+        f"train.micro_batch_size={t.micro_batch_size}",
+    )
     require(t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must not exceed train.lr={t.lr}")
-    require(0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction}: must be in [0, 1]")
+    require(
+        0 <= t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction}: must be in [0, 1]"
+    )
     for key in ("adam_beta1", "adam_beta2"):
         v = getattr(t, key)
         require(0 <= v < 1, f"train.{key}={v}: must be in [0, 1)")
@@ -57,12 +63,16 @@ def check_outputs(cfg: Config) -> None:
     positive("log.sample_tokens", cfg.log.sample_tokens, allow_zero=True)
     positive("log.peak_tflops", cfg.log.peak_tflops)
     positive("log.diagnostics_interval", cfg.log.diagnostics_interval)
-    require(not (cfg.log.diagnostics and cfg.parallel.zero_stage == 3),
-            "log.diagnostics=true with parallel.zero_stage=3: ZeRO-3 partitions the weights the "
-            "diagnostics pass runs with; use parallel.zero_stage<=2 or switch diagnostics off")
-    require(not (cfg.log.diagnostics and cfg.model.document_mask),
-            "log.diagnostics=true with model.document_mask=true: the diagnostics pass measures "
-            "plain causal attention, not attention within documents; switch one of them off")
+    require(
+        not (cfg.log.diagnostics and cfg.parallel.zero_stage == 3),
+        "log.diagnostics=true with parallel.zero_stage=3: ZeRO-3 partitions the weights the "
+        "diagnostics pass runs with; use parallel.zero_stage<=2 or switch diagnostics off",
+    )
+    require(
+        not (cfg.log.diagnostics and cfg.model.document_mask),
+        "log.diagnostics=true with model.document_mask=true: the diagnostics pass measures "
+        "plain causal attention, not attention within documents; switch one of them off",
+    )
     if cfg.log.gpu is not None and cfg.log.peak_tflops is None:
         from megaformer.accelerators import UnknownGPUError, find_accelerator
 
@@ -76,8 +86,9 @@ def check_deepspeed(cfg: Config) -> None:
     """The pass-through ``deepspeed`` section: no derived key, only reviewed ones."""
     for key in cfg.deepspeed:
         if key in DERIVED_DEEPSPEED_KEYS:
-            raise ConfigError(f"deepspeed.{key}: derived by megaformer; set "
-                              f"{DERIVED_DEEPSPEED_KEYS[key]} instead")
+            raise ConfigError(
+                f"deepspeed.{key}: derived by megaformer; set {DERIVED_DEEPSPEED_KEYS[key]} instead"
+            )
     zo = cfg.deepspeed.get("zero_optimization")
     if isinstance(zo, dict) and "stage" in zo:
         raise ConfigError("deepspeed.zero_optimization.stage: set parallel.zero_stage instead")
@@ -90,9 +101,13 @@ def check_eval_tasks(cfg: Config) -> None:
     positive("eval.tasks_limit", e.tasks_limit)
     if e.tasks is None:
         return
-    require(len(e.tasks) > 0 and all(t.strip() for t in e.tasks),
-            f"eval.tasks={e.tasks!r}: a non-empty list of task names (or null for none)")
-    require(cfg.parallel.context == 1,
-            f"eval.tasks with parallel.context={cfg.parallel.context}: the task evaluation runs "
-            "whole sequences on each rank; use parallel.context=1 or evaluate the checkpoint "
-            "with megaformer eval")
+    require(
+        len(e.tasks) > 0 and all(t.strip() for t in e.tasks),
+        f"eval.tasks={e.tasks!r}: a non-empty list of task names (or null for none)",
+    )
+    require(
+        cfg.parallel.context == 1,
+        f"eval.tasks with parallel.context={cfg.parallel.context}: the task evaluation runs "
+        "whole sequences on each rank; use parallel.context=1 or evaluate the checkpoint "
+        "with megaformer eval",
+    )
