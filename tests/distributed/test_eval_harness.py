@@ -187,7 +187,7 @@ def test_generate_until_equals_transformers_generate_cut_at_the_stop_strings(exp
     import transformers
     from lm_eval.api.instance import Instance
 
-    from megaformer.checkpoint.io import resolve_checkpoint
+    from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation.checkpoint import load_runner
     from megaformer.evaluation.harness import make_lm
 
