@@ -39,7 +39,7 @@ from megaformer.evaluation.training import TaskEvaluator
 from megaformer.kernels import native
 from megaformer.parallel import experts
 from megaformer.parallel.build import build_model
-from megaformer.parallel.context import split_sequence
+from megaformer.parallel.context import context_disabled, split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.topology import build_topology, layout_groups
 from megaformer.runtime.collectives import host_group
@@ -479,8 +479,9 @@ class Trainer:
 
     def sample(self) -> Optional[str]:
         """A short text sample from the training model itself (no second copy: eval mode and no
-        gradients while it runs, train mode after), on rank 0 when it holds the model whole
-        (TP = PP = EP = 1, ZeRO below 3); a sharded model is never gathered for it."""
+        gradients while it runs, train mode after, context parallelism switched off so rank 0
+        decodes alone), on rank 0 when it holds the model whole (TP = PP = EP = 1, ZeRO below 3);
+        a sharded model is never gathered for it."""
         n = self.cfg.log.sample_tokens
         p = self.cfg.parallel
         if n == 0 or not self.is_main:
@@ -497,7 +498,7 @@ class Trainer:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), context_disabled(model):
                 return generate_text(
                     model,
                     self.tokenizer,
