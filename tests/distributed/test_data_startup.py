@@ -49,7 +49,7 @@ def _start(rank: int, world: int, prefixes: list[str], cache: str, warm: bool) -
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_only_rank0_hashes_and_checks_the_index_cache(tmp_path, world):
-    from tests.test_data_gpt import unique_tokens
+    from tests.unit.test_data_gpt import unique_tokens
 
     prefixes = [str(tmp_path / f"d{j}") for j in range(2)]
     for j, p in enumerate(prefixes):
