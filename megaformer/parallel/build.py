@@ -10,8 +10,8 @@ exactly TP=1's weights (on the same device type: CPU and CUDA draw different num
 seed) while a rank allocates only what it keeps: under tensor or pipeline parallelism the model is
 built on the meta device, and the blocks of this rank's pipeline stage, its embedding and its
 output layer are allocated on ``device`` one at a time, initialised whole and split (at most one
-unsplit block or vocabulary table is alive at once); values read from a sharded reader are
-allocated as this rank's shards only, after the split. Other stages' layers never hold memory.
+unsplit block or vocabulary table is alive at once); values from a sharded reader are read as
+this rank's shards only. Other stages' layers never hold memory.
 Expert parallelism builds the same way, each MoE block keeping this rank's experts as soon as it
 has its values; under ZeRO-3 each module is handed, once it has its values, to ``partition``
 (DeepSpeed's ``zero.Init``), so a rank holds its partitions and one whole module at most.
@@ -152,15 +152,8 @@ def build_model(
         TensorParallelRNG(t.seed, topology.tp_rank) if topology is not None and tp > 1 else None
     )
     if topology is not None:
-        # drawn values are drawn whole and split; read values are read as shards, allocated split
-        # (under ZeRO-3 the Materializer reads each module, then keeps its partition)
-        split_read = reader is not None and partition is None
-        parallelize(
-            model, topology, p.sequence_parallel, tp_rng, materialize=None if split_read else fill
-        )
+        parallelize(model, topology, p.sequence_parallel, tp_rng, materialize=fill)
         distribute_experts(model, topology)  # this rank's experts (expert parallelism)
-        if fill is not None and split_read:
-            fill.split_shards()
     loaded = partition is not None  # the Materializer copied the reader's values in already
     if not training:
         cp = _context(model, topology, p.context_mode)
@@ -269,30 +262,6 @@ class Materializer:
             return  # another stage's, or done (the tied output layer is the embedding)
         self._fill(module)
         self.model.reset_buffers(module)
-
-    @torch.no_grad()
-    def split_shards(self) -> None:
-        """With ``init=False``, after the plan split the meta model: allocate this rank's shards of
-        its stage's blocks, embedding and output layer (the loader gives their values), so no
-        unsplit module is ever allocated."""
-        made: dict[int, nn.Parameter] = {}  # a tied weight stays one parameter
-        for module in (*self.model.layers, self.model.tok_embeddings, self.model.lm_head):
-            if not self.wanted(module):
-                continue
-            for mod in module.modules():
-                for name, p in list(mod._parameters.items()):
-                    if p is not None and p.is_meta:
-                        if id(p) not in made:  # the plan's marks (split dimension...) kept
-                            made[id(p)] = nn.Parameter(
-                                torch.empty_like(p, device=self.device),
-                                requires_grad=p.requires_grad,
-                            )
-                            made[id(p)].__dict__.update(p.__dict__)
-                        mod._parameters[name] = made[id(p)]
-                for name, b in list(mod._buffers.items()):
-                    if b is not None and b.is_meta:
-                        mod._buffers[name] = torch.empty_like(b, device=self.device)
-            self.model.reset_buffers(module)
 
     def _fill(self, module: nn.Module) -> None:
         module.to_empty(device=self.device)
