@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -40,8 +41,24 @@ _server_env: dict[str, str] | None = None
 _started = False
 
 
+#: Ports drawn from below Linux's ephemeral range (32768-60999 by default), where the kernel
+#: never places the client end of a connection: a port found free cannot be taken by one of the
+#: many outgoing sockets gloo opens before the rendezvous store binds it.
+_PORT_RANGE = (15000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
+    """A TCP port on the loopback interface that nothing listens on right now, chosen at random
+    outside the ephemeral range so concurrent runs on one machine rarely meet."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

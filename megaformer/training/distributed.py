@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import socket
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -29,6 +28,7 @@ import torch
 
 from megaformer.comm import all_reduce_mean, barrier, gather_to_main
 from megaformer.errors import LaunchError
+from megaformer.runtime.spawn import free_port
 
 __all__ = [
     "ProcessInfo",
@@ -74,12 +74,6 @@ def _env_int(env: Mapping[str, str], name: str, default: Optional[int] = None) -
         return int(raw)
     except ValueError:
         raise LaunchError(f"environment variable {name}={raw!r}: expected an integer") from None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def first_host(nodelist: str) -> str:
@@ -197,7 +191,7 @@ def init_distributed(proc: ProcessInfo, timeout_minutes: float = 30.0) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if proc.device.type == "cuda" else "cpu")
     if proc.world_size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
