@@ -15,7 +15,7 @@ module                 what
 =====================  ==========================================================================
 """
 
-from megaformer.comm.all_to_all import AllToAll, all_to_all
+from megaformer.comm.all_to_all import AllToAll, AllToAllStart, all_to_all
 from megaformer.comm.collectives import (
     all_gather_objects,
     all_reduce_mean,
@@ -48,10 +48,12 @@ from megaformer.comm.tensor_parallel import (
     reduce_scatter_to_seq,
     scatter_seq,
     split_seq,
+    sum_over_group,
 )
 
 __all__ = [
     "AllToAll",
+    "AllToAllStart",
     "CommCounter",
     "KINDS",
     "ProcessGroup",
@@ -85,4 +87,5 @@ __all__ = [
     "send_with_shape",
     "size",
     "split_seq",
+    "sum_over_group",
 ]

@@ -12,7 +12,12 @@ operator               forward                      backward
 ``reduce_scatter_seq`` reduce-scatter along seq.    all-gather along the seq.
 ``scatter_seq``        keep this rank's seq. chunk  all-gather along the seq.
 ``gather_seq_split``   all-gather along the seq.    keep this rank's chunk
+``sum_over_group``     all-reduce                   all-reduce
 =====================  ===========================  ===========================
+
+``sum_over_group`` is for a sum every rank of the group puts into its own loss (statistics over
+a sequence split by context parallelism): each rank's loss depends on every rank's terms, so each
+term's gradient is the sum of the ranks' gradients of the sum.
 
 The sequence dimension is dim 1 of [batch, seq, hidden] activations. Every collective is recorded
 (:func:`megaformer.comm.counters.record_collective`), so a benchmark can count the bytes each rank
@@ -118,6 +123,7 @@ _GatherSeq = _conjugate(all_gather_seq, reduce_scatter_seq)
 _ReduceScatterSeq = _conjugate(reduce_scatter_seq, all_gather_seq)
 _ScatterSeq = _conjugate(split_seq, all_gather_seq)
 _GatherSeqSplit = _conjugate(all_gather_seq, split_seq)
+_SumOverGroup = _conjugate(_all_reduce_copy, _all_reduce_copy)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -148,3 +154,9 @@ def scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def gather_seq_split_bwd(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Leave the sequence-parallel region into a replicated one: gather fwd, split bwd."""
     return _GatherSeqSplit.apply(x, group)
+
+
+def sum_over_group(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """sum_r x_r on every rank: all-reduce forward, all-reduce backward (a sum that enters every
+    rank's loss)."""
+    return _SumOverGroup.apply(x, group)

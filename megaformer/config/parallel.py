@@ -49,6 +49,16 @@ class ParallelConfig:
         "expert gradients are averaged over the remaining data-parallel ranks. Must divide "
         "model.moe.num_experts and the data-parallel size.",
     )
+    expert_dispatch: Literal["auto", "splits", "padded"] = option(
+        "auto",
+        "How expert parallelism exchanges tokens: 'splits' (exactly the routed rows; their "
+        "counts read on the host once per MoE block, a stream synchronisation on CUDA), "
+        "'padded' (a fixed-size exchange of the most rows a rank could route to each rank, "
+        "counts kept on the device: no host read; dropless it sends up to "
+        "expert * min(top_k, experts per rank) / top_k times the rows, with a capacity factor "
+        "about capacity_factor times) or 'auto' (padded on CUDA when the experts run as grouped "
+        "GEMMs and the padding costs at most twice the rows, else splits).",
+    )
     zero_stage: Literal[0, 1, 2, 3] = option(
         0, "DeepSpeed ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), 3 (+parameters)."
     )

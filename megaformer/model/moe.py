@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -86,13 +86,24 @@ def recomputing() -> Iterator[None]:
         _recomputing = saved
 
 
-def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """counts[e] = |{a : flat[a] = e}|, int64 [num_experts]: a fixed shape, no host read (unlike
-    ``bincount``, whose output length depends on the values)."""
-    ones = torch.ones_like(flat)
+def expert_counts(
+    flat: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """counts[e] = |{a : flat[a] = e (and keep[a])}|, int64 [num_experts]: a fixed shape, no host
+    read (unlike ``bincount``, whose output length depends on the values)."""
+    ones = torch.ones_like(flat) if keep is None else keep.to(flat.dtype)
     return torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
         0, flat, ones
     )
+
+
+def within_capacity(flat: torch.Tensor, counts: torch.Tensor, cap: int) -> torch.Tensor:
+    """keep[a]: assignment a (to expert flat[a]) is among its expert's first ``cap`` in token
+    order. A fixed shape, no host read."""
+    order = torch.argsort(flat, stable=True)
+    start = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]
+    return torch.empty_like(flat, dtype=torch.bool).scatter_(0, order, pos < cap)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -211,9 +222,13 @@ class MoE(nn.Module):
         self.tp_size, self.sequence_parallel = 1, False
         # expert parallelism: (rows sorted by global expert, counts [E], local experts) -> their
         # outputs, the rows sent to the experts' ranks and back (megaformer.parallel.experts)
-        self.expert_dispatch: Optional[Callable[..., torch.Tensor]] = None
+        self.expert_dispatch: Any = None
         self.ep_group: Any = None
         self.ep_size = 1
+        # context parallelism: each rank routes part of every sequence; the router losses'
+        # statistics are summed over this group (megaformer.parallel.experts.configure_routing)
+        self.cp_group: Any = None
+        self.cp_size = 1
 
     def _apply(self, fn: Any, recurse: bool = True) -> "MoE":
         # A cast of the module (bf16 training) leaves the bias fp32 and the counters float64:
@@ -257,9 +272,19 @@ class MoE(nn.Module):
         else:
             s = torch.sigmoid(logits)
             probs = s / s.sum(-1, keepdim=True)
+        lse2 = torch.logsumexp(logits, -1).square()
+        if self.cp_group is None:
+            p_mean, z = probs.mean(0), lse2.mean()
+        else:  # sums over the whole sequences, every rank's loss taking them (all-reduce both ways)
+            from megaformer.comm import sum_over_group
+
+            whole = sum_over_group(
+                torch.cat([probs.sum(0), lse2.sum().view(1), counts.to(probs.dtype)]), self.cp_group
+            )
+            n = n * self.cp_size
+            p_mean, z, counts = whole[:E] / n, whole[E] / n, whole[E + 1 :]
         f = counts.to(probs.dtype) / (n * self.top_k)
-        aux = E * (f * probs.mean(0)).sum()
-        z = torch.logsumexp(logits, -1).square().mean()
+        aux = E * (f * p_mean).sum()
         return aux, z
 
     # ------------------------------------------------------------------ forward
@@ -270,38 +295,46 @@ class MoE(nn.Module):
         n, k, E = x2.shape[0], self.top_k, self.num_experts
         logits, idx, gates = self.route(x2)
         flat = idx.reshape(-1)  # assignment a = n k + j
-        order = torch.argsort(flat, stable=True)  # sorted by expert, then token
         counts = expert_counts(flat, E)
-        kept = counts
+        keep, cap = None, None
         if self.capacity_factor is not None:
             cap = math.ceil(self.capacity_factor * n * k / E)
-            start = torch.cumsum(counts, 0) - counts
-            pos = torch.arange(n * k, device=x.device) - start[flat[order]]
-            order = order[pos < cap]
-            kept = counts.clamp(max=cap)
-        token = order // k
-        if self.expert_dispatch is None:
-            y = self.experts(x2[token], kept)
-        else:
-            y = self.expert_dispatch(x2[token], kept, self.experts)
-        # y_n = sum_j g_nj FFN_ej(x_n): the k terms accumulate in fp32, one cast at the end
-        w = gates.reshape(-1)[order].unsqueeze(1).float()
-        out = (
-            x2.new_zeros(x2.shape, dtype=torch.float32)
-            .index_add(0, token, y.float() * w)
-            .to(y.dtype)
-            .view(shape)
-        )
-        if self.tp_group is not None:
-            from megaformer.comm import reduce_from_tp, reduce_scatter_to_seq
+            keep = within_capacity(flat, counts, cap)
+        kept = counts if keep is None else expert_counts(flat, E, keep)
 
+        def shared() -> torch.Tensor:
+            return self._gated(x, self.shared(x))
+
+        if self.expert_dispatch is not None:  # expert parallelism: the shared experts overlap it
+            x3 = x if x.dim() == 3 else x.unsqueeze(0)
+            overlap = shared if self.shared is not None else None
+            out, shared_out = self.expert_dispatch.block(self, x3, idx, gates, keep, cap, overlap)
+            out = out if x.dim() == 3 else out.squeeze(0)
+        else:
+            order = torch.argsort(flat, stable=True)  # sorted by expert, then token
+            if keep is not None:
+                order = order[keep[order]]
+            token = order // k
+            y = self.experts(x2[token], kept)
+            # y_n = sum_j g_nj FFN_ej(x_n): the k terms accumulate in fp32, one cast at the end
+            w = gates.reshape(-1)[order].unsqueeze(1).float()
             out = (
-                reduce_scatter_to_seq(out, self.tp_group)
-                if self.sequence_parallel
-                else reduce_from_tp(out, self.tp_group)
+                x2.new_zeros(x2.shape, dtype=torch.float32)
+                .index_add(0, token, y.float() * w)
+                .to(y.dtype)
+                .view(shape)
             )
-        if self.shared is not None:
-            out = out + self._gated(x, self.shared(x))
+            if self.tp_group is not None:
+                from megaformer.comm import reduce_from_tp, reduce_scatter_to_seq
+
+                out = (
+                    reduce_scatter_to_seq(out, self.tp_group)
+                    if self.sequence_parallel
+                    else reduce_from_tp(out, self.tp_group)
+                )
+            shared_out = shared() if self.shared is not None else None
+        if shared_out is not None:
+            out = out + shared_out
 
         # a training forward counts the load once: not again when activation recomputation
         # re-runs the block in backward (which must save exactly what the first run saved: the

@@ -46,7 +46,7 @@ from megaformer.parallel.context import (
     loss_weighting,
     weighted_loss_fn,
 )
-from megaformer.parallel.experts import distribute_experts, expert_offset
+from megaformer.parallel.experts import configure_routing, distribute_experts, expert_offset
 from megaformer.parallel.fp8 import apply_fp8
 from megaformer.parallel.pipeline import (
     StagePieces,
@@ -154,6 +154,7 @@ def build_model(
     if topology is not None:
         parallelize(model, topology, p.sequence_parallel, tp_rng, materialize=fill)
         distribute_experts(model, topology)  # this rank's experts (expert parallelism)
+        configure_routing(model, topology, p.expert_dispatch)
     loaded = partition is not None  # the Materializer copied the reader's values in already
     if not training:
         cp = _context(model, topology, p.context_mode)

@@ -100,9 +100,9 @@ class TrainStep:
             torch.cuda.synchronize()
         # skipped by the optimizer (non-finite gradient norm), or a non-finite loss on this rank
         bad = not ds_adapter.step_applied(engine) or not math.isfinite(float(loss))
-        # MoE blocks: the step's expert load over DP, the aux-loss-free bias update, the metrics
+        # MoE blocks: the step's expert load over DP x CP, the aux-loss-free bias update, the metrics
         moe = (
-            moe_end_of_step(engine.module, self.topo.groups.dp, update_bias=not bad)
+            moe_end_of_step(engine.module, self.topo.groups.replica, update_bias=not bad)
             if self.cfg.model.moe.interval > 0
             else {}
         )

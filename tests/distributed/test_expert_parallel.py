@@ -29,7 +29,7 @@ STEPS = 3
 V = 64  # vocabulary: a multiple of 8 * TP, so every layout pads it alike (not at all)
 
 
-def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int):
+def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int, dispatch: str = "auto"):
     from megaformer.config import load_config
 
     moe = {
@@ -64,6 +64,7 @@ def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int):
         "parallel.expert": ep,
         "parallel.zero_stage": zero,
         "parallel.sequence_parallel": sp,
+        "parallel.expert_dispatch": dispatch,
         "parallel.vocab_multiple": 8,
         **moe,
     }
@@ -105,7 +106,9 @@ def _whole(p: torch.nn.Parameter, g: torch.Tensor, topo) -> torch.Tensor:
     return gather_experts(p, g, topo)
 
 
-def _one_layout(rank: int, world: int, tp: int, pp: int, ep: int, zero: int, sp: bool) -> dict:
+def _one_layout(
+    rank: int, world: int, tp: int, pp: int, ep: int, zero: int, sp: bool, dispatch: str = "auto"
+) -> dict:
     import deepspeed
 
     from megaformer.model.moe import end_of_step
@@ -118,7 +121,7 @@ def _one_layout(rank: int, world: int, tp: int, pp: int, ep: int, zero: int, sp:
     from megaformer.training.deepspeed_config import build_deepspeed_config
 
     dp = world // (tp * pp)
-    cfg = _config(tp, pp, ep, zero, sp, dp)
+    cfg = _config(tp, pp, ep, zero, sp, dp, dispatch)
     topo = build_topology(world, rank, tp=tp, pp=pp, ep=ep)
     gen = torch.Generator().manual_seed(7)
     batches = [
@@ -242,6 +245,17 @@ def test_ep2_with_dp_zero12_tp_sp_and_pp_equals_one_process():
     _check(run_ranks(4, _layouts, layouts, timeout=600))
 
 
+@pytest.mark.multiprocess
+def test_ep2_tp2_token_split_equals_one_process_with_both_exchanges():
+    # each TP rank dispatches its share of the tokens, the TP ranks of an EP rank gather them
+    layouts = [
+        (2, 1, 2, 0, False, "splits"),  # EP 2 x TP 2, replicated activations
+        (2, 1, 2, 0, False, "padded"),  # the fixed-size exchange (no host read)
+        (2, 1, 2, 0, True, "padded"),  # with sequence parallelism
+    ]
+    _check(run_ranks(4, _layouts, layouts, timeout=600))
+
+
 # ----------------------------------------------------------------------------- bad input
 
 MOE = ["model.n_layers=2", "model.moe.interval=1", "model.moe.num_experts=4"]
@@ -292,31 +306,45 @@ def test_bad_expert_parallel_input_is_one_line(overrides, world, message):
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _dispatch_counts(rank: int, world: int) -> dict:
+class _Doubling(torch.nn.Module):
+    """Stand-in experts: y = 2 x, recording what they were given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict = {}
+
+    def forward(self, rows, per_expert):
+        self.seen["rows"], self.seen["local"] = rows.detach().clone(), per_expert.clone()
+        return rows * 2.0
+
+    def grouped(self, rows, per_expert, dtype=None):
+        return self.forward(rows, per_expert)
+
+
+def _dispatch_counts(rank: int, world: int, mode: str) -> dict:
     """Skewed routing, uneven splits (one rank sends nothing to one expert): the rows each rank
-    receives are exactly the rows routed to its experts, in expert order, and the CommCounter
-    sees exactly the rows that left each rank."""
+    receives are exactly the rows routed to its experts, in expert order (padded: zero rows
+    after them), and the CommCounter sees exactly the rows that left each rank."""
     from megaformer.comm import CommCounter
-    from megaformer.parallel.experts import dispatch_to_experts
+    from megaformer.parallel.experts import ExpertDispatch
 
     group = dist.new_group(list(range(world)))
     E = 2 * world
     counts = torch.tensor([[3, 0, 1, 5], [0, 2, 4, 1]][rank])
     x = torch.arange(int(counts.sum()), dtype=torch.float32).unsqueeze(1) + 100 * rank
     x.requires_grad_()
-    seen = {}
-
-    def experts(rows, local):
-        seen["rows"], seen["local"] = rows.detach().clone(), local.clone()
-        return rows * 2.0
-
+    experts = _Doubling()
+    dispatch = ExpertDispatch(group, mode)
     with CommCounter() as c:
-        y = dispatch_to_experts(x, counts, experts, group)
+        if mode == "splits":
+            y, _ = dispatch._splits(x, counts, experts, None, None)
+        else:  # at most 6 rows to one rank: the bound C the caller computes
+            y, _ = dispatch._padded(x, counts, counts, 6, experts, None, None)
         y.sum().backward()
     assert E == counts.numel()
     return {
-        "rows": seen["rows"].squeeze(1).tolist(),
-        "local": seen["local"].tolist(),
+        "rows": experts.seen["rows"].squeeze(1).tolist(),
+        "local": experts.seen["local"].tolist(),
         "y": y.detach().squeeze(1).tolist(),
         "x": x.detach().squeeze(1).tolist(),
         "grad": x.grad.squeeze(1).tolist(),
@@ -326,7 +354,7 @@ def _dispatch_counts(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_all_to_all_dispatch_moves_exactly_the_routed_rows():
-    r0, r1 = run_ranks(2, _dispatch_counts, timeout=120)
+    r0, r1 = run_ranks(2, _dispatch_counts, "splits", timeout=120)
     # rank 0 holds experts 0, 1 (expert-major: expert 0's rows from ranks 0, 1, then expert 1's)
     assert r0["local"] == [3, 2] and r1["local"] == [5, 6]
     assert r0["rows"] == [0, 1, 2, 100, 101]
@@ -336,6 +364,19 @@ def test_all_to_all_dispatch_moves_exactly_the_routed_rows():
     # rows leaving rank 0 (4 bytes each): forward its 6 rows of experts 2, 3 out and rank 1's 2
     # results back; backward the gradients of the same 6 + 2 rows. Rank 1 mirrors it.
     assert r0["bytes"] == r1["bytes"] == 4 * (6 + 2) * 2
+
+
+@pytest.mark.multiprocess
+def test_padded_dispatch_moves_the_routed_rows_in_fixed_blocks():
+    r0, r1 = run_ranks(2, _dispatch_counts, "padded", timeout=120)
+    # the same rows in the same order, then the zero rows (counted to the last local expert)
+    assert r0["rows"] == [0, 1, 2, 100, 101] + [0.0] * 7 and r0["local"] == [3, 2 + 7]
+    assert r1["rows"] == [3, 102, 103, 104, 105, 4, 5, 6, 7, 8, 106] + [0.0]
+    assert r1["local"] == [5, 6 + 1]
+    for r in (r0, r1):
+        assert r["y"] == [2 * v for v in r["x"]] and r["grad"] == [2.0] * len(r["x"])
+    # a block of 6 rows to the other rank and back, forward and backward, whatever the routing
+    assert r0["bytes"] == r1["bytes"] == 4 * 6 * 2 * 2
 
 
 # ----------------------------------------------------------------------------- checkpoints
