@@ -31,7 +31,6 @@ import contextlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -234,14 +233,14 @@ class ExpertDispatch:
         P, C = self.size, bound
         M, E = rows.shape[0], counts.numel()
         L = E // P
-        expert = torch.repeat_interleave(
-            torch.arange(E, device=rows.device), counts, output_size=M
-        )
+        expert = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=M)
         pos = torch.arange(M, device=rows.device) - (torch.cumsum(counts, 0) - counts)[expert]
         per_rank = kept.view(P, L)
         offset = (torch.cumsum(per_rank, 1) - per_rank).reshape(-1)  # expert's start in its block
         slot = torch.where(
-            pos < kept[expert], (expert // L) * C + offset[expert] + pos, torch.full_like(pos, P * C)
+            pos < kept[expert],
+            (expert // L) * C + offset[expert] + pos,
+            torch.full_like(pos, P * C),
         )
         send = rows.new_zeros(P * C + 1, rows.shape[1]).index_copy(0, slot, rows)[: P * C]
         recv = exchange_counts(kept, self.group)
