@@ -122,6 +122,18 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+class Router(nn.Linear):
+    """z = x W_r^T in fp32, whatever the parameters' and the autocast dtype (called as a module,
+    so a framework that gathers a module's parameters around its call, ZeRO-3, sees it)."""
+
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__(d, n, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # fp32 under bf16 autocast too
+            return F.linear(x.float(), self.weight.float())
+
+
 class Experts(nn.Module):
     """E FFNs as stacked weights: w1 [E, f, d] (SwiGLU gate / GELU up), w3 [E, f, d] (SwiGLU up),
     w2 [E, d, f]; no biases. ``forward(x, counts)``: rows of ``x`` sorted by expert, ``counts[e]``
@@ -201,7 +213,7 @@ class MoE(nn.Module):
             m.z_loss_coef,
             m.bias_update_rate,
         )
-        self.router = nn.Linear(cfg.d_model, m.num_experts, bias=False)
+        self.router = Router(cfg.d_model, m.num_experts)
         self.experts = Experts(m.num_experts, cfg.d_model, cfg.expert_dim, cfg.activation)
         self.shared = MLP(cfg, d_ffn=cfg.shared_dim, bias=False) if cfg.shared_dim > 0 else None
         self.shared_gate = (
@@ -249,8 +261,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [N, E] fp32, selected experts [N, k], their weights [N, k] fp32) of x [N, d]."""
-        with torch.autocast(x.device.type, enabled=False):  # fp32 under bf16 autocast too
-            logits = F.linear(x.float(), self.router.weight.float())
+        logits = self.router(x)
         scores = torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
         with torch.no_grad():
             chooser = scores + self.expert_bias.float() if self.bias_rate > 0 else scores

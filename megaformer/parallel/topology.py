@@ -16,7 +16,7 @@ Groups (each a list of global ranks):
   * model-parallel group: the TP x PP ranks of one (cp, dp) position;
   * expert groups, when experts are split over ``EP`` ranks carved out of data parallelism: the EP
     group is ``EP`` consecutive DP ranks (they hold different experts and exchange tokens), the
-    expert-data group is the DP ranks holding the same experts (they average those experts'
+    expert-data group is the DP x CP ranks holding the same experts (they average those experts'
     gradients): ``dp_rank = ep_rank + EP * edp_rank``.
 
 Degrees are always named, and listed, in one order: TP, CP, DP, PP, EP (:data:`DEGREES`; the
@@ -254,8 +254,10 @@ def layout_groups(
     topo.ep_groups = [
         [r(t, e + ep * g, p, c) for e in E] for p in P for g in G for c in C for t in T
     ]
+    # the ranks holding the same experts: every other EP group's, and every context rank's (each
+    # routes its part of the same sequences into them)
     topo.edp_groups = [
-        [r(t, e + ep * g, p, c) for g in G] for p in P for e in E for c in C for t in T
+        [r(t, e + ep * g, p, c) for g in G for c in C] for p in P for e in E for t in T
     ]
     return topo
 

@@ -298,7 +298,16 @@ def test_split_layouts_and_positions():
         (["parallel.context=2", "model.attention_backend=sdpa"], "attention_backend=sdpa"),
         (["parallel.context=2", "model.attention_dropout=0.1"], "no attention dropout"),
         (["parallel.context=2", "train.compile=true"], "train.compile=true"),
-        (["parallel.context=2", "model.moe.interval=1", "model.moe.num_experts=4"], "model.moe"),
+        (
+            [
+                "parallel.context=2",
+                "model.moe.interval=1",
+                "model.moe.num_experts=4",
+                "model.moe.dropless=false",
+                "model.moe.capacity_factor=1.25",
+            ],
+            "model.moe.dropless=false",
+        ),
     ],
 )
 def test_unsupported_context_parallel_configs_are_refused(overrides, needle):

@@ -29,7 +29,9 @@ STEPS = 3
 V = 64  # vocabulary: a multiple of 8 * TP, so every layout pads it alike (not at all)
 
 
-def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int, dispatch: str = "auto"):
+def _config(
+    tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int, dispatch: str = "auto", cp: int = 1
+):
     from megaformer.config import load_config
 
     moe = {
@@ -65,6 +67,7 @@ def _config(tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int, dispatch: s
         "parallel.zero_stage": zero,
         "parallel.sequence_parallel": sp,
         "parallel.expert_dispatch": dispatch,
+        "parallel.context": cp,
         "parallel.vocab_multiple": 8,
         **moe,
     }
@@ -107,22 +110,31 @@ def _whole(p: torch.nn.Parameter, g: torch.Tensor, topo) -> torch.Tensor:
 
 
 def _one_layout(
-    rank: int, world: int, tp: int, pp: int, ep: int, zero: int, sp: bool, dispatch: str = "auto"
+    rank: int,
+    world: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    zero: int,
+    sp: bool,
+    dispatch: str = "auto",
+    cp: int = 1,
 ) -> dict:
     import deepspeed
 
     from megaformer.model.moe import end_of_step
     from megaformer.parallel import experts
     from megaformer.parallel.build import build_model
+    from megaformer.parallel.context import split_sequence
     from megaformer.parallel.grad_norm import GradNormClipper
     from megaformer.parallel.topology import build_topology
     from megaformer.runtime.optimizer import build_optimizer
     from megaformer.training import deepspeed_adapter as ds_adapter
     from megaformer.training.deepspeed_config import build_deepspeed_config
 
-    dp = world // (tp * pp)
-    cfg = _config(tp, pp, ep, zero, sp, dp, dispatch)
-    topo = build_topology(world, rank, tp=tp, pp=pp, ep=ep)
+    dp = world // (tp * pp * cp)
+    cfg = _config(tp, pp, ep, zero, sp, dp, dispatch, cp)
+    topo = build_topology(world, rank, tp=tp, pp=pp, ep=ep, cp=cp)
     gen = torch.Generator().manual_seed(7)
     batches = [
         [torch.randint(0, V, (2, 16), generator=gen) for _ in range(dp)] for _ in range(STEPS)
@@ -131,7 +143,7 @@ def _one_layout(
 
     built = build_model(cfg, topo)
     experts.deepspeed_groups(topo)
-    with experts.recognised_by_deepspeed(True):
+    with experts.recognised_by_deepspeed(ep > 1):
         engine, *_ = deepspeed.initialize(
             model=built.model,
             optimizer=build_optimizer(built.model, cfg.train),
@@ -141,7 +153,8 @@ def _one_layout(
         )
     names = built.param_names
     params = [(names[id(p)] if names else n, p) for n, p in engine.module.named_parameters()]
-    assert engine.has_moe_layers and any(experts.is_expert_param(p) for _, p in params)
+    if ep > 1:
+        assert engine.has_moe_layers and any(experts.is_expert_param(p) for _, p in params)
     plain = isinstance(engine.optimizer, torch.optim.Optimizer)
     seen: dict = {}
     if plain:  # ZeRO-0: the trainer's clipping by megaformer's norm; the gradients before it
@@ -165,14 +178,16 @@ def _one_layout(
         if pp > 1:
             loss = float(engine.train_batch(iter([(x, x)])))
         else:
-            loss = engine(x, x)
+            if cp > 1:  # this rank's part of the sequence, its loss weighted as the train step does
+                x = split_sequence(x, topo.cp_rank, cp, cfg.parallel.context_mode)
+            loss = built.weigh_loss(engine(x, x), x)
             engine.backward(loss)
             if not plain:  # ZeRO 1/2: each parameter's reduced gradient from its partitions
                 seen["grads"] = {n: deepspeed.utils.safe_get_full_grad(p) for n, p in params}
             engine.step()
             t = loss.detach().clone()
-            dist.all_reduce(t, group=topo.group("dp"))
-            loss = float(t) / dp
+            dist.all_reduce(t, group=topo.group("replica"))
+            loss = float(t) / (dp * cp)
         norm = seen["norm"] if plain else float(engine.get_global_grad_norm())
         worst = 0.0
         for n, p in params:
@@ -184,7 +199,7 @@ def _one_layout(
         errs.append(worst)
         losses.append((loss, ref[s]["loss"]))
         norms.append((norm, ref[s]["norm"]))
-        got = end_of_step(engine.module, topo.group("dp"))
+        got = end_of_step(engine.module, topo.group("replica"))
         if pp > 1:  # a stage's router means cover its own blocks: compare the per-block loads
             got = {k: v for k, v in got.items() if k.startswith("moe/load")}
         stats.append((got, {k: v for k, v in ref[s]["moe"].items() if k in got}))
@@ -225,7 +240,7 @@ def _check(results: list[dict]) -> None:
                     assert have[k] == pytest.approx(want[k], rel=1e-5, abs=1e-9), (layout, k)
             ep = layout[2]
             # each rank holds E / EP experts of every MoE block (w1/w3 [E/EP, f/TP, d])
-            assert got["experts"][0][0] == 4 // ep, got["experts"]
+            assert ep == 1 or got["experts"][0][0] == 4 // ep, got["experts"]
 
 
 @pytest.mark.multiprocess
@@ -256,6 +271,23 @@ def test_ep2_tp2_token_split_equals_one_process_with_both_exchanges():
     _check(run_ranks(4, _layouts, layouts, timeout=600))
 
 
+@pytest.mark.multiprocess
+def test_zero3_moe_equals_one_process():
+    # ZeRO-3 partitions the (unsplit) experts with every other parameter over DP 2
+    _check(run_ranks(2, _layouts, [(1, 1, 1, 3, False)], timeout=300))
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_moe_with_and_without_ep_equals_one_process():
+    # (tp, pp, ep, zero, sp, dispatch, cp): the router's statistics summed over the context group
+    _check(run_ranks(2, _layouts, [(1, 1, 1, 0, False, "auto", 2)], timeout=300))
+    layouts = [
+        (1, 1, 2, 1, False, "splits", 2),  # EP 2 x CP 2, ZeRO-1 (experts averaged over CP too)
+        (1, 1, 2, 0, False, "padded", 2),  # the same with the fixed-size exchange, ZeRO-0
+    ]
+    _check(run_ranks(4, _layouts, layouts, timeout=600))
+
+
 # ----------------------------------------------------------------------------- bad input
 
 MOE = ["model.n_layers=2", "model.moe.interval=1", "model.moe.num_experts=4"]
@@ -276,9 +308,26 @@ MOE = ["model.n_layers=2", "model.moe.interval=1", "model.moe.num_experts=4"]
             5,
             "world size 5: not divisible by parallel.tensor * parallel.pipeline = 2",
         ),
-        (["parallel.expert=2", "parallel.zero_stage=3"], 2, "model.moe with parallel.zero_stage=3"),
-        # context parallelism refuses MoE models altogether for now; EP x CP has its own check too
-        (["parallel.expert=2", "parallel.context=2"], 4, "parallel.context=2"),
+        (
+            ["parallel.expert=2", "parallel.zero_stage=3"],
+            2,
+            "model.moe with parallel.zero_stage=3 and parallel.expert=2: DeepSpeed's ZeRO-3",
+        ),
+        (
+            ["parallel.context=2", "model.moe.dropless=false", "model.moe.capacity_factor=1.5"],
+            2,
+            "parallel.context=2 with model.moe.dropless=false: a capacity keeps",
+        ),
+        (
+            ["parallel.expert=2", "parallel.tensor=2", "data.seq_len=9"],
+            4,
+            "each tensor-parallel rank dispatches its share of the sequence",
+        ),
+        (
+            ["parallel.expert=2", "parallel.expert_dispatch=padded", "model.moe.d_expert=20"],
+            2,
+            "parallel.expert_dispatch=padded: the experts run as grouped GEMMs",
+        ),
         (
             ["parallel.expert=2", "train.precision=fp16"],
             2,

@@ -169,10 +169,14 @@ def check_moe(cfg: Config) -> None:
             "the router losses cannot reach the loss; set both to 0 (the auxiliary-loss-free "
             "model.moe.bias_update_rate works under pipeline parallelism)",
         )
+    ep = cfg.parallel.expert
     require(
-        cfg.parallel.zero_stage < 3,
-        "model.moe with parallel.zero_stage=3: experts are not partitioned by ZeRO-3 here; "
-        "use zero_stage 0, 1 or 2",
+        cfg.parallel.zero_stage < 3 or ep == 1,
+        f"model.moe with parallel.zero_stage=3 and parallel.expert={ep}: DeepSpeed's ZeRO-3 "
+        "partitions every parameter over the whole data-parallel group and refuses expert "
+        "groups for any MoE layer but its own AutoEP, so each rank's experts would be "
+        "assembled from other ranks' different experts; use zero_stage 1 or 2 (they partition "
+        "experts over their expert-data group) or parallel.expert=1",
     )
     require(
         not cfg.log.diagnostics,

@@ -104,10 +104,10 @@ def check_context(cfg: Config) -> None:
             "parallel.context_mode=ring",
         )
     require(
-        m.moe.interval == 0,
-        f"parallel.context={cp} with model.moe: the router's load-balancing losses and expert "
-        "loads are per-sequence statistics that context parallelism would split; use "
-        "parallel.context=1 for mixture-of-experts models",
+        m.moe.interval == 0 or m.moe.dropless,
+        f"parallel.context={cp} with model.moe.dropless=false: a capacity keeps each expert's "
+        "first assignments in the micro-batch's token order, which no context rank sees whole; "
+        "use model.moe.dropless=true",
     )
     require(
         not cfg.train.compile,
@@ -148,11 +148,23 @@ def check_expert(cfg: Config) -> None:
         moe.num_experts % ep == 0,
         f"parallel.expert={ep}: must divide model.moe.num_experts={moe.num_experts}",
     )
-    require(
-        cfg.parallel.context == 1,
-        f"parallel.expert={ep} with parallel.context={cfg.parallel.context}: expert and "
-        "context parallelism are not supported together; use one of them",
-    )
+    p = cfg.parallel
+    if p.tensor > 1 and not p.sequence_parallel:  # (sequence parallelism checks its own)
+        local = cfg.seq_len // p.context
+        require(
+            local % p.tensor == 0,
+            f"parallel.expert={ep} with parallel.tensor={p.tensor}: each tensor-parallel rank "
+            f"dispatches its share of the sequence, so the {local} positions per context rank "
+            "must be divisible by the tensor degree",
+        )
+    if p.expert_dispatch == "padded":
+        width = cfg.model.expert_dim // p.tensor
+        require(
+            cfg.model.d_model % 8 == 0 and width % 8 == 0,
+            f"parallel.expert_dispatch=padded: the experts run as grouped GEMMs, whose rows "
+            f"must be multiples of 8 (16 bytes); d_model={cfg.model.d_model} and the expert "
+            f"width per tensor-parallel rank {width} are not; use expert_dispatch=splits",
+        )
     require(
         cfg.train.precision != "fp16",
         f"parallel.expert={ep} with train.precision=fp16: the fp16 optimizer's checkpoints "
