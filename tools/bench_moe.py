@@ -1,7 +1,7 @@
 """Mixture-of-Experts: expert-parallel step time, all-to-all volume and load balance.
 
     python tools/bench_moe.py [--d-model 128] [--layers 2] [--experts 8] [--top-k 2] [--seq 128]
-                              [--batch 4] [--steps 6] [--balance-steps 200]
+                              [--batch 4] [--steps 6] [--balance-steps 200] [--only dispatch]
 
 1. Step time of an MoE model (every block MoE, E experts, top-k, expert width f_e) at EP = 1, 2, 4
    (gloo processes on this machine, EP = DP: each rank routes its own micro-batch) beside the
@@ -14,7 +14,15 @@
 
    and the volume the step's actual routing implies (4 crossings of every off-rank assignment,
    counted from the routing itself; mean over the ranks); the count must equal the latter exactly.
-3. Expert-load balance over ``--balance-steps`` steps on text (bytes of Python's standard library,
+3. Expert dispatch under TP 2 x EP 2 (4 gloo processes, one micro-batch, the same on every
+   rank): host reads per training step inside the MoE blocks' forward and backward passes
+   (``Tensor.tolist`` / ``item`` / ``cpu`` / ``int`` / ``float`` / ``bool`` calls: each a stream
+   synchronisation on CUDA) and all-to-all bytes per rank, for the uneven exchange
+   (``parallel.expert_dispatch=splits``) and the fixed-size one (``padded``), at TP 1 and TP 2.
+   Before the token split every TP rank dispatched the whole micro-batch: TP 1's bytes per rank.
+   On CPU the experts' loop reads its row counts once more per block (on CUDA the grouped GEMM
+   does not); the padded exchange runs the grouped GEMM everywhere.
+4. Expert-load balance over ``--balance-steps`` steps on text (bytes of Python's standard library,
    one process): the coefficient of variation (std / mean) of the per-expert load, mean over the
    blocks, with the load-balancing loss, with the auxiliary-loss-free bias, and with neither.
 
@@ -129,6 +137,98 @@ def _run(world: int, args: argparse.Namespace, moe: bool) -> tuple[float, list[i
     return t, sent, implied
 
 
+READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+def _count_moe_host_reads(model: torch.nn.Module) -> dict:
+    """Count the host reads made inside every MoE block's forward and backward of ``model``
+    (from the gradient reaching a block's output until the one leaving its input)."""
+    from megaformer.model.moe import moe_layers
+
+    seen = {"reads": 0, "depth": 0}
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, __original=original, **k):
+            if seen["depth"] > 0:
+                seen["reads"] += 1
+            return __original(self, *a, **k)
+
+        setattr(torch.Tensor, name, counted)
+
+    def enter(_=None):
+        seen["depth"] += 1
+
+    def leave(_=None):
+        seen["depth"] -= 1
+
+    for moe in moe_layers(model):
+
+        def pre(module, args):
+            enter()
+            if args[0].requires_grad:
+                args[0].register_hook(leave)
+
+        def post(module, args, out):
+            leave()
+            if out.requires_grad:
+                out.register_hook(enter)
+
+        moe.register_forward_pre_hook(pre)
+        moe.register_forward_hook(post)
+    return seen
+
+
+def _dispatch_case(rank: int, world: int, args: argparse.Namespace, tp: int, mode: str) -> dict:
+    torch.set_num_threads(1)
+    from megaformer.comm import CommCounter
+    from megaformer.config import Config, ParallelConfig, TrainConfig
+    from megaformer.config.data import DataConfig
+    from megaformer.parallel.build import build_model
+    from megaformer.parallel.topology import build_topology
+
+    cfg = Config(
+        model=_model_cfg(args, True),
+        parallel=ParallelConfig(tensor=tp, expert=2, expert_dispatch=mode),
+        train=TrainConfig(seed=0, recompute="none"),
+        data=DataConfig(seq_len=args.seq),
+    )
+    topo = build_topology(world, rank, tp=tp, ep=2)
+    model = build_model(cfg, topo).model.train()
+    seen = _count_moe_host_reads(model)
+    x = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    with CommCounter() as c:
+        model(x, x).backward()
+    return {"reads": seen["reads"], "bytes": c.bytes.get("all_to_all", 0)}
+
+
+def _dispatch_table(args: argparse.Namespace) -> None:
+    from megaformer.runtime.spawn import run_ranks
+
+    print(
+        "\nExpert dispatch, 4 gloo processes (EP 2; TP 2 x EP 2 or DP 2 x EP 2 at TP 1), one "
+        f"training forward + backward of {args.layers} MoE blocks per step"
+    )
+    print("\n| exchange | layout | host reads/step (MoE) | all-to-all MB/step/rank | vs before |")
+    print("|---|---|---|---|---|")
+    rows = {}
+    for mode in ("splits", "padded"):
+        for tp in (1, 2):
+            res = run_ranks(4, _dispatch_case, args, tp, mode, timeout=1800)
+            rows[mode, tp] = (
+                statistics.mean(r["reads"] for r in res),
+                statistics.mean(r["bytes"] for r in res),
+            )
+    before = rows["splits", 1][1]
+    reads = rows["splits", 1][0]
+    print(
+        f"| before: uneven, every TP rank the whole micro-batch | TP 2 x EP 2 | {reads:.0f} | "
+        f"{before / 1e6:.3f} | 1.00 |"
+    )
+    for (mode, tp), (r, b) in rows.items():
+        print(f"| {mode} | TP {tp} x EP 2 | {r:.0f} | {b / 1e6:.3f} | {b / before:.2f} |")
+
+
 def _text_batches(args: argparse.Namespace):
     """Byte tokens of Python's standard library sources: (inputs, next tokens), each (batch, seq)."""
     import random
@@ -177,7 +277,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--balance-steps", type=int, default=200)
+    ap.add_argument(
+        "--only", choices=("dispatch",), help="run one table only (dispatch: the third)"
+    )
     args = ap.parse_args()
+    if args.only == "dispatch":
+        _dispatch_table(args)
+        return
 
     print(
         f"MoE: d_model {args.d_model}, {args.layers} blocks, {args.experts} experts of width "
@@ -203,6 +309,8 @@ def main() -> None:
             f"{t / dense:.2f} | {ms / 1e6:.3f} | {analytic / 1e6:.3f} | {r1} | {mi / 1e6:.3f} | "
             f"{r2} |"
         )
+
+    _dispatch_table(args)
 
     print(
         f"\nExpert-load balance over {args.balance_steps} steps (one process, text): CV = std/mean "

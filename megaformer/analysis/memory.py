@@ -436,18 +436,27 @@ def context_comm_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
 
 def expert_comm_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
     """Bytes one rank sends in the expert all-to-alls of one MoE block per micro-batch: the k
-    copies of each local token's d-wide input go out and their outputs come back, forward and
-    backward (4 exchanges), (EP - 1)/EP of them to other ranks when routing is balanced, plus the
-    per-expert counts (two int64 vectors of E). Every TP rank exchanges the whole micro-batch's
-    tokens (under sequence parallelism they are gathered before routing)."""
+    copies of each of its tokens' d-wide inputs go out and their outputs come back, forward and
+    backward (4 exchanges), to the EP - 1 other ranks, plus the per-expert counts (two int64
+    vectors of E). Each TP rank sends its 1 / TP share of the micro-batch's tokens n. The
+    exchange is ``parallel.expert_dispatch=auto``'s on a GPU: the fixed-size one (C rows to each
+    rank, C = n min(k, L), or at most L capacity with a capacity factor; L = E / EP) when that
+    costs at most twice the rows, else the uneven one ((EP - 1) / EP of the n k rows when routing
+    is balanced)."""
     if layout.ep == 1 or not cfg.moe_layers:
         return 0.0
     e = DTYPE_BYTES[layout.precision]
-    n = layout.micro_batch * seq_len / layout.cp
-    return (
-        4 * (layout.ep - 1) / layout.ep * n * cfg.moe.top_k * cfg.d_model * e
-        + 2 * 8 * cfg.moe.num_experts
-    )
+    m, ep = cfg.moe, layout.ep
+    n = layout.micro_batch * seq_len / layout.cp  # tokens routed by this TP group
+    mine = n / layout.tp
+    L = m.num_experts // ep
+    rows = (ep - 1) / ep * mine * m.top_k  # uneven, balanced
+    if not m.dropless and m.capacity_factor is not None:
+        cap = math.ceil(m.capacity_factor * n * m.top_k / m.num_experts)
+        rows = (ep - 1) * min(mine * min(m.top_k, L), L * cap)
+    elif ep * min(m.top_k, L) <= 2 * m.top_k:
+        rows = (ep - 1) * mine * min(m.top_k, L)
+    return 4 * rows * cfg.d_model * e + 2 * 8 * m.num_experts
 
 
 def korthikanti_layer_bytes(

@@ -40,7 +40,8 @@ Rules that reject a layout: TP must divide heads, KV heads and the FFN width and
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
 must split into micro-batches x DP; ZeRO-3 not with TP > 1 (megaformer), ZeRO 2/3 not with PP > 1
 (DeepSpeed's pipeline engine); memory must fit. MoE models (``model.moe``): TP must also divide the
-expert and shared-expert widths, no ZeRO-3, no PP > 1 with router losses; memory and checkpoints
+expert and shared-expert widths, no ZeRO-3 with EP > 1, no PP > 1 with router losses, no CP with a
+capacity factor; memory and checkpoints
 count every expert (total parameters), FLOPs and MFU the active ones.
 """
 
@@ -179,8 +180,8 @@ def _reject_reason(
         return f"CP={cp} (ring) needs the sequence {cfg.seq_len} divisible by {2 * cp}"
     if cp > 1 and cp_mode == "all_to_all" and (m.n_heads // tp) % cp:
         return f"CP={cp} (all_to_all) does not divide the {m.n_heads // tp} heads per TP rank"
-    if cp > 1 and m.moe_layers:
-        return "CP with MoE blocks is not supported by megaformer"
+    if cp > 1 and m.moe_layers and not m.moe.dropless:
+        return "CP with a capacity factor (model.moe.dropless=false) is not supported"
     if ep > 1 and (m.moe.num_experts % ep or dp % ep):
         return f"EP={ep} does not divide the experts {m.moe.num_experts} / DP {dp}"
     if m.n_heads % tp or m.kv_heads % tp or m.ffn_dim % tp:
@@ -189,8 +190,8 @@ def _reject_reason(
         )
     if m.moe_layers and (m.expert_dim % tp or m.shared_dim % tp):
         return f"TP={tp} does not divide the expert FFN {m.expert_dim} / shared FFN {m.shared_dim}"
-    if m.moe_layers and zero == 3:
-        return "ZeRO-3 with MoE blocks is not supported by megaformer"
+    if m.moe_layers and zero == 3 and ep > 1:
+        return "ZeRO-3 with EP > 1 is not supported by DeepSpeed (its own AutoEP layers only)"
     if m.moe_layers and pp > 1 and (m.moe.aux_loss_coef > 0 or m.moe.z_loss_coef > 0):
         return "MoE router losses (aux/z loss) with PP > 1 are not supported"
     if pp > m.n_layers:

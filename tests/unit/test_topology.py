@@ -93,7 +93,7 @@ def test_context_and_expert_groups(world, tp, pp, cp, ep):
         (t.pp_groups, pp),
         (t.replica_groups, dp * cp),
         (t.ep_groups, ep),
-        (t.edp_groups, dp // ep),
+        (t.edp_groups, dp // ep * cp),  # the ranks holding the same experts, over CP too
     ):
         assert sorted(r for g in groups for r in g) == list(range(world))
         assert all(len(g) == size for g in groups)
