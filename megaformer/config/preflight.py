@@ -23,7 +23,7 @@ import torch
 from megaformer.config.checks.launch import validate_for_training, validate_for_world
 from megaformer.config.train import precision_dtype
 from megaformer.errors import ConfigError
-from megaformer.kernels.selection import Choice, model_plan
+from megaformer.kernels.selection import Choice, choose, model_plan
 from megaformer.parallel.fp8 import check_fp8_device
 
 if TYPE_CHECKING:
@@ -51,10 +51,26 @@ def preflight(cfg: Config, world: int, device: Union[str, torch.device]) -> Pref
 
 
 def check_device(cfg: Config, device: torch.device) -> None:
-    """fp16 runs on CUDA only; FP8 GEMMs need a device that has them (unless emulated)."""
+    """fp16 runs on CUDA only; FP8 GEMMs need a device that has them (unless emulated); the
+    fixed-size expert exchange needs the grouped expert GEMM on CUDA."""
     if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("train.precision=fp16: needs a CUDA device; use bf16 or fp32 on CPU")
     check_fp8_device(cfg.train, device)
+    p, m = cfg.parallel, cfg.model
+    if p.expert > 1 and p.expert_dispatch == "padded" and device.type == "cuda":
+        experts = choose(
+            "experts",
+            device,
+            precision_dtype(cfg.train.precision),
+            d_model=m.d_model,
+            d_ffn=m.expert_dim // p.tensor,
+        )
+        if experts.impl != "grouped":
+            raise ConfigError(
+                "parallel.expert_dispatch=padded: the fixed-size exchange runs the experts as "
+                f"grouped GEMMs, which this device cannot ({experts.reason}); use "
+                "parallel.expert_dispatch=auto or splits"
+            )
 
 
 def check_packages(cfg: Config) -> None:

@@ -161,3 +161,22 @@ def test_padded_dispatch_reads_nothing_on_the_host_and_tp_splits_the_bytes():
     tp1 = [r["splits_tp1"]["bytes"] for r in results]
     assert tp2[0] + tp2[1] == tp1[0] and tp2[2] + tp2[3] == tp1[1], (tp2, tp1)
     assert all(b > 0 for b in tp2)
+
+
+def test_padded_exchange_on_a_device_without_grouped_gemms_is_one_line(monkeypatch):
+    from megaformer.config import load_config
+    from megaformer.config import preflight as pf
+    from megaformer.errors import ConfigError
+    from megaformer.kernels.selection import Choice
+
+    cfg = load_config(
+        "configs/moe-tiny.yaml", ["parallel.expert=2", "parallel.expert_dispatch=padded"]
+    )
+    pf.check_device(cfg, torch.device("cpu"))  # torch's grouped GEMM runs on the CPU
+    # a CUDA device whose experts rule falls back to the loop (fp32 here)
+    monkeypatch.setattr(pf, "choose", lambda *a, **k: Choice("loop", "grouped GEMM needs bf16"))
+    with pytest.raises(ConfigError) as e:
+        pf.check_device(cfg, torch.device("cuda"))
+    message = str(e.value)
+    assert message.startswith("parallel.expert_dispatch=padded: the fixed-size exchange runs")
+    assert "grouped GEMM needs bf16" in message and "\n" not in message

@@ -30,7 +30,15 @@ V = 64  # vocabulary: a multiple of 8 * TP, so every layout pads it alike (not a
 
 
 def _config(
-    tp: int, pp: int, ep: int, zero: int, sp: bool, dp: int, dispatch: str = "auto", cp: int = 1
+    tp: int,
+    pp: int,
+    ep: int,
+    zero: int,
+    sp: bool,
+    dp: int,
+    dispatch: str = "auto",
+    cp: int = 1,
+    capacity: float = 0.0,
 ):
     from megaformer.config import load_config
 
@@ -46,6 +54,8 @@ def _config(
         "model.moe.z_loss_coef": 0.0 if pp > 1 else 0.01,
         "model.moe.bias_update_rate": 0.01 if pp > 1 else 0.0,
     }
+    if capacity:  # each expert keeps its first ceil(capacity N k / E) assignments
+        moe.update({"model.moe.dropless": False, "model.moe.capacity_factor": capacity})
     over = {
         "model.vocab_size": V,
         "model.d_model": 32,
@@ -119,6 +129,7 @@ def _one_layout(
     sp: bool,
     dispatch: str = "auto",
     cp: int = 1,
+    capacity: float = 0.0,
 ) -> dict:
     import deepspeed
 
@@ -133,7 +144,7 @@ def _one_layout(
     from megaformer.training.deepspeed_config import build_deepspeed_config
 
     dp = world // (tp * pp * cp)
-    cfg = _config(tp, pp, ep, zero, sp, dp, dispatch, cp)
+    cfg = _config(tp, pp, ep, zero, sp, dp, dispatch, cp, capacity)
     topo = build_topology(world, rank, tp=tp, pp=pp, ep=ep, cp=cp)
     gen = torch.Generator().manual_seed(7)
     batches = [
@@ -269,6 +280,20 @@ def test_ep2_tp2_token_split_equals_one_process_with_both_exchanges():
         (2, 1, 2, 0, True, "padded"),  # with sequence parallelism
     ]
     _check(run_ranks(4, _layouts, layouts, timeout=600))
+
+
+@pytest.mark.multiprocess
+def test_capacity_with_both_exchanges_and_the_token_split_equals_one_process():
+    # (tp, pp, ep, zero, sp, dispatch, cp, capacity): assignments dropped where routed, over the
+    # whole micro-batch; the padded exchange sends them nowhere and they come back as zeros
+    layouts = [
+        (2, 1, 2, 0, False, "padded", 1, 0.75),
+        (2, 1, 2, 0, True, "splits", 1, 0.75),
+    ]
+    results = run_ranks(4, _layouts, layouts, timeout=600)
+    _check(results)
+    for got in results[0].values():  # the capacity did drop assignments
+        assert any(want["moe/dropped"] > 0 for _, want in got["stats"])
 
 
 @pytest.mark.multiprocess
