@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -29,18 +30,24 @@ STEPS = 3
 V = 64  # vocabulary: a multiple of 8 * TP, so every layout pads it alike (not at all)
 
 
-def _config(
-    tp: int,
-    pp: int,
-    ep: int,
-    zero: int,
-    sp: bool,
-    dp: int,
-    dispatch: str = "auto",
-    cp: int = 1,
-    capacity: float = 0.0,
-):
+class Layout(NamedTuple):
+    """One layout under test (written as a plain tuple in the tests, the trailing fields left
+    out where they are the defaults)."""
+
+    tp: int
+    pp: int
+    ep: int
+    zero: int
+    sp: bool
+    dispatch: str = "auto"  # parallel.expert_dispatch
+    cp: int = 1
+    capacity: float = 0.0  # > 0: model.moe.dropless=false with this capacity factor
+
+
+def _config(lay: Layout, dp: int):
     from megaformer.config import load_config
+
+    tp, pp, ep, zero, sp, dispatch, cp, capacity = lay
 
     moe = {
         "model.moe.interval": 1,
@@ -119,18 +126,7 @@ def _whole(p: torch.nn.Parameter, g: torch.Tensor, topo) -> torch.Tensor:
     return gather_experts(p, g, topo)
 
 
-def _one_layout(
-    rank: int,
-    world: int,
-    tp: int,
-    pp: int,
-    ep: int,
-    zero: int,
-    sp: bool,
-    dispatch: str = "auto",
-    cp: int = 1,
-    capacity: float = 0.0,
-) -> dict:
+def _one_layout(rank: int, world: int, lay: Layout) -> dict:
     import deepspeed
 
     from megaformer.model.moe import end_of_step
@@ -143,8 +139,9 @@ def _one_layout(
     from megaformer.training import deepspeed_adapter as ds_adapter
     from megaformer.training.deepspeed_config import build_deepspeed_config
 
+    tp, pp, ep, cp = lay.tp, lay.pp, lay.ep, lay.cp
     dp = world // (tp * pp * cp)
-    cfg = _config(tp, pp, ep, zero, sp, dp, dispatch, cp, capacity)
+    cfg = _config(lay, dp)
     topo = build_topology(world, rank, tp=tp, pp=pp, ep=ep, cp=cp)
     gen = torch.Generator().manual_seed(7)
     batches = [
@@ -234,7 +231,7 @@ def _layouts(rank: int, world: int, layouts: list[tuple]) -> dict:
     disable_cpu_shm_comm_op()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
-    return {layout: _one_layout(rank, world, *layout) for layout in layouts}
+    return {layout: _one_layout(rank, world, Layout(*layout)) for layout in layouts}
 
 
 def _check(results: list[dict]) -> None:
