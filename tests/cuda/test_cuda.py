@@ -551,6 +551,48 @@ def test_moe_experts_take_the_grouped_gemm(monkeypatch):
     assert max(_rel(a, b) for a, b in zip(*out)) < 2e-2
 
 
+def test_expert_dispatch_never_waits_for_the_host(one_rank_group):
+    """An MoE block whose experts are reached through the fixed-size exchange (a one-rank
+    expert-parallel group: counts, rows and outputs through NCCL all-to-alls): forward and
+    backward under torch's sync debug mode, and the same output as the block without dispatch.
+    ``auto`` picks that exchange on this GPU."""
+    from megaformer.config import MoEConfig
+    from megaformer.model import moe as M
+    from megaformer.parallel.experts import ExpertDispatch
+
+    if torch.cuda.get_device_capability() < (9, 0) or not hasattr(torch, "_grouped_mm"):
+        pytest.skip("the fixed-size exchange runs torch._grouped_mm: an sm90+ GPU")
+    moe = MoEConfig(
+        interval=1,
+        num_experts=8,
+        top_k=2,
+        d_expert=512,
+        num_shared_experts=1,
+        d_shared=256,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+    )
+    cfg = ModelConfig(vocab_size=1000, d_model=256, n_layers=2, n_heads=4, max_seq_len=256, moe=moe)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = M.MoE(cfg, 0).to(torch.bfloat16).train()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = _randn(2, 128, 256).bfloat16()
+    plain = layer(x).detach()
+    layer.expert_dispatch = ExpertDispatch(one_rank_group, "auto")
+    assert layer.expert_dispatch.padded(x.view(-1, 256), layer.experts, 2, True)
+    for step in range(2):  # the first warms the caches
+        torch.cuda.set_sync_debug_mode("error" if step == 1 else "default")
+        try:
+            xi = x.detach().requires_grad_()
+            y = layer(xi)
+            (y.float().square().mean() + layer.aux_loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert _rel(y.detach(), plain) < 2e-2
+
+
 def test_real_fp8_gemms_match_their_emulation():
     """torch._scaled_mm FP8 GEMMs (tensorwise, rowwise) against the emulated casts and scales:
     forward and both gradients."""
