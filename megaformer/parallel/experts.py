@@ -51,10 +51,6 @@ def is_expert_param(p: torch.nn.Parameter) -> bool:
 #: differentiable uneven all-to-all (backward: the same exchange with the splits swapped)
 AllToAll = comm.AllToAll
 
-#: ``parallel.expert_dispatch`` values
-DISPATCH_MODES = ("auto", "splits", "padded")
-
-
 def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
     """counts [E] (this rank's assignments per global expert) -> [P, L]: row s holds what rank s
     sends to each of this rank's L local experts."""
@@ -126,9 +122,7 @@ class ExpertDispatch:
     ``overlap`` (the shared experts) runs while the dispatch exchange is in flight."""
 
     def __init__(self, group: Any, mode: str = "auto") -> None:
-        if mode not in DISPATCH_MODES:
-            raise ValueError(f"expert dispatch {mode!r}: must be one of {DISPATCH_MODES}")
-        self.group, self.mode = group, mode
+        self.group, self.mode = group, mode  # mode: parallel.expert_dispatch
         self.size = comm.size(group)
 
     def padded(self, x: torch.Tensor, experts: nn.Module, k: int, dropless: bool) -> bool:
