@@ -51,6 +51,7 @@ def is_expert_param(p: torch.nn.Parameter) -> bool:
 #: differentiable uneven all-to-all (backward: the same exchange with the splits swapped)
 AllToAll = comm.AllToAll
 
+
 def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
     """counts [E] (this rank's assignments per global expert) -> [P, L]: row s holds what rank s
     sends to each of this rank's L local experts."""
