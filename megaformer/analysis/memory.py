@@ -102,8 +102,9 @@ class Layout:
 
     @property
     def expert_replicas(self) -> int:
-        """Ranks holding the same experts (DP / EP): ZeRO partitions expert states over them."""
-        return self.dp // self.ep
+        """Ranks holding the same experts (DP / EP x CP): ZeRO partitions expert states over
+        them."""
+        return self.dp // self.ep * self.cp
 
 
 # ----------------------------------------------------------------------------- model states
@@ -193,7 +194,7 @@ def build_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = 
 
 def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> dict:
     """{'params', 'weights', 'grads', 'optimizer', 'total'} bytes per rank. ZeRO partitions the
-    dense parameters' states over DP x CP and the routed experts' over DP / EP."""
+    dense parameters' states over DP x CP and the routed experts' over DP / EP x CP."""
     P = params_per_rank(cfg, layout, padded_vocab)
     X = expert_params_per_rank(cfg, layout)
     if layout.precision == "fp32":

@@ -117,7 +117,7 @@ class OptimizerAccess:
             expert = getattr(p, "allreduce", True) is False  # split over expert parallelism
             if self.plain:
                 if for_save and expert:  # the expert-data ranks hold one copy of these experts
-                    r, k = topo.edp_rank, topo.dp // topo.ep
+                    r, k = topo.expert_replica_rank, topo.expert_replicas
                     start, stop = r * n // k, (r + 1) * n // k
                 elif for_save:
                     r, k = topo.replica_rank, topo.replicas  # DP x CP ranks hold one copy

@@ -29,11 +29,11 @@ def router_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def router_files(module: nn.Module, topo: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's share of a checkpoint's router state: the first TP and DP rank of each
+    """This rank's share of a checkpoint's router state: the first TP, CP and DP rank of each
     pipeline stage writes ``moe_router/stage_<pp>.safetensors`` (the biases are the same on every
-    TP and DP rank); nothing without MoE blocks."""
+    TP, CP and DP rank); nothing without MoE blocks."""
     state = router_state(module)
-    if not state or topo.tp_rank != 0 or topo.dp_rank != 0:
+    if not state or topo.tp_rank != 0 or topo.cp_rank != 0 or topo.dp_rank != 0:
         return {}
     return {f"{ROUTER_DIR}/stage_{topo.pp_rank:03d}.safetensors": state}
 

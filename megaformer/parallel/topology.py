@@ -117,6 +117,16 @@ class Topology:
     def edp_rank(self) -> int:
         return self.dp_rank // self.ep
 
+    @property
+    def expert_replicas(self) -> int:
+        """Size of the expert-data group: the DP / EP x CP ranks holding the same experts."""
+        return self.dp // self.ep * self.cp
+
+    @property
+    def expert_replica_rank(self) -> int:
+        """Rank in the expert-data group (its ranks ordered by edp rank, then context rank)."""
+        return self.edp_rank * self.cp + self.cp_rank
+
     def rank_of(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """The global rank at grid coordinates (tp, cp, dp, pp)."""
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))

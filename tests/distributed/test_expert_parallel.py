@@ -527,6 +527,41 @@ def test_sharded_checkpoint_resumes_at_another_expert_degree(tmp_path):
         assert torch.allclose(biases[0][k], biases[1][k])
 
 
+@pytest.mark.multiprocess
+def test_ep2_cp2_trains_like_one_process_and_resumes(tmp_path):
+    """megaformer train at EP 2 x CP 2 (ZeRO-0: the expert-data ranks, CP included, write each
+    expert byte once; the router biases written by one rank) gives one process's losses, norms
+    and router statistics, and resumed from its step-2 checkpoint continues the run."""
+    args = [
+        *ARGS,
+        "parallel.zero_stage=0",
+        "train.steps=4",
+        "model.moe.aux_loss_coef=0.01",
+        "model.moe.bias_update_rate=0.003",
+    ]
+    one, both, resumed = tmp_path / "one", tmp_path / "ep2cp2", tmp_path / "resumed"
+    out = run_torchrun(1, "train", "configs/quickstart.yaml", *args, "--run-dir", str(one))
+    assert out.returncode == 0, out.stderr[-3000:]
+    layout = ["parallel.expert=2", "parallel.context=2"]
+    out = run_torchrun(
+        4, "train", "configs/quickstart.yaml", *args, *layout, "--run-dir", str(both)
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.copytree(both, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000004")
+    (resumed / "checkpoints" / "latest").write_text("step_0000002\n")
+    out = run_torchrun(
+        4, "train", "configs/quickstart.yaml", *args, *layout, "--run-dir", str(resumed)
+    )
+    assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
+    a, b, c = _records(one), _records(both), _records(resumed)
+    for step in (1, 2, 3, 4):
+        for key in ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/load_cv/1"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+            if step > 2:
+                assert c[step][key] == pytest.approx(b[step][key], rel=1e-5), (step, key)
+
+
 def _norm_with_expert_share(rank: int, world: int) -> tuple[float, float]:
     """(megaformer's global norm, the hand-computed one) of one replicated parameter and one
     expert parameter whose gradients differ per rank and carry most of the norm."""

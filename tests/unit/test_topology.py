@@ -101,6 +101,8 @@ def test_context_and_expert_groups(world, tp, pp, cp, ep):
         t.rank = rank
         assert t.rank_of(tp=t.tp_rank, cp=t.cp_rank, dp=t.dp_rank, pp=t.pp_rank) == rank
         assert t.dp_rank == t.ep_rank + ep * t.edp_rank
+        mine = t._mine(t.edp_groups)  # the expert-data group, CP included
+        assert len(mine) == t.expert_replicas and mine.index(rank) == t.expert_replica_rank
         # DeepSpeed's data-parallel group is DP x CP: the ranks that share (tp, pp)
         same = [r for r in range(world) if r % tp == t.tp_rank and r // (world // pp) == t.pp_rank]
         assert t.get_data_parallel_group_ranks() == same
