@@ -186,7 +186,7 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
     def extra_repr(self) -> str:
-        n, f, d = self.w1.shape
+        n, f, d = getattr(self.w1, "ds_shape", self.w1.shape)  # (ZeRO-3: the whole shape)
         held = (
             f" (ids {self.first_expert}..{self.first_expert + n - 1})" if self.first_expert else ""
         )

@@ -528,10 +528,20 @@ def test_sharded_checkpoint_resumes_at_another_expert_degree(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_ep2_cp2_trains_like_one_process_and_resumes(tmp_path):
-    """megaformer train at EP 2 x CP 2 (ZeRO-0: the expert-data ranks, CP included, write each
-    expert byte once; the router biases written by one rank) gives one process's losses, norms
-    and router statistics, and resumed from its step-2 checkpoint continues the run."""
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        # ZeRO-0: the expert-data ranks, CP included, write each expert byte once; one rank
+        # writes the router biases
+        (4, ["parallel.expert=2", "parallel.context=2", "parallel.zero_stage=0"]),
+        # ZeRO-3 builds the model partitioned, the experts with the rest (DP 2, EP 1)
+        (2, ["parallel.zero_stage=3"]),
+    ],
+    ids=["ep2_cp2", "zero3"],
+)
+def test_megaformer_train_equals_one_process_and_resumes(tmp_path, world, layout):
+    """megaformer train gives one process's losses, norms and router statistics, and resumed
+    from its step-2 checkpoint continues the run."""
     args = [
         *ARGS,
         "parallel.zero_stage=0",
@@ -539,22 +549,21 @@ def test_ep2_cp2_trains_like_one_process_and_resumes(tmp_path):
         "model.moe.aux_loss_coef=0.01",
         "model.moe.bias_update_rate=0.003",
     ]
-    one, both, resumed = tmp_path / "one", tmp_path / "ep2cp2", tmp_path / "resumed"
+    one, run, resumed = tmp_path / "one", tmp_path / "run", tmp_path / "resumed"
     out = run_torchrun(1, "train", "configs/quickstart.yaml", *args, "--run-dir", str(one))
     assert out.returncode == 0, out.stderr[-3000:]
-    layout = ["parallel.expert=2", "parallel.context=2"]
     out = run_torchrun(
-        4, "train", "configs/quickstart.yaml", *args, *layout, "--run-dir", str(both)
+        world, "train", "configs/quickstart.yaml", *args, *layout, "--run-dir", str(run)
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    shutil.copytree(both, resumed)
+    shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_0000004")
     (resumed / "checkpoints" / "latest").write_text("step_0000002\n")
     out = run_torchrun(
-        4, "train", "configs/quickstart.yaml", *args, *layout, "--run-dir", str(resumed)
+        world, "train", "configs/quickstart.yaml", *args, *layout, "--run-dir", str(resumed)
     )
     assert out.returncode == 0 and "resumed from" in out.stdout + out.stderr, out.stderr[-3000:]
-    a, b, c = _records(one), _records(both), _records(resumed)
+    a, b, c = _records(one), _records(run), _records(resumed)
     for step in (1, 2, 3, 4):
         for key in ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/load_cv/1"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
