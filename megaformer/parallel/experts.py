@@ -7,20 +7,22 @@ Each rank routes its own tokens; the (token, expert) assignments, sorted by expe
 ranks owning their experts and back (GShard; DeepSpeed-MoE; Megatron's all-to-all dispatcher)::
 
     counts   c[s -> r, j]   assignments rank s sends to local expert j of rank r   (all-to-all of E ints)
-    dispatch x rows, sorted by global expert = by destination rank             (all-to-all, uneven)
+    dispatch x rows, sorted by global expert = by destination rank   (all-to-all: uneven, or fixed
+             blocks of C rows; the shared experts run while it is in flight)
     permute  received rows from (source, expert) order to (expert, source) order
     experts  L FFNs on their contiguous row blocks (grouped GEMM on CUDA, a loop elsewhere)
     return   inverse permutation, all-to-all back with the splits swapped
 
-Dropless: every assignment travels, whatever the balance (uneven splits). Each all-to-all is an
-autograd function whose backward is the all-to-all with the splits swapped (its adjoint), so the
-expert weights' gradients collect the contributions of every rank's tokens.
+Dropless: every assignment travels, whatever the balance. Each all-to-all is an autograd function
+whose backward is the all-to-all with the splits swapped (its adjoint), so the expert weights'
+gradients collect the contributions of every rank's tokens. :class:`ExpertDispatch` says which
+exchange runs and how tensor parallelism splits the tokens.
 
-Gradient averaging: a non-expert parameter's gradient is averaged over the data-parallel group
-(D ranks). An expert's gradient already sums the contributions of the P ranks of its EP group;
-DeepSpeed then all-reduces it over the expert-data group (D / P ranks holding the same experts)
-and divides by D (``engine._reduce_expert_gradients``; ZeRO 1/2 partition those parameters over
-the expert-data group), which is the one-process mean over all D micro-batches. The parameters
+Gradient averaging: a non-expert parameter's gradient is averaged over the data- (x context-)
+parallel group (D ranks). An expert's gradient already sums the contributions of the P ranks of
+its EP group; DeepSpeed then all-reduces it over the expert-data group (the D / P ranks holding
+the same experts) and divides by D (``engine._reduce_expert_gradients``; ZeRO 1/2 partition those
+parameters over the expert-data group), which is the one-process mean over all D micro-batches. The parameters
 say so the way DeepSpeed's own MoE layers do: ``allreduce = False`` and ``group_name``
 (``ep_size_P``), with DeepSpeed's expert groups set to this topology's (:func:`deepspeed_groups`).
 """
@@ -151,10 +153,13 @@ class ExpertDispatch:
         ``idx`` [B T, k] with weights ``gates``, ``keep`` [B T k] (None: all) the assignments
         within the capacity ``cap``: (routed output, ``overlap()``). The routed output is in the
         layout of the block's output: under tensor parallelism whole and replicated, or this
-        rank's sequence chunk with sequence parallelism."""
+        rank's sequence chunk with sequence parallelism. A sequence the TP ranks cannot split
+        evenly (a one-token generation step) is dispatched whole by every TP rank, the partial
+        routed outputs reduced over TP after the combine."""
         B, T, d = x.shape
         k = idx.shape[1]
-        tp_group = moe.tp_group if moe.tp_size > 1 else None
+        tp = moe.tp_group if moe.tp_size > 1 else None
+        tp_group = tp if T % moe.tp_size == 0 else None  # the token split
         if tp_group is not None:  # this TP rank's tokens: its sequence chunk
             lo = comm.rank(tp_group) * (T // moe.tp_size)
             span = slice(lo, lo + T // moe.tp_size)
@@ -182,6 +187,8 @@ class ExpertDispatch:
         out = combine(n, token, y, gates.reshape(-1)[order]).view(x.shape)
         if tp_group is not None and not moe.sequence_parallel:
             out = comm.gather_seq_split_bwd(out, tp_group)  # whole again, replicated
+        elif tp is not None and tp_group is None:  # every TP rank's partial sums, reduced
+            out = comm.reduce_from_tp(out, tp)
         return out, shared
 
     # ------------------------------------------------------------------ the two exchanges

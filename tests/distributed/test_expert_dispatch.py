@@ -163,6 +163,33 @@ def test_padded_dispatch_reads_nothing_on_the_host_and_tp_splits_the_bytes():
     assert all(b > 0 for b in tp2)
 
 
+def _odd_lengths(rank: int, world: int) -> dict:
+    """Logits of TP 2 x EP 2 on 15 positions (not split over the TP ranks: each dispatches the
+    whole sequence, the partial outputs reduced) and on one (a generation step) against one
+    process."""
+    from megaformer.parallel.build import build_model
+    from megaformer.parallel.topology import build_topology
+
+    worst = {}
+    for mode in ("splits", "padded"):
+        cfg = _config(2, mode)
+        ref = build_model(cfg, None).model.eval()
+        model = build_model(cfg, build_topology(world, rank, tp=2, ep=2)).model.eval()
+        gen = torch.Generator().manual_seed(5)
+        for T in (15, 1):
+            x = torch.randint(0, 64, (2, T), generator=gen)
+            with torch.no_grad():
+                a, b = model(x), ref(x)
+            worst[mode, T] = float((a - b).abs().max() / b.abs().max())
+    return worst
+
+
+@pytest.mark.multiprocess
+def test_sequences_the_tp_ranks_cannot_split_are_dispatched_whole():
+    for r in run_ranks(4, _odd_lengths, timeout=300):
+        assert max(r.values()) < 1e-5, r
+
+
 def test_padded_exchange_on_a_device_without_grouped_gemms_is_one_line(monkeypatch):
     from megaformer.config import load_config
     from megaformer.config import preflight as pf
