@@ -406,11 +406,17 @@ def _dispatch_counts(rank: int, world: int, mode: str) -> dict:
     x.requires_grad_()
     experts = _Doubling()
     dispatch = ExpertDispatch(group, mode)
+    events = _record_in_flight()
+
+    def shared() -> torch.Tensor:
+        events.append("shared experts")
+        return torch.zeros(())
+
     with CommCounter() as c:
         if mode == "splits":
-            y, _ = dispatch._splits(x, counts, experts, None, None)
+            y, _ = dispatch._splits(x, counts, experts, None, shared)
         else:  # at most 6 rows to one rank: the bound C the caller computes
-            y, _ = dispatch._padded(x, counts, counts, 6, experts, None, None)
+            y, _ = dispatch._padded(x, counts, counts, 6, experts, None, shared)
         y.sum().backward()
     assert E == counts.numel()
     return {
@@ -420,7 +426,34 @@ def _dispatch_counts(rank: int, world: int, mode: str) -> dict:
         "x": x.detach().squeeze(1).tolist(),
         "grad": x.grad.squeeze(1).tolist(),
         "bytes": c.bytes["all_to_all"],
+        "events": events,
     }
+
+
+def _record_in_flight() -> list[str]:
+    """Wrap the started all-to-all so that it logs its start and the wait on it."""
+    from megaformer import comm
+
+    events: list[str] = []
+    start = comm.AllToAllStart.apply
+
+    class Logged:
+        def __init__(self, work) -> None:
+            self.work = work
+
+        def wait(self) -> None:
+            events.append("wait")
+            self.work.wait()
+
+    def logged(*args):
+        out = start(*args)
+        pending = args[-1]
+        pending.append(Logged(pending.pop()))
+        events.append("start")
+        return out
+
+    comm.AllToAllStart.apply = logged  # this rank process only
+    return events
 
 
 @pytest.mark.multiprocess
@@ -432,6 +465,8 @@ def test_all_to_all_dispatch_moves_exactly_the_routed_rows():
     assert r1["rows"] == [3, 102, 103, 104, 105, 4, 5, 6, 7, 8, 106]
     for r in (r0, r1):  # every row comes back to its place, doubled; gradient 2
         assert r["y"] == [2 * v for v in r["x"]] and r["grad"] == [2.0] * len(r["x"])
+        # the shared experts ran while the dispatch was in flight
+        assert r["events"] == ["start", "shared experts", "wait"]
     # rows leaving rank 0 (4 bytes each): forward its 6 rows of experts 2, 3 out and rank 1's 2
     # results back; backward the gradients of the same 6 + 2 rows. Rank 1 mirrors it.
     assert r0["bytes"] == r1["bytes"] == 4 * (6 + 2) * 2
@@ -446,6 +481,7 @@ def test_padded_dispatch_moves_the_routed_rows_in_fixed_blocks():
     assert r1["local"] == [5, 6 + 1]
     for r in (r0, r1):
         assert r["y"] == [2 * v for v in r["x"]] and r["grad"] == [2.0] * len(r["x"])
+        assert r["events"] == ["start", "shared experts", "wait"]
     # a block of 6 rows to the other rank and back, forward and backward, whatever the routing
     assert r0["bytes"] == r1["bytes"] == 4 * 6 * 2 * 2
 
