@@ -32,7 +32,13 @@ the data-parallel group (:func:`end_of_step`), so every rank keeps the same b.
 
 Expert parallelism (:mod:`megaformer.parallel.experts`): each rank of the expert-parallel group
 holds E / P of the experts; the sorted rows travel to their experts' ranks and back by all-to-all
-(``expert_dispatch``, set by the plan), everything else above is unchanged.
+(``expert_dispatch``, set by the build, which also combines them; under tensor parallelism each
+TP rank dispatches its share of the tokens), the shared experts running meanwhile; the routing
+above is unchanged.
+
+Context parallelism: each rank routes its part of every sequence; f_e, P_e and the z-loss's mean
+are over the whole micro-batch, so their sums are all-reduced over the context group
+(``cp_group``; the backward all-reduces too, every rank's loss holding them).
 
 Tensor parallelism (:mod:`megaformer.parallel.plan`): each expert is split like the dense FFN (W1
 and W3 by output columns, W2 by input rows) and the router is replicated. The input arrives
