@@ -201,6 +201,8 @@ class ExpertDispatch:
         tp_group: Any,
         overlap: Optional[Callable[[], torch.Tensor]],
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The uneven exchange: rank s sends rank r the counts[r L : (r + 1) L].sum() rows of r's
+        experts and receives sum_s recv[s] rows; the split sizes are read on the host once."""
         P = self.size
         recv = exchange_counts(counts, self.group)  # [P, L]
         sizes = recv if tp_group is None else comm.all_gather_cat(recv, tp_group, 0)  # [tp P, L]
@@ -232,6 +234,9 @@ class ExpertDispatch:
         tp_group: Any,
         overlap: Optional[Callable[[], torch.Tensor]],
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The fixed-size exchange: row a (expert e, position p among e's rows) goes to slot
+        (e // L) C + sum_{e' < e in its rank's block} kept[e'] + p when p < kept[e], else
+        nowhere (its output is zero); every rank sends and receives P blocks of C rows."""
         P, C = self.size, bound
         M, E = rows.shape[0], counts.numel()
         L = E // P
