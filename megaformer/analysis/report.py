@@ -263,6 +263,8 @@ COMPARED = [
     ("diag_attn_write_rms", "attention write RMS"),
     ("diag_mlp_write_rms", "MLP write RMS"),
     ("diag_logit_lens_loss", "logit-lens loss"),
+    ("diag_router_max_logit", "max router logit (MoE)"),
+    ("diag_router_load_cv", "expert load imbalance (MoE)"),
 ]
 Series = dict[str, tuple[list[int], list[float]]]
 

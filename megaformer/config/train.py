@@ -111,12 +111,13 @@ class TrainConfig:
     )
     fp8: Literal["off", "tensorwise", "rowwise"] = option(
         "off",
-        "FP8 training of the blocks' linear layers (q/k/v, attention output, FFN and shared "
-        "experts; not the embedding, output head, router or routed experts) through "
-        "torchao's float8 casts: tensorwise (one dynamic scale per tensor) or rowwise (one "
-        "per row, power-of-two scales). Master weights, optimizer and everything else stay "
-        "in train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) and "
-        "train.compile=true unless train.fp8_emulate=true; see docs/fp8.md.",
+        "FP8 training of the blocks' linear layers (q/k/v, attention output, FFN, MoE shared "
+        "and routed experts; not the embedding, output head or router): tensorwise (one "
+        "dynamic scale per tensor) or rowwise (one per row, power-of-two scales; the routed "
+        "experts are always rowwise). Each cast is a compiled function of its own, with or "
+        "without train.compile. Master weights, optimizer and everything else stay in "
+        "train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) unless "
+        "train.fp8_emulate=true; see docs/fp8.md.",
     )
     fp8_emulate: bool = option(
         False,

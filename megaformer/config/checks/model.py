@@ -174,8 +174,3 @@ def check_moe(cfg: Config) -> None:
         "model.moe with parallel.zero_stage=3: experts are not partitioned by ZeRO-3 here; "
         "use zero_stage 0, 1 or 2",
     )
-    require(
-        not cfg.log.diagnostics,
-        "log.diagnostics=true with model.moe: the residual-stream diagnostics do not cover "
-        "MoE blocks yet; switch one of them off",
-    )
