@@ -10,6 +10,14 @@ speed-up). The three runs take their steps in turn on the same batches. Prints t
 
     python tools/bench_fp8.py [--steps 50] [--precision fp32|bf16]
 
+Counts (``--counts``, CPU, emulated; no timing): what FP8 dispatches, before and after the casts
+became one compiled function each and a block input one cast per projection group: aten ops per
+linear layer's forward + backward, casts of the block inputs per block, and which GEMMs of
+configs/moe-tiny.yaml run in FP8 (measured FP8 GEMM FLOPs of a training step over all its model
+FLOPs) with and without the routed experts in FP8.
+
+    python tools/bench_fp8.py --counts
+
 GPU (``--gpu``, needs CUDA capability >= 8.9): times one 8B-shaped block's linear layers
 (Llama 3 8B: d 4096, q 4096, k/v 1024 each, SwiGLU FFN 14336), forward + backward over
 ``--tokens`` tokens, in bf16 and in FP8 (tensorwise and rowwise, real torch._scaled_mm GEMMs),
@@ -112,6 +120,114 @@ def cpu_report(steps: int, every: int, precision: str) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- CPU: counts
+
+
+def _config(path: str, *over: str):  # type: ignore[no-untyped-def]
+    from megaformer.config import load_config
+
+    return load_config(path, ["train.fp8_emulate=true", *over])
+
+
+def linear_ops() -> dict[str, tuple[int, int, int]]:
+    """{recipe: (aten ops eager, aten ops outside the casts, casts)} of one linear layer's
+    forward + backward (bf16, 64 x 64 -> 48)."""
+    from megaformer.kernels import fp8 as kernels
+    from megaformer.parallel.fp8 import Fp8Matmul
+
+    out = {}
+    for recipe in RECIPES:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 64, generator=gen).bfloat16().requires_grad_()
+        w = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+        dy = torch.randn(64, 48, generator=gen).bfloat16()
+        with kernels.counting() as c:
+            Fp8Matmul(recipe, emulate=True)(x, w).backward(dy)
+        out[recipe] = (sum(c.every_op.values()), sum(c.ops.values()), len(c.casts))
+    return out
+
+
+def block_input_casts(recipe: str, shared: bool) -> tuple[int, int]:
+    """(forward, backward) casts of the normed attention and FFN inputs of one quickstart block
+    (d 256, batch 2 x 128); ``shared=False``: each projection casts its input itself."""
+    from megaformer.kernels import fp8 as kernels
+    from megaformer.model import linear
+    from megaformer.parallel.build import build_model
+
+    cfg = _config(
+        "configs/quickstart.yaml", f"train.fp8={recipe}", "model.n_layers=1", "model.vocab_size=257"
+    )
+    model = build_model(cfg, device="cpu").model
+    block = model.layers[0]
+    held: list[torch.Tensor] = []
+    hooks = [
+        n.register_forward_hook(lambda m, i, o: held.append(o))
+        for n in (block.attn_norm, block.mlp_norm)
+    ]
+    saved = linear.shared_fp8_projections
+    if not shared:
+        linear.shared_fp8_projections = lambda x, projections: None
+    try:
+        x = torch.randn(2, 128, cfg.model.d_model)
+        with kernels.counting() as c:
+            y = block(x)
+            n = len(c.casts)
+            y.square().mean().backward()
+    finally:
+        linear.shared_fp8_projections = saved
+        for h in hooks:
+            h.remove()
+    ptrs = {t.data_ptr() for t in held}
+    hits = [cast[2] in ptrs for cast in c.casts]
+    return sum(hits[:n]), sum(hits[n:])
+
+
+def moe_fp8_share(routed: bool) -> tuple[float, float, dict[str, int]]:
+    """configs/moe-tiny.yaml, one training micro-batch (2 x 256 tokens) in FP8 (rowwise,
+    emulated): (measured FP8 GEMM FLOPs / model FLOPs, the analytic share, FLOPs by kind)."""
+    from megaformer.analysis.flops import forward_flops, fp8_share
+    from megaformer.kernels import fp8 as kernels
+    from megaformer.parallel.build import build_model
+
+    cfg = _config("configs/moe-tiny.yaml", "train.fp8=rowwise", "model.vocab_size=257")
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu").model.train()
+    if not routed:
+        for block in model.layers:
+            if hasattr(block.mlp, "experts"):
+                block.mlp.experts.fp8 = None
+    seq, batch = cfg.seq_len, 2
+    ids = torch.randint(0, 257, (batch, seq), generator=torch.Generator().manual_seed(1))
+    with kernels.counting() as c:
+        model(ids, ids).backward()
+    total = 3 * forward_flops(cfg.model, seq).total * batch
+    return c.gemm_flops / total, fp8_share(cfg.model, seq, routed=routed), dict(c.ops)
+
+
+def counts_report() -> None:
+    print("aten ops of one FP8 linear layer, forward + backward (emulated on CPU, bf16 64x64->48)")
+    print("| recipe | eager casts: aten ops | compiled casts: aten ops + casts |")
+    print("|---|---|---|")
+    for recipe, (every, outside, casts) in linear_ops().items():
+        print(f"| {recipe} | {every} | {outside} + {casts} |")
+    print()
+    print("casts of a block's normed inputs (attention, FFN) per block, quickstart block")
+    print("| recipe | each projection casts (fwd / bwd) | one cast per group (fwd / bwd) |")
+    print("|---|---|---|")
+    for recipe in RECIPES:
+        a, b = block_input_casts(recipe, False), block_input_casts(recipe, True)
+        print(f"| {recipe} | {a[0]} / {a[1]} | {b[0]} / {b[1]} |")
+    print()
+    print("configs/moe-tiny.yaml: share of a training step's model FLOPs in FP8 GEMMs (rowwise)")
+    print("| routed experts | measured | analytic (fp8_share) | FP8 GEMM calls |")
+    print("|---|---|---|---|")
+    for routed in (False, True):
+        measured, analytic, ops = moe_fp8_share(routed)
+        calls = f"{ops.get('scaled_mm', 0)} dense + {ops.get('scaled_grouped_mm', 0)} grouped"
+        name = "in FP8" if routed else "high precision (before)"
+        print(f"| {name} | {100 * measured:.1f}% | {100 * analytic:.1f}% | {calls} |")
+
+
 # ----------------------------------------------------------------------------- GPU: GEMMs
 
 
@@ -189,8 +305,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile", action="store_true", help="with --gpu: torch.compile the step")
+    ap.add_argument("--counts", action="store_true", help="count ops, casts and FP8 FLOPs (CPU)")
     args = ap.parse_args()
-    if args.gpu:
+    if args.counts:
+        counts_report()
+    elif args.gpu:
         from megaformer.errors import UserError
 
         try:

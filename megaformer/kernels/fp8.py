@@ -114,10 +114,12 @@ def run(fn: Callable[..., Any], *args: Any) -> Any:
 
 @dataclass
 class OpCount:
-    """What FP8 code dispatched under :func:`counting`: the aten ops outside the casts (by name)
-    and the casts, each one compiled function ((name, shape, data pointer of the input))."""
+    """What FP8 code dispatched under :func:`counting`: the aten ops outside the casts (by name),
+    the casts, each one compiled function ((name, shape, data pointer of the input)), and the
+    FLOPs of the FP8 GEMMs (2 M K N each, grouped ones summed over their groups)."""
 
     ops: collections.Counter = field(default_factory=collections.Counter)
+    gemm_flops: int = 0
     casts: list = field(default_factory=list)
     inside: int = 0
     every_op: collections.Counter = field(default_factory=collections.Counter)
@@ -173,6 +175,7 @@ def scaled_mm(
     scales write bf16, converted after); emulated: fp32 products of the dequantised operands."""
     if _COUNT is not None and not _COUNT.inside:  # one GEMM, however it is emulated
         _COUNT.ops["scaled_mm"] += 1
+        _COUNT.gemm_flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
         _COUNT.inside += 1
         try:
             return scaled_mm(a, s_a, b, s_b, out_dtype, emulate, fast_accum)
@@ -231,6 +234,7 @@ def emulated_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) ->
     x b [M, K] (groups along M) -> [E, N, K]."""
     if _COUNT is not None and not _COUNT.inside:  # one grouped GEMM
         _COUNT.ops["scaled_grouped_mm"] += 1
+        _COUNT.gemm_flops += 2 * a.shape[0] * a.shape[1] * b.shape[-1]
         _COUNT.inside += 1
         try:
             return emulated_grouped_mm(a, b, offs)

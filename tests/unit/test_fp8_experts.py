@@ -220,3 +220,27 @@ def test_expert_parallel_fp8_equals_one_process():
         worst = max(r["errs"], key=r["errs"].get)
         assert r["errs"][worst] < 1e-5, (worst, r["errs"][worst])
         assert r["converted"] == 2
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_fp8_gemm_flops_of_a_step_are_the_analytic_fp8_share(routed):
+    """The FP8 GEMMs of one training micro-batch (counted as they run, forward and backward) are
+    3 x the forward FP8 FLOPs the throughput accounting uses (fp8_forward_flops), with the routed
+    experts in FP8 or left in high precision."""
+    from megaformer.analysis.flops import fp8_forward_flops
+    from megaformer.kernels import fp8 as kernels
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.fp8 import apply_fp8
+
+    torch.manual_seed(0)
+    cfg = _moe_cfg()
+    model = Transformer(cfg, padded_vocab_size=40)
+    apply_fp8(model, "rowwise", True)
+    if not routed:
+        for block in model.layers:
+            block.mlp.experts.fp8 = None
+    ids = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(4))
+    with kernels.counting() as count:
+        model(ids, ids).backward()
+    assert count.gemm_flops == 3 * 2 * fp8_forward_flops(cfg, 16, routed=routed)
+    assert count.ops["scaled_grouped_mm"] == (2 * 3 * 3 if routed else 0)  # 2 blocks, 3 GEMMs x3
