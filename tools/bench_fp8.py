@@ -20,8 +20,10 @@ FLOPs) with and without the routed experts in FP8.
 
 GPU (``--gpu``, needs CUDA capability >= 8.9): times one 8B-shaped block's linear layers
 (Llama 3 8B: d 4096, q 4096, k/v 1024 each, SwiGLU FFN 14336), forward + backward over
-``--tokens`` tokens, in bf16 and in FP8 (tensorwise and rowwise, real torch._scaled_mm GEMMs),
-and prints ms per iteration, TFLOP/s and the speed-up over bf16.
+``--tokens`` tokens, in bf16 and in FP8 (tensorwise and rowwise, real torch._scaled_mm GEMMs, q/k/v
+and gate/up each from one cast of their input), then a Mixtral-shaped routed experts layer (8
+experts, top-2) in bf16 and FP8 grouped GEMMs, and prints ms per iteration, TFLOP/s and the
+speed-up over bf16.
 
     python tools/bench_fp8.py --gpu [--tokens 8192] [--iters 20] [--compile]
 """
@@ -37,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -231,12 +234,36 @@ def counts_report() -> None:
 # ----------------------------------------------------------------------------- GPU: GEMMs
 
 
+def _timed(fn, iters: int, dry: bool) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per call of ``fn`` after warm-up (one call each without CUDA)."""
+    for _ in range(1 if dry else 3):
+        fn()
+    sync = (lambda: None) if dry else torch.cuda.synchronize
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def _table(title: str, flops: int, results: dict[str, float]) -> None:
+    print(title)
+    print("| GEMMs | ms/iter | TFLOP/s | speed-up vs bf16 |")
+    print("|---|---|---|---|")
+    for name, t in results.items():
+        print(f"| {name} | {1e3 * t:.2f} | {flops / t / 1e12:.0f} | {results['bf16'] / t:.2f} |")
+    print()
+
+
 def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
-    """bf16 vs FP8 forward + backward of an 8B-shaped block's linear layers on CUDA (eager: the
-    casts' cost that makes training refuse eager FP8 on CUDA; ``compile_``: inductor's fused
-    casts). Without CUDA, a dry run of the same code: tiny shapes, emulated FP8 GEMMs, aot_eager."""
+    """bf16 vs FP8 forward + backward on CUDA: an 8B-shaped block's linear layers (q/k/v from
+    one cast of their input, gate/up likewise; eager: each cast one compiled function;
+    ``compile_``: the whole step compiled, the casts fused into it) and a Mixtral-shaped routed
+    experts layer (8 experts, top-2, grouped GEMMs). Without CUDA, a dry run of the same code:
+    tiny shapes, emulated FP8 GEMMs, aot_eager."""
     from megaformer.errors import ConfigError
-    from megaformer.parallel.fp8 import Fp8Matmul, fp8_gemm_support
+    from megaformer.parallel.fp8 import Fp8Experts, Fp8Matmul, fp8_gemm_support
 
     dry = not torch.cuda.is_available()
     ok, why = fp8_gemm_support("cuda")
@@ -244,56 +271,71 @@ def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
         raise ConfigError(f"--gpu: {why}")
     d, q, kv, f = (64, 64, 16, 128) if dry else (4096, 4096, 1024, 14336)
     tokens, iters = (min(tokens, 64), 1) if dry else (tokens, iters)
-    shapes = {
-        "wq": (q, d),
-        "wk": (kv, d),
-        "wv": (kv, d),
-        "wo": (d, q),
-        "w1": (f, d),
-        "w3": (f, d),
-        "w2": (d, f),
-    }
     dev = torch.device("cpu" if dry else "cuda")
     if dry:
         print("no CUDA: a dry run (tiny shapes, emulated FP8 GEMMs, aot_eager); no timings to read")
-    weights = {
-        n: (torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-        for n, s in shapes.items()
-    }
-    x_d = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    x_q = torch.randn(tokens, q, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    x_f = torch.randn(tokens, f, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    inputs = {"wq": x_d, "wk": x_d, "wv": x_d, "wo": x_q, "w1": x_d, "w3": x_d, "w2": x_f}
-    flops = sum(6 * tokens * s[0] * s[1] for s in shapes.values())  # forward + 2x backward
+    gen = torch.Generator(device=dev).manual_seed(0)
 
-    def step(mm) -> None:
-        for n, w in weights.items():
-            y = mm(inputs[n], w)
-            y.backward(torch.ones_like(y))
+    def param(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+        return t.requires_grad_()
 
+    # (input width, output widths of the projections sharing that input)
+    groups = [(d, (q, kv, kv)), (q, (d,)), (d, (f, f)), (f, (d,))]
+    layers = [(param(tokens, k), [param(n, k) for n in outs]) for k, outs in groups]
+    flops = sum(6 * tokens * k * sum(outs) for k, outs in groups)  # forward + 2x backward
+
+    def step(mm) -> None:  # type: ignore[no-untyped-def]
+        for x, ws in layers:
+            ys = mm.many(x, ws) if mm is not None else [F.linear(x, w) for w in ws]
+            torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+
+    specs = [("bf16", None)] + [(f"fp8 {r}", Fp8Matmul(r, emulate=dry)) for r in RECIPES]
     results = {}
-    for name, mm in [("bf16", torch.nn.functional.linear)] + [
-        (f"fp8 {r}", Fp8Matmul(r, emulate=dry)) for r in RECIPES
-    ]:
+    for name, mm in specs:
         fn = torch.compile(step, backend="aot_eager" if dry else "inductor") if compile_ else step
-        for _ in range(1 if dry else 3):
-            fn(mm)
-        sync = (lambda: None) if dry else torch.cuda.synchronize
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn(mm)
-        sync()
-        results[name] = (time.perf_counter() - t0) / iters
-    print(
-        f"8B-shaped block linears, {tokens} tokens, forward + backward, "
-        f"{'CPU (dry run)' if dry else torch.cuda.get_device_name(dev)}"
-        f"{' (compiled)' if compile_ else ''}"
+        results[name] = _timed(lambda: fn(mm), iters, dry)
+    where = "CPU (dry run)" if dry else torch.cuda.get_device_name(dev)
+    how = " (compiled)" if compile_ else " (eager; casts compiled on their own)"
+    _table(
+        f"8B-shaped block linears, {tokens} tokens, forward + backward, {where}{how}",
+        flops,
+        results,
     )
-    print("| GEMMs | ms/iter | TFLOP/s | speed-up vs bf16 |")
-    print("|---|---|---|---|")
-    for name, t in results.items():
-        print(f"| {name} | {1e3 * t:.2f} | {flops / t / 1e12:.0f} | {results['bf16'] / t:.2f} |")
+
+    # Mixtral-shaped routed experts: E 8, top-2, d 4096, f 14336; rows balanced over the experts
+    E, top_k = 8, 2
+    rows = tokens * top_k
+    counts = torch.full((E,), rows // E, device=dev)
+    x = param(rows, d)
+    w1, w3, w2 = param(E, f, d), param(E, f, d), param(E, d, f)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    fp8 = Fp8Experts(Fp8Matmul("rowwise", dry), Fp8Matmul("rowwise", dry))
+
+    def experts(use_fp8: bool) -> None:
+        if use_fp8:
+            h1, h3 = fp8.grouped(x, [w1, w3], counts)
+            y = fp8.grouped(F.silu(h1) * h3, [w2], counts, second=True)[0]
+        else:
+            h1 = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+            h3 = torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(F.silu(h1) * h3, w2.transpose(1, 2), offs=offs)
+        y.backward(torch.ones_like(y))
+
+    if dry:  # the CPU grouped GEMM takes no bf16 operands: the FP8 side only
+        experts(True)
+        print("routed experts (dry run): the FP8 grouped path ran")
+        return
+    results = {}
+    for name, use in (("bf16", False), ("fp8 rowwise (grouped)", True)):
+        fn = torch.compile(experts, backend="inductor") if compile_ else experts
+        results[name] = _timed(lambda: fn(use), iters, dry)
+    _table(
+        f"Mixtral-shaped routed experts (E {E}, top-{top_k}, d {d}, f {f}), {tokens} tokens, "
+        f"forward + backward, {where}{how}",
+        6 * rows * 3 * d * f,
+        results,
+    )
 
 
 def main() -> None:
