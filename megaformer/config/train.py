@@ -125,3 +125,14 @@ class TrainConfig:
         "and run in fp32 (same numbers as FP8 GEMMs up to accumulation order, no speed-up; "
         "for tests and CPU runs). No effect when train.fp8=off.",
     )
+    fp8_demote_threshold: float = option(
+        0.0,
+        "Per-layer FP8 demotion (0: off): every log.diagnostics_interval steps each block runs "
+        "the diagnostics micro-batch in FP8 and in high precision from the same input; a block "
+        "whose gap (relative change of the residual RMS or of the largest attention logit) "
+        "exceeds this at train.fp8_demote_intervals consecutive passes runs in high precision "
+        "from then on (logged, kept in the checkpoint). Needs log.diagnostics=true.",
+    )
+    fp8_demote_intervals: int = option(
+        2, "Consecutive diagnostics passes above train.fp8_demote_threshold that demote a block."
+    )

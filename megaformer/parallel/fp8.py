@@ -41,6 +41,7 @@ Expert parallelism splits no GEMM dimension (an expert and all its rows live on 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -406,3 +407,36 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool, tp_group: ProcessGro
         )
         n += 1
     return n
+
+
+# ----------------------------------------------------------------------------- demotion
+
+
+def _fp8_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules inside ``module`` whose GEMMs run in FP8 (linear layers, routed experts)."""
+    return [m for m in module.modules() if getattr(m, "fp8", None) is not None]
+
+
+@contextlib.contextmanager
+def high_precision(module: nn.Module) -> Iterator[None]:
+    """While active: every FP8 GEMM inside ``module`` runs in high precision (same weights)."""
+    saved = [(m, m.fp8) for m in _fp8_modules(module)]
+    for m, _ in saved:
+        m.fp8 = None
+    try:
+        yield
+    finally:
+        for m, spec in saved:
+            m.fp8 = spec
+
+
+def demote(block: nn.Module) -> None:
+    """Run ``block``'s FP8 GEMMs in high precision from now on (per-layer FP8 demotion)."""
+    for m in _fp8_modules(block):
+        m.fp8 = None
+    block.fp8_demoted = True
+
+
+def demoted_blocks(model: nn.Module) -> list[int]:
+    """The blocks of ``model`` :func:`demote` switched to high precision."""
+    return [i for i, block in enumerate(model.layers) if getattr(block, "fp8_demoted", False)]
