@@ -10,10 +10,20 @@ speed-up). The three runs take their steps in turn on the same batches. Prints t
 
     python tools/bench_fp8.py [--steps 50] [--precision fp32|bf16]
 
+Counts (``--counts``, CPU, emulated; no timing): what FP8 dispatches, before and after the casts
+became one compiled function each and a block input one cast per projection group: aten ops per
+linear layer's forward + backward, casts of the block inputs per block, and which GEMMs of
+configs/moe-tiny.yaml run in FP8 (measured FP8 GEMM FLOPs of a training step over all its model
+FLOPs) with and without the routed experts in FP8.
+
+    python tools/bench_fp8.py --counts
+
 GPU (``--gpu``, needs CUDA capability >= 8.9): times one 8B-shaped block's linear layers
 (Llama 3 8B: d 4096, q 4096, k/v 1024 each, SwiGLU FFN 14336), forward + backward over
-``--tokens`` tokens, in bf16 and in FP8 (tensorwise and rowwise, real torch._scaled_mm GEMMs),
-and prints ms per iteration, TFLOP/s and the speed-up over bf16.
+``--tokens`` tokens, in bf16 and in FP8 (tensorwise and rowwise, real torch._scaled_mm GEMMs, q/k/v
+and gate/up each from one cast of their input), then a Mixtral-shaped routed experts layer (8
+experts, top-2) in bf16 and FP8 grouped GEMMs, and prints ms per iteration, TFLOP/s and the
+speed-up over bf16.
 
     python tools/bench_fp8.py --gpu [--tokens 8192] [--iters 20] [--compile]
 """
@@ -29,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -112,15 +123,147 @@ def cpu_report(steps: int, every: int, precision: str) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- CPU: counts
+
+
+def _config(path: str, *over: str):  # type: ignore[no-untyped-def]
+    from megaformer.config import load_config
+
+    return load_config(path, ["train.fp8_emulate=true", *over])
+
+
+def linear_ops() -> dict[str, tuple[int, int, int]]:
+    """{recipe: (aten ops eager, aten ops outside the casts, casts)} of one linear layer's
+    forward + backward (bf16, 64 x 64 -> 48)."""
+    from megaformer.kernels import fp8 as kernels
+    from megaformer.parallel.fp8 import Fp8Matmul
+
+    out = {}
+    for recipe in RECIPES:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 64, generator=gen).bfloat16().requires_grad_()
+        w = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+        dy = torch.randn(64, 48, generator=gen).bfloat16()
+        with kernels.counting() as c:
+            Fp8Matmul(recipe, emulate=True)(x, w).backward(dy)
+        out[recipe] = (sum(c.every_op.values()), sum(c.ops.values()), len(c.casts))
+    return out
+
+
+def block_input_casts(recipe: str, shared: bool) -> tuple[int, int]:
+    """(forward, backward) casts of the normed attention and FFN inputs of one quickstart block
+    (d 256, batch 2 x 128); ``shared=False``: each projection casts its input itself."""
+    from megaformer.kernels import fp8 as kernels
+    from megaformer.model import linear
+    from megaformer.parallel.build import build_model
+
+    cfg = _config(
+        "configs/quickstart.yaml", f"train.fp8={recipe}", "model.n_layers=1", "model.vocab_size=257"
+    )
+    model = build_model(cfg, device="cpu").model
+    block = model.layers[0]
+    held: list[torch.Tensor] = []
+    hooks = [
+        n.register_forward_hook(lambda m, i, o: held.append(o))
+        for n in (block.attn_norm, block.mlp_norm)
+    ]
+    saved = linear.shared_fp8_projections
+    if not shared:
+        linear.shared_fp8_projections = lambda x, projections: None
+    try:
+        x = torch.randn(2, 128, cfg.model.d_model)
+        with kernels.counting() as c:
+            y = block(x)
+            n = len(c.casts)
+            y.square().mean().backward()
+    finally:
+        linear.shared_fp8_projections = saved
+        for h in hooks:
+            h.remove()
+    ptrs = {t.data_ptr() for t in held}
+    hits = [cast[2] in ptrs for cast in c.casts]
+    return sum(hits[:n]), sum(hits[n:])
+
+
+def moe_fp8_share(routed: bool) -> tuple[float, float, dict[str, int]]:
+    """configs/moe-tiny.yaml, one training micro-batch (2 x 256 tokens) in FP8 (rowwise,
+    emulated): (measured FP8 GEMM FLOPs / model FLOPs, the analytic share, FLOPs by kind)."""
+    from megaformer.analysis.flops import forward_flops, fp8_share
+    from megaformer.kernels import fp8 as kernels
+    from megaformer.parallel.build import build_model
+
+    cfg = _config("configs/moe-tiny.yaml", "train.fp8=rowwise", "model.vocab_size=257")
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu").model.train()
+    if not routed:
+        for block in model.layers:
+            if hasattr(block.mlp, "experts"):
+                block.mlp.experts.fp8 = None
+    seq, batch = cfg.seq_len, 2
+    ids = torch.randint(0, 257, (batch, seq), generator=torch.Generator().manual_seed(1))
+    with kernels.counting() as c:
+        model(ids, ids).backward()
+    total = 3 * forward_flops(cfg.model, seq).total * batch
+    return c.gemm_flops / total, fp8_share(cfg.model, seq, routed=routed), dict(c.ops)
+
+
+def counts_report() -> None:
+    print("aten ops of one FP8 linear layer, forward + backward (emulated on CPU, bf16 64x64->48)")
+    print("| recipe | eager casts: aten ops | compiled casts: aten ops + casts |")
+    print("|---|---|---|")
+    for recipe, (every, outside, casts) in linear_ops().items():
+        print(f"| {recipe} | {every} | {outside} + {casts} |")
+    print()
+    print("casts of a block's normed inputs (attention, FFN) per block, quickstart block")
+    print("| recipe | each projection casts (fwd / bwd) | one cast per group (fwd / bwd) |")
+    print("|---|---|---|")
+    for recipe in RECIPES:
+        a, b = block_input_casts(recipe, False), block_input_casts(recipe, True)
+        print(f"| {recipe} | {a[0]} / {a[1]} | {b[0]} / {b[1]} |")
+    print()
+    print("configs/moe-tiny.yaml: share of a training step's model FLOPs in FP8 GEMMs (rowwise)")
+    print("| routed experts | measured | analytic (fp8_share) | FP8 GEMM calls |")
+    print("|---|---|---|---|")
+    for routed in (False, True):
+        measured, analytic, ops = moe_fp8_share(routed)
+        calls = f"{ops.get('scaled_mm', 0)} dense + {ops.get('scaled_grouped_mm', 0)} grouped"
+        name = "in FP8" if routed else "high precision (before)"
+        print(f"| {name} | {100 * measured:.1f}% | {100 * analytic:.1f}% | {calls} |")
+
+
 # ----------------------------------------------------------------------------- GPU: GEMMs
 
 
+def _timed(fn, iters: int, dry: bool) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per call of ``fn`` after warm-up (one call each without CUDA)."""
+    for _ in range(1 if dry else 3):
+        fn()
+    sync = (lambda: None) if dry else torch.cuda.synchronize
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def _table(title: str, flops: int, results: dict[str, float]) -> None:
+    print(title)
+    print("| GEMMs | ms/iter | TFLOP/s | speed-up vs bf16 |")
+    print("|---|---|---|---|")
+    for name, t in results.items():
+        print(f"| {name} | {1e3 * t:.2f} | {flops / t / 1e12:.0f} | {results['bf16'] / t:.2f} |")
+    print()
+
+
 def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
-    """bf16 vs FP8 forward + backward of an 8B-shaped block's linear layers on CUDA (eager: the
-    casts' cost that makes training refuse eager FP8 on CUDA; ``compile_``: inductor's fused
-    casts). Without CUDA, a dry run of the same code: tiny shapes, emulated FP8 GEMMs, aot_eager."""
+    """bf16 vs FP8 forward + backward on CUDA: an 8B-shaped block's linear layers (q/k/v from
+    one cast of their input, gate/up likewise; eager: each cast one compiled function;
+    ``compile_``: the whole step compiled, the casts fused into it) and a Mixtral-shaped routed
+    experts layer (8 experts, top-2, grouped GEMMs). Without CUDA, a dry run of the same code:
+    tiny shapes, emulated FP8 GEMMs, aot_eager."""
     from megaformer.errors import ConfigError
-    from megaformer.parallel.fp8 import Fp8Matmul, fp8_gemm_support
+    from megaformer.parallel.fp8 import Fp8Experts, Fp8Matmul, fp8_gemm_support
 
     dry = not torch.cuda.is_available()
     ok, why = fp8_gemm_support("cuda")
@@ -128,56 +271,71 @@ def gpu_report(tokens: int, iters: int, compile_: bool) -> None:
         raise ConfigError(f"--gpu: {why}")
     d, q, kv, f = (64, 64, 16, 128) if dry else (4096, 4096, 1024, 14336)
     tokens, iters = (min(tokens, 64), 1) if dry else (tokens, iters)
-    shapes = {
-        "wq": (q, d),
-        "wk": (kv, d),
-        "wv": (kv, d),
-        "wo": (d, q),
-        "w1": (f, d),
-        "w3": (f, d),
-        "w2": (d, f),
-    }
     dev = torch.device("cpu" if dry else "cuda")
     if dry:
         print("no CUDA: a dry run (tiny shapes, emulated FP8 GEMMs, aot_eager); no timings to read")
-    weights = {
-        n: (torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-        for n, s in shapes.items()
-    }
-    x_d = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    x_q = torch.randn(tokens, q, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    x_f = torch.randn(tokens, f, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    inputs = {"wq": x_d, "wk": x_d, "wv": x_d, "wo": x_q, "w1": x_d, "w3": x_d, "w2": x_f}
-    flops = sum(6 * tokens * s[0] * s[1] for s in shapes.values())  # forward + 2x backward
+    gen = torch.Generator(device=dev).manual_seed(0)
 
-    def step(mm) -> None:
-        for n, w in weights.items():
-            y = mm(inputs[n], w)
-            y.backward(torch.ones_like(y))
+    def param(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+        return t.requires_grad_()
 
+    # (input width, output widths of the projections sharing that input)
+    groups = [(d, (q, kv, kv)), (q, (d,)), (d, (f, f)), (f, (d,))]
+    layers = [(param(tokens, k), [param(n, k) for n in outs]) for k, outs in groups]
+    flops = sum(6 * tokens * k * sum(outs) for k, outs in groups)  # forward + 2x backward
+
+    def step(mm) -> None:  # type: ignore[no-untyped-def]
+        for x, ws in layers:
+            ys = mm.many(x, ws) if mm is not None else [F.linear(x, w) for w in ws]
+            torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+
+    specs = [("bf16", None)] + [(f"fp8 {r}", Fp8Matmul(r, emulate=dry)) for r in RECIPES]
     results = {}
-    for name, mm in [("bf16", torch.nn.functional.linear)] + [
-        (f"fp8 {r}", Fp8Matmul(r, emulate=dry)) for r in RECIPES
-    ]:
+    for name, mm in specs:
         fn = torch.compile(step, backend="aot_eager" if dry else "inductor") if compile_ else step
-        for _ in range(1 if dry else 3):
-            fn(mm)
-        sync = (lambda: None) if dry else torch.cuda.synchronize
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn(mm)
-        sync()
-        results[name] = (time.perf_counter() - t0) / iters
-    print(
-        f"8B-shaped block linears, {tokens} tokens, forward + backward, "
-        f"{'CPU (dry run)' if dry else torch.cuda.get_device_name(dev)}"
-        f"{' (compiled)' if compile_ else ''}"
+        results[name] = _timed(lambda: fn(mm), iters, dry)
+    where = "CPU (dry run)" if dry else torch.cuda.get_device_name(dev)
+    how = " (compiled)" if compile_ else " (eager; casts compiled on their own)"
+    _table(
+        f"8B-shaped block linears, {tokens} tokens, forward + backward, {where}{how}",
+        flops,
+        results,
     )
-    print("| GEMMs | ms/iter | TFLOP/s | speed-up vs bf16 |")
-    print("|---|---|---|---|")
-    for name, t in results.items():
-        print(f"| {name} | {1e3 * t:.2f} | {flops / t / 1e12:.0f} | {results['bf16'] / t:.2f} |")
+
+    # Mixtral-shaped routed experts: E 8, top-2, d 4096, f 14336; rows balanced over the experts
+    E, top_k = 8, 2
+    rows = tokens * top_k
+    counts = torch.full((E,), rows // E, device=dev)
+    x = param(rows, d)
+    w1, w3, w2 = param(E, f, d), param(E, f, d), param(E, d, f)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    fp8 = Fp8Experts(Fp8Matmul("rowwise", dry), Fp8Matmul("rowwise", dry))
+
+    def experts(use_fp8: bool) -> None:
+        if use_fp8:
+            h1, h3 = fp8.grouped(x, [w1, w3], counts)
+            y = fp8.grouped(F.silu(h1) * h3, [w2], counts, second=True)[0]
+        else:
+            h1 = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+            h3 = torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(F.silu(h1) * h3, w2.transpose(1, 2), offs=offs)
+        y.backward(torch.ones_like(y))
+
+    if dry:  # the CPU grouped GEMM takes no bf16 operands: the FP8 side only
+        experts(True)
+        print("routed experts (dry run): the FP8 grouped path ran")
+        return
+    results = {}
+    for name, use in (("bf16", False), ("fp8 rowwise (grouped)", True)):
+        fn = torch.compile(experts, backend="inductor") if compile_ else experts
+        results[name] = _timed(lambda: fn(use), iters, dry)
+    _table(
+        f"Mixtral-shaped routed experts (E {E}, top-{top_k}, d {d}, f {f}), {tokens} tokens, "
+        f"forward + backward, {where}{how}",
+        6 * rows * 3 * d * f,
+        results,
+    )
 
 
 def main() -> None:
@@ -189,8 +347,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile", action="store_true", help="with --gpu: torch.compile the step")
+    ap.add_argument("--counts", action="store_true", help="count ops, casts and FP8 FLOPs (CPU)")
     args = ap.parse_args()
-    if args.gpu:
+    if args.counts:
+        counts_report()
+    elif args.gpu:
         from megaformer.errors import UserError
 
         try:

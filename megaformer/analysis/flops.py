@@ -223,29 +223,31 @@ def matmul_parameters(cfg: ModelConfig) -> int:
 # ----------------------------------------------------------------------------- FP8 share
 
 
-def fp8_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
-    """Forward FLOPs of one sequence in the linear layers ``train.fp8`` runs in FP8: q, k, v and
-    the attention output of every block, the dense FFNs and the MoE blocks' shared experts
+def fp8_forward_flops(cfg: ModelConfig, seq_len: int, routed: bool = True) -> int:
+    """Forward FLOPs of one sequence in the GEMMs ``train.fp8`` runs in FP8: q, k, v and the
+    attention output of every block, the dense FFNs, the MoE blocks' shared experts and (when
+    ``routed``) their routed experts
 
         fp8 = L * (2 s d (h_q + 2 h_kv) + 2 s h_q d) + (L - L_moe) * m * 2 s d f
-              + L_moe * m * 2 s d f_s                                   (m = 3 swiglu, 2 gelu)
+              + L_moe * m * 2 s d (f_s + k f_e)                         (m = 3 swiglu, 2 gelu)
 
-    The rest (attention scores and values, router, routed experts, logits) stays in the
-    training precision."""
+    The rest (attention scores and values, router, logits) stays in the training precision."""
     s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
+    experts = (cfg.shared_dim + (cfg.moe.top_k * cfg.expert_dim if routed else 0)) if moe else 0
     return (
         L * (2 * s * d * (hq + 2 * hkv) + 2 * s * hq * d)
         + (L - moe) * n_mats * 2 * s * d * f
-        + moe * n_mats * 2 * s * d * (cfg.shared_dim if moe else 0)
+        + moe * n_mats * 2 * s * d * experts
     )
 
 
-def fp8_share(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """The fraction of the model FLOPs (forward, hence also of 3 x forward) that run in FP8."""
-    return fp8_forward_flops(cfg, seq_len) / forward_flops(cfg, seq_len, causal).total
+def fp8_share(cfg: ModelConfig, seq_len: int, causal: bool = True, routed: bool = True) -> float:
+    """The fraction of the model FLOPs (forward, hence also of 3 x forward) that run in FP8
+    (``routed``: the MoE routed experts among them)."""
+    return fp8_forward_flops(cfg, seq_len, routed) / forward_flops(cfg, seq_len, causal).total
 
 
 def mixed_peak(share: float, fp8_peak: float, hp_peak: float) -> float:

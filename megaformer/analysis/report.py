@@ -193,6 +193,22 @@ def medians(records: list[dict]) -> dict[str, float]:
     return out
 
 
+def fp8_demotions(records: list[dict]) -> list[str]:
+    """Summary lines for the blocks per-layer FP8 demotion switched to high precision, in the
+    order it did (``fp8_demoted/layer_LL`` in a record: demoted at that step)."""
+    found = [
+        (r["step"], key.split("/", 1)[1])
+        for r in records
+        for key in sorted(r)
+        if key.startswith("fp8_demoted/")
+    ]
+    if not found:
+        return []
+    return ["", "FP8 demotions (blocks switched to high precision):"] + [
+        f"- {layer} at step {step}" for step, layer in found
+    ]
+
+
 def summary_markdown(run_dir: Path, records: list[dict], source: str, plots: list[Path]) -> str:
     last = records[-1]
     losses = _series(records, "loss")
@@ -219,6 +235,7 @@ def summary_markdown(run_dir: Path, records: list[dict], source: str, plots: lis
     lines += [f"| {label} | {fmt.format(med[key])} |" for key, label, fmt in MEDIANS if key in med]
     if "fp8_tflops_per_gpu" in med:
         lines += ["", "FP8 run: MFU and HFU are against the bf16 peak."]
+    lines += fp8_demotions(records)
     if "mfu" not in med:
         lines += [
             "",
@@ -263,6 +280,8 @@ COMPARED = [
     ("diag_attn_write_rms", "attention write RMS"),
     ("diag_mlp_write_rms", "MLP write RMS"),
     ("diag_logit_lens_loss", "logit-lens loss"),
+    ("diag_router_max_logit", "max router logit (MoE)"),
+    ("diag_router_load_cv", "expert load imbalance (MoE)"),
 ]
 Series = dict[str, tuple[list[int], list[float]]]
 

@@ -111,9 +111,12 @@ class TrainingMeter:
     @classmethod
     def for_run(cls, cfg: Config, device: torch.device, world_size: int) -> "TrainingMeter":
         peak, source = resolve_peak(cfg, device)
-        share = (
-            fp8_share(cfg.model, cfg.seq_len) if getattr(cfg.train, "fp8", "off") != "off" else 0.0
-        )
+        share = 0.0
+        if getattr(cfg.train, "fp8", "off") != "off":
+            from megaformer.parallel.fp8 import routed_experts_in_fp8
+
+            routed = routed_experts_in_fp8(cfg.train.fp8_emulate, cfg.parallel.tensor)
+            share = fp8_share(cfg.model, cfg.seq_len, routed=routed)
         return cls(
             config_step_flops(cfg), world_size, peak, source, device, share, fp8_peak(cfg, device)
         )

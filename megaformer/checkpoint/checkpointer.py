@@ -79,11 +79,12 @@ log = logging.getLogger("megaformer")
 @dataclass
 class TrainState:
     """Where training stands, beside the weights and the optimizer: optimizer steps taken,
-    samples consumed (the data position), steps skipped as non-finite."""
+    samples consumed (the data position), steps skipped as non-finite, FP8-demoted blocks."""
 
     step: int
     consumed_samples: int
     skipped_steps: int = 0
+    fp8_demoted: tuple[int, ...] = ()  # blocks per-layer FP8 demotion switched to high precision
 
 
 @dataclass
@@ -337,7 +338,17 @@ class Checkpointer:
         consumed = check_data_position(
             step, record.get("consumed_samples"), self.cfg.train.global_batch_size, self.source
         )
-        return TrainState(step, consumed, skipped)
+        demoted = record.get("fp8_demoted", [])
+        n = self.cfg.model.n_layers
+        if not (
+            isinstance(demoted, list)
+            and len(demoted) <= n
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in demoted)
+        ):
+            raise CheckpointError(
+                f"{where}: fp8_demoted {str(demoted)[:60]!r} is not a list of block indices"
+            )
+        return TrainState(step, consumed, skipped, tuple(sorted(set(demoted))))
 
     # ------------------------------------------------------------------------- save
 
@@ -363,6 +374,7 @@ class Checkpointer:
             },
             "zero_stage": cfg.parallel.zero_stage,
             "precision": cfg.train.precision,
+            "fp8_demoted": list(state.fp8_demoted),
         }
         info = {
             "step": state.step,
@@ -388,6 +400,7 @@ class Checkpointer:
                 "step": state.step,
                 "consumed_samples": consumed,
                 "skipped_steps": state.skipped_steps,
+                "fp8_demoted": list(state.fp8_demoted),
             },
             snapshot=lambda tmp, memo: self._snapshot(
                 tmp, memo, state, meta, access if shard else None, pieces

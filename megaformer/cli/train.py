@@ -139,11 +139,6 @@ def _dry_run(cfg: Any, run_dir: Path) -> int:
     cfg = with_hf_model(cfg)  # model.init_from: the folder's model
     validate_for_training(cfg)
     check_data_paths(cfg)  # the data exists and matches the tokenizer
-    if cfg.train.device == "cuda":  # the rules that need only the device type, not the device
-        from megaformer.parallel.fp8 import check_fp8_device_type
-
-        check_fp8_device_type(cfg.train, "cuda")
-
     model = resolve_vocab(cfg).model
     counts = count_parameters(model)
     print(cfg.to_yaml().rstrip())

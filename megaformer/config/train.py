@@ -111,16 +111,28 @@ class TrainConfig:
     )
     fp8: Literal["off", "tensorwise", "rowwise"] = option(
         "off",
-        "FP8 training of the blocks' linear layers (q/k/v, attention output, FFN and shared "
-        "experts; not the embedding, output head, router or routed experts) through "
-        "torchao's float8 casts: tensorwise (one dynamic scale per tensor) or rowwise (one "
-        "per row, power-of-two scales). Master weights, optimizer and everything else stay "
-        "in train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) and "
-        "train.compile=true unless train.fp8_emulate=true; see docs/fp8.md.",
+        "FP8 training of the blocks' linear layers (q/k/v, attention output, FFN, MoE shared "
+        "and routed experts; not the embedding, output head or router): tensorwise (one "
+        "dynamic scale per tensor) or rowwise (one per row, power-of-two scales; the routed "
+        "experts are always rowwise). Each cast is a compiled function of its own, with or "
+        "without train.compile. Master weights, optimizer and everything else stay in "
+        "train.precision. Needs a GPU with FP8 GEMMs (CUDA capability >= 8.9) unless "
+        "train.fp8_emulate=true; see docs/fp8.md.",
     )
     fp8_emulate: bool = option(
         False,
         "train.fp8 without FP8 hardware: the same casts and scales, the GEMMs dequantised "
         "and run in fp32 (same numbers as FP8 GEMMs up to accumulation order, no speed-up; "
         "for tests and CPU runs). No effect when train.fp8=off.",
+    )
+    fp8_demote_threshold: float = option(
+        0.0,
+        "Per-layer FP8 demotion (0: off): every log.diagnostics_interval steps each block runs "
+        "the diagnostics micro-batch in FP8 and in high precision from the same input; a block "
+        "whose gap (relative change of the residual RMS or of the largest attention logit) "
+        "exceeds this at train.fp8_demote_intervals consecutive passes runs in high precision "
+        "from then on (logged, kept in the checkpoint). Needs log.diagnostics=true.",
+    )
+    fp8_demote_intervals: int = option(
+        2, "Consecutive diagnostics passes above train.fp8_demote_threshold that demote a block."
     )

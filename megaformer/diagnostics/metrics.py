@@ -9,6 +9,8 @@ For block l (``LL`` = l zero-padded) on a fixed micro-batch, with means over bat
     attn/layer_LL/entropy/head_HH       mean_t -sum_s p_ts log p_ts (nats) of head h's attention
     attn/layer_LL/max_logit             max over heads and unmasked (t, s) of q k^T / sqrt(d_k)
     logit_lens/layer_LL/loss            cross-entropy of lm_head(final_norm(x_l)) on the labels
+    router/layer_LL/max_logit           max |z| of an MoE block's router logits
+    router/layer_LL/load_cv             std / mean of the tokens each expert got (0: balanced)
 
 plus ``resid/embed/rms`` (x_0). The last layer's logit-lens loss is the model's own loss on the
 micro-batch. Under tensor parallelism the per-head numbers are all-gathered over the TP group and
@@ -32,7 +34,7 @@ from megaformer.diagnostics.residual import (
     trace_layers,
 )
 
-PREFIXES = ("resid/", "attn_write/", "mlp_write/", "attn/", "logit_lens/")
+PREFIXES = ("resid/", "attn_write/", "mlp_write/", "attn/", "logit_lens/", "router/")
 
 
 def is_diagnostic(key: str) -> bool:
@@ -76,6 +78,10 @@ def _layer_stats(
         "max_logit": max_logit,
         "per_head": per_head,
     }
+    if trace.router_logits is not None:  # replicated over TP, the same batch on every EP rank
+        load = trace.expert_load.float()
+        out["router_max_logit"] = trace.router_logits.abs().amax()
+        out["load_cv"] = load.std(unbiased=False) / load.mean()
     if labels is not None:
         out["lens"] = model.loss_fn(logit_lens_logits(model, trace.resid), labels).float()
     return out
@@ -93,6 +99,9 @@ def _named(stats: dict[str, torch.Tensor], layer: str, n_heads: int) -> dict[str
         head = head_name(h, n_heads)
         out[f"attn/{layer}/entropy/{head}"] = entropy
         out[f"attn_write/{layer}/{head}/norm"] = norm
+    if "router_max_logit" in stats:
+        out[f"router/{layer}/max_logit"] = float(stats["router_max_logit"])
+        out[f"router/{layer}/load_cv"] = float(stats["load_cv"])
     if "lens" in stats:
         out[f"logit_lens/{layer}/loss"] = float(stats["lens"])
     return out

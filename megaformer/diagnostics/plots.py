@@ -27,6 +27,13 @@ LAYER_FAMILIES = [
         r"attn/(layer_\d+)/max_logit",
     ),
     ("diag_logit_lens_loss", "Logit-lens loss", "nats/token", r"logit_lens/(layer_\d+)/loss"),
+    ("diag_router_max_logit", "Largest router logit (MoE)", "|z|", r"router/(layer_\d+)/max_logit"),
+    (
+        "diag_router_load_cv",
+        "Expert load imbalance (MoE)",
+        "std / mean",
+        r"router/(layer_\d+)/load_cv",
+    ),
 ]
 HEAD_FAMILIES = [
     (

@@ -15,6 +15,10 @@ and each attention write is a sum over heads,
 with z_h = softmax(q_h k_h^T / sqrt(d_k) + M) v_h head h's context. The output bias b^O (when the
 model has biases) belongs to no head: it is counted once, in a_l, and in no per-head write.
 
+In an MoE block the MLP write m_l is the MoE FFN's output (routed and shared experts); the pass
+also keeps the block's router logits z = Norm_m(.) W_r^T [B T, E] and the tokens routed to each
+expert on this micro-batch (top-k choices, with the load-balancing bias).
+
 :func:`trace_layers` runs the model's own modules (norms, q/k/v/o projections, rotary positions,
 MLP) in eval mode without gradients; only the attention core is swapped for an explicit one
 (:class:`ProbeAttention`) that keeps the logits and probabilities, which fused kernels never
@@ -52,6 +56,8 @@ class LayerTrace:
     scores: torch.Tensor  # q k^T / sqrt(d_k) + M, fp32 [B, h_local, T, T], masked = -inf
     probs: torch.Tensor  # softmax of the scores, fp32
     w_o: torch.Tensor  # this rank's W^O columns [d, h_local * d_k]
+    router_logits: Optional[torch.Tensor] = None  # MoE blocks: z [B T, E], fp32
+    expert_load: Optional[torch.Tensor] = None  # MoE blocks: tokens routed to each expert [E]
 
 
 class ProbeAttention(nn.Module):
@@ -89,9 +95,16 @@ class ProbeAttention(nn.Module):
 def _probed(block: nn.Module, probe: ProbeAttention) -> Iterator[None]:
     """Swap the block's attention core for ``probe``; row-parallel outputs all-reduce (whole
     sequence) instead of reduce-scattering, so the pass needs no sequence split."""
+    from megaformer.model.moe import MoE
+    from megaformer.parallel.layers import RowParallelLinear
+
     attn = block.attn
     saved_core = attn.core
-    rows = [m for m in (attn.wo, block.mlp.w2) if getattr(m, "sequence_parallel", False)]
+    rows = [
+        m
+        for m in (attn.wo, *block.mlp.modules())
+        if isinstance(m, (RowParallelLinear, MoE)) and m.sequence_parallel
+    ]
     attn.core = probe
     for m in rows:
         m.sequence_parallel = False
@@ -106,12 +119,28 @@ def _probed(block: nn.Module, probe: ProbeAttention) -> Iterator[None]:
 def block_writes(block: nn.Module, index: int, x: torch.Tensor, rope: Rope) -> LayerTrace:
     """a_l, m_l and x_l of one block on the residual stream x = x_{l-1} (the block's own modules;
     ``forward`` is called directly, past the tensor-parallel input hooks)."""
+    from megaformer.model.moe import MoE, expert_counts
+
     probe = ProbeAttention()
+    router = load = None
     with _probed(block, probe):
         a = block.attn.forward(block.attn_norm(x), rope=rope)
-        m = block.mlp.forward(block.mlp_norm(x if block.parallel else x + a))
+        h = block.mlp_norm(x if block.parallel else x + a)
+        if isinstance(block.mlp, MoE):
+            router, idx, _ = block.mlp.route(h.reshape(-1, h.shape[-1]))
+            load = expert_counts(idx.reshape(-1), block.mlp.num_experts)
+        m = block.mlp.forward(h)
     return LayerTrace(
-        index, a, m, x + a + m, probe.context, probe.scores, probe.probs, block.attn.wo.weight
+        index,
+        a,
+        m,
+        x + a + m,
+        probe.context,
+        probe.scores,
+        probe.probs,
+        block.attn.wo.weight,
+        router,
+        load,
     )
 
 

@@ -42,8 +42,10 @@ class DiagnosticsHook:
         interval: int,
         topo: Any,
         pipeline_module: Optional[nn.Module] = None,
+        demotion: Any = None,
     ) -> None:
         self.model, self.interval, self.topo = model, interval, topo
+        self.demotion = demotion  # per-layer FP8 demotion (megaformer.diagnostics.fp8_demotion)
         # (under PP the plain model's other stages hold no values: the device of a local one)
         device = next((pipeline_module or model).parameters()).device
         self.ids, self.labels = (t.to(device) for t in batch)
@@ -58,7 +60,7 @@ class DiagnosticsHook:
     def due(self, step: int) -> bool:
         return step % self.interval == 0
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self, step: int = 0) -> dict[str, float]:
         t0 = time.perf_counter()
         tp = self.topo.groups.tp
         # under context parallelism every context rank runs the whole batch (exact, no exchange)
@@ -67,6 +69,8 @@ class DiagnosticsHook:
                 out = residual_diagnostics(self.model, self.ids, self.labels, tp)
             else:
                 out = self._pipeline_pass(tp)
+            if self.demotion is not None:
+                out.update(self.demotion(self.model, self.ids, tp, step))
         out["diag_time_s"] = time.perf_counter() - t0
         return out
 

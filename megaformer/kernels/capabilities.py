@@ -5,6 +5,7 @@
     interpreting()       Triton's interpreter is on (TRITON_INTERPRET=1, set before triton is imported)
     apex_status()        NVIDIA apex with its compiled CUDA extension (fused_layer_norm_cuda)
     flash_status()       the FlashAttention package to use: FA3 (Hopper), FA2 >= 2.1, flash-attn-4
+    fp8_grouped_status() torchao's FP8 rowwise-scaled grouped GEMM (MoE experts under train.fp8)
     native.library()     megaformer's native CPU kernels (:mod:`megaformer.kernels.native`)
 
 A probe that fails is a reason, never a crash: a broken optional package must not kill a run.
@@ -51,6 +52,32 @@ def onednn_available() -> bool:
         return bool(torch.equal(op(x, w, None, "none", [], ""), torch.full((2, 4), 3.0)))
     except Exception:  # an op renamed or removed in another torch version: F.linear is used
         return False
+
+
+# ----------------------------------------------------------------------------- torchao
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_grouped_status() -> tuple[Optional[Callable], str]:
+    """(torchao's differentiable FP8 grouped GEMM with rowwise scales, or None; why not):
+    ``torchao.prototype.moe_training``'s ``_to_fp8_rowwise_then_scaled_grouped_mm`` (CUDA only;
+    imported quietly: torchao reports its missing CUDA extensions on a CPU machine)."""
+    import logging
+    import warnings
+
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module, why = _try_import("torchao.prototype.moe_training.fp8_grouped_mm")
+    finally:
+        logger.setLevel(level)
+    fn = getattr(module, "_to_fp8_rowwise_then_scaled_grouped_mm", None)
+    if module is not None and fn is None:
+        why = "torchao has no _to_fp8_rowwise_then_scaled_grouped_mm (torchao 0.18 or newer needed)"
+    return fn, why
 
 
 # ----------------------------------------------------------------------------- Triton

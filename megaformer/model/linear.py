@@ -11,6 +11,10 @@ separate tensors (checkpoints, conversion and the tensor-parallel plan see ``wq`
 while the backward computes dX once, with K = N_q + N_k + N_v, instead of three products and two
 additions. Under DeepSpeed ZeRO-3 a module's parameters are gathered only
 when that module is called, so there each projection is called on its own.
+
+Under FP8 (the projections' ``fp8`` set, :mod:`megaformer.parallel.fp8`) the weights keep one
+scale each, so the products stay separate GEMMs, but X is cast to FP8 once for all of them
+(``fp8.many``): a block input is cast twice (attention, FFN), not five times.
 """
 
 from __future__ import annotations
@@ -65,12 +69,34 @@ def fused_product(x: torch.Tensor, projections: Sequence[nn.Module]) -> Optional
     return FusedLinear.apply(x, len(weights), *weights, *biases)
 
 
+def shared_fp8_projections(
+    x: torch.Tensor, projections: Sequence[nn.Module]
+) -> Optional[list[torch.Tensor]]:
+    """[p(x) for p in projections] on FP8 GEMMs from one FP8 cast of x, or None where that does
+    not apply: the projections do not share one FP8 setting, ZeRO-3 partitioned parameters, a
+    projection applying its own input communication."""
+    fp8 = getattr(projections[0], "fp8", None)
+    if (
+        fp8 is None
+        or len(projections) == 1
+        or any(getattr(p, "fp8", None) is not fp8 for p in projections)
+        or any(_zero3_partitioned(p) for p in projections)
+        or any(getattr(p, "input_comm", False) for p in projections)
+    ):
+        return None
+    return fp8.many(x, [p.weight for p in projections], [p.bias for p in projections])
+
+
 def fused_projections(x: torch.Tensor, projections: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """[p(x) for p in projections] as one GEMM over the concatenated weights (see the docstring).
+    """[p(x) for p in projections] as one GEMM over the concatenated weights (see the docstring),
+    or under FP8 as GEMMs sharing one cast of x.
 
     Each projection is a linear module applying no input communication of its own (nn.Linear, or a
     column-parallel shard whose input region the caller entered); their biases are all present or
     all absent (else they run one by one)."""
+    shared = shared_fp8_projections(x, projections)
+    if shared is not None:
+        return shared
     y = fused_product(x, projections)
     if y is None:
         return [p(x) for p in projections]

@@ -5,7 +5,7 @@
 
 W1: d_model -> d_ffn (SwiGLU: the gate), W3: d_model -> d_ffn (the up projection), W2: d_ffn -> d_model.
 Where one GEMM over the concatenated gate and up weights pays (``fused_product``), SwiGLU reads
-its packed output [x W1 | x W3]; the activations are :mod:`megaformer.kernels.activations`'
+its packed output [x W1 | x W3] (under FP8: two GEMMs from one cast of x); the activations are :mod:`megaformer.kernels.activations`'
 (which decide their own implementation).
 """
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from megaformer.config import ModelConfig
 from megaformer.deepspeed_attrs import zero3_partitioned
 from megaformer.kernels.activations import linear_gelu, swiglu, swiglu_packed
-from megaformer.model.linear import Linear, fused_product
+from megaformer.model.linear import Linear, fused_product, fused_projections
 
 
 class MLP(nn.Module):
@@ -49,7 +49,7 @@ class MLP(nn.Module):
             gate_up = fused_product(x, (self.w1, self.w3))  # [x W1 | x W3], or None
             if gate_up is not None:
                 return self.w2(swiglu_packed(gate_up))
-            return self.w2(swiglu(self.w1(x), self.w3(x)))
+            return self.w2(swiglu(*fused_projections(x, (self.w1, self.w3))))
         if zero3_partitioned(self.w1.weight):  # ZeRO-3 gathers w1 only inside its own call
             return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
         # GELU(x W1 + b1); w1 may be a column-parallel shard whose input region the plan entered

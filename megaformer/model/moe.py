@@ -154,6 +154,8 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, f, d)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(n, d, f))
         self.first_expert = 0  # the global id of w1[0] (expert parallelism holds a slice)
+        # FP8 grouped GEMMs (megaformer.parallel.fp8.Fp8Experts), set from outside
+        self.fp8: Optional[Any] = None
 
     def _act(self, h1: torch.Tensor, h3: Optional[torch.Tensor]) -> torch.Tensor:
         if h3 is not None:
@@ -161,6 +163,8 @@ class Experts(nn.Module):
         return F.gelu(h1, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.grouped_fp8(x, counts)
         if _grouped_mm_ok(x, self.w1):
             return self.grouped(x, counts, _compute_dtype(x))
         return self.loop(x, counts)
@@ -181,6 +185,14 @@ class Experts(nn.Module):
             else None
         )
         return torch._grouped_mm(self._act(h1, h3), w2.transpose(1, 2), offs=offs)
+
+    def grouped_fp8(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same grouped GEMMs on FP8 operands (``self.fp8``): x cast once for W1 and W3."""
+        x = x.to(_compute_dtype(x))
+        first = [w for w in (self.w1, self.w3) if w is not None]
+        h = self.fp8.grouped(x, first, counts)
+        h1, h3 = h if len(h) == 2 else (h[0], None)
+        return self.fp8.grouped(self._act(h1, h3), [self.w2], counts, second=True)[0]
 
     def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """A loop over experts, each on its block of rows (the counts read on the host once)."""

@@ -178,7 +178,7 @@ class Diagnostics(StepHook):
 
     def after_step(self, state: StepState, record: dict) -> None:
         if self.diagnostics.due(state.step):
-            _open(record, state).update(self.diagnostics())
+            _open(record, state).update(self.diagnostics(state.step))
 
 
 class Validation(StepHook):

@@ -250,15 +250,36 @@ class Trainer:
             wandb_log.open_run(cfg, self.run_dir) if self.is_main else None,
         )
         self.diagnostics = self._build_diagnostics() if cfg.log.diagnostics else None
+        if resumed.fp8_demoted:  # per-layer FP8 demotion: the blocks demoted before the save
+            self._restore_demoted(resumed.fp8_demoted)
         self.bad_steps = BadStepCounter(cfg.train.max_bad_steps, resumed.skipped_steps)
         self._print_summary()
 
+    def _restore_demoted(self, layers: tuple[int, ...]) -> None:
+        from megaformer.parallel.fp8 import demote
+
+        demotion = self.diagnostics.demotion if self.diagnostics is not None else None
+        if demotion is not None:
+            demotion.restore(self.plain_model, layers)
+        else:
+            for i in layers:
+                demote(self.plain_model.layers[i])
+        log.info("FP8: blocks %s run in high precision (demoted before the checkpoint)", layers)
+
     def _build_diagnostics(self) -> Any:
-        """Residual-stream diagnostics on the first validation micro-batch (same on every rank)."""
+        """Residual-stream diagnostics on the first validation micro-batch (same on every rank),
+        with per-layer FP8 demotion when ``train.fp8_demote_threshold`` is set."""
+        from megaformer.diagnostics.fp8_demotion import Fp8Demotion
         from megaformer.diagnostics.training import DiagnosticsHook
 
         batch = next(
             iter(validation_batches(self.valid_set, self.cfg.train.micro_batch_size, 1, 1, 0, 1))
+        )
+        t = self.cfg.train
+        demotion = (
+            Fp8Demotion(t.fp8_demote_threshold, t.fp8_demote_intervals, self.cfg.model.n_layers)
+            if t.fp8 != "off" and t.fp8_demote_threshold > 0
+            else None
         )
         return DiagnosticsHook(
             self.plain_model,
@@ -266,6 +287,7 @@ class Trainer:
             self.cfg.log.diagnostics_interval,
             self.topo,
             self.stepper.pipeline_module,
+            demotion,
         )
 
     def _build_model(self) -> torch.nn.Module:
@@ -385,8 +407,11 @@ class Trainer:
     def save(self) -> Optional[Path]:
         """Collective: checkpoint the current step (:meth:`Checkpointer.save`); None when a
         checkpoint of this step already exists."""
+        from megaformer.parallel.fp8 import demoted_blocks
+
+        demoted = tuple(demoted_blocks(self.plain_model))
         return self.checkpointer.save(
-            TrainState(self.step, self.loader.consumed_samples, self.bad_steps.total)
+            TrainState(self.step, self.loader.consumed_samples, self.bad_steps.total, demoted)
         )
 
     def full_weights(self) -> Optional[dict[str, torch.Tensor]]:

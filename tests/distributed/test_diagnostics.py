@@ -121,6 +121,42 @@ def test_metrics_names_and_values():
     assert m["logit_lens/layer_00/loss"] == pytest.approx(float(lens0), rel=1e-6)
 
 
+def test_moe_blocks_are_traced_with_their_router():
+    """MoE blocks (log.diagnostics no longer refuses model.moe): the writes still sum to the
+    final stream, the MLP write of an MoE block is its MoE FFN's output, and the router metrics
+    are the max |z| of its logits and the std / mean of its expert loads on the micro-batch."""
+    from megaformer.config import MoEConfig, load_config
+    from megaformer.model.moe import expert_counts
+
+    moe = MoEConfig(interval=1, num_experts=4, top_k=2, d_expert=32, num_shared_experts=1)
+    model = _model(n_heads=4, n_kv_heads=2, dropout=0.0, moe=moe)
+    gen = torch.Generator().manual_seed(3)
+    ids, labels = (torch.randint(0, 61, (2, 16), generator=gen) for _ in range(2))
+    final = {}
+    hook = model.final_norm.register_forward_pre_hook(lambda m, args: final.update(x=args[0]))
+    with eval_mode(model):
+        model(ids)
+        x0, rope = model.embed(ids)
+        traces = list(trace_layers(model, x0, rope))
+    hook.remove()
+    total = x0 + sum(t.attn_write for t in traces) + sum(t.mlp_write for t in traces)
+    assert float((total - final["x"]).abs().max()) <= 1e-6 * max(1.0, float(final["x"].abs().max()))
+    m = residual_diagnostics(model, ids, labels)
+    for t in traces:
+        block = model.layers[t.index].mlp
+        h = t.resid - t.mlp_write  # sequential: the MLP read Norm_m(x + a)
+        with torch.no_grad():
+            z, idx, _ = block.route(model.layers[t.index].mlp_norm(h).reshape(-1, 32))
+        load = expert_counts(idx.reshape(-1), 4).float()
+        layer = f"layer_{t.index:02d}"
+        assert m[f"router/{layer}/max_logit"] == pytest.approx(float(z.abs().max()), rel=1e-6)
+        cv = float(load.std(unbiased=False) / load.mean())
+        assert m[f"router/{layer}/load_cv"] == pytest.approx(cv, rel=1e-6, abs=1e-9)
+        assert int(load.sum()) == 2 * 16 * 2
+    over = ["model.n_layers=2", "model.moe.interval=1", "model.moe.num_experts=4"]
+    assert load_config("configs/quickstart.yaml", [*over, "log.diagnostics=true"]).log.diagnostics
+
+
 def _tp_diagnostics(rank: int, world: int) -> dict:
     from megaformer.parallel.plan import padded_vocab_size, parallelize
     from megaformer.parallel.topology import build_topology

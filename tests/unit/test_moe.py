@@ -51,7 +51,6 @@ def _cfg(**moe) -> ModelConfig:
         ("model.moe.d_expert=0", "model.moe.d_expert=0: must be > 0"),
         ("model.moe.expert=2", "unknown config key 'model.moe.expert'"),
         ("parallel.pipeline=2", "model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline=2"),
-        ("log.diagnostics=true", "log.diagnostics=true with model.moe"),
     ],
 )
 def test_config_errors_are_one_line(override, message):

@@ -178,8 +178,3 @@ def check_moe(cfg: Config) -> None:
         "assembled from other ranks' different experts; use zero_stage 1 or 2 (they partition "
         "experts over their expert-data group) or parallel.expert=1",
     )
-    require(
-        not cfg.log.diagnostics,
-        "log.diagnostics=true with model.moe: the residual-stream diagnostics do not cover "
-        "MoE blocks yet; switch one of them off",
-    )

@@ -172,11 +172,32 @@ def check_expert(cfg: Config) -> None:
     )
 
 
+def check_fp8_demotion(cfg: Config) -> None:
+    """Per-layer FP8 demotion compares FP8 with high precision in the diagnostics pass."""
+    t = cfg.train
+    positive("train.fp8_demote_threshold", t.fp8_demote_threshold, allow_zero=True)
+    positive("train.fp8_demote_intervals", t.fp8_demote_intervals)
+    if not t.fp8_demote_threshold:
+        return
+    key = f"train.fp8_demote_threshold={t.fp8_demote_threshold}"
+    require(t.fp8 != "off", f"{key} with train.fp8=off: there is no FP8 to demote")
+    require(
+        cfg.log.diagnostics,
+        f"{key} needs log.diagnostics=true (the diagnostics pass measures the gaps)",
+    )
+    require(
+        cfg.parallel.pipeline == 1,
+        f"{key} with parallel.pipeline={cfg.parallel.pipeline}: demotion measures every block "
+        "from one stream, which pipeline stages split; use parallel.pipeline=1",
+    )
+
+
 def check_fp8(cfg: Config) -> None:
     """FP8 GEMMs (torch._scaled_mm) need both matrix dimensions of every converted linear layer's
     tensor-parallel shard, and the tokens each GEMM contracts over in the weight gradient, to be
     multiples of 16 (emulation has no such constraint)."""
     t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor
+    check_fp8_demotion(cfg)
     if t.fp8 == "off" or t.fp8_emulate:
         return
     dims = {
@@ -187,6 +208,8 @@ def check_fp8(cfg: Config) -> None:
     }
     if m.moe_layers and m.shared_dim:
         dims["shared-expert width / TP"] = m.shared_dim // tp
+    if m.moe_layers and tp == 1:  # (split by TP, the routed experts stay in high precision)
+        dims["routed-expert width"] = m.expert_dim
     for what, n in dims.items():
         require(
             n % 16 == 0,
@@ -195,12 +218,6 @@ def check_fp8(cfg: Config) -> None:
         )
     # the weight gradient dW = dY^T X contracts over the micro-batch's tokens on this CP rank
     cp = cfg.parallel.context
-    require(
-        cp == 1,
-        f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs (CUDA) need "
-        "train.compile=true, which context parallelism does not support; use one of "
-        "them (or train.fp8_emulate=true)",
-    )
     if t.micro_batch_size is not None:  # null: resolved per world size, at launch
         tokens = t.micro_batch_size * cfg.seq_len // cp
         require(
