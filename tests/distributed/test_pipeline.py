@@ -95,13 +95,15 @@ LAYOUTS = {  # name: (world, overrides)
     ),
     # DualPipeV (DeepSpeed's engine): each rank holds two stages, embedding and tied head on rank 0
     "pp2-dualpipev": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "dualpipev"}),
-    "pp2xdp2-zero1-dualpipev": (  # one sample per micro-batch: 4 micro-batches per DP rank
+    # one sample per micro-batch: 4 micro-batches per DP rank; full recomputation
+    "pp2xdp2-zero1-dualpipev": (
         4,
         {
             "parallel.pipeline": 2,
             "parallel.pipeline_schedule": "dualpipev",
             "parallel.zero_stage": 1,
             "train.micro_batch_size": 1,
+            "train.recompute": "full",
         },
     ),
     "pp2xtp2-sp-dualpipev": (
@@ -231,6 +233,47 @@ def test_stage_features_equal_one_process(
         assert _records(ref)[1]["moe/aux_loss"] > 0.5
 
 
+def _init_gloo() -> None:
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
+
+    disable_cpu_shm_comm_op()
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def _eval_scores(rank: int, world: int, ckpt: Path) -> tuple:
+    from megaformer.evaluation.checkpoint import load_runner
+    from megaformer.parallel.topology import build_topology
+
+    _init_gloo()
+    cpu = torch.device("cpu")
+    runner, tok, _ = load_runner(ckpt, build_topology(world, rank, pp=world), cpu)
+    one, _, _ = load_runner(ckpt, None, cpu)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 24), generator=g)
+    ids[:, [5, 13]] = tok.eod_id  # three documents per row
+    targets = torch.randint(0, 256, (2, 24), generator=g)
+    return runner.scores(ids, targets), one.scores(ids, targets)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipelined_evaluation_passes_the_ids_and_applies_the_head(feature_references):
+    """megaformer eval's pipeline runner on a model with document masks and the chunked loss: the
+    stages send the ids along, the last one applies the head to the hidden states; the scores
+    equal one process's."""
+    from tests.dist_harness import run_ranks
+
+    ckpt = feature_references("documents-chunked-loss") / "checkpoints" / "step_0000003"
+    for (logp, greedy), (ref_logp, ref_greedy) in run_ranks(2, _eval_scores, ckpt, timeout=300):
+        assert torch.allclose(logp, ref_logp, rtol=1e-5, atol=1e-6)
+        assert torch.equal(greedy, ref_greedy)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dualpipev_pp4_equals_one_process(tmp_path):
@@ -278,19 +321,13 @@ def test_resume_at_another_schedule_continues_the_same_losses(tmp_path):
 
 
 def _dualpipev_layout(rank: int, world: int) -> dict:
-    import os
-
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
+    _init_gloo()
     from deepspeed.pipe import DualPipeVModule
 
     from megaformer.config import load_config
     from megaformer.parallel.build import build_model
     from megaformer.parallel.topology import build_topology
-    from megaformer.training.distributed import disable_cpu_shm_comm_op
 
-    disable_cpu_shm_comm_op()
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     over = tiny_overrides(
         "stdlib",
         **{
