@@ -142,6 +142,17 @@ BAD = [
         "expected 'layers', 'parameters' or 4 positive block counts",
     ),
     ({"parallel": {"pipeline_schedule": "dualpipev"}}, "needs a pipeline (parallel.pipeline > 1)"),
+    (
+        {
+            "parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"},
+            "log": {"diagnostics": True},
+        },
+        "diagnostics walk the stages in 1F1B order",
+    ),
+    (
+        {"parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"}, "eval": {"tasks": ["x"]}},
+        "evaluate the checkpoint with megaformer eval instead",
+    ),
     ({"parallel": {"pipeline_schedule": "zb"}}, "parallel.pipeline_schedule"),
     (
         {

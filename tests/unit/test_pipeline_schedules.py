@@ -61,3 +61,25 @@ def test_dualpipev_timeline_idles_less_and_holds_p_and_a_half_stages(p, m):
 def test_too_few_micro_batches_for_dualpipev():
     with pytest.raises(ValueError, match="at least 2 \\* 4 micro-batches, got 7"):
         rank_passes("dualpipev", 4, 7, 0)
+
+
+def test_a_dualpipev_checkpoint_is_evaluated_with_its_stages_in_order():
+    """megaformer eval runs the stages one after the other (1F1B's cut), whatever schedule trained
+    the checkpoint; an explicit split of 2 PP stages does not carry over."""
+    from megaformer.config import config_from_dict
+    from megaformer.evaluation.checkpoint import eval_layout
+    from megaformer.parallel.topology import Degrees
+
+    cfg = config_from_dict(
+        {
+            "model": {"n_layers": 4},
+            "parallel": {
+                "pipeline": 2,
+                "pipeline_schedule": "dualpipev",
+                "pipeline_partition": "1,1,1,1",
+            },
+        }
+    )
+    topo = Degrees(1, 1, 1, 2, 1)
+    p = eval_layout(cfg, topo).parallel
+    assert (p.pipeline, p.pipeline_schedule, p.pipeline_partition) == (2, "1f1b", "layers")
