@@ -115,6 +115,15 @@ LAYOUTS = {  # name: (world, overrides)
             "parallel.sequence_parallel": "true",
         },
     ),
+    "pp2xcp2-ring-dualpipev": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "dualpipev",
+            "parallel.context": 2,
+            "train.micro_batch_size": 1,
+        },
+    ),
     "tp2xpp2xdp2": (
         8,
         {
@@ -231,6 +240,24 @@ def test_stage_features_equal_one_process(
         assert abs(a - b) > 5e-3 * a, (a, b)
     else:  # the router losses are a visible part of the loss
         assert _records(ref)[1]["moe/aux_loss"] > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dualpipev_with_expert_parallelism_equals_one_process(feature_references, tmp_path):
+    """MoE blocks with router losses, their experts split over 2 data-parallel ranks, under
+    DualPipeV at PP=2 (one sample per micro-batch: 4 per step and DP rank)."""
+    extra = {
+        "parallel.pipeline": 2,
+        "parallel.pipeline_schedule": "dualpipev",
+        "parallel.expert": 2,
+        "parallel.zero_stage": 1,
+        "train.micro_batch_size": 1,
+    }
+    run = tmp_path / "ep"
+    _train(4, run, {**ARGS, **STAGE_FEATURES["moe-router-losses"], **extra})
+    # the router losses are statistics of each micro-batch: the reference's are of one sample too
+    _compare(feature_references("moe-router-losses", **{"train.micro_batch_size": 1}), run)
 
 
 def _init_gloo() -> None:
