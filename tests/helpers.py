@@ -61,6 +61,22 @@ def tiny_overrides(corpus: Path | str = "stdlib", **extra: Any) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def short_documents(folder: Path) -> Path:
+    """``folder`` filled with 300 documents of 20-60 bytes (every 32-token sample holds
+    end-of-document tokens: document masks cut it)."""
+    import random
+
+    folder.mkdir()
+    rng = random.Random(0)
+    for i in range(300):
+        words = " ".join(
+            rng.choice(["def", "x", "return", "(", ")", "+", "1", ":"])
+            for _ in range(rng.randint(6, 20))
+        )
+        (folder / f"d{i}.txt").write_text(words[:60])
+    return folder
+
+
 def tiny_model(**kw: Any) -> ModelConfig:
     """:data:`TINY`'s width, depth and heads as a :class:`~megaformer.config.ModelConfig` for
     in-process model tests: vocabulary 37, 16 positions, one key/value head per query head (MHA);

@@ -1,18 +1,23 @@
-"""Pipeline bubble and per-stage activation memory, measured beside the 1F1B theory.
+"""Pipeline bubble, step time and per-rank activation memory of each schedule, measured beside the
+schedules' formulas and the memory estimator.
 
-    python tools/bench_pipeline.py [--stages 4] [--micro-batches 4 8 16] [--layers 8]
+    python tools/bench_pipeline.py [--stages 2 4] [--micro-batches 8 16] [--schedules 1f1b dualpipev]
 
-Runs DeepSpeed's pipeline engine (1F1B) on gloo processes of this machine and prints, for each
-number of micro-batches m:
+Runs DeepSpeed's pipeline engine (1F1B, or its DualPipeV engine) on gloo processes of this machine
+over equal-cost stages and prints, for each PP, schedule and number of micro-batches m:
 
-* the measured bubble: per stage, 1 - (time in forward/backward compute) / (step time), the mean
-  over stages, beside the theory (p-1)/(m+p-1);
-* per stage, the peak bytes of activations held for backward (saved-tensor hooks: a tensor counts
-  from the moment autograd saves it until it is freed) without recomputation and with each
-  recomputation mode.
+* the measured bubble: per rank, 1 - (time in forward/backward compute) / (step time) from
+  timestamps around each pass, and the mean over ranks, beside the formula
+  (:func:`megaformer.analysis.schedules.formula_bubble`: (p-1)/(m+p-1) under 1F1B,
+  (2p - 5/2)/(2p - 5/2 + 3m) under DualPipeV with a backward costing two forwards);
+* the step time over 1F1B's at the same PP and m;
+* per rank, the peak bytes of activations held for backward (saved-tensor hooks: a tensor counts
+  from the moment autograd saves it until it is freed), the busiest rank's beside the estimator's
+  activation bytes (:func:`megaformer.analysis.memory.activation_bytes`);
+* for 1F1B, the per-stage peak with each recomputation mode.
 
-On a CPU with fewer cores than stages the processes share cores, so measured compute times include
-contention; the numbers are for checking the schedule's shape, not GPU timings.
+On a CPU with fewer cores than ranks the processes share cores, so measured compute times include
+contention; the idle fractions and the ratios are the point, not the absolute times.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -68,6 +74,7 @@ def _stage(
     args: argparse.Namespace,
     m: int,
     recompute: str,
+    schedule_name: str,
     out: "mp.Queue",
 ) -> None:
     os.environ.update(
@@ -83,7 +90,7 @@ def _stage(
 
     import deepspeed
 
-    from megaformer.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from megaformer.config import Config, ParallelConfig, TrainConfig
     from megaformer.parallel.build import build_model
     from megaformer.parallel.topology import build_topology
     from megaformer.training.distributed import disable_cpu_shm_comm_op
@@ -92,17 +99,12 @@ def _stage(
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     topo = build_topology(world, rank, pp=world)
-    cfg = ModelConfig(
-        vocab_size=257,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=8,
-        max_seq_len=args.seq,
-        tie_embeddings=False,
-    )
+    cfg = model_config(args)
     run = Config(
         model=cfg,
-        parallel=ParallelConfig(pipeline=world, pipeline_partition="layers"),
+        parallel=ParallelConfig(
+            pipeline=world, pipeline_partition="layers", pipeline_schedule=schedule_name
+        ),
         train=TrainConfig(seed=0, recompute=recompute),
     )
     pipe = build_model(run, topo).model  # the pipeline stages, as training builds them
@@ -111,6 +113,7 @@ def _stage(
         "gradient_accumulation_steps": m,
         "train_batch_size": args.batch * m,
         "steps_per_print": 2**31 - 1,
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
     }
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1e-4), config=ds
@@ -151,14 +154,16 @@ def _stage(
     )
 
 
-def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tuple]:
+def run(
+    world: int, args: argparse.Namespace, m: int, recompute: str, sched: str = "1f1b"
+) -> list[tuple]:
     from megaformer.runtime.spawn import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_stage, args=(r, world, port, args, m, recompute, q))
+        ctx.Process(target=_stage, args=(r, world, port, args, m, recompute, sched, q))
         for r in range(world)
     ]
     for p in procs:
@@ -169,31 +174,76 @@ def run(world: int, args: argparse.Namespace, m: int, recompute: str) -> list[tu
     return res
 
 
+def estimated_activations(args: argparse.Namespace, p: int, m: int, sched: str) -> float:
+    """The memory estimator's activation bytes on the busiest rank of this layout."""
+    from megaformer.analysis.memory import Layout, activation_bytes
+
+    lay = Layout(
+        pp=p, micro_batch=args.batch, grad_accum=m, precision="fp32", device="cpu", schedule=sched
+    )
+    return activation_bytes(model_config(args), args.seq, lay, 257)["total"]
+
+
+def model_config(args: argparse.Namespace) -> Any:
+    from megaformer.config import ModelConfig
+
+    return ModelConfig(
+        vocab_size=257,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=8,
+        max_seq_len=args.seq,
+        tie_embeddings=False,
+    )
+
+
 def main() -> None:
+    from megaformer.analysis.schedules import formula_bubble
+
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stages", type=int, default=4)
-    ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "dualpipev"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--recompute-table", action="store_true", help="also 1F1B per recompute mode")
     args = ap.parse_args()
-    p = args.stages
     print(
-        f"PP={p}, {args.layers} layers, d_model {args.d_model}, seq {args.seq}, micro-batch "
+        f"{args.layers} layers, d_model {args.d_model}, seq {args.seq}, micro-batch "
         f"{args.batch}, fp32, gloo on {os.cpu_count()} CPU cores"
     )
-    print(f"{'m':>3} {'bubble (measured, per stage)':<34} {'mean':>6} {'theory':>7}")
-    for m in args.micro_batches:
-        res = run(p, args, m, "none")
-        bubbles = [1 - busy / step for _, busy, step, _ in res]
-        per = " ".join(f"{b:.2f}" for b in bubbles)
-        print(f"{m:>3} {per:<34} {sum(bubbles) / p:6.2f} {(p - 1) / (m + p - 1):7.2f}")
-    m = args.micro_batches[0]
-    print(f"\npeak activation memory per stage (MB held for backward), m={m}:")
+    print(
+        f"{'PP':>2} {'schedule':>9} {'m':>3} {'idle per rank (measured)':<26} {'mean':>5} "
+        f"{'formula':>7} {'step s':>7} {'/1f1b':>6} {'act MB busiest':>14} {'estimator':>9}"
+    )
+    for p in args.stages:
+        for m in args.micro_batches:
+            base = None
+            for sched in args.schedules:
+                if sched == "dualpipev" and m < 2 * p:
+                    continue
+                res = run(p, args, m, "none", sched)
+                idle = [1 - busy / step for _, busy, step, _ in res]
+                step = max(step for _, _, step, _ in res)
+                base = step if sched == "1f1b" else base
+                ratio = f"{step / base:6.2f}" if base else f"{'':>6}"
+                per = " ".join(f"{b:.2f}" for b in idle)
+                peak = max(x for *_, x in res)
+                est = estimated_activations(args, p, m, sched)
+                print(
+                    f"{p:>2} {sched:>9} {m:>3} {per:<26} {sum(idle) / p:5.2f} "
+                    f"{formula_bubble(sched, p, m):7.2f} {step:7.2f} {ratio} "
+                    f"{peak / 1e6:14.2f} {est / 1e6:9.2f}"
+                )
+    if not args.recompute_table:
+        return
+    p, m = args.stages[-1], args.micro_batches[0]
+    print(f"\n1F1B peak activation memory per stage (MB held for backward), PP={p}, m={m}:")
     print(f"{'recompute':<10} " + " ".join(f"{'stage ' + str(s):>9}" for s in range(p)))
     for mode in ("none", "selective", "full"):
         res = run(p, args, m, mode)

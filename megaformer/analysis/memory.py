@@ -49,7 +49,8 @@ implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.p
     output projection needs it), so with fused attention it saves only the log-sum-exp: its gain is
     the s^2 softmax/dropout tensors of a non-fused kernel (Korthikanti's 5as/h term), which the
     fused kernels never store. Pipeline 1F1B: the first stage holds min(PP, micro-batches) micro-
-    batches of its L/PP layers in flight.
+    batches of its L/PP layers in flight; DualPipeV: every rank PP + 1/2 (:func:`pipeline_in_flight`),
+    and rank 0 both the embedding and the head (tied: one table).
 
 Checked against the CPU allocator's measured bytes (:mod:`megaformer.analysis.measure`) in
 tests/unit/test_memory.py (MoE blocks: tests/unit/test_moe.py). For reference, Korthikanti et al. 2022 (Megatron, 16-bit, dropout masks,
@@ -90,6 +91,7 @@ class Layout:
     precision: str = "fp32"
     device: str = "cuda"  # cuda or cpu (which norm and dropout implementations run)
     cp_mode: str = "ring"  # ring or all_to_all
+    schedule: str = "1f1b"  # the pipeline schedule (megaformer.analysis.schedules) under pp > 1
 
     @property
     def degrees(self) -> Degrees:
@@ -139,8 +141,9 @@ def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int
     else:
         block_sum = layers * block
     emb = V * d // t + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
-    head = norm_params(cfg) + (V * d // t if (not cfg.tie_embeddings or layout.pp > 1) else 0)
-    if layout.pp == 1:
+    both = layout.pp == 1 or layout.schedule == "dualpipev"  # one rank holds embedding and head
+    head = norm_params(cfg) + (V * d // t if (not cfg.tie_embeddings or not both) else 0)
+    if both:
         return block_sum + emb + head
     return block_sum + max(emb, head)
 
@@ -314,6 +317,17 @@ def layer_activation_bytes(
     return parts
 
 
+def pipeline_in_flight(layout: Layout) -> float:
+    """Micro-batches whose activations (of this rank's L/PP layers) the busiest rank holds at
+    once: min(PP, m) under 1F1B (the first stage), PP + 1/2 under DualPipeV (2 PP + 1 chunks of
+    half the layers, on every rank), from the schedule's pass order."""
+    if layout.pp == 1:
+        return 1.0
+    from megaformer.analysis.schedules import simulate
+
+    return max(simulate(layout.schedule, layout.pp, layout.grad_accum).in_flight)
+
+
 def activation_bytes(
     cfg: ModelConfig, seq_len: int, layout: Layout, padded_vocab: Optional[int] = None
 ) -> dict:
@@ -334,7 +348,7 @@ def activation_bytes(
         recompute_live = max(layer, moe_layer)  # one block rebuilt at a time in backward
     else:
         kept, recompute_live = (layers - n_moe) * layer + n_moe * moe_layer, 0.0
-    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
+    in_flight = pipeline_in_flight(layout)
     per_norm = _norm_elems(cfg, layout)
     rot = int(cfg.head_dim * cfg.rotary_fraction) if cfg.position == "rope" else 0
     Vp = padded_vocab or V

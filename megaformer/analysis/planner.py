@@ -6,13 +6,16 @@ builds) (+ ``RESERVE_GB`` for the CUDA context,
 NCCL buffers and allocator fragmentation). Step time from a compute + communication model with
 stated bandwidths and nothing overlapped (so it is a pessimistic, comparable ranking, not a promise):
 
-    compute   = hardware FLOPs / (GPUs * peak * efficiency) * (1 + (PP - 1) / m)      1F1B bubble, m micro-batches
+    compute   = hardware FLOPs / (GPUs * peak * efficiency) * k(schedule, PP, m)   m micro-batches;
+                k = 1 + (PP-1)/m under 1F1B, the DualPipeV timeline's step over its busy time
+                (:mod:`megaformer.analysis.schedules`: a backward costing two forwards)
     TP        = 4 (6 with full recompute) all-reduces of b*s*h*e bytes per layer per micro-batch,
                 ring: 2 (t-1)/t * bytes / BW;  BW = intra-node if TP <= GPUs per node, else inter
     DP        = gradient all-reduce 2 (d-1)/d * P*e_g / BW (ZeRO 2: reduce-scatter + all-gather,
                 same volume; ZeRO 3: x1.5 for the parameter all-gathers); BW = intra if TP*DP fits a
                 node, else inter
-    PP        = 2 m (PP-1) point-to-point sends of b*s*h*e bytes at the inter/intra bandwidth
+    PP        = m * 2 (PP-1) point-to-point sends of b*s*h*e bytes (DualPipeV: 4 (PP-1), out
+                and back) over PP ranks at the inter/intra bandwidth
     CP        = per layer and micro-batch the ring's K/V (+ dK/dV) passes or the all-to-all's q/k/v/out
                 exchange (:func:`megaformer.analysis.memory.context_comm_bytes`) / BW; intra if TP*CP
                 fits a node. Dense gradients are averaged over DP x CP
@@ -39,9 +42,12 @@ and DP).
 Rules that reject a layout: TP must divide heads, KV heads and the FFN width and stay within a node
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
 must split into micro-batches x DP; ZeRO-3 not with TP > 1 (megaformer), ZeRO 2/3 not with PP > 1
-(DeepSpeed's pipeline engine); memory must fit. MoE models (``model.moe``): TP must also divide the
-expert and shared-expert widths, no ZeRO-3 with EP > 1, no PP > 1 with router losses, no CP with a
-capacity factor; memory and checkpoints
+(DeepSpeed's pipeline engine); DualPipeV needs 2 PP micro-batches per step and 2 PP layers; memory
+must fit. Every PP > 1 layout is tried under each schedule (``1f1b``, ``dualpipev``): DualPipeV
+holds PP + 1/2 micro-batches' activations on every rank (1F1B: PP on the first stage) and the
+embedding and head both on rank 0. MoE models (``model.moe``): TP must also divide the
+expert and shared-expert widths, no ZeRO-3 with EP > 1, no CP with a capacity factor; memory
+and checkpoints
 count every expert (total parameters), FLOPs and MFU the active ones.
 """
 
@@ -54,7 +60,13 @@ from typing import Optional
 
 from megaformer.accelerators import find_accelerator, peak_tflops
 from megaformer.analysis.flops import fp8_forward_flops, fp8_share, step_flops
-from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate
+from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate, pipeline_in_flight
+from megaformer.analysis.schedules import (
+    SCHEDULES,
+    p2p_sends_per_micro_batch,
+    simulate,
+    step_factor,
+)
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.checkpoint.sharded import BYTES_PER_ELEMENT
 from megaformer.config import Config
@@ -106,7 +118,8 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         share = fp8_share(m, s)
         f8 = 3 * fp8_forward_flops(m, s) * gbs + share * fl.recompute
         work = (fl.hardware - f8) / peak + f8 / (hw.fp8_tflops * 1e12)
-    compute = work / (hw.gpus * hw.efficiency) * (1 + (lay.pp - 1) / micro)
+    # the pipeline's idle time: 1 + (PP-1)/m under 1F1B, the schedule's timeline otherwise
+    compute = work / (hw.gpus * hw.efficiency) * step_factor(lay.schedule, lay.pp, micro)
     act = lay.micro_batch * s // lay.cp * m.d_model * e  # one context rank's part
     node = hw.gpus_per_node
 
@@ -130,7 +143,8 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         + _allreduce_s(X * e, lay.expert_replicas, dp_bw)
     ) * (1.5 if lay.zero == 3 else 1.0)
     pp_bw = hw.inter_gbps if lay.tp * lay.pp > node else hw.intra_gbps
-    pp_time = 2 * micro * (lay.pp - 1) * act / (pp_bw * GB) / max(lay.pp, 1) if lay.pp > 1 else 0.0
+    sends = p2p_sends_per_micro_batch(lay.schedule, lay.pp)  # over the pipeline
+    pp_time = micro * sends * act / (pp_bw * GB) / lay.pp if lay.pp > 1 else 0.0
     cp_time = micro * layers * context_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp) * GB)
     moe_layers = min(layers, math.ceil(m.moe_layers / lay.pp)) if m.moe_layers else 0
     ep_time = (
@@ -154,6 +168,11 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
             "ep_comm": ep_time,
         },
         "mfu": fl.model / (step * hw.gpus * peak),
+        "pipeline": {
+            "bubble": simulate(lay.schedule, lay.pp, micro).bubble if lay.pp > 1 else 0.0,
+            "in_flight": pipeline_in_flight(lay),
+            "p2p_gb_per_rank": micro * sends * act / lay.pp / GB if lay.pp > 1 else 0.0,
+        },
         "tokens_per_s": fl.tokens / step,
         "checkpoint": {
             "total_gb": CHECKPOINT_BYTES_PER_PARAM * count_parameters(m)["total"] / GB,
@@ -174,6 +193,7 @@ def _reject_reason(
     zero: int,
     mb: int,
     cp_mode: str = "ring",
+    schedule: str = "1f1b",
 ) -> Optional[str]:
     m, gbs = cfg.model, cfg.train.global_batch_size
     if cp > 1 and cp_mode == "ring" and cfg.seq_len % (2 * cp):
@@ -192,12 +212,17 @@ def _reject_reason(
         return f"TP={tp} does not divide the expert FFN {m.expert_dim} / shared FFN {m.shared_dim}"
     if m.moe_layers and zero == 3 and ep > 1:
         return "ZeRO-3 with EP > 1 is not supported by DeepSpeed (its own AutoEP layers only)"
-    if m.moe_layers and pp > 1 and (m.moe.aux_loss_coef > 0 or m.moe.z_loss_coef > 0):
-        return "MoE router losses (aux/z loss) with PP > 1 are not supported"
     if pp > m.n_layers:
         return f"PP={pp} > {m.n_layers} layers"
     if gbs % (mb * dp):
         return f"global batch {gbs} not a multiple of micro-batch {mb} x DP {dp}"
+    if schedule == "dualpipev" and 2 * pp > m.n_layers:
+        return f"DualPipeV cuts {2 * pp} stages from {m.n_layers} layers"
+    if schedule == "dualpipev" and gbs // (mb * dp) < 2 * pp:
+        return (
+            f"DualPipeV needs 2 x PP = {2 * pp} micro-batches per step, "
+            f"this layout has {gbs // (mb * dp)}"
+        )
     if zero == 3 and tp > 1:
         return "ZeRO-3 with TP > 1 is not supported by megaformer"
     if zero >= 2 and pp > 1:
@@ -223,11 +248,20 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
             for pp in _divisors(hw.gpus // (tp * cp)):
                 dp = hw.gpus // (tp * cp * pp)
                 experts = _divisors(dp) if cfg.model.moe_layers else [1]
-                for ep, zero, mb in (
-                    (ep, z, mb) for ep in experts for z in (0, 1, 2, 3) for mb in micro_batches
+                schedules = SCHEDULES if pp > 1 else ("1f1b",)
+                for ep, zero, mb, sched in (
+                    (ep, z, mb, sc)
+                    for ep in experts
+                    for z in (0, 1, 2, 3)
+                    for mb in micro_batches
+                    for sc in schedules
                 ):
-                    why = _reject_reason(cfg, tp, cp, dp, pp, ep, zero=zero, mb=mb, cp_mode=cp_mode)
+                    why = _reject_reason(
+                        cfg, tp, cp, dp, pp, ep, zero=zero, mb=mb, cp_mode=cp_mode, schedule=sched
+                    )
                     key = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "micro_batch": mb}
+                    if pp > 1:
+                        key["schedule"] = sched
                     if cp > 1:
                         key.update(cp=cp, cp_mode=cp_mode)
                     if ep > 1:
@@ -251,6 +285,7 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                             precision=cfg.train.precision,
                             device="cuda",
                             cp_mode=cp_mode,
+                            schedule=sched,
                         )
                         r = evaluate(cfg, hw, lay)
                         need = r["memory_gb"] + RESERVE_GB
@@ -319,8 +354,8 @@ def format_plan(r: dict, top: int = 10) -> str:
         f"each, peak {a['peak_tflops']:g} TFLOP/s x efficiency {a['efficiency']:g}; NVLink/intra "
         f"{a['intra_gbps']:g} GB/s, network {a['inter_gbps']:g} GB/s per GPU; no overlap; "
         f"{a['reserve_gb']:g} GB reserved; global batch {a['global_batch']} x {a['seq_len']}",
-        f"{'TP':>3s} {'PP':>3s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} {'recompute':>9s} "
-        f"{'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "
+        f"{'TP':>3s} {'PP':>3s} {'schedule':>9s} {'bubble':>6s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} "
+        f"{'recompute':>9s} {'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "
         "time split (compute/TP/DP/PP)",
     ]
     if a.get("fp8", "off") != "off" and a.get("fp8_tflops"):
@@ -342,8 +377,10 @@ def format_plan(r: dict, top: int = 10) -> str:
     for x in shown:
         L, t = x["layout"], x["time"]
         cp = f"{L['cp']} {L['cp_mode']}" if L["cp"] > 1 else "1"
+        sched = L["schedule"] if L["pp"] > 1 else "-"
         lines.append(
-            f"{L['tp']:>3d} {L['pp']:>3d} {L['dp']:>4d} "
+            f"{L['tp']:>3d} {L['pp']:>3d} {sched:>9s} {100 * x['pipeline']['bubble']:>5.1f}% "
+            f"{L['dp']:>4d} "
             + (f"{cp:>13s} " if cp_col else "")
             + (f"{L['ep']:>3d} " if ep_col else "")
             + f"{L['zero']:>4d} {L['micro_batch']:>3d} "
@@ -372,7 +409,9 @@ def format_plan(r: dict, top: int = 10) -> str:
             continue
         seen.add(kind)
         lines.append(
-            f"  TP {x['tp']} PP {x['pp']} DP {x['dp']}"
+            f"  TP {x['tp']} PP {x['pp']}"
+            + (f" {x['schedule']}" if "schedule" in x else "")
+            + f" DP {x['dp']}"
             + (f" CP {x['cp']} {x['cp_mode']}" if "cp" in x else "")
             + (f" EP {x['ep']}" if "ep" in x else "")
             + f" ZeRO {x['zero']} mb {x['micro_batch']}"

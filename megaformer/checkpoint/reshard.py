@@ -51,6 +51,8 @@ def _new_config(ckpt: Path, tensor: int, pipeline: int) -> str:
         raw["parallel"]["pipeline_partition"] = "layers"  # an explicit split was for the old PP
     if tensor == 1:
         raw["parallel"]["sequence_parallel"] = False
+    if pipeline == 1:
+        raw["parallel"]["pipeline_schedule"] = "1f1b"  # a schedule needs a pipeline
     try:
         return config_from_dict(raw).to_yaml()
     except ConfigError as e:

@@ -15,7 +15,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     pl = sub.add_parser(
         "plan",
         help="feasible parallel layouts with estimated memory and MFU, best first",
-        description="Enumerate (TP, PP, DP, ZeRO stage, micro-batch, recompute) layouts of CONFIG on "
+        description="Enumerate (TP, PP and its schedule, DP, ZeRO stage, micro-batch, recompute) "
+        "layouts of CONFIG on "
         "N GPUs, estimate memory per GPU and step time from a compute + communication "
         "model, and list the feasible ones best first and the rejected ones with reasons. "
         "Context parallelism (CP, ring or all-to-all) is considered for sequences of "

@@ -184,15 +184,15 @@ class ModelKeys:
         0,
         "0 = logits then cross-entropy (materialises [tokens, vocab] fp32 logits); N > 0 = the "
         "output projection fused with the cross-entropy over N tokens at a time (its gradients "
-        "computed chunk by chunk in forward), so only [N, vocab] logits exist at once (vocab-parallel under TP; not with "
-        "parallel.pipeline > 1).",
+        "computed chunk by chunk in forward), so only [N, vocab] logits exist at once (vocab-parallel under TP; "
+        "on the last pipeline stage under parallel.pipeline > 1).",
     )
     document_mask: bool = option(
         False,
         "Packed documents do not attend to each other: a token attends only to earlier tokens "
         "of its own document (documents end at the tokenizer's EOD token). Varlen flash-attn "
-        "on CUDA when installed, else a block-diagonal causal mask (SDPA/reference). Not with "
-        "parallel.pipeline > 1.",
+        "on CUDA when installed, else a block-diagonal causal mask (SDPA/reference). Under "
+        "parallel.pipeline > 1 the stages pass the token ids on and rebuild the mask.",
     )
     init_from: Optional[str] = option(
         None,

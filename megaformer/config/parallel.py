@@ -20,7 +20,16 @@ class ParallelConfig:
     pipeline: int = option(
         1,
         "Pipeline-parallel degree: stages of consecutive blocks, run by "
-        "DeepSpeed's pipeline engine (1F1B over the micro-batches).",
+        "DeepSpeed's pipeline engine on the schedule parallel.pipeline_schedule.",
+    )
+    pipeline_schedule: Literal["1f1b", "dualpipev"] = option(
+        "1f1b",
+        "Order of the micro-batches' forward and backward passes over the stages: '1f1b' "
+        "(one forward, one backward; idle fraction (p-1)/(m+p-1) for p stages and m "
+        "micro-batches) or 'dualpipev' (DeepSeek-V3's DualPipeV, DeepSpeed's engine: the blocks "
+        "are cut into 2p stages, rank r runs stages r and 2p-1-r so micro-batches go out and "
+        "come back, the embedding and the head both on the first rank; needs at least 2p "
+        "micro-batches per step and 2p blocks).",
     )
     pipeline_partition: str = option(
         "layers",

@@ -45,10 +45,19 @@ class EvalOutput:
 
 def eval_layout(cfg: Config, topo: Any) -> Config:
     """``cfg`` with the launch's layout and nothing that only training needs (no recomputation,
-    compilation or sequence parallelism)."""
+    compilation, sequence parallelism or training schedule)."""
     tp, pp, ep = (topo.tp, topo.pp, topo.ep) if topo is not None else (1, 1, 1)
+    # the evaluation runner walks the stages in order: the 1F1B cut of the blocks
+    partition = cfg.parallel.pipeline_partition
     parallel = dataclasses.replace(
-        cfg.parallel, tensor=tp, pipeline=pp, context=1, expert=ep, sequence_parallel=False
+        cfg.parallel,
+        tensor=tp,
+        pipeline=pp,
+        context=1,
+        expert=ep,
+        sequence_parallel=False,
+        pipeline_schedule="1f1b",
+        pipeline_partition="layers" if "," in partition else partition,
     )
     train = dataclasses.replace(cfg.train, recompute="none", compile=False)
     return dataclasses.replace(cfg, parallel=parallel, train=train)

@@ -135,11 +135,15 @@ class PipelineRunner:
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage)
 
-    def _send(self, x: torch.Tensor) -> None:
-        send_with_shape(x, self._peer(self.stage + 1), self.group)
+    def _send(self, x: Any) -> None:
+        for t in x if isinstance(x, tuple) else (x,):  # (hidden, ids) under document masks
+            send_with_shape(t, self._peer(self.stage + 1), self.group)
 
-    def _recv(self, dtype: torch.dtype) -> torch.Tensor:
-        return recv_with_shape(self._peer(self.stage - 1), self.group, dtype, self.device)
+    def _recv(self, dtype: torch.dtype) -> Any:
+        x = recv_with_shape(self._peer(self.stage - 1), self.group, dtype, self.device)
+        if not self.plain.cfg.document_mask:
+            return x
+        return x, recv_with_shape(self._peer(self.stage - 1), self.group, torch.long, self.device)
 
     def _run_stages(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
         """The last stage's logits over the real vocabulary (None on the other stages)."""
@@ -149,6 +153,8 @@ class PipelineRunner:
         if self.stage < self.stages - 1:
             self._send(x)
             return None
+        if self.plain.cfg.loss_chunk_tokens > 0:  # the last layer passed the hidden states on
+            x = self.plain.lm_head(x)
         return self.plain.output_logits(x)
 
     @torch.no_grad()

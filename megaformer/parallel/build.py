@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from megaformer.config import Config
+from megaformer.config.checks.parallel import pipeline_stage_count
 from megaformer.kernels.selection import set_mode
 from megaformer.model.block import compile_blocks
 from megaformer.model.transformer import Transformer
@@ -49,11 +50,13 @@ from megaformer.parallel.context import (
 from megaformer.parallel.experts import configure_routing, distribute_experts, expert_offset
 from megaformer.parallel.fp8 import apply_fp8
 from megaformer.parallel.pipeline import (
+    RouterLosses,
     StagePieces,
     build_pipeline,
     original_names,
+    rank_pieces,
+    rank_stages,
     stage_parts,
-    stage_pieces,
 )
 from megaformer.parallel.plan import load_full_weights, padded_vocab_size, parallelize
 from megaformer.parallel.random import TensorParallelRNG
@@ -127,9 +130,9 @@ def build_model(
     fill: Optional[Materializer] = None
     if lazy:
         pieces = (
-            stage_pieces(
+            rank_pieces(
                 _stage_parts(cfg, topology, padded, model),
-                topology.pp_rank,
+                rank_stages(p.pipeline_schedule, pp, topology.pp_rank),
                 m.n_layers,
                 m.tie_embeddings,
             )
@@ -179,12 +182,20 @@ def build_model(
             load_shards(model, None, topology, reader)
         return BuiltModel(model, model, tp_rng, weigh_loss=loss_weighting(cp))
     names = original_names(model)
+    moe = m.moe
     pipe = build_pipeline(
         model,
         topology,
         p.pipeline_partition,
-        loss_fn=weighted_loss_fn(model.loss_fn, cp),
+        # the chunked loss reads the last stage's hidden states, else its logits
+        loss_fn=weighted_loss_fn(
+            model.lm_head.hidden_loss if m.loss_chunk_tokens > 0 else model.loss_fn, cp
+        ),
         inputs_hook=(lambda m: attach_inputs(cp, m)) if cp is not None else None,
+        schedule=p.pipeline_schedule,
+        router_losses=(
+            RouterLosses() if moe.interval > 0 and (moe.aux_loss_coef or moe.z_loss_coef) else None
+        ),
     )
     if reader is not None:  # this stage's parameters only
         load_shards(pipe, names, topology, reader)
@@ -204,13 +215,14 @@ def _stage_parts(
     """The pipeline's stage boundaries. Only ``parameters`` needs the split layout's parameter
     counts: from a second model of shapes only, laid out as this one."""
     p = cfg.parallel
+    stages = pipeline_stage_count(cfg)
     if p.pipeline_partition != "parameters":  # block counts: the unsplit model's blocks suffice
-        return stage_parts(model, topology.pp, p.pipeline_partition)
+        return stage_parts(model, stages, p.pipeline_partition)
     with torch.device("meta"):
         probe = Transformer(cfg.model, padded_vocab_size=padded)
     parallelize(probe, topology, p.sequence_parallel, None)
     distribute_experts(probe, topology)
-    return stage_parts(probe, topology.pp, p.pipeline_partition)
+    return stage_parts(probe, stages, p.pipeline_partition)
 
 
 class Materializer:

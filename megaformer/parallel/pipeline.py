@@ -10,6 +10,14 @@ are one ``TiedLayerSpec`` ("embed"), so DeepSpeed keeps the two copies equal (it
 weight at start and all-reduces its gradient between the two stages every step). Micro-batches are
 the gradient-accumulation steps and run on DeepSpeed's 1F1B schedule.
 
+What crosses a stage boundary is the hidden state x [B, T, d], and with ``model.document_mask``
+also the token ids (each stage rebuilds the documents' mask from them, once per micro-batch,
+instead of sending the mask). With ``model.loss_chunk_tokens`` the last layer passes x on and the
+loss reads x and the head's weight a chunk of tokens at a time (no [B, T, V] logits). The MoE
+router losses r of a stage's blocks enter the backward where they are made: y = x forward, and
+dL/dr = the micro-batch's loss scale backward (:class:`RouterLosses`), so a stage's routers get
+the gradient of L = CE + sum_r r without r crossing the later stages.
+
 Partitioning (``parallel.pipeline_partition``): ``layers`` (the same number of blocks per stage),
 ``parameters`` (balanced parameter counts), or an explicit list of blocks per stage such as
 ``"3,3,2"``. The embedding and head always go with the first and last stage.
@@ -22,6 +30,108 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+
+
+class DocumentMasks:
+    """The document mask of a micro-batch's ids, built once per stage: every block of the stage
+    is handed the same ids tensor, so the last one built is reused while the ids are the same."""
+
+    def __init__(self, build: Callable[[torch.Tensor], Any]) -> None:
+        self.build = build
+        self._ids: Optional[torch.Tensor] = None
+        self._mask: Any = None
+
+    def __call__(self, ids: torch.Tensor) -> Any:
+        if ids is not self._ids:
+            self._ids, self._mask = ids, self.build(ids)
+        return self._mask
+
+
+class _RouterLossInBackward(torch.autograd.Function):
+    """y = x; backward: dL/dx = dL/dy and dL/dr = scale (the micro-batch loss's own scale)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, router: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(router)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (router,) = ctx.saved_tensors
+        return grad, torch.full_like(router, ctx.scale), None
+
+
+class RouterLosses:
+    """The MoE router losses r of this stage's blocks: each joins the backward at its block
+    (gradient ``scale``, set by the train step to the loss's 1 / micro-batches), and their sum
+    over the step's micro-batches is kept for the logged loss (:meth:`take`)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self._sum: Optional[torch.Tensor] = None
+
+    def add(self, x: torch.Tensor, router: Optional[torch.Tensor]) -> torch.Tensor:
+        if router is None:
+            return x
+        r = router.detach().float()
+        self._sum = r if self._sum is None else self._sum + r
+        return _RouterLossInBackward.apply(x, router, self.scale)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """This stage's router losses summed over the micro-batches since the last take."""
+        total = self._sum if self._sum is not None else torch.zeros((), device=device)
+        self._sum = None
+        return total
+
+
+class PipelineBlock(nn.Module):
+    """A block as a pipeline layer: x -> block(x), or (x, ids) -> (block(x, mask(ids)), ids)
+    with document masks; its router losses (if any) join the backward here."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        masks: Optional[DocumentMasks],
+        router: Optional[RouterLosses],
+    ) -> None:
+        super().__init__()
+        self.block, self.masks, self.router = block, masks, router
+
+    def forward(self, inputs: Any) -> Any:
+        if self.masks is None:
+            x = self.block(inputs)
+        else:
+            x, ids = inputs
+            x = self.block(x, doc_ids=self.masks(ids))
+        if self.router is not None and self.training and torch.is_grad_enabled():
+            from megaformer.model.moe import take_router_losses
+
+            x = self.router.add(x, take_router_losses(self.block))
+        return x if self.masks is None else (x, ids)
+
+
+class FinalNorm(nn.Module):
+    """The final norm as the pipeline layer after the last block: (x, ids) -> norm(x)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.norm(inputs[0])
+
+
+class HiddenToLoss(nn.Module):
+    """The output layer as the last pipeline layer under the chunked loss: passes the hidden
+    states on (the loss function applies the head a chunk of tokens at a time)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head  # the stage owns (and trains) the head's weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 class EmbeddingStage(nn.Module):
@@ -42,13 +152,19 @@ class EmbeddingStage(nn.Module):
         self.drop = model.drop
         self.lm_head = model.lm_head if model.cfg.tie_embeddings else None
         self._embed: Callable = model.embed
+        self.pass_ids = False  # document masks: the later stages rebuild them from the ids
 
-    def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self._embed(ids, positions=positions)[0]
+    def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> Any:
+        x = self._embed(ids, positions=positions)[0]
+        return (x, ids) if self.pass_ids else x
 
 
 def _tied_head(stage: EmbeddingStage, x: torch.Tensor) -> torch.Tensor:
     return stage.lm_head(x)
+
+
+def _pass_hidden(stage: EmbeddingStage, x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class TiedEmbedding(nn.Module):
@@ -126,24 +242,56 @@ def stage_pieces(parts: list[int], stage: int, n_blocks: int, tied: bool) -> Sta
     )
 
 
+def rank_stages(schedule: str, pp: int, pp_rank: int) -> tuple[int, ...]:
+    """The stages pipeline rank ``pp_rank`` of ``pp`` holds: (r,) under 1F1B; (r, 2p-1-r) under
+    DualPipeV, whose micro-batches go out through ranks 0..p-1 and come back through p-1..0, so
+    rank 0 holds both the embedding (stage 0) and the head (stage 2p-1)."""
+    if schedule == "dualpipev":
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return (pp_rank,)
+
+
+def rank_pieces(
+    parts: list[int], stages: tuple[int, ...], n_blocks: int, tied: bool
+) -> StagePieces:
+    """What a rank holding ``stages`` holds of the plain model: the union of the stages' pieces."""
+    each = [stage_pieces(parts, s, n_blocks, tied) for s in stages]
+    return StagePieces(
+        frozenset().union(*(e.blocks for e in each)),
+        any(e.embedding for e in each),
+        any(e.head for e in each),
+    )
+
+
 def build_pipeline(
     model: nn.Module,
     topo: Any,
     partition: str,
     loss_fn: Callable,
     inputs_hook: Optional[Callable[[nn.Module], None]] = None,
+    schedule: str = "1f1b",
+    router_losses: Optional[RouterLosses] = None,
 ) -> nn.Module:
     """A ``PipelineModule`` over ``model``'s layers for the grid in ``topo``. ``inputs_hook``
     (context parallelism) is applied to the embedding stage and to every block's attention, so
-    that they read this rank's global positions."""
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
+    that they read this rank's global positions. ``loss_fn(output, labels)`` reads the logits, or
+    the hidden states under ``model.loss_chunk_tokens``. ``router_losses``: where MoE blocks put
+    their router losses (None: they have none).
+
+    ``schedule="dualpipev"``: a ``DualPipeVModule`` cut into 2p stages, rank r running stages r
+    and 2p-1-r (DeepSpeed picks its DualPipeV engine for it). The embedding and the head are both
+    on rank 0, so tied embeddings are one module there and need no gradient exchange."""
+    from deepspeed.pipe import DualPipeVModule, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     emb = EmbeddingStage(model)
     if inputs_hook is not None:
         for m in (emb, *(block.attn for block in model.layers)):
             inputs_hook(m)
-    tied = model.cfg.tie_embeddings
+    cfg = model.cfg
+    tied, chunked = cfg.tie_embeddings, cfg.loss_chunk_tokens > 0
+    masks = DocumentMasks(model.document_mask) if cfg.document_mask else None
+    emb.pass_ids = masks is not None
     layers: list = []
     if tied:
         layers.append(
@@ -151,23 +299,27 @@ def build_pipeline(
         )
     else:
         layers.append(emb)
-    layers.extend(model.layers)
-    layers.append(model.final_norm)
+    if masks is not None or router_losses is not None:
+        layers.extend(PipelineBlock(b, masks, router_losses) for b in model.layers)
+    else:
+        layers.extend(model.layers)
+    layers.append(FinalNorm(model.final_norm) if masks is not None else model.final_norm)
     if tied:
         layers.append(
             TiedLayerSpec(
                 "embed",
                 TiedEmbedding,
                 emb,
-                forward_fn=_tied_head,
+                forward_fn=_pass_hidden if chunked else _tied_head,
                 tied_weight_attr=["tok_embeddings.weight"],
             )
         )
     else:
-        layers.append(model.lm_head)
+        layers.append(HiddenToLoss(model.lm_head) if chunked else model.lm_head)
     # DeepSpeed's data axis is the replica group (DP x CP): the same rank order as the topology
     grid = PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.replicas)
-    parts = stage_parts(model, topo.pp, partition)
+    dual = schedule == "dualpipev"
+    parts = stage_parts(model, 2 * topo.pp if dual else topo.pp, partition)
 
     class MegaformerPipeline(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:
@@ -175,13 +327,28 @@ def build_pipeline(
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-    return MegaformerPipeline(
+    class MegaformerDualPipeV(DualPipeVModule):
+        def _partition_layers(self, method: str = "uniform") -> None:
+            # DualPipeVModule's own split, over the boundaries the build materialised
+            rank = self._topo.get_coord(self.global_rank).pipe
+            self.num_stages = 2 * topo.pp
+            self.parts = parts
+            first, second = rank_stages(schedule, topo.pp, rank)
+            self._set_bounds(start=parts[first], stop=parts[first + 1])
+            self.phase_bounds = [
+                (parts[first], parts[first + 1]),
+                (parts[second], parts[second + 1]),
+            ]
+
+    pipe = (MegaformerDualPipeV if dual else MegaformerPipeline)(
         layers=layers,
         topology=grid,
         loss_fn=loss_fn,
         partition_method=partition,
         activation_checkpoint_interval=0,
     )
+    pipe.router_losses = router_losses  # read by the train step (scale, logged loss)
+    return pipe
 
 
 def original_names(model: nn.Module) -> dict[int, str]:

@@ -47,9 +47,13 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if cfg.parallel.pipeline > 1 and cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:
+    p = cfg.parallel
+    if p.pipeline > 1 and (
+        (p.sequence_parallel and p.tensor > 1) or p.pipeline_schedule == "dualpipev"
+    ):
         # DeepSpeed splits the activations it sends between stages over the TP group, assuming
         # they are replicated there; under sequence parallelism each TP rank holds its own part.
+        # DualPipeV sends whole activations (its engine refuses partitioned ones).
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if t.precision == "bf16":  # zero_stage >= 1 (config validation refuses bf16 without ZeRO)
         # DeepSpeed accumulates bf16 gradients over micro-batches in bf16 unless told: fp32 takes

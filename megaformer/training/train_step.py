@@ -7,8 +7,10 @@ data-parallel rank:
 * :class:`TrainStep` (one stage): ``loss_i = engine(x_i, y_i); engine.backward(loss_i);
   engine.step()`` for each i (DeepSpeed applies the update at the accumulation boundary), and the
   logged loss is mean_i loss_i averaged over the data- and context-parallel ranks ("replica");
-* :class:`PipelineTrainStep` (``parallel.pipeline > 1``): DeepSpeed's 1F1B schedule over the same
-  micro-batches (``engine.train_batch``), whose loss is already averaged over micro-batches and DP.
+* :class:`PipelineTrainStep` (``parallel.pipeline > 1``): DeepSpeed's pipeline engine over the
+  same micro-batches (``engine.train_batch``) on the schedule ``parallel.pipeline_schedule`` (1F1B,
+  or DualPipeV: DeepSpeed picks its engine for the DualPipeV module the build made), whose loss is
+  already averaged over micro-batches and DP; MoE router losses are added from every stage.
 
 A new pipeline schedule is a new subclass; :func:`train_step_class` picks one from the config.
 """
@@ -176,7 +178,8 @@ class TrainStep:
 
 
 class PipelineTrainStep(TrainStep):
-    """The step of this rank's pipeline stage (``deepspeed.pipe.PipelineModule``), 1F1B."""
+    """The step of this rank's pipeline stages (``deepspeed.pipe.PipelineModule``: 1F1B, or
+    ``DualPipeVModule``: DualPipeV)."""
 
     @staticmethod
     def engine_mpu(topo: Any) -> Any:
@@ -187,8 +190,18 @@ class PipelineTrainStep(TrainStep):
         return self.engine.module
 
     def _forward_backward(self, step: int, micro_batches: list) -> torch.Tensor:
-        # 1F1B over the micro-batches; the loss comes back averaged over them and over DP
-        return self.engine.train_batch(iter(micro_batches)).detach().float()
+        # the schedule over the micro-batches; the loss comes back averaged over them and over DP
+        router = self.engine.module.router_losses
+        if router is not None:  # the router losses' gradient, scaled as the loss's
+            router.scale = 1.0 / self.grad_accum
+        loss = self.engine.train_batch(iter(micro_batches)).detach().float()
+        if router is None:
+            return loss
+        # + every stage's router losses, mean over micro-batches, summed over stages, mean over DP
+        groups = self.topo.groups
+        mine = router.take(loss.device) / self.grad_accum
+        total = dist.all_reduce_mean(mine, groups.pp) * self.topo.pp
+        return loss + dist.all_reduce_mean(total, groups.replica)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import cli_main, run_cli, run_torchrun, tiny_model, tiny_overrides
+from tests.helpers import (
+    cli_main,
+    run_cli,
+    run_torchrun,
+    short_documents,
+    tiny_model,
+    tiny_overrides,
+)
 
 ARGS = {
     "model.n_layers": 4,
@@ -61,6 +68,20 @@ def _compare(ref: Path, run: Path) -> None:
         assert float((wa[k] - wb[k]).norm() / wa[k].norm()) < 1e-5, k
 
 
+def _train(world: int, run: Path, args: dict) -> str:
+    """``megaformer train`` on ``world`` ranks with the tiny model and ``args``; its output."""
+    proc = run_torchrun(
+        world,
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides("stdlib", **args),
+        "--run-dir",
+        str(run),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
 LAYOUTS = {  # name: (world, overrides)
     "pp2": (2, {"parallel.pipeline": 2}),
     "pp4": (4, {"parallel.pipeline": 4}),
@@ -71,6 +92,37 @@ LAYOUTS = {  # name: (world, overrides)
     "pp2xdp2-zero1": (
         4,
         {"parallel.pipeline": 2, "parallel.zero_stage": 1, "parallel.pipeline_partition": "1,3"},
+    ),
+    # DualPipeV (DeepSpeed's engine): each rank holds two stages, embedding and tied head on rank 0
+    "pp2-dualpipev": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "dualpipev"}),
+    # one sample per micro-batch: 4 micro-batches per DP rank; full recomputation
+    "pp2xdp2-zero1-dualpipev": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "dualpipev",
+            "parallel.zero_stage": 1,
+            "train.micro_batch_size": 1,
+            "train.recompute": "full",
+        },
+    ),
+    "pp2xtp2-sp-dualpipev": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "dualpipev",
+            "parallel.tensor": 2,
+            "parallel.sequence_parallel": "true",
+        },
+    ),
+    "pp2xcp2-ring-dualpipev": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "dualpipev",
+            "parallel.context": 2,
+            "train.micro_batch_size": 1,
+        },
     ),
     "tp2xpp2xdp2": (
         8,
@@ -91,15 +143,7 @@ LAYOUTS = {  # name: (world, overrides)
 def test_layout_equals_one_process(reference, tmp_path, layout):
     world, extra = LAYOUTS[layout]
     run = tmp_path / layout
-    proc = run_torchrun(
-        world,
-        "train",
-        "configs/quickstart.yaml",
-        *tiny_overrides("stdlib", **{**ARGS, **extra}),
-        "--run-dir",
-        str(run),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _train(world, run, {**ARGS, **extra})
     _compare(reference, run)
     gen = cli_main(
         "generate", str(run), "--prompt", "def", "--max-new-tokens", "5", "--temperature", "0"
@@ -108,6 +152,249 @@ def test_layout_equals_one_process(reference, tmp_path, layout):
         "generate", str(reference), "--prompt", "def", "--max-new-tokens", "5", "--temperature", "0"
     )
     assert gen.returncode == 0 and gen.stdout == ref_gen.stdout
+
+
+# what crosses the stages beyond the hidden states, or is computed on one of them
+STAGE_FEATURES = {
+    # the ids go along for the documents' masks; the last stage's loss reads the hidden states
+    "documents-chunked-loss": {"model.document_mask": "true", "model.loss_chunk_tokens": 8},
+    "moe-router-losses": {
+        "model.moe.interval": 1,
+        "model.moe.num_experts": 4,
+        "model.moe.top_k": 2,
+        "model.moe.d_expert": 32,
+        "model.moe.aux_loss_coef": 0.01,
+        "model.moe.z_loss_coef": 0.001,
+    },
+}
+SCHEDULES = {
+    "1f1b-pp2": (2, {"parallel.pipeline": 2}),
+    "dualpipev-pp2": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "dualpipev"}),
+    "dualpipev-pp2xtp2-sp": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "dualpipev",
+            "parallel.tensor": 2,
+            "parallel.sequence_parallel": "true",
+        },
+    ),
+}
+
+
+def _feature_args(feature: str, docs: Path) -> dict:
+    """ARGS with ``feature``; document masks train on short documents (every sample holds
+    several end-of-document tokens)."""
+    args = {**ARGS, **STAGE_FEATURES[feature]}
+    if feature.startswith("documents"):
+        args["data.source"] = str(docs)
+    return args
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory) -> Path:
+    return short_documents(tmp_path_factory.mktemp("corpus") / "short_docs")
+
+
+@pytest.fixture(scope="module")
+def feature_references(tmp_path_factory, short_docs) -> dict:
+    """One-process runs of each of STAGE_FEATURES (and its overrides), made on first use."""
+    root, made = tmp_path_factory.mktemp("features"), {}
+
+    def get(feature: str, **extra: str) -> Path:
+        key = feature + repr(sorted(extra.items()))
+        if key not in made:
+            run = root / str(len(made))
+            proc = run_cli(
+                "train",
+                "configs/quickstart.yaml",
+                *tiny_overrides("stdlib", **{**_feature_args(feature, short_docs), **extra}),
+                "--run-dir",
+                str(run),
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            made[key] = run
+        return made[key]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("feature", list(STAGE_FEATURES))
+def test_stage_features_equal_one_process(
+    short_docs, feature_references, tmp_path, feature, schedule
+):
+    """Document masks with the chunked loss on the last stage, and MoE router losses from every
+    stage, under each schedule: losses, gradient norms and weights after 3 AdamW steps equal one
+    process's."""
+    world, extra = SCHEDULES[schedule]
+    run = tmp_path / schedule
+    _train(world, run, {**_feature_args(feature, short_docs), **extra})
+    ref = feature_references(feature)
+    _compare(ref, run)
+    if feature.startswith("documents"):  # the masks change the gradients: documents are cut
+        unmasked = feature_references(feature, **{"model.document_mask": "false"})
+        a, b = _records(ref)[2]["grad_norm"], _records(unmasked)[2]["grad_norm"]
+        assert abs(a - b) > 5e-3 * a, (a, b)
+    else:  # the router losses are a visible part of the loss
+        assert _records(ref)[1]["moe/aux_loss"] > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dualpipev_with_expert_parallelism_equals_one_process(feature_references, tmp_path):
+    """MoE blocks with router losses, their experts split over 2 data-parallel ranks, under
+    DualPipeV at PP=2 (one sample per micro-batch: 4 per step and DP rank)."""
+    extra = {
+        "parallel.pipeline": 2,
+        "parallel.pipeline_schedule": "dualpipev",
+        "parallel.expert": 2,
+        "parallel.zero_stage": 1,
+        "train.micro_batch_size": 1,
+    }
+    run = tmp_path / "ep"
+    _train(4, run, {**ARGS, **STAGE_FEATURES["moe-router-losses"], **extra})
+    # the router losses are statistics of each micro-batch: the reference's are of one sample too
+    _compare(feature_references("moe-router-losses", **{"train.micro_batch_size": 1}), run)
+
+
+def _init_gloo() -> None:
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    from megaformer.training.distributed import disable_cpu_shm_comm_op
+
+    disable_cpu_shm_comm_op()
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def _eval_scores(rank: int, world: int, ckpt: Path) -> tuple:
+    from megaformer.evaluation.checkpoint import load_runner
+    from megaformer.parallel.topology import build_topology
+
+    _init_gloo()
+    cpu = torch.device("cpu")
+    runner, tok, _ = load_runner(ckpt, build_topology(world, rank, pp=world), cpu)
+    one, _, _ = load_runner(ckpt, None, cpu)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 24), generator=g)
+    ids[:, [5, 13]] = tok.eod_id  # three documents per row
+    targets = torch.randint(0, 256, (2, 24), generator=g)
+    return runner.scores(ids, targets), one.scores(ids, targets)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipelined_evaluation_passes_the_ids_and_applies_the_head(feature_references):
+    """megaformer eval's pipeline runner on a model with document masks and the chunked loss: the
+    stages send the ids along, the last one applies the head to the hidden states; the scores
+    equal one process's."""
+    from tests.dist_harness import run_ranks
+
+    ckpt = feature_references("documents-chunked-loss") / "checkpoints" / "step_0000003"
+    for (logp, greedy), (ref_logp, ref_greedy) in run_ranks(2, _eval_scores, ckpt, timeout=300):
+        assert torch.allclose(logp, ref_logp, rtol=1e-5, atol=1e-6)
+        assert torch.equal(greedy, ref_greedy)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dualpipev_pp4_equals_one_process(tmp_path):
+    """DualPipeV at PP=4: 8 stages of one block each (rank r runs blocks r and 7-r), 8
+    micro-batches per step, tied embeddings on rank 0."""
+    args = {**ARGS, "model.n_layers": 8, "train.micro_batch_size": 1}
+    ref = tmp_path / "ref"
+    proc = run_cli(
+        "train", "configs/quickstart.yaml", *tiny_overrides("stdlib", **args), "--run-dir", str(ref)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "pp4"
+    out = _train(
+        4, run, {**args, "parallel.pipeline": 4, "parallel.pipeline_schedule": "dualpipev"}
+    )
+    assert "PP 4 (dualpipev)" in out
+    _compare(ref, run)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_resume_at_another_schedule_continues_the_same_losses(tmp_path):
+    """PP2 under 1F1B stops at step 2; resumed from its sharded checkpoint under DualPipeV (the
+    stages cut anew: 4 instead of 2), steps 3 and 4 equal the uninterrupted 1F1B run's."""
+    args = {
+        **ARGS,
+        "parallel.pipeline": 2,
+        "train.steps": 4,
+        "checkpoint.interval": 2,
+        "eval.interval": 0,
+        "log.sample_tokens": 0,
+    }
+    full = tmp_path / "full"
+    _train(2, full, args)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000004")
+    (resumed / "checkpoints" / "latest").write_text("step_0000002\n")
+    out = _train(2, resumed, {**args, "parallel.pipeline_schedule": "dualpipev"})
+    assert "resumed from" in out and "PP 2 (dualpipev)" in out
+    a, b = _records(full), _records(resumed)
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+    assert a[4]["loss"] != a[3]["loss"]
+
+
+def _dualpipev_layout(rank: int, world: int) -> dict:
+    _init_gloo()
+    from deepspeed.pipe import DualPipeVModule
+
+    from megaformer.config import load_config
+    from megaformer.parallel.build import build_model
+    from megaformer.parallel.topology import build_topology
+
+    over = tiny_overrides(
+        "stdlib",
+        **{
+            **ARGS,
+            "model.vocab_size": 64,
+            "parallel.pipeline": world,
+            "parallel.pipeline_schedule": "dualpipev",
+        },
+    )
+    cfg = load_config("configs/quickstart.yaml", over)
+    built = build_model(cfg, build_topology(world, rank, pp=world))
+    materialised = {
+        n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("layers.") else "")
+        for n, p in built.plain.named_parameters()
+        if not p.is_meta
+    }
+    names = {built.param_names[id(p)] for p in built.model.parameters()}
+    return {
+        "dual": isinstance(built.model, DualPipeVModule),
+        "materialised": materialised,
+        "held": {
+            n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("layers.") else "")
+            for n in names
+        },
+    }
+
+
+@pytest.mark.multiprocess
+def test_dualpipev_ranks_hold_two_stages_and_rank0_the_embedding_and_head():
+    """PP=2, 4 blocks: stages [embedding, block 0] [block 1] [block 2] [block 3, norm, head];
+    rank 0 runs stages 0 and 3 (the tied embedding once), rank 1 stages 1 and 2; a rank builds
+    only its stages' blocks."""
+    from tests.dist_harness import run_ranks
+
+    r0, r1 = run_ranks(2, _dualpipev_layout, timeout=300)
+    assert r0["dual"] and r1["dual"]
+    assert r0["held"] == {"tok_embeddings", "layers.0", "layers.3", "final_norm"}
+    assert r1["held"] == {"layers.1", "layers.2"}
+    for r in (r0, r1):  # nothing of another rank's stages was allocated
+        assert r["materialised"] - {"final_norm", "pos_embeddings"} == r["held"] - {"final_norm"}
 
 
 @pytest.mark.slow

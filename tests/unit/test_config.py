@@ -127,6 +127,52 @@ BAD = [
         {"parallel": {"pipeline": 2, "pipeline_partition": "3,2"}, "model": {"n_layers": 4}},
         "parallel.pipeline_partition='3,2'",
     ),
+    (
+        {"parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"}, "model": {"n_layers": 3}},
+        "more stages than model.n_layers=3 (DualPipeV cuts the blocks into 2 * pipeline = 4",
+    ),
+    (
+        {
+            "parallel": {
+                "pipeline": 2,
+                "pipeline_schedule": "dualpipev",
+                "pipeline_partition": "2,2",
+            }
+        },
+        "expected 'layers', 'parameters' or 4 positive block counts",
+    ),
+    ({"parallel": {"pipeline_schedule": "dualpipev"}}, "needs a pipeline (parallel.pipeline > 1)"),
+    (
+        {
+            "parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"},
+            "log": {"diagnostics": True},
+        },
+        "diagnostics walk the stages in 1F1B order",
+    ),
+    (
+        {"parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"}, "eval": {"tasks": ["x"]}},
+        "evaluate the checkpoint with megaformer eval instead",
+    ),
+    ({"parallel": {"pipeline_schedule": "zb"}}, "parallel.pipeline_schedule"),
+    (
+        {
+            "parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"},
+            "deepspeed": {"pipeline": {"pipe_partitioned": True}},
+        },
+        "DualPipeV sends whole activations",
+    ),
+    (
+        {
+            "parallel": {"pipeline": 2},
+            "train": {"precision": "fp16"},
+            "model": {"moe": {"interval": 1, "aux_loss_coef": 0.01}},
+        },
+        "unscaled by the fp16 loss scale",
+    ),
+    (
+        {"parallel": {"pipeline": 2, "context": 2}, "model": {"document_mask": True}},
+        "use one of pipeline or context parallelism",
+    ),
     ({"model": {"dropout": 1.0}}, "model.dropout=1.0: must be in [0, 1)"),
     ({"deepspeed": {"train_batch_size": 4}}, "deepspeed.train_batch_size: derived by megaformer"),
     ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "set parallel.zero_stage instead"),
@@ -148,6 +194,20 @@ def test_world_size_checks():
     assert validate_for_world(cfg, 2) == 2
     with pytest.raises(ConfigError, match="micro_batch_size \\* data-parallel size = 2 \\* 3 = 6"):
         validate_for_world(cfg, 3)
+
+
+def test_dualpipev_needs_two_micro_batches_per_rank():
+    cfg = config_from_dict(
+        {
+            "parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8},
+        }
+    )
+    assert validate_for_world(cfg, 2) == 4  # 4 micro-batches = 2 * pipeline
+    with pytest.raises(ConfigError) as e:
+        validate_for_world(cfg, 4)  # DP 2: 2 micro-batches per step
+    assert "needs at least 2 * pipeline = 4 micro-batches per step, got 2" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_override_syntax_errors():
@@ -250,7 +310,8 @@ def test_choices_are_declared_once_as_literal_types():
             allowed = choices(typing.get_type_hints(cls)[f.name])
             if allowed:
                 declared[f"{section}.{f.name}"] = allowed
-    assert len(declared) == 18
+    assert len(declared) == 19
+    assert declared["parallel.pipeline_schedule"] == ("1f1b", "dualpipev")
     assert declared["train.precision"] == ("fp32", "bf16", "fp16")
     assert declared["parallel.expert_dispatch"] == ("auto", "splits", "padded")
     assert declared["parallel.zero_stage"] == (0, 1, 2, 3)

@@ -350,15 +350,8 @@ def test_inductor_compiled_block_equals_eager():
         ({"model": {"loss_chunk_tokens": -1}}, "model.loss_chunk_tokens=-1"),
         (
             {
-                "model": {"loss_chunk_tokens": 512, "n_layers": 2},
-                "parallel": {"pipeline": 2, "zero_stage": 1},
-            },
-            "model.loss_chunk_tokens",
-        ),
-        (
-            {
                 "model": {"document_mask": True, "n_layers": 2},
-                "parallel": {"pipeline": 2, "zero_stage": 1},
+                "parallel": {"pipeline": 2, "context": 2, "zero_stage": 1},
             },
             "model.document_mask",
         ),
@@ -384,19 +377,10 @@ def test_training_with_chunked_loss_and_document_mask(tmp_path):
     the plain one, and masking isolates documents, in the model-level tests above.)"""
     import json
     import math
-    import random
 
-    from tests.helpers import run_cli, tiny_overrides
+    from tests.helpers import run_cli, short_documents, tiny_overrides
 
-    corpus = tmp_path / "docs"
-    corpus.mkdir()
-    rng = random.Random(0)
-    for i in range(300):
-        words = " ".join(
-            rng.choice(["def", "x", "return", "(", ")", "+", "1", ":"])
-            for _ in range(rng.randint(6, 20))
-        )
-        (corpus / f"d{i}.txt").write_text(words[:60])
+    corpus = short_documents(tmp_path / "docs")
     runs = {}
     for chunk in (48, 0):  # the chunked loss against the plain one, after updates too
         run = tmp_path / f"run{chunk}"

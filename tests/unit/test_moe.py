@@ -50,7 +50,6 @@ def _cfg(**moe) -> ModelConfig:
         ("model.moe.score=relu", "model.moe.score='relu': must be one of softmax, sigmoid"),
         ("model.moe.d_expert=0", "model.moe.d_expert=0: must be > 0"),
         ("model.moe.expert=2", "unknown config key 'model.moe.expert'"),
-        ("parallel.pipeline=2", "model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline=2"),
     ],
 )
 def test_config_errors_are_one_line(override, message):

@@ -189,3 +189,40 @@ def test_the_build_peak_is_counted():
         assert x["memory_gb"] >= x["memory"]["build"] - 1e-9
     # TP2 without PP holds a 138 GB fp32 shard while it builds: not feasible on 80 GB
     assert not [x for x in r["feasible"] if x["layout"]["tp"] == 2 and x["layout"]["pp"] == 1]
+
+
+def test_plan_searches_the_pipeline_schedules():
+    """Every PP > 1 layout is tried under 1F1B and DualPipeV: DualPipeV's step has the shorter
+    bubble of its timeline, twice the p2p sends, PP + 1/2 micro-batches in flight on every rank and
+    the embedding with the head on rank 0; too few micro-batches or layers are reasons."""
+    from megaformer.analysis.memory import Layout, activation_bytes, params_per_rank
+    from megaformer.analysis.planner import evaluate
+    from megaformer.analysis.schedules import formula_bubble
+
+    hw = Hardware(16, 8, 80, 989.5, 450, 50, 0.6)
+    small = load_config(
+        "configs/llama-7b.yaml", ["train.global_batch_size=16", "model.n_layers=24"]
+    )
+    r = plan(small, hw, micro_batches=(1, 2))
+    scheds = {x["layout"]["schedule"] for x in r["feasible"] if x["layout"]["pp"] > 1}
+    assert scheds == {"1f1b", "dualpipev"}
+    reasons = {x["reason"] for x in r["rejected"] if x.get("schedule") == "dualpipev"}
+    assert "DualPipeV needs 2 x PP = 16 micro-batches per step, this layout has 8" in reasons
+    assert "DualPipeV cuts 32 stages from 24 layers" in reasons
+    cfg = load_config("configs/llama-7b.yaml", ["train.global_batch_size=64"])
+
+    base = dict(tp=2, pp=4, dp=2, zero=1, micro_batch=1, grad_accum=32, precision="bf16")
+    one, dual = (evaluate(cfg, hw, Layout(**base, schedule=s)) for s in ("1f1b", "dualpipev"))
+    assert one["pipeline"]["bubble"] == pytest.approx(formula_bubble("1f1b", 4, 32))
+    assert dual["pipeline"]["bubble"] == pytest.approx(formula_bubble("dualpipev", 4, 32))
+    assert dual["time"]["compute"] < one["time"]["compute"]
+    assert dual["time"]["pp_comm"] == pytest.approx(2 * one["time"]["pp_comm"])
+    assert (one["pipeline"]["in_flight"], dual["pipeline"]["in_flight"]) == (4, 4.5)
+    m = cfg.model
+    a1, a2 = (
+        activation_bytes(m, cfg.seq_len, Layout(**base, schedule=s)) for s in ("1f1b", "dualpipev")
+    )
+    assert a2["layers"] == pytest.approx(a1["layers"] * 4.5 / 4)
+    # rank 0 holds the embedding and the (untied) head under DualPipeV, one of them under 1F1B
+    p1, p2 = (params_per_rank(m, Layout(**base, schedule=s)) for s in ("1f1b", "dualpipev"))
+    assert p2 - p1 == pytest.approx(m.vocab_size * m.d_model // 2, rel=0.01)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megaformer.config.checks.common import require
+from megaformer.config.checks.parallel import check_pipeline_micro_batches
 
 if TYPE_CHECKING:
     from megaformer.config.root import Config
@@ -42,7 +43,9 @@ def validate_for_world(cfg: Config, world_size: int) -> int:
         f"train.global_batch_size={t.global_batch_size}: must be a multiple of "
         f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp} = {per_step}",
     )
-    return t.global_batch_size // per_step
+    grad_accum = t.global_batch_size // per_step
+    check_pipeline_micro_batches(cfg, grad_accum)
+    return grad_accum
 
 
 def validate_for_training(cfg: Config) -> None:

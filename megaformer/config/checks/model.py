@@ -64,15 +64,13 @@ def check_model(cfg: Config) -> None:
     positive("model.norm_eps", m.norm_eps)
     positive("model.init_std", m.init_std)
     positive("model.loss_chunk_tokens", m.loss_chunk_tokens, allow_zero=True)
-    for key, on in (
-        ("model.loss_chunk_tokens", m.loss_chunk_tokens > 0),
-        ("model.document_mask", m.document_mask),
-    ):
-        require(
-            not (on and cfg.parallel.pipeline > 1),
-            f"{key}: not supported with parallel.pipeline={cfg.parallel.pipeline} "
-            "(the pipeline stages pass only the hidden states); use pipeline 1 or turn it off",
-        )
+    p = cfg.parallel
+    require(
+        not (m.document_mask and p.pipeline > 1 and p.context > 1),
+        f"model.document_mask with parallel.pipeline={p.pipeline} and parallel.context="
+        f"{p.context}: the stages rebuild the mask from their context part of the ids, not the "
+        "whole sequences; use one of pipeline or context parallelism",
+    )
     check_moe(cfg)
 
 
@@ -163,11 +161,10 @@ def check_moe(cfg: Config) -> None:
         )
     if cfg.parallel.pipeline > 1:
         require(
-            moe.aux_loss_coef == 0 and moe.z_loss_coef == 0,
+            (moe.aux_loss_coef == 0 and moe.z_loss_coef == 0) or cfg.train.precision != "fp16",
             f"model.moe.aux_loss_coef/z_loss_coef with parallel.pipeline="
-            f"{cfg.parallel.pipeline}: the pipeline stages pass only the hidden states, so "
-            "the router losses cannot reach the loss; set both to 0 (the auxiliary-loss-free "
-            "model.moe.bias_update_rate works under pipeline parallelism)",
+            f"{cfg.parallel.pipeline} and train.precision=fp16: the stages' router losses join "
+            "the backward unscaled by the fp16 loss scale; use bf16 or set both to 0",
         )
     ep = cfg.parallel.expert
     require(

@@ -51,8 +51,17 @@ def check_tensor_parallel(cfg: Config) -> None:
     )
 
 
+def pipeline_stage_count(cfg: Config) -> int:
+    """The stages the blocks are cut into: PP under 1F1B, 2 * PP under DualPipeV (each rank holds
+    two)."""
+    p = cfg.parallel
+    return 2 * p.pipeline if p.pipeline_schedule == "dualpipev" else p.pipeline
+
+
 def check_pipeline(cfg: Config) -> None:
     p, n = cfg.parallel, cfg.model.n_layers
+    check_pipeline_schedule(cfg)
+    stages = pipeline_stage_count(cfg)
     spec = p.pipeline_partition
     if spec not in ("layers", "parameters"):
         try:
@@ -60,13 +69,21 @@ def check_pipeline(cfg: Config) -> None:
         except ValueError:
             counts = []
         require(
-            len(counts) == p.pipeline and all(c >= 1 for c in counts) and sum(counts) == n,
+            len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == n,
             f"parallel.pipeline_partition={spec!r}: expected 'layers', 'parameters' or "
-            f"{p.pipeline} positive block counts summing to model.n_layers={n}",
+            f"{stages} positive block counts summing to model.n_layers={n}",
         )
     if p.pipeline == 1:
         return
-    require(n >= p.pipeline, f"parallel.pipeline={p.pipeline}: more stages than model.n_layers={n}")
+    require(
+        n >= stages,
+        f"parallel.pipeline={p.pipeline}: more stages than model.n_layers={n}"
+        + (
+            f" (DualPipeV cuts the blocks into 2 * pipeline = {stages} stages)"
+            if stages > p.pipeline
+            else ""
+        ),
+    )
     require(
         p.zero_stage <= 1,
         f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's "
@@ -77,6 +94,48 @@ def check_pipeline(cfg: Config) -> None:
         f"train.precision=bf16 with parallel.pipeline={p.pipeline} needs parallel.zero_stage=1: "
         "DeepSpeed accumulates bf16 micro-batch gradients in fp32 only in its ZeRO-1 optimizer",
     )
+
+
+def check_pipeline_schedule(cfg: Config) -> None:
+    """What each schedule needs beyond the pipeline itself (the micro-batch count needs the world
+    size: :func:`check_pipeline_micro_batches`)."""
+    p = cfg.parallel
+    if p.pipeline_schedule == "1f1b":
+        return
+    require(
+        p.pipeline > 1,
+        f"parallel.pipeline_schedule={p.pipeline_schedule}: needs a pipeline "
+        "(parallel.pipeline > 1)",
+    )
+    ds_pipe = (cfg.deepspeed or {}).get("pipeline", {})
+    require(
+        not any(ds_pipe.get(k) for k in ("pipe_partitioned", "grad_partitioned")),
+        "parallel.pipeline_schedule=dualpipev with deepspeed.pipeline.pipe_partitioned/"
+        "grad_partitioned: DualPipeV sends whole activations; set both to false",
+    )
+    require(
+        not cfg.log.diagnostics,
+        "log.diagnostics=true with parallel.pipeline_schedule=dualpipev: the residual-stream "
+        "diagnostics walk the stages in 1F1B order; switch one of them off",
+    )
+    require(
+        not cfg.eval.tasks,
+        "eval.tasks with parallel.pipeline_schedule=dualpipev: task evaluation during training "
+        "runs the stages in 1F1B order; evaluate the checkpoint with megaformer eval instead",
+    )
+
+
+def check_pipeline_micro_batches(cfg: Config, grad_accum: int) -> None:
+    """The micro-batches per optimizer step (``grad_accum``) the schedule needs."""
+    p = cfg.parallel
+    if p.pipeline > 1 and p.pipeline_schedule == "dualpipev":
+        require(
+            grad_accum >= 2 * p.pipeline,
+            f"parallel.pipeline_schedule=dualpipev: needs at least 2 * pipeline = "
+            f"{2 * p.pipeline} micro-batches per step, got {grad_accum} (train.global_batch_size "
+            "/ (train.micro_batch_size * data-parallel size)); raise the global batch or lower "
+            "the micro-batch",
+        )
 
 
 def check_context(cfg: Config) -> None:
