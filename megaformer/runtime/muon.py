@@ -1,0 +1,257 @@
+"""Muon on the blocks' matrices, AdamW on everything else (Jordan et al. 2024; Liu et al. 2025).
+
+For a weight matrix W (m x n) with gradient G, one step is (Nesterov form, as in Moonlight)::
+
+    M <- mu M + G                      momentum ("momentum" in the checkpoint)
+    U <- G + mu M                      (U <- M without Nesterov)
+    O <- NS_k(U)                       k Newton-Schulz steps: O ~ U (U^T U)^(-1/2), the
+                                       orthogonal factor of U (singular values pushed to ~1)
+    W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) O
+
+NS_k: X_0 = U / ||U||_F (transposed when m > n, so X X^T is the smaller Gram matrix), then
+X_{i+1} = a X_i + (b A + c A^2) X_i with A = X_i X_i^T and the quintic's coefficients
+(a, b, c) = (3.4445, -4.7750, 2.0315). An orthogonal m x n matrix has RMS 1/sqrt(max(m, n)); the
+factor 0.2 sqrt(max(m, n)) brings the update to RMS ~0.2, AdamW's typical update RMS, so AdamW's
+learning rate and weight decay carry over. Expert weights [E, m, n] are E matrices, orthogonalised
+each on its own (one batched iteration).
+
+Embeddings, the output head, norms, biases, the router and the shared-expert gate (and whatever
+``train.muon_adamw_params`` names) take AdamW: torch's AdamW over the same parameter groups,
+sharing this optimizer's ``state``.
+
+Layouts:
+
+* Tensor parallelism: each matrix's TP shards of U are all-gathered (one coalesced all-gather of
+  every owned split matrix per step), every TP rank orthogonalises the whole matrix and keeps its
+  own shard of O. Received per rank and step: (tp - 1) / tp of the owned split matrices, fp32.
+* ZeRO-1/2 (``distribute``): each whole parameter is owned by one rank of its data-parallel group
+  (the replica group; experts: the expert-data group), assigned greedily by size so the groups'
+  ranks hold about equal shares. Only the owner keeps the parameter's optimizer state and updates
+  it; then each rank broadcasts the parameters it owns (one coalesced broadcast per rank). So the
+  state is 1/DP per rank and no rank orthogonalises every matrix. Gradients arrive all-reduced
+  (DeepSpeed runs without its own ZeRO partitioning under Muon).
+* Pipeline parallelism: each stage's optimizer holds its own parameters. Expert parallelism: each
+  rank's experts, per expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megaformer.comm import all_gather_cat, broadcast_tensor, rank, size
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+RMS_MATCH = 0.2
+ADAMW_ALWAYS = ("embeddings", "lm_head", "router", "shared_gate")
+STATE_KEYS = ("momentum",)
+
+
+def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """NS_k(U) of every matrix in ``u`` (``[..., m, n]``), fp32."""
+    a, b, c = NS_COEFFICIENTS
+    x = u.float()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.mT if tall else x
+
+
+def update_scale(shape: tuple[int, ...]) -> float:
+    """0.2 sqrt(max(m, n)) for matrices of ``shape`` ``[..., m, n]``: the update's RMS is AdamW's."""
+    return RMS_MATCH * math.sqrt(max(shape[-2], shape[-1]))
+
+
+def uses_muon(name: str, p: torch.Tensor, adamw_params: tuple[str, ...] = ()) -> bool:
+    """A block matrix (2-D, or 3-D stacked experts) not named for AdamW."""
+    return (
+        name.startswith("layers.")
+        and p.dim() >= 2
+        and not any(s in name for s in (*ADAMW_ALWAYS, *adamw_params))
+    )
+
+
+@dataclass
+class MuonGroups:
+    """The process groups Muon's step talks over (None: a group of one)."""
+
+    tp: Any = None  # gathers each split matrix for its Newton-Schulz iteration
+    replica: Any = None  # owners of the dense parameters (DP x CP)
+    expert_data: Any = None  # owners of the expert parameters (ranks holding the same experts)
+    distribute: bool = False  # ZeRO-1/2: each parameter's state and update on one owner
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return getattr(p, "allreduce", True) is False
+
+
+def assign_owners(params: list[torch.Tensor], ranks: int) -> list[int]:
+    """Owner rank of each parameter: largest first onto the least-loaded rank (ties: lowest rank),
+    the same on every rank since it depends only on the sizes and their order."""
+    load = [0] * ranks
+    owners = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += params[i].numel()
+    return owners
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the groups with ``use_muon`` (keys ``lr``, ``weight_decay``, ``momentum``,
+    ``nesterov``, ``ns_steps``), torch's AdamW on the others (``adamw``: its keyword arguments)."""
+
+    def __init__(self, groups: list[dict], adamw: dict, comm: Optional[MuonGroups] = None) -> None:
+        super().__init__(groups, {"use_muon": False, "weight_decay": 0.0})
+        self.comm = comm or MuonGroups()
+        adam_groups = [g for g in self.param_groups if not g["use_muon"]]
+        self.adamw: Optional[torch.optim.AdamW] = None
+        if adam_groups:
+            self.adamw = torch.optim.AdamW(adam_groups, **adamw)
+            self.adamw.param_groups = adam_groups  # the same dicts: one LR schedule for both
+            self.adamw.state = self.state
+        self._pools = self._ownership()
+
+    # ------------------------------------------------------------------------- ownership
+
+    def _ownership(self) -> list[tuple[Any, list[torch.Tensor], list[int]]]:
+        """(group, parameters, owner of each) for the dense and the expert parameters."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._owner: dict[torch.Tensor, bool] = {}
+        pools = []
+        for group, members in (
+            (self.comm.replica, [p for p in params if not is_expert(p)]),
+            (self.comm.expert_data, [p for p in params if is_expert(p)]),
+        ):
+            k = size(group) if self.comm.distribute and group is not None else 1
+            owners = assign_owners(members, k)
+            me = rank(group) if k > 1 else 0
+            for p, r in zip(members, owners):
+                self._owner[p] = r == me
+            if k > 1:
+                pools.append((group, members, owners))
+        return pools
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """This rank keeps ``p``'s optimizer state and computes its update."""
+        return self._owner.get(p, True)
+
+    def state_keys(self, p: torch.Tensor) -> tuple[str, ...]:
+        """The names of ``p``'s optimizer state (besides its master weight)."""
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return STATE_KEYS if g["use_muon"] else ("exp_avg", "exp_avg_sq")
+        raise KeyError("not a parameter of this optimizer")
+
+    # ------------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                params = [p for p in group["params"] if p.grad is not None and self.owns(p)]
+                self._muon_group(group, params)
+        if self.adamw is not None:
+            hidden = [
+                (p, p.grad)
+                for g in self.adamw.param_groups
+                for p in g["params"]
+                if p.grad is not None and not self.owns(p)
+            ]
+            for p, _ in hidden:  # another rank updates these
+                p.grad = None
+            self.adamw.step()
+            for p, grad in hidden:
+                p.grad = grad
+        self._share_updates()
+        return loss
+
+    def _muon_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        if not params:
+            return
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        grads = [p.grad.float() for p in params]
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+            bufs.append(state["momentum"])
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        us = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+        whole = self._gather_shards(params, us)
+        orth = orthogonalise(whole, group["ns_steps"])
+        updates = [self._own_shard(p, o) for p, o in zip(params, orth)]
+        scales = [-lr * update_scale(tuple(w.shape)) for w in whole]
+        if wd:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_mul_(updates, scales)
+        torch._foreach_add_(params, updates)
+
+    def _split(self, p: torch.Tensor) -> bool:
+        return bool(getattr(p, "tensor_model_parallel", False)) and size(self.comm.tp) > 1
+
+    def _gather_shards(
+        self, params: list[torch.Tensor], us: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Each U whole over tensor parallelism: one all-gather of every split one, coalesced."""
+        split = [i for i, p in enumerate(params) if self._split(p)]
+        if not split:
+            return list(us)
+        tp = size(self.comm.tp)
+        flat = torch.cat([us[i].reshape(-1) for i in split])
+        parts = all_gather_cat(flat, self.comm.tp, 0).view(tp, -1)
+        out, at = list(us), 0
+        for i in split:
+            n, shape = us[i].numel(), us[i].shape
+            dim = params[i].partition_dim
+            out[i] = torch.cat([parts[r, at : at + n].view(shape) for r in range(tp)], dim=dim)
+            at += n
+        return out
+
+    def _own_shard(self, p: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        if not self._split(p):
+            return o
+        dim, local = p.partition_dim, p.shape[p.partition_dim]
+        return o.narrow(dim, rank(self.comm.tp) * local, local).contiguous()
+
+    def _share_updates(self) -> None:
+        """Each rank's owned parameters to the rest of its group: one broadcast per owner."""
+        for group, members, owners in self._pools:
+            k = size(group)
+            for r in range(k):
+                mine = [p for p, o in zip(members, owners) if o == r]
+                if not mine:
+                    continue
+                flat = _flatten_dense_tensors([p.data for p in mine])
+                broadcast_tensor(flat, r, group)
+                for p, v in zip(mine, _unflatten_dense_tensors(flat, [p.data for p in mine])):
+                    p.data.copy_(v)
+
+
+def orthogonalise(us: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """NS_k of each tensor of ``us``, those of one shape stacked into one batched iteration."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, u in enumerate(us):
+        by_shape.setdefault(tuple(u.shape), []).append(i)
+    out: list[Optional[torch.Tensor]] = [None] * len(us)
+    for shape, idx in by_shape.items():
+        stacked = torch.stack([us[i] for i in idx]) if len(idx) > 1 else us[idx[0]].unsqueeze(0)
+        orth = newton_schulz(stacked, steps)
+        for j, i in enumerate(idx):
+            out[i] = orth[j]
+    return out  # type: ignore[return-value]

@@ -1,0 +1,168 @@
+"""Muon in one process equals a hand-written reference of the algorithm; the split between Muon and
+AdamW; the owners of a distributed step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megaformer.config import TrainConfig
+from megaformer.runtime.muon import Muon, assign_owners, newton_schulz, uses_muon
+from megaformer.runtime.optimizer import build_optimizer
+
+
+def reference_ns(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration written out for one matrix."""
+    x = g.clone()
+    if g.shape[0] > g.shape[1]:
+        x = x.T
+    x = x / (torch.linalg.matrix_norm(x) + 1e-7)
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * (a @ a)) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def reference_muon(w, grads, lr, wd, mu, steps, nesterov=True):
+    """Moonlight's Muon (bitwise) for one matrix over several gradients: momentum, Nesterov, NS, RMS-matching
+    scale 0.2 sqrt(max(m, n)), decoupled weight decay."""
+    w, m = w.clone(), torch.zeros_like(w)
+    for g in grads:
+        m = mu * m + g
+        u = g.add(m, alpha=mu) if nesterov else m  # g + mu m, rounded once as the optimizer does
+        o = reference_ns(u, steps)
+        w = w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(w.shape)) * o
+    return w, m
+
+
+def test_newton_schulz_orthogonalises():
+    torch.manual_seed(0)
+    g = torch.randn(24, 40)
+    o = newton_schulz(g, 5)
+    s = torch.linalg.svdvals(o)
+    assert float(s.min()) > 0.5 and float(s.max()) < 1.3  # the quintic's band around 1
+    assert torch.allclose(o, reference_ns(g, 5), atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_equals_the_reference_on_a_few_matrices(nesterov):
+    torch.manual_seed(0)
+    shapes = [(16, 32), (48, 16), (20, 20)]
+    weights = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for _ in range(3)] for s in shapes]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    group = {
+        "params": params,
+        "use_muon": True,
+        "lr": 0.02,
+        "weight_decay": 0.1,
+        "momentum": 0.95,
+        "nesterov": nesterov,
+        "ns_steps": 5,
+    }
+    opt = Muon([group], {"lr": 0.02})
+    for step in range(3):
+        for p, gs in zip(params, grads):
+            p.grad = gs[step].clone()
+        opt.step()
+    for p, w, gs in zip(params, weights, grads):
+        ref_w, ref_m = reference_muon(w, gs, 0.02, 0.1, 0.95, 5, nesterov)
+        assert torch.equal(opt.state[p]["momentum"], ref_m)
+        assert torch.equal(p.detach(), ref_w), float((p - ref_w).abs().max())
+        assert not torch.allclose(p.detach(), w)
+
+
+def test_expert_matrices_are_orthogonalised_each_on_its_own():
+    torch.manual_seed(0)
+    stacked = torch.randn(3, 8, 12)
+    batched = newton_schulz(stacked, 5)
+    for e in range(3):
+        assert torch.allclose(batched[e], reference_ns(stacked[e], 5), atol=1e-6)
+
+
+def test_the_split_between_muon_and_adamw():
+    from megaformer.config import MoEConfig
+    from megaformer.model.transformer import Transformer
+    from tests.helpers import tiny_model
+
+    cfg = tiny_model(
+        position="learned",
+        tie_embeddings=False,
+        bias=True,
+        moe=MoEConfig(interval=1, num_experts=4, num_shared_experts=1, shared_gate=True),
+    )
+    model = Transformer(cfg)
+    opt = build_optimizer(model, TrainConfig(optimizer="muon", muon_adamw_params=["attn.wo"]))
+    muon = {n for n, p in model.named_parameters() if opt.state_keys(p) == ("momentum",)}
+    assert muon == {
+        n
+        for n, p in model.named_parameters()
+        if n.startswith("layers.")
+        and p.dim() >= 2
+        and not any(k in n for k in ("router", "shared_gate", "attn.wo"))
+    }
+    assert any("experts.w1" in n for n in muon) and any("attn.wq" in n for n in muon)
+    assert not uses_muon("tok_embeddings.weight", torch.zeros(4, 4))
+    assert not uses_muon("layers.0.attn.wq.bias", torch.zeros(4))
+    # Muon's learning rate follows train.lr unless set
+    lrs = {g["use_muon"]: g["lr"] for g in opt.param_groups}
+    assert lrs == {True: TrainConfig().lr, False: TrainConfig().lr}
+    opt = build_optimizer(model, TrainConfig(optimizer="muon", muon_lr=0.05))
+    assert {g["lr"] for g in opt.param_groups if g["use_muon"]} == {0.05}
+
+
+def test_adamw_part_equals_torch_adamw():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8))
+    ref = torch.nn.Embedding(10, 8)
+    ref.load_state_dict(model[0].state_dict())
+    t = TrainConfig(optimizer="muon", adam_impl="foreach")
+    opt = build_optimizer(model, t)
+    ref_opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
+        foreach=True,
+    )  # "0.weight": a matrix outside the blocks, AdamW with decay
+    for _ in range(3):
+        g = torch.randn(10, 8)
+        model[0].weight.grad, ref.weight.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    assert torch.equal(model[0].weight, ref.weight)
+
+
+def test_owners_balance_whole_parameters():
+    params = [torch.zeros(n) for n in (100, 10, 60, 50, 40, 10)]
+    owners = assign_owners(params, 2)
+    load = [sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(2)]
+    assert sorted(load) == [130, 140]
+    assert assign_owners(params, 1) == [0] * 6
+
+
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        (
+            {"train": {"optimizer": "muon"}, "parallel": {"zero_stage": 3}},
+            "train.optimizer=muon with parallel.zero_stage=3: Newton-Schulz needs each whole",
+        ),
+        (
+            {"train": {"optimizer": "muon", "precision": "bf16"}, "parallel": {"zero_stage": 1}},
+            "use train.precision=fp32",
+        ),
+        ({"train": {"optimizer": "sgd"}}, "train.optimizer"),
+        ({"train": {"muon_momentum": 1.0}}, "train.muon_momentum=1.0: must be in [0, 1)"),
+        ({"train": {"muon_ns_steps": 0}}, "train.muon_ns_steps=0: must be > 0"),
+    ],
+)
+def test_muon_config_errors_are_one_line(raw, message):
+    from megaformer.config import config_from_dict
+    from megaformer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert message in str(e.value) and "\n" not in str(e.value)
