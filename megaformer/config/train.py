@@ -75,12 +75,11 @@ class TrainConfig:
     muon_momentum: float = option(0.95, "Muon's momentum mu (m <- mu m + g).")
     muon_nesterov: bool = option(True, "Muon orthogonalises g + mu m (Nesterov) instead of m.")
     muon_ns_steps: int = option(5, "Newton-Schulz iterations per Muon update.")
-    muon_adamw_params: list[str] = option(
+    muon_adamw_params: Optional[list[str]] = option(
         None,
         "Names containing any of these substrings go to AdamW even when they are block "
         "matrices (e.g. [attn.wo] or [mlp.experts]); embeddings, the output head, router, "
-        "norms and biases always do.",
-        factory=list,
+        "norms and biases always do (null = no others).",
     )
     optimizer_reset: bool = option(
         False,

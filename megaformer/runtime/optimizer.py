@@ -98,7 +98,7 @@ def muon_groups(
     name_of = {id(p): n for n, p in model.named_parameters()}
     if names is not None:
         name_of.update(names)
-    extra = tuple(t.muon_adamw_params)
+    extra = tuple(t.muon_adamw_params or ())
     out = []
     for g in groups:
         muon = [p for p in g["params"] if uses_muon(name_of[id(p)], p, extra)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, run_torchrun, tiny_overrides
+from tests.helpers import keep_only, run_cli, run_torchrun, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -88,3 +88,97 @@ def test_layout_equals_one_process(reference, tmp_path, layout):
     run = tmp_path / layout
     _train(run, world, **extra, **(MOE if moe else {}))
     _compare(reference(moe), run)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+RESUME = {
+    "checkpoint.interval": 2,
+    "checkpoint.keep_last": "null",
+    "eval.interval": 0,
+    "train.lr_schedule": "constant",
+}
+TP2_DP2 = {"parallel.tensor": 2, "parallel.zero_stage": 1}
+TP1_DP4 = {"parallel.zero_stage": 1}
+
+
+def _state(run: Path, step: int):
+    from megaformer.checkpoint.sharded import ShardedState
+
+    return ShardedState(run / "checkpoints" / f"step_{step:07d}")
+
+
+@pytest.fixture(scope="module")
+def saved_tp2_dp2(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("muon_ckpt") / "tp2xdp2"
+    _train(run, 4, **RESUME, **TP2_DP2, **{"train.steps": 4})
+    return run
+
+
+def test_checkpoint_stores_muon_state_under_its_own_names(saved_tp2_dp2, tmp_path):
+    state = _state(saved_tp2_dp2, 2)
+    assert state.index["optimizer"] == "muon"
+    assert state.keys_of("layers.0.attn.wq.weight") == ("master", "momentum")
+    assert state.keys_of("tok_embeddings.weight") == ("master", "exp_avg", "exp_avg_sq")
+    assert state.keys_of("layers.0.attn_norm.weight") == ("master", "exp_avg", "exp_avg_sq")
+    # the momentum saved at TP2 x DP2 is one process's, whole
+    one = tmp_path / "one"
+    _train(one, 1, **RESUME, **{"train.steps": 2})
+    ref = _state(one, 2)
+    assert ref.index["optimizer"] == "muon"
+    for name in ref.names():
+        for key in ref.keys_of(name):
+            a, b = state.whole(name, key), ref.whole(name, key)
+            assert float((a - b).norm()) <= 1e-5 * float(b.norm()), (name, key)
+    m = state.whole("layers.1.mlp.w2.weight", "momentum")
+    assert float(m.norm()) > 0
+
+
+def _resume(saved: Path, run: Path, layout: dict) -> tuple:
+    """``saved`` cut back to step 2 and resumed at ``layout`` to step 4: (the saved run's records,
+    the resumed run's, their states at step 4)."""
+    import shutil
+
+    shutil.copytree(saved, run)
+    keep_only(run, 2)
+    _train(run, 4, **RESUME, **layout, **{"train.steps": 4})
+    return _records(saved), _records(run), _state(saved, 4), _state(run, 4)
+
+
+def test_resume_at_another_layout_keeps_the_momentum(saved_tp2_dp2, tmp_path):
+    a, b, x, y = _resume(saved_tp2_dp2, tmp_path / "tp1xdp4", TP1_DP4)
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+    for name in x.names():
+        for key in x.keys_of(name):
+            u, v = y.whole(name, key), x.whole(name, key)
+            assert float((u - v).norm()) <= 1e-5 * float(v.norm()), (name, key)
+
+
+def test_resume_at_the_same_layout_is_bitwise(saved_tp2_dp2, tmp_path):
+    import torch
+
+    a, b, x, y = _resume(saved_tp2_dp2, tmp_path / "again", TP2_DP2)
+    assert [b[s]["loss"] for s in (3, 4)] == [a[s]["loss"] for s in (3, 4)]
+    for name in x.names():
+        for key in x.keys_of(name):
+            assert torch.equal(y.whole(name, key), x.whole(name, key)), (name, key)
+
+
+def test_another_optimizer_is_refused_unless_reset(saved_tp2_dp2, tmp_path):
+    import shutil
+
+    from tests.helpers import assert_one_line_error
+
+    run = tmp_path / "adamw"
+    shutil.copytree(saved_tp2_dp2, run)
+    keep_only(run, 2)
+    args = tiny_overrides("stdlib", **{**ARGS, **RESUME, **TP1_DP4, "train.steps": 4})
+    args += ["train.optimizer=adamw", "checkpoint.resume=true"]
+    proc = run_cli("train", "configs/quickstart.yaml", *args, "--run-dir", str(run))
+    assert_one_line_error(proc, "train.optimizer=adamw differs from the checkpoint", "(muon)")
+    args += ["train.optimizer_reset=true", "--run-dir", str(run)]
+    proc = run_torchrun(4, "train", "configs/quickstart.yaml", *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "optimizer state not loaded (train.optimizer_reset=true)" in proc.stdout + proc.stderr
+    assert _state(run, 4).index["optimizer"] == "adamw"

@@ -250,7 +250,7 @@ def test_choices_are_declared_once_as_literal_types():
             allowed = choices(typing.get_type_hints(cls)[f.name])
             if allowed:
                 declared[f"{section}.{f.name}"] = allowed
-    assert len(declared) == 17
+    assert len(declared) == 18
     assert declared["train.precision"] == ("fp32", "bf16", "fp16")
     assert declared["parallel.zero_stage"] == (0, 1, 2, 3)
     reference = {key: doc for key, _, _, doc in describe_keys()}
