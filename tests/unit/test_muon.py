@@ -166,3 +166,49 @@ def test_muon_config_errors_are_one_line(raw, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict(raw)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_memory_estimate_counts_muons_state(moe):
+    """The estimator's optimizer bytes against the state Muon allocates in one process (within 5%;
+    exact but for the AdamW step counters, scalars)."""
+    from megaformer.analysis.measure import optimizer_state_tensors, tensor_bytes
+    from megaformer.analysis.memory import Layout, state_bytes
+    from megaformer.config import ModelConfig, MoEConfig
+    from megaformer.model.transformer import Transformer
+
+    extra = {"moe": MoEConfig(interval=2, num_experts=4, num_shared_experts=1)} if moe else {}
+    cfg = ModelConfig(
+        vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, **extra
+    )
+    model = Transformer(cfg)
+    opt = build_optimizer(model, TrainConfig(optimizer="muon"))
+    x = torch.zeros(1, 4, dtype=torch.long)
+    model(x, x).backward()
+    opt.step()
+    est = state_bytes(cfg, Layout(optimizer="muon"))
+    have = tensor_bytes(optimizer_state_tensors(opt))
+    assert abs(est["optimizer"] / have - 1) < 0.05, (est["optimizer"], have)
+    adamw = state_bytes(cfg, Layout())["optimizer"]
+    assert est["optimizer"] < 0.75 * adamw  # one moment instead of two on the block matrices
+
+
+def test_plan_counts_muons_state_and_refuses_zero3():
+    from megaformer.analysis.memory import Layout
+    from megaformer.analysis.planner import Hardware, evaluate, plan
+    from megaformer.config import load_config
+
+    over = ["train.global_batch_size=64", "train.precision=fp32", "parallel.zero_stage=1"]
+    adamw = load_config("configs/llama-7b.yaml", over)
+    muon = load_config("configs/llama-7b.yaml", [*over, "train.optimizer=muon"])
+    hw = Hardware(16, 8, 80, 989.5, 450, 50, 0.6)
+    lay = dict(tp=2, dp=8, zero=1, micro_batch=1, grad_accum=8, precision="fp32")
+    a = evaluate(adamw, hw, Layout(**lay))
+    m = evaluate(muon, hw, Layout(**lay, optimizer="muon"))
+    assert m["memory"]["optimizer"] < 0.75 * a["memory"]["optimizer"]
+    assert m["checkpoint"]["total_gb"] < 0.75 * a["checkpoint"]["total_gb"]
+    assert m["time"]["optimizer_comm"] > 0 and a["time"]["optimizer_comm"] == 0
+    r = plan(muon, hw, micro_batches=(1,))
+    assert all(x["layout"]["optimizer"] == "muon" for x in r["feasible"])
+    assert not any(x["layout"]["zero"] == 3 for x in r["feasible"])
+    assert any("ZeRO-3 with Muon" in x["reason"] for x in r["rejected"])
