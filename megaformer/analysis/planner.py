@@ -355,7 +355,8 @@ def format_plan(r: dict, top: int = 10) -> str:
     shown = r["feasible"][:top]
     cp_col = any(x["layout"]["cp"] > 1 for x in shown)
     ep_col = any(x["layout"]["ep"] > 1 for x in shown)
-    extra = ("/CP" if cp_col else "") + ("/EP" if ep_col else "")
+    opt_col = any(x["time"].get("optimizer_comm", 0) > 0 for x in shown)
+    extra = ("/CP" if cp_col else "") + ("/EP" if ep_col else "") + ("/Muon" if opt_col else "")
     lines[-1] = (lines[-1][:-1] + extra + ")").replace(
         f"{'DP':>4s} ",
         f"{'DP':>4s} " + (f"{'CP':>13s} " if cp_col else "") + (f"{'EP':>3s} " if ep_col else ""),
@@ -375,12 +376,15 @@ def format_plan(r: dict, top: int = 10) -> str:
             f"{t['dp_comm']:.3f}/{t['pp_comm']:.3f}"
             + (f"/{t['cp_comm']:.3f}" if cp_col else "")
             + (f"/{t['ep_comm']:.3f}" if ep_col else "")
+            + (f"/{t['optimizer_comm']:.3f}" if opt_col else "")
         )
     if r["feasible"]:
         c = r["feasible"][0]["checkpoint"]
+        muon = r["feasible"][0]["layout"]["optimizer"] == "muon"
+        state = "Muon's momentum / AdamW's moments" if muon else "Adam moments"
         lines.append(
-            f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + Adam "
-            f"moments), written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
+            f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + {state}), "
+            f"written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
             f"first layout (= each rank's pinned host staging arena on a GPU, "
             f"held for the run)"
         )

@@ -91,14 +91,17 @@ class OptimizerAccess:
         return self.plain or has_hp_mapping(p) or zero3_partitioned(p)
 
     def adam_step(self) -> float:
+        if self.muon:  # a rank may own no AdamW parameter: Muon counts its steps itself
+            return float(self.inner.steps)
         for state in self.inner.state.values():
             if "step" in state:
                 return float(state["step"])
         return 0.0
 
     def prepare(self, adam_step: float) -> None:
-        """Give every parameter of the wrapped optimizer its Adam state (zeros; torch creates it
-        lazily at the first step) with step count ``adam_step``, so the setters have a target."""
+        """Give every parameter of the wrapped optimizer its state (zeros; torch creates it lazily
+        at the first step; Muon under ZeRO-1/2: the parameters this rank owns) with step count
+        ``adam_step``, so the setters have a target."""
         targets = [q for group in self.inner.param_groups for q in group["params"]]
         # ZeRO-3 hands its flat fp32 partitions to the optimizer one sub-group at a time
         targets += list(getattr(self.wrapper, "fp32_partitioned_groups_flat", []))
@@ -106,7 +109,7 @@ class OptimizerAccess:
             if not self.holds(q):
                 continue
             state = self.inner.state[q]
-            keys = self.keys(q) if self.muon else ADAM_KEYS
+            keys = self.keys(q)
             for key in keys:
                 if key not in state:
                     state[key] = torch.zeros_like(
@@ -114,6 +117,8 @@ class OptimizerAccess:
                     )
             if keys == ADAM_KEYS:
                 state["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
+        if self.muon:
+            self.inner.steps = float(adam_step)
         self._relink()
 
     def link(self) -> None:

@@ -120,6 +120,8 @@ class Muon(torch.optim.Optimizer):
             self.adamw.param_groups = adam_groups  # the same dicts: one LR schedule for both
             self.adamw.state = self.state
         self._pools = self._ownership()
+        self._muon = {p: g["use_muon"] for g in self.param_groups for p in g["params"]}
+        self.steps = 0.0  # steps taken (AdamW's step count, whichever parameters this rank owns)
 
     # ------------------------------------------------------------------------- ownership
 
@@ -147,10 +149,7 @@ class Muon(torch.optim.Optimizer):
 
     def state_keys(self, p: torch.Tensor) -> tuple[str, ...]:
         """The names of ``p``'s optimizer state (besides its master weight)."""
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return STATE_KEYS if g["use_muon"] else ("exp_avg", "exp_avg_sq")
-        raise KeyError("not a parameter of this optimizer")
+        return STATE_KEYS if self._muon[p] else ("exp_avg", "exp_avg_sq")
 
     # ------------------------------------------------------------------------- step
 
@@ -177,6 +176,7 @@ class Muon(torch.optim.Optimizer):
             for p, grad in hidden:
                 p.grad = grad
         self._share_updates()
+        self.steps += 1
         return loss
 
     def _muon_group(self, group: dict, params: list[torch.Tensor]) -> None:
