@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -118,16 +116,8 @@ def state_bytes(engine: Any) -> tuple[int, int]:
     return tensor_bytes(optimizer_state_tensors(inner)), tensor_bytes(copies)
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: str, q) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+def rank_main(rank: int, world: int, args: argparse.Namespace, base: str) -> dict:
+    """This rank's figures for each optimizer (a rank of :func:`megaformer.runtime.spawn.run_ranks`)."""
     warnings.filterwarnings("ignore", message="Seems like `optimizer.step")
     from megaformer.comm import CommCounter
     from megaformer.config import load_config
@@ -191,30 +181,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, base: 
             "sent": {k: v // len(times) for k, v in counter.bytes.items()},
         }
         dist.barrier()
-    got = dist.gather_to_main(rows)
-    if rank == 0:
-        q.put(got)
-    dist.barrier()
+    return rows
 
 
 def tp_table(args: argparse.Namespace, base: Path) -> None:
-    import torch.multiprocessing as mp
+    from megaformer.runtime.spawn import run_ranks
 
-    world = 4
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        ctx.Process(target=rank_main, args=(r, world, port, args, str(base / "tp"), q))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    rows = q.get()
-    for p in procs:
-        p.join()
+    rows = run_ranks(4, rank_main, args, str(base / "tp"), timeout=3600)
     mb = 1e6
     print(
         f"\n2. TP2 x DP2, ZeRO-1, fp32, {args.tp_steps} steps (median optimizer step after the first)"

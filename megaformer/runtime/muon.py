@@ -25,8 +25,8 @@ Layouts:
   every owned split matrix per step), every TP rank orthogonalises the whole matrix and keeps its
   own shard of O. Received per rank and step: (tp - 1) / tp of the owned split matrices, fp32.
 * ZeRO-1/2 (``distribute``): each whole parameter is owned by one rank of its data-parallel group
-  (the replica group; experts: the expert-data group), assigned greedily by size so the groups'
-  ranks hold about equal shares. Only the owner keeps the parameter's optimizer state and updates
+  (the replica group; experts: the expert-data group), assigned greedily by state bytes so the
+  group's ranks hold about equal shares. Only the owner keeps the parameter's optimizer state and updates
   it; then each rank broadcasts the parameters it owns (one coalesced broadcast per rank). So the
   state is 1/DP per rank and no rank orthogonalises every matrix. Gradients arrive all-reduced
   (DeepSpeed runs without its own ZeRO partitioning under Muon).
@@ -94,15 +94,16 @@ def is_expert(p: torch.Tensor) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
-def assign_owners(params: list[torch.Tensor], ranks: int) -> list[int]:
-    """Owner rank of each parameter: largest first onto the least-loaded rank (ties: lowest rank),
-    the same on every rank since it depends only on the sizes and their order."""
+def assign_owners(costs: list[int], ranks: int) -> list[int]:
+    """Owner rank of each item of ``costs`` (its state's bytes): largest first onto the
+    least-loaded rank (ties: lowest rank), the same on every rank since it depends only on the
+    costs and their order."""
     load = [0] * ranks
-    owners = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(ranks), key=lambda r: (load[r], r))
         owners[i] = r
-        load[r] += params[i].numel()
+        load[r] += costs[i]
     return owners
 
 
@@ -128,6 +129,12 @@ class Muon(torch.optim.Optimizer):
     def _ownership(self) -> list[tuple[Any, list[torch.Tensor], list[int]]]:
         """(group, parameters, owner of each) for the dense and the expert parameters."""
         params = [p for g in self.param_groups for p in g["params"]]
+        # the bytes of each parameter's state: one moment for Muon's, two for AdamW's
+        cost = {
+            p: p.numel() * (1 if g["use_muon"] else 2)
+            for g in self.param_groups
+            for p in g["params"]
+        }
         self._owner: dict[torch.Tensor, bool] = {}
         pools = []
         for group, members in (
@@ -135,7 +142,7 @@ class Muon(torch.optim.Optimizer):
             (self.comm.expert_data, [p for p in params if is_expert(p)]),
         ):
             k = size(group) if self.comm.distribute and group is not None else 1
-            owners = assign_owners(members, k)
+            owners = assign_owners([cost[p] for p in members], k)
             me = rank(group) if k > 1 else 0
             for p, r in zip(members, owners):
                 self._owner[p] = r == me
