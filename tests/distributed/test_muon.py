@@ -39,6 +39,7 @@ LAYOUTS = {  # name: (world, overrides, MoE model)
     ),
     "pp2": (2, {"parallel.pipeline": 2}, False),
     "ep2-zero1": (2, {"parallel.expert": 2, "parallel.zero_stage": 1}, True),
+    "cp2xdp2-zero2": (4, {"parallel.context": 2, "parallel.zero_stage": 2}, False),
 }
 
 
