@@ -38,6 +38,7 @@ LAYOUTS = {  # name: (world, overrides, MoE model)
         False,
     ),
     "pp2": (2, {"parallel.pipeline": 2}, False),
+    "pp2xtp2": (4, {"parallel.pipeline": 2, "parallel.tensor": 2}, False),
     "ep2-zero1": (2, {"parallel.expert": 2, "parallel.zero_stage": 1}, True),
     "cp2xdp2-zero2": (4, {"parallel.context": 2, "parallel.zero_stage": 2}, False),
 }
