@@ -126,8 +126,9 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- ownership
 
-    def _ownership(self) -> list[tuple[Any, list[torch.Tensor], list[int]]]:
-        """(group, parameters, owner of each) for the dense and the expert parameters."""
+    def _ownership(self) -> list[tuple[Any, list[list[torch.Tensor]]]]:
+        """(group, the parameters each of its ranks owns) for the dense and the expert
+        parameters, where the group has more than one rank."""
         params = [p for g in self.param_groups for p in g["params"]]
         # the bytes of each parameter's state: one moment for Muon's, two for AdamW's
         cost = {
@@ -147,7 +148,9 @@ class Muon(torch.optim.Optimizer):
             for p, r in zip(members, owners):
                 self._owner[p] = r == me
             if k > 1:
-                pools.append((group, members, owners))
+                pools.append(
+                    (group, [[p for p, o in zip(members, owners) if o == r] for r in range(k)])
+                )
         return pools
 
     def owns(self, p: torch.Tensor) -> bool:
@@ -238,10 +241,8 @@ class Muon(torch.optim.Optimizer):
 
     def _share_updates(self) -> None:
         """Each rank's owned parameters to the rest of its group: one broadcast per owner."""
-        for group, members, owners in self._pools:
-            k = size(group)
-            for r in range(k):
-                mine = [p for p, o in zip(members, owners) if o == r]
+        for group, owned in self._pools:
+            for r, mine in enumerate(owned):
                 if not mine:
                     continue
                 flat = _flatten_dense_tensors([p.data for p in mine])

@@ -41,6 +41,7 @@ LAYOUTS = {  # name: (world, overrides, MoE model)
     "pp2xtp2": (4, {"parallel.pipeline": 2, "parallel.tensor": 2}, False),
     "ep2-zero1": (2, {"parallel.expert": 2, "parallel.zero_stage": 1}, True),
     "cp2xdp2-zero2": (4, {"parallel.context": 2, "parallel.zero_stage": 2}, False),
+    "dp2-zero0": (2, {"parallel.zero_stage": 0}, False),  # every rank keeps all of Muon's state
 }
 
 
@@ -70,6 +71,12 @@ def reference(tmp_path_factory):
     return get
 
 
+def _state(run: Path, step: int):
+    from megaformer.checkpoint.sharded import ShardedState
+
+    return ShardedState(run / "checkpoints" / f"step_{step:07d}")
+
+
 def _compare(ref: Path, run: Path) -> None:
     from megaformer.checkpoint.weights import load_weights
 
@@ -82,6 +89,13 @@ def _compare(ref: Path, run: Path) -> None:
     assert wa.keys() == wb.keys()
     worst = max(float((wa[k] - wb[k]).norm() / wa[k].norm()) for k in wa)
     assert worst < 1e-5, worst
+    x, y = _state(ref, 3), _state(run, 3)  # and the optimizer state each layout saved
+    assert x.names() and sorted(x.names()) == sorted(y.names())
+    for name in x.names():
+        assert x.keys_of(name) == y.keys_of(name)
+        for key in x.keys_of(name)[1:]:
+            u, v = x.whole(name, key), y.whole(name, key)
+            assert float((u - v).norm()) <= 1e-5 * float(u.norm()), (name, key)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -102,12 +116,6 @@ RESUME = {
 }
 TP2_DP2 = {"parallel.tensor": 2, "parallel.zero_stage": 1}
 TP1_DP4 = {"parallel.zero_stage": 1}
-
-
-def _state(run: Path, step: int):
-    from megaformer.checkpoint.sharded import ShardedState
-
-    return ShardedState(run / "checkpoints" / f"step_{step:07d}")
 
 
 @pytest.fixture(scope="module")
