@@ -212,3 +212,41 @@ def test_plan_counts_muons_state_and_refuses_zero3():
     assert all(x["layout"]["optimizer"] == "muon" for x in r["feasible"])
     assert not any(x["layout"]["zero"] == 3 for x in r["feasible"])
     assert any("ZeRO-3 with Muon" in x["reason"] for x in r["rejected"])
+
+
+@pytest.mark.slow
+def test_crafted_state_names_are_refused(tmp_path):
+    """index.json's per-parameter state names are checked before use: only known names, master
+    first, none twice; a name the shard files do not hold is an error naming the file."""
+    import json
+    import shutil
+
+    from megaformer.checkpoint.sharded import ShardedState
+    from megaformer.errors import CheckpointError
+    from tests.helpers import run_cli, tiny_overrides
+
+    run = tmp_path / "run"
+    over = tiny_overrides("stdlib", **{"train.steps": 2, "train.optimizer": "muon"})
+    proc = run_cli("train", "configs/quickstart.yaml", *over, "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ckpt = run / "checkpoints" / "step_0000002"
+    assert ShardedState(ckpt).optimizer == "muon"
+    name = "layers.0.attn.wq.weight"
+    for bad in (["master", "../x"], ["momentum"], ["master", "momentum", "momentum"], "x"):
+        copy = tmp_path / "bad"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        path = copy / "state" / "index.json"
+        index = json.loads(path.read_text())
+        if isinstance(bad, list):
+            index["keys"][name] = bad
+        else:
+            index["keys"] = bad
+        path.write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match="index.json: missing or corrupt"):
+            ShardedState(copy)
+    index = json.loads((ckpt / "state" / "index.json").read_text())
+    index["keys"][name] = ["master", "exp_avg", "exp_avg_sq"]  # names its file does not hold
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="rank_00000.safetensors"):
+        ShardedState(copy).whole(name, "exp_avg")
