@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (world, overrides, MoE model)
     "pp2": (2, {"parallel.pipeline": 2}, False),
     "pp2xtp2": (4, {"parallel.pipeline": 2, "parallel.tensor": 2}, False),
     "ep2-zero1": (2, {"parallel.expert": 2, "parallel.zero_stage": 1}, True),
+    "ep2xtp2": (4, {"parallel.expert": 2, "parallel.tensor": 2}, True),  # experts split by TP
     "cp2xdp2-zero2": (4, {"parallel.context": 2, "parallel.zero_stage": 2}, False),
     "dp2-zero0": (2, {"parallel.zero_stage": 0}, False),  # every rank keeps all of Muon's state
 }
