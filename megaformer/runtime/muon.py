@@ -21,9 +21,10 @@ sharing this optimizer's ``state``.
 
 Layouts:
 
-* Tensor parallelism: each matrix's TP shards of U are all-gathered (one coalesced all-gather of
-  every owned split matrix per step), every TP rank orthogonalises the whole matrix and keeps its
-  own shard of O. Received per rank and step: (tp - 1) / tp of the owned split matrices, fp32.
+* Tensor parallelism: each matrix's TP shards of U are all-gathered (one coalesced all-gather per
+  bucket of at most 256 MB of whole matrices, so the gathered copies never hold the whole model),
+  every TP rank orthogonalises the whole matrix and keeps its own shard of O. Received per rank
+  and step: (tp - 1) / tp of the owned split matrices, fp32.
 * ZeRO-1/2 (``distribute``): each whole parameter is owned by one rank of its data-parallel group
   (the replica group; experts: the expert-data group), assigned greedily by state bytes so the
   group's ranks hold about equal shares. Only the owner keeps the parameter's optimizer state and updates
@@ -48,6 +49,7 @@ from megaformer.comm import all_gather_cat, broadcast_tensor, rank, size
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 RMS_MATCH = 0.2
+NS_BUCKET_BYTES = 256 << 20  # whole fp32 matrices gathered and orthogonalised at a time
 ADAMW_ALWAYS = ("embeddings", "lm_head", "router", "shared_gate")
 STATE_KEYS = ("momentum",)
 
@@ -202,15 +204,32 @@ class Muon(torch.optim.Optimizer):
             bufs.append(state["momentum"])
         torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
-        us = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-        whole = self._gather_shards(params, us)
-        orth = orthogonalise(whole, group["ns_steps"])
-        updates = [self._own_shard(p, o) for p, o in zip(params, orth)]
-        scales = [-lr * update_scale(tuple(w.shape)) for w in whole]
-        if wd:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_mul_(updates, scales)
-        torch._foreach_add_(params, updates)
+        for lo, hi in self._buckets(params):  # whole matrices at most NS_BUCKET_BYTES at a time
+            ps, gs, ms = params[lo:hi], grads[lo:hi], bufs[lo:hi]
+            us = torch._foreach_add(gs, ms, alpha=mu) if group["nesterov"] else ms
+            whole = self._gather_shards(ps, us)
+            orth = orthogonalise(whole, group["ns_steps"])
+            updates = [self._own_shard(p, o) for p, o in zip(ps, orth)]
+            scales = [-lr * update_scale(tuple(w.shape)) for w in whole]
+            if wd:
+                torch._foreach_mul_(ps, 1 - lr * wd)
+            torch._foreach_mul_(updates, scales)
+            torch._foreach_add_(ps, updates)
+
+    def _buckets(self, params: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """Consecutive ranges of ``params`` whose whole (TP-gathered) fp32 matrices fill at most
+        :data:`NS_BUCKET_BYTES` (a larger matrix alone): the transient memory of the gathered
+        matrices and their iteration stays bounded, whatever the model's size."""
+        tp = size(self.comm.tp)
+        out, lo, filled = [], 0, 0
+        for i, p in enumerate(params):
+            nbytes = 4 * p.numel() * (tp if self._split(p) else 1)
+            if i > lo and filled + nbytes > NS_BUCKET_BYTES:
+                out.append((lo, i))
+                lo, filled = i, 0
+            filled += nbytes
+        out.append((lo, len(params)))
+        return out
 
     def _split(self, p: torch.Tensor) -> bool:
         return bool(getattr(p, "tensor_model_parallel", False)) and size(self.comm.tp) > 1

@@ -250,3 +250,34 @@ def test_crafted_state_names_are_refused(tmp_path):
     path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="rank_00000.safetensors"):
         ShardedState(copy).whole(name, "exp_avg")
+
+
+def test_buckets_bound_the_gathered_matrices_and_change_no_number(monkeypatch):
+    """Newton-Schulz runs on whole matrices at most NS_BUCKET_BYTES at a time (one larger matrix
+    alone); the update is the same bucketed or not."""
+    from megaformer.runtime import muon
+
+    torch.manual_seed(0)
+    shapes = [(16, 32), (16, 32), (48, 16), (20, 20), (16, 32)]
+    weights = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+
+    def run(budget: int) -> tuple[list, list]:
+        monkeypatch.setattr(muon, "NS_BUCKET_BYTES", budget)
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        group = {"params": params, "use_muon": True, "lr": 0.02, "weight_decay": 0.1}
+        group.update(momentum=0.95, nesterov=True, ns_steps=5)
+        opt = Muon([group], {"lr": 0.02})
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        return opt._buckets(params), params
+
+    one, whole = run(1 << 30)
+    split, parts = run(4 * 16 * 32 * 2)  # two of the largest matrices per bucket
+    assert one == [(0, 5)] and split == [(0, 2), (2, 3), (3, 5)]
+    assert max(4 * sum(shapes[i][0] * shapes[i][1] for i in range(a, b)) for a, b in split) <= (
+        4 * 16 * 32 * 2
+    )
+    for a, b in zip(whole, parts):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
