@@ -83,9 +83,9 @@ class TrainConfig:
     )
     optimizer_reset: bool = option(
         False,
-        "Resume from a checkpoint written by another train.optimizer: keep its weights and "
-        "data position, start the optimizer state from zero (without it that resume is an "
-        "error).",
+        "On resume, start the optimizer state from zero, keeping the checkpoint's weights, step "
+        "and data position; needed to resume a checkpoint written by another train.optimizer "
+        "(that resume is an error otherwise).",
     )
     grad_clip: float = option(1.0, "Clip the global gradient norm to this value; 0 disables.")
     recompute: Literal["none", "full", "selective"] = option(
