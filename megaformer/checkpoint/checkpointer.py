@@ -8,7 +8,7 @@ kind           what it restores                                       from
 =============  =====================================================  ==========================
 ``weights``    the weights only: fresh optimizer, step 0              ``model.safetensors``
                                                                       (``megaformer convert``)
-``sharded``    weights, Adam moments, schedule, data position, RNG    ``state/`` (:mod:`.sharded`),
+``sharded``    weights, optimizer state, schedule, data position, RNG ``state/`` (:mod:`.sharded`),
                (RNG only at the saved layout); at any layout          any layout
 ``portable``   the same, at a layout other than the saved one         first release's ``optimizer/``
                                                                       (:mod:`.legacy.portable`)
@@ -259,9 +259,10 @@ class Checkpointer:
         return state
 
     def _resume_sharded(self) -> TrainState:
-        """Master weights (already in the model), Adam moments and step count from this rank's
-        part of the sharded state, at whatever layout this run has; the LR schedule and data
-        position from meta.json; every rank's RNG streams when the layout is the saved one."""
+        """Master weights (already in the model), the optimizer's state (Adam's moments, Muon's
+        momentum; none with ``train.optimizer_reset``) and step count from this rank's part of
+        the sharded state, at whatever layout this run has; the LR schedule and data position from
+        meta.json; every rank's RNG streams when the layout is the saved one."""
         ckpt, saved, t = self.source, self._saved, self.trained
         state = self._position(read_meta(ckpt), ckpt / META)
         access = OptimizerAccess(t.engine, self.topo)

@@ -55,9 +55,9 @@ def local_parameters(
 
 
 class OptimizerAccess:
-    """This rank's own range of each parameter's fp32 master weight and Adam moments, whatever
-    optimizer DeepSpeed wrapped around torch's AdamW (:meth:`covered`: not fp16's). ``topo``: the
-    rank's place in the layout (:meth:`owned` needs it)."""
+    """This rank's own range of each parameter's fp32 master weight and optimizer state, whatever
+    optimizer DeepSpeed wrapped around torch's AdamW (:meth:`covered`: not fp16's), or Muon (which
+    it does not wrap). ``topo``: the rank's place in the layout (:meth:`owned` needs it)."""
 
     def __init__(self, engine: Any, topo: Any = None) -> None:
         self.topo = topo
