@@ -219,14 +219,17 @@ def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = 
 
     Muon (fp32): the weights are the masters; 4 bytes of momentum per Muon parameter (U), 8 of
     AdamW moments per other one; ZeRO-1/2 give each whole parameter's state to one rank, about
-    1/(DP x CP) (experts 1/(DP / EP)) each; gradients stay whole (all-reduced)."""
+    1/(DP x CP) (experts 1/(DP / EP)) each, and the busiest at least a vocabulary table's AdamW
+    moments; gradients stay whole (all-reduced)."""
     P = params_per_rank(cfg, layout, padded_vocab)
     X = expert_params_per_rank(cfg, layout)
     if layout.optimizer == "muon":
         U = muon_params_per_rank(cfg, layout)
         dense, experts = 4 * (U - X) + 8 * (P - U), 4 * X
-        if layout.zero >= 1:
-            dense, experts = dense / layout.replicas, experts / layout.expert_replicas
+        if layout.zero >= 1:  # whole parameters per rank: at least the largest one's state
+            table = 8 * (padded_vocab or cfg.vocab_size) * cfg.d_model // layout.tp
+            dense = max(dense / layout.replicas, float(table))
+            experts = experts / layout.expert_replicas
         return {
             "params": P,
             "weights": 4 * P,

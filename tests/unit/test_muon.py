@@ -281,3 +281,13 @@ def test_buckets_bound_the_gathered_matrices_and_change_no_number(monkeypatch):
     )
     for a, b in zip(whole, parts):
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_the_busiest_rank_holds_at_least_the_largest_parameters_state():
+    from megaformer.analysis.memory import Layout, state_bytes
+    from megaformer.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=128000, d_model=64, n_layers=2, n_heads=4, max_seq_len=16)
+    one = state_bytes(cfg, Layout(optimizer="muon"))["optimizer"]
+    many = state_bytes(cfg, Layout(dp=64, zero=1, optimizer="muon"))["optimizer"]
+    assert many == 8 * 128000 * 64 > one / 64  # the embedding's moments sit whole on one rank
