@@ -11,8 +11,9 @@
 2. TP2 x DP2 with ZeRO-1 (4 gloo processes): the optimizer step's time (median of the steps after
    the first), the optimizer state each rank allocates (AdamW: the moments of its ZeRO partition
    plus DeepSpeed's fp32 partition copy; Muon: the momentum and AdamW moments of the parameters it
-   owns; beside the memory estimator's figure), and the bytes Muon's step sends per rank (counted: the tensor-parallel all-gather of each
-   owned matrix, the owners' broadcasts) beside their analytical volumes.
+   owns; beside the memory estimator's figure), and the bytes Muon's step sends per rank
+   (counted: the tensor-parallel all-to-alls of the owned matrices, the owners' broadcasts)
+   beside their analytical volumes.
 
 CPU figures: relative only.
 """
@@ -220,8 +221,8 @@ def tp_table(args: argparse.Namespace, base: Path) -> None:
     )
     split = max(x["split"] for x in m)
     print(
-        f"  [TP all-gather: each rank sends its shard of every matrix it owns to the TP-1 = 1 "
-        f"other rank: {split / mb:.3f} MB]"
+        f"  [TP all-to-alls: each rank sends (TP-1)/TP = 1/2 of its shards of the matrices "
+        f"it owns to the rank orthogonalising them, and as much back: {split / mb:.3f} MB in all]"
     )
 
 

@@ -21,10 +21,11 @@ sharing this optimizer's ``state``.
 
 Layouts:
 
-* Tensor parallelism: each matrix's TP shards of U are all-gathered (one coalesced all-gather per
-  bucket of at most 256 MB of whole matrices, so the gathered copies never hold the whole model),
-  every TP rank orthogonalises the whole matrix and keeps its own shard of O. Received per rank
-  and step: (tp - 1) / tp of the owned split matrices, fp32.
+* Tensor parallelism: the matrices are divided among the TP ranks by size; one all-to-all brings
+  each matrix's shards of U to the rank that orthogonalises it, whole, and one more takes each
+  rank's shard of O back (per bucket of at most 256 MB of whole matrices, so the gathered copies
+  never hold the whole model). Each rank iterates on 1/tp of the matrices; sent per rank and step:
+  (tp - 1) / tp of its shards of the owned matrices each way, fp32.
 * ZeRO-1/2 (``distribute``): each whole parameter is owned by one rank of its data-parallel group
   (the replica group; experts: the expert-data group), assigned greedily by state bytes so the
   group's ranks hold about equal shares. Only the owner keeps the parameter's optimizer state and updates
@@ -44,7 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megaformer.comm import all_gather_cat, broadcast_tensor, rank, size
+from megaformer.comm import all_to_all, broadcast_tensor, rank, size
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -207,10 +208,8 @@ class Muon(torch.optim.Optimizer):
         for lo, hi in self._buckets(params):  # whole matrices at most NS_BUCKET_BYTES at a time
             ps, gs, ms = params[lo:hi], grads[lo:hi], bufs[lo:hi]
             us = torch._foreach_add(gs, ms, alpha=mu) if group["nesterov"] else ms
-            whole = self._gather_shards(ps, us)
-            orth = orthogonalise(whole, group["ns_steps"])
-            updates = [self._own_shard(p, o) for p, o in zip(ps, orth)]
-            scales = [-lr * update_scale(tuple(w.shape)) for w in whole]
+            updates = self._orthogonalise_shards(ps, us, group["ns_steps"])
+            scales = [-lr * update_scale(self._whole_shape(p)) for p in ps]
             if wd:
                 torch._foreach_mul_(ps, 1 - lr * wd)
             torch._foreach_mul_(updates, scales)
@@ -234,29 +233,64 @@ class Muon(torch.optim.Optimizer):
     def _split(self, p: torch.Tensor) -> bool:
         return bool(getattr(p, "tensor_model_parallel", False)) and size(self.comm.tp) > 1
 
-    def _gather_shards(
-        self, params: list[torch.Tensor], us: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Each U whole over tensor parallelism: one all-gather of every split one, coalesced."""
-        split = [i for i, p in enumerate(params) if self._split(p)]
-        if not split:
-            return list(us)
-        tp = size(self.comm.tp)
-        flat = torch.cat([us[i].reshape(-1) for i in split])
-        parts = all_gather_cat(flat, self.comm.tp, 0).view(tp, -1)
-        out, at = list(us), 0
-        for i in split:
-            n, shape = us[i].numel(), us[i].shape
-            dim = params[i].partition_dim
-            out[i] = torch.cat([parts[r, at : at + n].view(shape) for r in range(tp)], dim=dim)
-            at += n
-        return out
+    def _whole_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """``p``'s shape whole over tensor parallelism."""
+        shape = list(p.shape)
+        if self._split(p):
+            shape[p.partition_dim] *= size(self.comm.tp)
+        return tuple(shape)
 
-    def _own_shard(self, p: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        if not self._split(p):
-            return o
-        dim, local = p.partition_dim, p.shape[p.partition_dim]
-        return o.narrow(dim, rank(self.comm.tp) * local, local).contiguous()
+    def _orthogonalise_shards(
+        self, params: list[torch.Tensor], us: list[torch.Tensor], steps: int
+    ) -> list[torch.Tensor]:
+        """This rank's shard of NS_k(U) for each of ``params`` (U: this rank's shard ``us``).
+
+        A tensor-parallel matrix is orthogonalised whole by one rank of the TP group (its
+        matrices assigned by size): one all-to-all brings each matrix's shards to that rank, one
+        more takes the shards of NS_k(U) back. Per rank and step that moves the (tp - 1) / tp
+        of its own matrices' shards each way, and each rank iterates on 1/tp of the matrices.
+        A matrix not split over TP is orthogonalised where it is."""
+        tp = size(self.comm.tp)
+        split = [i for i, p in enumerate(params) if self._split(p)]
+        local = [i for i in range(len(us)) if i not in set(split)]
+        updates: list[torch.Tensor] = list(us)
+        for i, o in zip(local, orthogonalise([us[i] for i in local], steps)):
+            updates[i] = o
+        if not split:
+            return updates
+        me = rank(self.comm.tp)
+        doer = assign_owners([us[i].numel() for i in split], tp)
+        send = [[i for i, r in zip(split, doer) if r == q] for q in range(tp)]  # by rank
+        sizes = [sum(us[i].numel() for i in idx) for idx in send]
+        mine, theirs = send[me], [sizes[me]] * tp
+        # each matrix's shards to the rank that orthogonalises it
+        flat = torch.cat([us[i].reshape(-1) for idx in send for i in idx])
+        parts = all_to_all(flat, theirs, sizes, self.comm.tp, kind="muon_tp").view(tp, -1)
+        whole, at = [], 0
+        for i in mine:
+            n, dim = us[i].numel(), params[i].partition_dim
+            whole.append(
+                torch.cat([parts[q, at : at + n].view(us[i].shape) for q in range(tp)], dim)
+            )
+            at += n
+        # and each rank's shard of NS_k(U) back to it
+        pieces = [
+            o.narrow(params[i].partition_dim, q * self._local(params[i]), self._local(params[i]))
+            for q in range(tp)
+            for i, o in zip(mine, orthogonalise(whole, steps))
+        ]
+        back = torch.cat([x.reshape(-1) for x in pieces]) if pieces else flat.new_empty(0)
+        ret = all_to_all(back, sizes, theirs, self.comm.tp, kind="muon_tp")
+        at = 0
+        for i in (i for idx in send for i in idx):
+            updates[i] = ret[at : at + us[i].numel()].view(us[i].shape)
+            at += us[i].numel()
+        return updates
+
+    @staticmethod
+    def _local(p: torch.Tensor) -> int:
+        """The size of ``p``'s tensor-parallel shard along its split dimension."""
+        return p.shape[p.partition_dim]
 
     def _share_updates(self) -> None:
         """Each rank's owned parameters to the rest of its group: one broadcast per owner."""

@@ -31,18 +31,20 @@ MOE = {
     "model.moe.aux_loss_coef": 0.0,
     "model.moe.z_loss_coef": 0.0,
 }
-LAYOUTS = {  # name: (world, overrides, MoE model)
+MHA = {"model.n_kv_heads": 4}  # key/value heads TP4 can split
+LAYOUTS = {  # name: (world, overrides, the model's overrides)
     "tp2xdp2-zero1": (
         4,
         {"parallel.tensor": 2, "parallel.zero_stage": 1, "parallel.sequence_parallel": "true"},
-        False,
+        {},
     ),
-    "pp2": (2, {"parallel.pipeline": 2}, False),
-    "pp2xtp2": (4, {"parallel.pipeline": 2, "parallel.tensor": 2}, False),
-    "ep2-zero1": (2, {"parallel.expert": 2, "parallel.zero_stage": 1}, True),
-    "ep2xtp2": (4, {"parallel.expert": 2, "parallel.tensor": 2}, True),  # experts split by TP
-    "cp2xdp2-zero2": (4, {"parallel.context": 2, "parallel.zero_stage": 2}, False),
-    "dp2-zero0": (2, {"parallel.zero_stage": 0}, False),  # every rank keeps all of Muon's state
+    "tp4": (4, {"parallel.tensor": 4}, MHA),  # each TP rank orthogonalises 1/4 of the matrices
+    "pp2": (2, {"parallel.pipeline": 2}, {}),
+    "pp2xtp2": (4, {"parallel.pipeline": 2, "parallel.tensor": 2}, {}),
+    "ep2-zero1": (2, {"parallel.expert": 2, "parallel.zero_stage": 1}, MOE),
+    "ep2xtp2": (4, {"parallel.expert": 2, "parallel.tensor": 2}, MOE),  # experts split by TP
+    "cp2xdp2-zero2": (4, {"parallel.context": 2, "parallel.zero_stage": 2}, {}),
+    "dp2-zero0": (2, {"parallel.zero_stage": 0}, {}),  # every rank keeps all of Muon's state
 }
 
 
@@ -60,14 +62,15 @@ def _train(run: Path, world: int, *extra: str, **over) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The one-process run of the dense or the MoE model, trained once when first asked for."""
+    """The one-process run of a model (its overrides), trained once when first asked for."""
     root, runs = tmp_path_factory.mktemp("muon"), {}
 
-    def get(moe: bool) -> Path:
-        if moe not in runs:
-            runs[moe] = root / ("moe" if moe else "dense")
-            _train(runs[moe], 1, **(MOE if moe else {}))
-        return runs[moe]
+    def get(model: dict) -> Path:
+        key = tuple(sorted(model.items()))
+        if key not in runs:
+            runs[key] = root / f"model{len(runs)}"
+            _train(runs[key], 1, **model)
+        return runs[key]
 
     return get
 
@@ -101,10 +104,10 @@ def _compare(ref: Path, run: Path) -> None:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_equals_one_process(reference, tmp_path, layout):
-    world, extra, moe = LAYOUTS[layout]
+    world, extra, model = LAYOUTS[layout]
     run = tmp_path / layout
-    _train(run, world, **extra, **(MOE if moe else {}))
-    _compare(reference(moe), run)
+    _train(run, world, **extra, **model)
+    _compare(reference(model), run)
 
 
 # ----------------------------------------------------------------------------- checkpoint
