@@ -343,3 +343,16 @@ def reference_and_tensor_parallel(cfg: Any, world: int, rank: int, sp: bool) -> 
     tp = Transformer(cfg, padded_vocab_size=padded_vocab_size(cfg.vocab_size, world, 8))
     parallelize(tp, topo, sp, None)
     return ref, tp, topo, full_state_dict(tp, topo)
+
+
+def keep_only(run: Path, step: int) -> None:
+    """Keep only the checkpoint of ``step`` in ``run``, as if the run had stopped there."""
+    import shutil
+
+    from megaformer.checkpoint import layout as ckpt_layout
+
+    tag = ckpt_layout.tag_for(step)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        if ckpt.name != tag:
+            shutil.rmtree(ckpt)
+    (run / "checkpoints" / "latest").write_text(tag + "\n")

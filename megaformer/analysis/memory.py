@@ -5,6 +5,7 @@ Model states (Rajbhandari et al. 2020, ZeRO), P = parameters held by one TP x PP
     bytes/param    weights  grads  optimizer (Adam m, v + fp32 master)
     fp32           4        4      8   (+4: DeepSpeed ZeRO >= 1 keeps an fp32 partition copy)
     bf16 / fp16    2        2      12
+    Muon (fp32)    4        4      4 per block-matrix parameter (momentum), 8 per other (AdamW)
     ZeRO 1 divides the optimizer states by DP, 2 also the gradients, 3 also the weights.
 
 P per rank: block matrices and vocabulary tables / TP, norms replicated; PP splits the blocks
@@ -92,6 +93,7 @@ class Layout:
     device: str = "cuda"  # cuda or cpu (which norm and dropout implementations run)
     cp_mode: str = "ring"  # ring or all_to_all
     schedule: str = "1f1b"  # the pipeline schedule (megaformer.analysis.schedules) under pp > 1
+    optimizer: str = "adamw"  # train.optimizer: adamw or muon
 
     @property
     def degrees(self) -> Degrees:
@@ -161,6 +163,26 @@ def expert_params_per_rank(cfg: ModelConfig, layout: Layout) -> int:
     )
 
 
+def muon_params_per_rank(cfg: ModelConfig, layout: Layout) -> int:
+    """Parameters of the busiest rank that Muon updates (the rest take AdamW): the blocks'
+    matrices / TP (attention projections, the dense FFN's or the shared and routed experts'),
+    not the router, the shared-expert gate, norms, biases, embeddings or the output head."""
+    d, t = cfg.d_model, layout.tp
+    kv, q = cfg.kv_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim
+    m = 3 if cfg.activation == "swiglu" else 2
+    layers = math.ceil(cfg.n_layers / layout.pp)
+    n_moe = min(layers, math.ceil(cfg.moe_layers / layout.pp)) if cfg.moe_layers else 0
+    attention = (2 * d * q + 2 * d * kv) // t
+    dense = m * d * cfg.ffn_dim // t
+    shared = m * d * cfg.shared_dim // t if cfg.moe_layers else 0
+    return (
+        layers * attention
+        + (layers - n_moe) * dense
+        + n_moe * shared
+        + expert_params_per_rank(cfg, layout)
+    )
+
+
 def largest_module_params(cfg: ModelConfig, padded_vocab: Optional[int] = None) -> int:
     """Parameters of the largest module the build gives its values whole, before it is split: a
     block (an MoE block with all E experts) or a vocabulary table."""
@@ -197,9 +219,28 @@ def build_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = 
 
 def state_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int] = None) -> dict:
     """{'params', 'weights', 'grads', 'optimizer', 'total'} bytes per rank. ZeRO partitions the
-    dense parameters' states over DP x CP and the routed experts' over DP / EP x CP."""
+    dense parameters' states over DP x CP and the routed experts' over DP / EP x CP.
+
+    Muon (fp32): the weights are the masters; 4 bytes of momentum per Muon parameter (U), 8 of
+    AdamW moments per other one; ZeRO-1/2 give each whole parameter's state to one rank, about
+    1/(DP x CP) (experts 1/(DP x CP / EP)) each, and the busiest at least a vocabulary table's AdamW
+    moments; gradients stay whole (all-reduced)."""
     P = params_per_rank(cfg, layout, padded_vocab)
     X = expert_params_per_rank(cfg, layout)
+    if layout.optimizer == "muon":
+        U = muon_params_per_rank(cfg, layout)
+        dense, experts = 4 * (U - X) + 8 * (P - U), 4 * X
+        if layout.zero >= 1:  # whole parameters per rank: at least the largest one's state
+            table = 8 * (padded_vocab or cfg.vocab_size) * cfg.d_model // layout.tp
+            dense = max(dense / layout.replicas, float(table))
+            experts = experts / layout.expert_replicas
+        return {
+            "params": P,
+            "weights": 4 * P,
+            "grads": 4 * P,
+            "optimizer": dense + experts,
+            "total": 8 * P + dense + experts,
+        }
     if layout.precision == "fp32":
         w, g, o = 4, 4, 8 + (4 if layout.zero >= 1 else 0)
     else:

@@ -68,16 +68,14 @@ from megaformer.analysis.schedules import (
     step_factor,
 )
 from megaformer.analysis.summary import resolve_vocab
-from megaformer.checkpoint.sharded import BYTES_PER_ELEMENT
 from megaformer.config import Config
 from megaformer.errors import UserError
 from megaformer.parallel.plan import padded_vocab_size
 
 RESERVE_GB = 2.0
 GB = 1e9
-CHECKPOINT_BYTES_PER_PARAM = (
-    BYTES_PER_ELEMENT  # fp32 master weight + Adam's first and second moments
-)
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master weight + Adam's first and second moments
+MUON_CHECKPOINT_BYTES_PER_PARAM = 8  # fp32 master weight + Muon's momentum
 
 
 @dataclass(frozen=True)
@@ -133,6 +131,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         context_comm_bytes,
         expert_comm_bytes,
         expert_params_per_rank,
+        muon_params_per_rank,
         params_per_rank,
     )
 
@@ -150,10 +149,30 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
     ep_time = (
         micro * moe_layers * expert_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp * lay.ep) * GB)
     )
-    step = compute + tp_time + dp_time + pp_time + cp_time + ep_time
     from megaformer.analysis.params import count_parameters
 
+    opt_time, total = 0.0, count_parameters(m)["total"]
     per_rank = CHECKPOINT_BYTES_PER_PARAM * ((P - X) / lay.replicas + X / lay.expert_replicas)
+    ckpt_total = CHECKPOINT_BYTES_PER_PARAM * total
+    if lay.optimizer == "muon":
+        U = muon_params_per_rank(m, lay)
+        # each owned matrix gathered over TP for Newton-Schulz, each parameter broadcast by its
+        # owner under ZeRO-1/2 (ring volumes, fp32)
+        owned = U / lay.replicas if lay.zero >= 1 else U
+        opt_time = (lay.tp - 1) / lay.tp * 4 * owned / (bw(lay.tp) * GB)
+        if lay.zero >= 1:
+            opt_time += _allreduce_s(4 * P, lay.replicas, dp_bw) / 2
+        # Muon's matrices save one moment instead of two
+        per_rank = CHECKPOINT_BYTES_PER_PARAM * (
+            P - U
+        ) / lay.replicas + MUON_CHECKPOINT_BYTES_PER_PARAM * (
+            (U - X) / lay.replicas + X / lay.expert_replicas
+        )
+        whole = muon_params_per_rank(m, Layout())
+        ckpt_total = (
+            CHECKPOINT_BYTES_PER_PARAM * (total - whole) + MUON_CHECKPOINT_BYTES_PER_PARAM * whole
+        )
+    step = compute + tp_time + dp_time + pp_time + cp_time + ep_time + opt_time
     return {
         "layout": asdict(lay),
         "memory_gb": mem.total / GB,
@@ -166,6 +185,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
             "pp_comm": pp_time,
             "cp_comm": cp_time,
             "ep_comm": ep_time,
+            "optimizer_comm": opt_time,
         },
         "mfu": fl.model / (step * hw.gpus * peak),
         "pipeline": {
@@ -175,7 +195,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         },
         "tokens_per_s": fl.tokens / step,
         "checkpoint": {
-            "total_gb": CHECKPOINT_BYTES_PER_PARAM * count_parameters(m)["total"] / GB,
+            "total_gb": ckpt_total / GB,
             "per_rank_gb": per_rank / GB,
             "async_staging_gb": per_rank / GB,
         },
@@ -227,6 +247,8 @@ def _reject_reason(
         return "ZeRO-3 with TP > 1 is not supported by megaformer"
     if zero >= 2 and pp > 1:
         return f"ZeRO-{zero} with PP > 1 is not supported by DeepSpeed's pipeline engine"
+    if zero == 3 and cfg.train.optimizer == "muon":
+        return "ZeRO-3 with Muon: Newton-Schulz needs each whole matrix on one rank"
     return None
 
 
@@ -286,6 +308,7 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                             device="cuda",
                             cp_mode=cp_mode,
                             schedule=sched,
+                            optimizer=cfg.train.optimizer,
                         )
                         r = evaluate(cfg, hw, lay)
                         need = r["memory_gb"] + RESERVE_GB
@@ -368,7 +391,8 @@ def format_plan(r: dict, top: int = 10) -> str:
     shown = r["feasible"][:top]
     cp_col = any(x["layout"]["cp"] > 1 for x in shown)
     ep_col = any(x["layout"]["ep"] > 1 for x in shown)
-    extra = ("/CP" if cp_col else "") + ("/EP" if ep_col else "")
+    opt_col = any(x["time"].get("optimizer_comm", 0) > 0 for x in shown)
+    extra = ("/CP" if cp_col else "") + ("/EP" if ep_col else "") + ("/Muon" if opt_col else "")
     lines[-1] = (lines[-1][:-1] + extra + ")").replace(
         f"{'DP':>4s} ",
         f"{'DP':>4s} " + (f"{'CP':>13s} " if cp_col else "") + (f"{'EP':>3s} " if ep_col else ""),
@@ -390,12 +414,15 @@ def format_plan(r: dict, top: int = 10) -> str:
             f"{t['dp_comm']:.3f}/{t['pp_comm']:.3f}"
             + (f"/{t['cp_comm']:.3f}" if cp_col else "")
             + (f"/{t['ep_comm']:.3f}" if ep_col else "")
+            + (f"/{t['optimizer_comm']:.3f}" if opt_col else "")
         )
     if r["feasible"]:
         c = r["feasible"][0]["checkpoint"]
+        muon = r["feasible"][0]["layout"]["optimizer"] == "muon"
+        state = "Muon's momentum / AdamW's moments" if muon else "Adam moments"
         lines.append(
-            f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + Adam "
-            f"moments), written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
+            f"checkpoint: {c['total_gb']:.1f} GB of training state (fp32 master + {state}), "
+            f"written in parallel: {c['per_rank_gb']:.2f} GB per rank for the "
             f"first layout (= each rank's pinned host staging arena on a GPU, "
             f"held for the run)"
         )

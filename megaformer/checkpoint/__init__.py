@@ -9,7 +9,7 @@ Modules, one concern each (none imports a module that imports it back):
 * ``rng``              every rank's random-number streams;
 * ``weights``          checking, loading and writing model weights (weights-only checkpoints);
 * ``sharded``          the sharded, layout-free training state format (boxes, index, reader);
-* ``optimizer_state``  this rank's master weights and Adam moments inside DeepSpeed's optimizers
+* ``optimizer_state``  this rank's master weights and optimizer state inside DeepSpeed's optimizers
                        (every private-API reach-in of saving and resuming);
 * ``staging``          the pinned host arena a rank stages its shard in;
 * ``router_state``     the MoE blocks' aux-loss-free biases;

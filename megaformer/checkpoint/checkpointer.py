@@ -8,7 +8,7 @@ kind           what it restores                                       from
 =============  =====================================================  ==========================
 ``weights``    the weights only: fresh optimizer, step 0              ``model.safetensors``
                                                                       (``megaformer convert``)
-``sharded``    weights, Adam moments, schedule, data position, RNG    ``state/`` (:mod:`.sharded`),
+``sharded``    weights, optimizer state, schedule, data position, RNG ``state/`` (:mod:`.sharded`),
                (RNG only at the saved layout); at any layout          any layout
 ``portable``   the same, at a layout other than the saved one         first release's ``optimizer/``
                                                                       (:mod:`.legacy.portable`)
@@ -48,7 +48,11 @@ import torch
 
 from megaformer import __version__
 from megaformer.checkpoint import sharded
-from megaformer.checkpoint.compat import check_resume_compatible, layout_changes
+from megaformer.checkpoint.compat import (
+    check_resume_compatible,
+    layout_changes,
+    optimizer_changed,
+)
 from megaformer.checkpoint.files import BackgroundWriter
 from megaformer.checkpoint.index_checks import check_data_position
 from megaformer.checkpoint.layout import (
@@ -132,6 +136,12 @@ class Checkpointer:
         if self.source is not None:
             check_resume_compatible(cfg, self.source)
         self.kind = resume_kind(self.source)
+        if self.kind == "engine" and cfg.train.optimizer != "adamw":
+            raise CheckpointError(
+                f"{self.source}: holds DeepSpeed's AdamW files, train.optimizer="
+                f"{cfg.train.optimizer} cannot resume from them; start a new run from its "
+                "weights (model.init_from or a weights-only checkpoint)"
+            )
         if self.kind == "engine" and cfg.parallel.expert > 1:
             raise CheckpointError(
                 f"{self.source}: parallel.expert={cfg.parallel.expert} "
@@ -250,9 +260,10 @@ class Checkpointer:
         return state
 
     def _resume_sharded(self) -> TrainState:
-        """Master weights (already in the model), Adam moments and step count from this rank's
-        part of the sharded state, at whatever layout this run has; the LR schedule and data
-        position from meta.json; every rank's RNG streams when the layout is the saved one."""
+        """Master weights (already in the model), the optimizer's state (Adam's moments, Muon's
+        momentum; none with ``train.optimizer_reset``) and step count from this rank's part of
+        the sharded state, at whatever layout this run has; the LR schedule and data position from
+        meta.json; every rank's RNG streams when the layout is the saved one."""
         ckpt, saved, t = self.source, self._saved, self.trained
         state = self._position(read_meta(ckpt), ckpt / META)
         access = OptimizerAccess(t.engine, self.topo)
@@ -263,17 +274,35 @@ class Checkpointer:
                 f"optimizer ({type(t.engine.optimizer).__name__}); resume "
                 "with train.precision bf16 or fp32"
             )
-        access.prepare(saved.adam_step)
+        reset = self.cfg.train.optimizer_reset
+        if saved.optimizer != access.name and not reset:
+            raise CheckpointError(optimizer_changed(ckpt, saved.optimizer, access.name))
+        access.prepare(0.0 if reset else saved.adam_step)
         # ZeRO 1/2/3: the moments' owned ranges are disjoint over the replica group, read as
         # they are; the master weights' pieces were read for the model build, exchanged again.
-        # ZeRO-0 holds whole shards: each is read once per group and exchanged.
+        # ZeRO-0 holds whole shards: each is read once per group and exchanged. Muon under
+        # ZeRO-1/2: each parameter's state is read by its owner alone.
         owned = access.owned(params, self.cfg.model.vocab_size, for_save=False)
         for o in owned:
-            for key in sharded.KEYS:
-                shared = key == "master" or access.plain
+            for key in ("master",) if reset else ("master", *access.keys(o.param)):
+                if key != "master" and not access.holds(o.param):
+                    continue
+                if key not in saved.keys_of(o.name):
+                    raise CheckpointError(
+                        f"{ckpt}: {o.name} was saved without {key} (another split between "
+                        "Muon and AdamW?); resume with the checkpoint's train settings or "
+                        "train.optimizer_reset=true"
+                    )
+                shared = key == "master" or (access.plain and not access.distributed)
                 access.set_owned(
                     o, key, saved.fill_shared(o, key) if shared else saved.fill(o, key)
                 )
+        if reset:
+            log.warning(
+                "%s: optimizer state not loaded (train.optimizer_reset=true): %s starts from zero",
+                ckpt,
+                access.name,
+            )
         self._log_reads(saved, owned)
         restore_schedule(t.engine, t.scheduler, state.step, self.cfg.train.global_batch_size)
         if not self.changes:
@@ -292,7 +321,8 @@ class Checkpointer:
             for o in owned
             for box, _, _ in replace(o, start=0, stop=math.prod(o.local_shape)).boxes()
         )
-        fair = sharded.BYTES_PER_ELEMENT * held / (size(saved.group) if saved.group else 1)
+        per_element = saved.state_bytes() / max(sum(map(math.prod, saved.shapes.values())), 1)
+        fair = per_element * held / (size(saved.group) if saved.group else 1)
         reads = self._gather_to_main((saved.bytes_read, saved.bytes_read / max(fair, 1.0)))
         if self.rank == 0:
             total = max(saved.state_bytes(), 1)
@@ -388,6 +418,7 @@ class Checkpointer:
         shard = cfg.train.precision != "fp16" and access.covered(t.params())
         if shard:  # taken now: an asynchronous save writes the index after training went on
             info["adam_step"] = access.adam_step()
+            info["optimizer"] = access.name
         pieces: list = []
         t0 = time.perf_counter()
         path = save_checkpoint(
@@ -451,7 +482,9 @@ class Checkpointer:
             )
             pieces.extend(
                 self._gather_to_main(
-                    sharded.piece_description(self.rank, tensors, where, owned, self.topo.tp)
+                    sharded.piece_description(
+                        self.rank, tensors, where, owned, self.topo.tp, access.keys
+                    )
                 )
             )
         files.update(router_files(t.engine.module, self.topo))  # aux-loss-free biases

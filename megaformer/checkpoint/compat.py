@@ -65,6 +65,9 @@ def check_resume_compatible(cfg: Config, ckpt: Path) -> None:
             )
     if ckpt_layout.is_weights_only(ckpt):  # a fresh run from these weights: any data, any layout
         return
+    new, old = cfg.train.optimizer, saved_cfg.train.optimizer
+    if new != old and not cfg.train.optimizer_reset:
+        raise CheckpointError(optimizer_changed(ckpt, old, new))
     for key in RESUME_DATA_KEYS:
         new, old = getattr(cfg.data, key), getattr(saved_cfg.data, key)
         if new != old:
@@ -73,6 +76,15 @@ def check_resume_compatible(cfg: Config, ckpt: Path) -> None:
                 "position would point into another sample stream; resume with the checkpoint's "
                 "data settings, or start a new run from its weights"
             )
+
+
+def optimizer_changed(ckpt: Path, saved: str, now: str) -> str:
+    """The one-line error for resuming with another optimizer than the checkpoint's."""
+    return (
+        f"train.optimizer={now} differs from the checkpoint {ckpt} ({saved}), whose optimizer "
+        f"state it cannot load; resume with train.optimizer={saved}, or set "
+        "train.optimizer_reset=true to keep the weights and start the optimizer state from zero"
+    )
 
 
 def layout_changes(cfg: Config, ckpt: Path, world_size: int) -> list[str]:

@@ -1,4 +1,5 @@
-"""This rank's fp32 master weights and Adam moments inside whatever optimizer DeepSpeed built, and
+"""This rank's fp32 master weights and optimizer state (Adam's moments; Muon's momentum) inside
+whatever optimizer DeepSpeed built, and
 the LR schedule's position: every reach into DeepSpeed's (and torch's) private state that saving
 and resuming need, in this one module (listed for an upgrade audit in
 :mod:`megaformer.training.deepspeed_adapter`).
@@ -8,6 +9,9 @@ Per optimizer, the owned flat range [s, e) of a parameter's tensor-parallel shar
 
 * ZeRO-0 in fp32 (torch's AdamW as is, replicated over data parallelism): the parameter itself and
   ``optimizer.state[p]``;
+* Muon (:class:`megaformer.runtime.muon.Muon`, fp32, DeepSpeed without ZeRO): the parameter and
+  ``optimizer.state[p]`` on the rank that owns ``p``'s state (every rank below ZeRO-1), which
+  saves the whole shard;
 * ZeRO 1/2 and the bf16 optimizer: the fragment of the flat fp32 partition mapped onto ``p`` by
   ``p._hp_mapping`` (``lp_fragment_address``, ``get_hp_fragment``), linked lazily by
   ``optimizer._lazy_init_hp_params_optimizer_state`` (re-armed through
@@ -31,6 +35,9 @@ import torch
 
 from megaformer.checkpoint.sharded import VOCAB_TABLES, Owned
 from megaformer.deepspeed_attrs import has_hp_mapping, pipe_replicated, zero3_partitioned
+from megaformer.runtime.muon import Muon
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def local_parameters(
@@ -48,9 +55,9 @@ def local_parameters(
 
 
 class OptimizerAccess:
-    """This rank's own range of each parameter's fp32 master weight and Adam moments, whatever
-    optimizer DeepSpeed wrapped around torch's AdamW (:meth:`covered`: not fp16's). ``topo``: the
-    rank's place in the layout (:meth:`owned` needs it)."""
+    """This rank's own range of each parameter's fp32 master weight and optimizer state, whatever
+    optimizer DeepSpeed wrapped around torch's AdamW (:meth:`covered`: not fp16's), or Muon (which
+    it does not wrap). ``topo``: the rank's place in the layout (:meth:`owned` needs it)."""
 
     def __init__(self, engine: Any, topo: Any = None) -> None:
         self.topo = topo
@@ -58,6 +65,23 @@ class OptimizerAccess:
         self.plain = isinstance(opt, torch.optim.Optimizer)  # ZeRO-0 in fp32: torch's AdamW as is
         self.wrapper = opt
         self.inner: torch.optim.Optimizer = opt if self.plain else getattr(opt, "optimizer", None)
+        self.muon = isinstance(self.inner, Muon)
+        # Muon under ZeRO-1/2: each parameter's state on one data-parallel rank, its owner
+        self.distributed = self.muon and self.inner.comm.distribute
+
+    @property
+    def name(self) -> str:
+        """``train.optimizer`` of the optimizer inside (what ``index.json`` records)."""
+        return "muon" if self.muon else "adamw"
+
+    def keys(self, p: torch.nn.Parameter) -> tuple[str, ...]:
+        """The names of ``p``'s optimizer state, besides its master weight: Adam's two moments,
+        or Muon's momentum for the matrices it updates."""
+        return self.inner.state_keys(p) if self.muon else ADAM_KEYS
+
+    def holds(self, p: torch.nn.Parameter) -> bool:
+        """This rank keeps ``p``'s optimizer state (Muon under ZeRO-1/2: its owner only)."""
+        return not self.distributed or self.inner.owns(p)
 
     def covered(self, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
         """Whether these accessors reach the state of every one of ``params``."""
@@ -67,23 +91,34 @@ class OptimizerAccess:
         return self.plain or has_hp_mapping(p) or zero3_partitioned(p)
 
     def adam_step(self) -> float:
+        if self.muon:  # a rank may own no AdamW parameter: Muon counts its steps itself
+            return float(self.inner.steps)
         for state in self.inner.state.values():
             if "step" in state:
                 return float(state["step"])
         return 0.0
 
     def prepare(self, adam_step: float) -> None:
-        """Give every parameter of the wrapped optimizer its Adam state (zeros; torch creates it
-        lazily at the first step) with step count ``adam_step``, so the setters have a target."""
+        """Give every parameter of the wrapped optimizer its state (zeros; torch creates it lazily
+        at the first step; Muon under ZeRO-1/2: the parameters this rank owns) with step count
+        ``adam_step``, so the setters have a target."""
         targets = [q for group in self.inner.param_groups for q in group["params"]]
         # ZeRO-3 hands its flat fp32 partitions to the optimizer one sub-group at a time
         targets += list(getattr(self.wrapper, "fp32_partitioned_groups_flat", []))
         for q in dict.fromkeys(targets):
+            if not self.holds(q):
+                continue
             state = self.inner.state[q]
-            for key in ("exp_avg", "exp_avg_sq"):
+            keys = self.keys(q)
+            for key in keys:
                 if key not in state:
-                    state[key] = torch.zeros_like(q, memory_format=torch.preserve_format)
-            state["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
+                    state[key] = torch.zeros_like(
+                        q, dtype=torch.float32, memory_format=torch.preserve_format
+                    )
+            if keys == ADAM_KEYS:
+                state["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
+        if self.muon:
+            self.inner.steps = float(adam_step)
         self._relink()
 
     def link(self) -> None:
@@ -115,7 +150,10 @@ class OptimizerAccess:
             shape = tuple(p.ds_shape) if zero3_partitioned(p) else tuple(p.shape)
             n = math.prod(shape)
             expert = getattr(p, "allreduce", True) is False  # split over expert parallelism
-            if self.plain:
+            if self.distributed:  # whole parameters, each saved by the rank that owns its state
+                start, stop = (0, n) if self.holds(p) or not for_save else (0, 0)
+                base = 0
+            elif self.plain:
                 if for_save and expert:  # the expert-data ranks hold one copy of these experts
                     r, k = topo.expert_replica_rank, topo.expert_replicas
                     start, stop = r * n // k, (r + 1) * n // k
@@ -194,7 +232,7 @@ class OptimizerAccess:
             value = value.reshape(o.local_shape).to(p.device)
             if key == "master":
                 p.data.copy_(value.to(p.dtype))
-            else:
+            elif self.holds(p):
                 self.inner.state[p][key] = value.clone()
             return
         if zero3_partitioned(p):

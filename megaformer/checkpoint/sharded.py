@@ -1,8 +1,9 @@
 """Sharded, layout-free training state: every rank writes what it owns; any layout reads it back.
 
-The training state of a parameter with whole (unsharded, vocabulary-unpadded) shape ``S`` is three
-fp32 tensors of shape ``S``: the master weight theta, Adam's first moment m and second moment v.
-No rank ever holds a whole one. Rank r owns, of each of its parameters, one flat range [s, e) of
+The training state of a parameter with whole (unsharded, vocabulary-unpadded) shape ``S`` is fp32
+tensors of shape ``S``: the master weight theta and the optimizer's state under its own names
+(AdamW: first moment m and second moment v; Muon's matrices: momentum m; the index lists each
+parameter's). No rank ever holds a whole one. Rank r owns, of each of its parameters, one flat range [s, e) of
 its tensor-parallel shard (row-major order):
 
 * ZeRO 1/2 and the bf16 optimizer: the fragment of DeepSpeed's flat fp32 partition that maps onto
@@ -10,6 +11,8 @@ its tensor-parallel shard (row-major order):
 * ZeRO-3: its partition, elements [r_dp * n_part, (r_dp + 1) * n_part) of the flattened shard;
 * ZeRO-0 (torch's AdamW, replicated over data parallelism): the data-parallel ranks split each
   shard evenly, [r_dp * n / dp, (r_dp + 1) * n / dp), so that each byte is written once.
+* Muon under ZeRO-1/2: the whole shard of each parameter whose state the rank owns, nothing of
+  the others.
 
 A parameter replicated over tensor parallelism (a norm's gain) is split the same way over the TP
 ranks; a pipeline-tied weight is written by the first stage only. An expert parameter under
@@ -20,10 +23,12 @@ partial row; recursively), so a rank stores its range as boxes placed in whole-t
 coordinates::
 
     CKPT/state/
-      rank_00000.safetensors   "NAME/KEY/i": box i of KEY (master | exp_avg | exp_avg_sq) of NAME
+      rank_00000.safetensors   "NAME/KEY/i": box i of KEY of NAME: master, and the optimizer's
+                               state (AdamW: exp_avg, exp_avg_sq; Muon: momentum)
       ...                      one file per rank, written by that rank, in parallel
       index.json               rank 0: every box's file, offsets and sizes; whole shapes; file
-                               sizes; Adam's step count; the layout and precision it came from
+                               sizes; each parameter's keys; the optimizer (train.optimizer) and
+                               Adam's step count; the layout and precision it came from
 
 Reading at any layout is the same decomposition run backwards: each rank splits the flat range it
 owns now (whole shards for ZeRO-0) into boxes, and for each reads the intersection with every saved
@@ -39,7 +44,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,7 +57,8 @@ from megaformer.safe_files import read_text_inside
 
 STATE_DIR = "state"
 INDEX = "index.json"
-KEYS = ("master", "exp_avg", "exp_avg_sq")
+KEYS = ("master", "exp_avg", "exp_avg_sq")  # AdamW's (and every checkpoint's before Muon)
+STATE_KEYS = {*KEYS, "momentum"}  # every name a parameter's saved state may have
 BYTES_PER_ELEMENT = 4 * len(KEYS)  # fp32 master weight and Adam's two moments
 VOCAB_TABLES = ("tok_embeddings.weight", "lm_head.weight")
 FORMAT = 2  # 1: every box listed (still read)
@@ -167,7 +173,7 @@ class Owned:
 
 
 def owned_elements(owned: list[Owned]) -> int:
-    """The elements of one key (master, exp_avg or exp_avg_sq) this rank's boxes hold."""
+    """The elements of one key (master, exp_avg, ...) this rank's boxes hold."""
     return sum(math.prod(box[1]) for o in owned for box, _, _ in o.boxes())
 
 
@@ -187,7 +193,7 @@ def snapshot(
         boxes = o.boxes()
         if not boxes:
             continue
-        for key in KEYS:
+        for key in ("master", *access.keys(o.param)):
             flat = access.get_owned(o, key)
             for i, ((off, cut), uncut, pos) in enumerate(boxes):
                 box = flat[pos : pos + math.prod(uncut)].view(uncut)[: cut[0]]
@@ -223,17 +229,20 @@ def write_index(tmp: Path, pieces: list[dict], info: dict) -> None:
 def build_index(pieces: list[dict], info: dict) -> str:
     """``index.json`` from every rank's piece description ({"rank", "file", "bytes", "ranges":
     {name: [tp_offset, ep_offset, start, stop]}, "shards": {name: [local shape, dim, rows]},
-    "shapes": {name: whole shape}}) and ``info`` (step, layout, Adam's step).
+    "shapes": {name: whole shape}, "keys": {name: [master, state names...]}}) and ``info`` (step,
+    layout, the optimizer, Adam's step).
 
     Boxes are described by rule, not listed: a parameter's saved shard geometry once, and its
     owned flat ranges as runs (:func:`compress_ranges`): ZeRO-3's partition of a shard over any
     number of ranks is one run, so the index grows with parameters + ranks, not their product."""
     shapes: dict[str, list[int]] = {}
     shards: dict[str, list] = {}
+    keys: dict[str, list[str]] = {}
     entries: dict[str, list] = {}
     for piece in pieces:
         shapes.update(piece["shapes"])
         shards.update(piece["shards"])
+        keys.update(piece.get("keys", {}))
         for name, (tp_off, ep_off, start, stop) in piece["ranges"].items():
             entries.setdefault(name, []).append((piece["rank"], tp_off, ep_off, start, stop))
     files = {piece["file"]: piece["bytes"] for piece in pieces}
@@ -251,6 +260,7 @@ def build_index(pieces: list[dict], info: dict) -> str:
             "files": files,
             "shards": shards,
             "ranges": ranges,
+            "keys": keys,
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -333,10 +343,16 @@ def expand_run(
 
 
 def piece_description(
-    rank: int, tensors: dict[str, torch.Tensor], where: dict[str, list], owned: list[Owned], tp: int
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    where: dict[str, list],
+    owned: list[Owned],
+    tp: int,
+    keys: Callable[[Any], tuple[str, ...]] = lambda p: KEYS[1:],
 ) -> dict:
     """What rank 0 needs to know of this rank's file for the index (small: no tensor data, one
-    flat range per parameter; ``tensors`` and ``where`` are the file's, described by rule)."""
+    flat range per parameter; ``tensors`` and ``where`` are the file's, described by rule;
+    ``keys(p)``: the names of a parameter's optimizer state besides its master weight)."""
     return {
         "rank": rank,
         "file": rank_file(rank),
@@ -346,6 +362,7 @@ def piece_description(
         },
         "shards": {o.name: [list(o.local_shape), o.dim, o.rows] for o in owned},
         "shapes": {o.name: list(o.whole_shape(tp)) for o in owned},
+        "keys": {o.name: ["master", *keys(o.param)] for o in owned},
     }
 
 
@@ -373,6 +390,15 @@ class ShardedState:
         try:
             self.index = json.loads(read_text_inside(ckpt, Path(STATE_DIR, INDEX), MAX_INDEX_BYTES))
             self.shapes = {k: tuple(v) for k, v in self.index["shapes"].items()}
+            self._keys: dict[str, list[str]] = self.index.get("keys", {})
+            if not isinstance(self._keys, dict) or any(
+                not isinstance(v, list)
+                or v[:1] != ["master"]
+                or len(set(v)) != len(v)
+                or not set(v) <= STATE_KEYS
+                for v in self._keys.values()
+            ):
+                raise ValueError("keys")
             self.files: dict[str, int] = self.index["files"]
             self.format = self.index.get("format")
             if self.format == 1:  # every box listed
@@ -449,7 +475,17 @@ class ShardedState:
 
     def state_bytes(self) -> int:
         """The bytes of the whole saved state (every key of every parameter, fp32)."""
-        return BYTES_PER_ELEMENT * sum(math.prod(s) for s in self.shapes.values())
+        return sum(4 * len(self.keys_of(n)) * math.prod(s) for n, s in self.shapes.items())
+
+    def keys_of(self, name: str) -> tuple[str, ...]:
+        """The saved keys of parameter ``name``: its master weight, then its optimizer state's
+        names (AdamW's two moments in checkpoints that do not list them)."""
+        return tuple(self._keys.get(name, KEYS))
+
+    @property
+    def optimizer(self) -> str:
+        """``train.optimizer`` of the run that wrote this state."""
+        return str(self.index.get("optimizer", "adamw"))
 
     def _check_boxes(self, boxes: dict[str, list]) -> None:
         """Every box inside its tensor, in a listed file (checked against the file's header when
@@ -527,7 +563,7 @@ class ShardedState:
                 self._runs[name] = [
                     ((tuple(origin_of(local, dim, r[3], r[4])), local), r) for r in runs
                 ]
-                claimed += BYTES_PER_ELEMENT * math.prod(shape)  # each element saved once
+                claimed += 4 * len(self.keys_of(name)) * math.prod(shape)  # each saved once
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError):
             raise CheckpointError(
                 f"{where}: corrupt (the ranges or shards of a parameter)"
@@ -583,7 +619,7 @@ class ShardedState:
     def listed(self) -> dict[str, list]:
         """Every box, listed as format 1 lists them (``{"NAME/KEY": [[file, tensor key, offsets,
         sizes], ...]}``)."""
-        return {f"{n}/{k}": self.boxes_of(n, k) for n in self.shapes for k in KEYS}
+        return {f"{n}/{k}": self.boxes_of(n, k) for n in self.shapes for k in self.keys_of(n)}
 
     def boxes_of(self, name: str, key: str) -> list:
         """The saved boxes ``[file, tensor key, offsets, sizes]`` of ``name``'s ``key``: listed
@@ -595,7 +631,7 @@ class ShardedState:
         try:
             local, dim, rows = self._shards[name]
             local = tuple(int(d) for d in local)
-            expanded = {k: [] for k in KEYS}
+            expanded = {k: [] for k in self.keys_of(name)}
             for run in self._ranges[name]:
                 if len(run) != 8 or not 1 <= run[2] <= len(self.files):
                     raise ValueError(run)
@@ -614,7 +650,7 @@ class ShardedState:
                         ep_offset=ep_off,
                     )
                     for i, ((off, cut), _, _) in enumerate(o.boxes()):
-                        for k in KEYS:
+                        for k in expanded:
                             expanded[k].append(
                                 [rank_file(rank), f"{name}/{k}/{i}", list(off), list(cut)]
                             )

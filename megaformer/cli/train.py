@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "parallel.tensor / parallel.context / parallel.pipeline split them into "
         "tensor, context, pipeline and data parallelism (DP = world / (TP*CP*PP)), "
         "parallel.expert splits the experts over data-parallel ranks and "
-        "parallel.zero_stage the optimizer state.",
+        "parallel.zero_stage the optimizer state (train.optimizer: adamw or muon).",
         epilog="example: megaformer train configs/quickstart.yaml train.steps=50 model.n_layers=2\n"
         "run `megaformer train --help-config` for every config key.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

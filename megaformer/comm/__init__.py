@@ -21,6 +21,7 @@ from megaformer.comm.collectives import (
     all_reduce_mean,
     barrier,
     broadcast_from_main,
+    broadcast_tensor,
     broadcast_with_shape,
     gather_to_main,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast_from_main",
+    "broadcast_tensor",
     "broadcast_with_shape",
     "check_kind",
     "copy_to_tp",

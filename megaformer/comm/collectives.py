@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megaformer.comm.counters import record
 from megaformer.comm.groups import size
 
 
@@ -68,6 +69,17 @@ def broadcast_with_shape(
     out = x.contiguous() if x is not None else torch.empty(shape, dtype=dtype)
     dist.broadcast(out, src=src, group=group)
     return out
+
+
+def broadcast_tensor(x: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Group rank ``src``'s ``x`` into ``x`` on every rank of ``group`` (in place; a tensor of the
+    same shape and dtype everywhere). Records the bytes ``src`` sends, once."""
+    if size(group) == 1:
+        return x
+    if dist.get_rank(group) == src:
+        record("broadcast", x.numel() * x.element_size())
+    dist.broadcast(x, src=dist.get_global_rank(group, src), group=group)
+    return x
 
 
 def gather_to_main(obj: Any) -> list[Any]:

@@ -60,6 +60,33 @@ class TrainConfig:
         "ops, one pass per operation) or auto (fused when every parameter is a floating "
         "tensor on CPU or CUDA, else foreach). Same update either way up to rounding.",
     )
+    optimizer: Literal["adamw", "muon"] = option(
+        "adamw",
+        "adamw, or muon: momentum orthogonalised by Newton-Schulz on the blocks' matrices "
+        "(attention and FFN weights, experts one matrix each), AdamW on the rest (embeddings, "
+        "output head, norms, biases, router and train.muon_adamw_params); see "
+        "docs/optimizers.md.",
+    )
+    muon_lr: Optional[float] = option(
+        None,
+        "Muon's peak learning rate (null = train.lr: the update is scaled to AdamW's RMS, "
+        "0.2 sqrt(max(m, n)), so AdamW's rate carries over). Follows the same schedule.",
+    )
+    muon_momentum: float = option(0.95, "Muon's momentum mu (m <- mu m + g).")
+    muon_nesterov: bool = option(True, "Muon orthogonalises g + mu m (Nesterov) instead of m.")
+    muon_ns_steps: int = option(5, "Newton-Schulz iterations per Muon update.")
+    muon_adamw_params: Optional[list[str]] = option(
+        None,
+        "Names containing any of these substrings go to AdamW even when they are block "
+        "matrices (e.g. [attn.wo] or [mlp.experts]); embeddings, the output head, router, "
+        "norms and biases always do (null = no others).",
+    )
+    optimizer_reset: bool = option(
+        False,
+        "On resume, start the optimizer state from zero, keeping the checkpoint's weights, step "
+        "and data position; needed to resume a checkpoint written by another train.optimizer "
+        "(that resume is an error otherwise).",
+    )
     grad_clip: float = option(1.0, "Clip the global gradient norm to this value; 0 disables.")
     recompute: Literal["none", "full", "selective"] = option(
         "none",

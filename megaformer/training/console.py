@@ -99,7 +99,7 @@ def log_summary(
         sp += f" x CP {cfg.parallel.context} ({cfg.parallel.context_mode})"
     log.info(
         "megaformer: %s parameters (%s non-embedding; vocabulary %d padded to %d) | "
-        "world %d = DP %d x TP %d%s x PP %d%s | ZeRO %d | %s %s | attention %s (%s)",
+        "world %d = DP %d x TP %d%s x PP %d%s | ZeRO %d | %s | %s %s | attention %s (%s)",
         f"{counts['total']:,}",
         f"{counts['non_embedding']:,}",
         cfg.model.vocab_size,
@@ -111,6 +111,7 @@ def log_summary(
         pp,
         f" ({cfg.parallel.pipeline_schedule})" if pp > 1 else "",
         cfg.parallel.zero_stage,
+        cfg.train.optimizer,
         proc.device.type,
         cfg.train.precision,
         name,

@@ -32,7 +32,9 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # Muon distributes its own state (whole matrices per data-parallel rank,
+        # megaformer.runtime.muon): DeepSpeed then only averages the gradients
+        "zero_optimization": {"stage": cfg.parallel.zero_stage if t.optimizer == "adamw" else 0},
         # megaformer passes torch's AdamW; DeepSpeed's ZeRO wraps it (it only "tests" its own).
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": t.precision == "bf16"},

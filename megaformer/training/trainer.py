@@ -44,6 +44,7 @@ from megaformer.parallel.grad_norm import GradNormClipper
 from megaformer.parallel.topology import build_topology, layout_groups
 from megaformer.runtime.collectives import host_group
 from megaformer.runtime.host_allocator import configure_host_allocator
+from megaformer.runtime.muon import MuonGroups
 from megaformer.runtime.optimizer import build_optimizer
 from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.safe_files import check_run_dir
@@ -327,7 +328,13 @@ class Trainer:
 
         ep = self.cfg.parallel.expert
         experts.deepspeed_groups(self.topo)  # expert parallelism: DeepSpeed's expert groups
-        optimizer = build_optimizer(self.model, self.cfg.train)
+        groups = self.topo.groups
+        optimizer = build_optimizer(
+            self.model,
+            self.cfg.train,
+            self.param_names,
+            MuonGroups(groups.tp, groups.replica, groups.edp, self.cfg.parallel.zero_stage > 0),
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg.train))
         ds_config = build_deepspeed_config(self.cfg, self.grad_accum)
         step_class = train_step_class(self.cfg)

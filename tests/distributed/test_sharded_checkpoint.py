@@ -20,11 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint import sharded
 from megaformer.checkpoint.sharded import Owned, ShardedState, flat_boxes
 from megaformer.errors import CheckpointError
-from tests.helpers import assert_one_line_error, cli_main, run_torchrun, tiny_overrides
+from tests.helpers import (
+    assert_one_line_error,
+    cli_main,
+    keep_only,
+    run_torchrun,
+    tiny_overrides,
+)
 
 LAYOUTS = {
     "A": ("parallel.tensor=2", "parallel.zero_stage=1"),
@@ -49,15 +54,6 @@ CHAIN = ["A", "B", "C", "A"]
 def losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def keep_only(run: Path, step: int) -> None:
-    """Keep only the checkpoint of ``step``, as if the run had stopped there."""
-    tag = ckpt_layout.tag_for(step)
-    for ckpt in (run / "checkpoints").glob("step_*"):
-        if ckpt.name != tag:
-            shutil.rmtree(ckpt)
-    (run / "checkpoints" / "latest").write_text(tag + "\n")
 
 
 def train4(run: Path, layout: str, steps: int) -> str:

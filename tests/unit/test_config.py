@@ -310,7 +310,7 @@ def test_choices_are_declared_once_as_literal_types():
             allowed = choices(typing.get_type_hints(cls)[f.name])
             if allowed:
                 declared[f"{section}.{f.name}"] = allowed
-    assert len(declared) == 19
+    assert len(declared) == 20
     assert declared["parallel.pipeline_schedule"] == ("1f1b", "dualpipev")
     assert declared["train.precision"] == ("fp32", "bf16", "fp16")
     assert declared["parallel.expert_dispatch"] == ("auto", "splits", "padded")

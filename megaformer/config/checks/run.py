@@ -49,6 +49,28 @@ def check_train(cfg: Config) -> None:
     for key in ("adam_beta1", "adam_beta2"):
         v = getattr(t, key)
         require(0 <= v < 1, f"train.{key}={v}: must be in [0, 1)")
+    check_muon(cfg)
+
+
+def check_muon(cfg: Config) -> None:
+    """Muon's hyperparameters, and the layouts its distributed update covers."""
+    t = cfg.train
+    positive("train.muon_lr", t.muon_lr)
+    positive("train.muon_ns_steps", t.muon_ns_steps)
+    require(0 <= t.muon_momentum < 1, f"train.muon_momentum={t.muon_momentum}: must be in [0, 1)")
+    if t.optimizer != "muon":
+        return
+    require(
+        cfg.parallel.zero_stage < 3,
+        "train.optimizer=muon with parallel.zero_stage=3: Newton-Schulz needs each whole "
+        "matrix on one rank, ZeRO-3 keeps only slices; use zero_stage 1 or 2 (Muon then "
+        "assigns whole matrices to data-parallel ranks)",
+    )
+    require(
+        t.precision == "fp32",
+        f"train.optimizer=muon with train.precision={t.precision}: Muon keeps no separate "
+        "fp32 master weights yet; use train.precision=fp32",
+    )
 
 
 def check_outputs(cfg: Config) -> None:
