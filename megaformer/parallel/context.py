@@ -16,17 +16,22 @@ queries to every block it receives and merges the partial results by their log-s
     l'  = log(e^l + e^{l_j}),     O' = e^{l - l'} O + e^{l_j - l'} O_j
 
 so after N blocks O = softmax(Q K^T * scale + M) V and l = logsumexp of the whole row, exactly.
-M_j is built from the *global* positions (and document ids) of the query and key tokens: causal,
-sliding window, packed-document boundaries, whatever each block pair sees. The backward pass is
-written out with the saved l (FlashAttention-2's): with D = rowsum(dO o O) and
-P_j = exp(S_j - l),
+Each block pair is one call of a fused attention kernel that returns l_j
+(:mod:`megaformer.kernels.attention_block`: aten's FlashAttention kernels on CPU and CUDA, the
+memory-efficient one on CUDA where a pair needs an explicit mask), in the training dtype; only the
+merge above is fp32. M_j is built from the *global* positions (and document ids) of the query and
+key tokens: a pair wholly below the diagonal needs none, a pair on the diagonal is the kernel's
+causal mask, a pair cut by the sliding window or holding document boundaries an explicit mask. The
+backward pass is the ring's own: the kernel's backward op, given the *final* O and l of the rows
+(FlashAttention-2's backward needs nothing else), returns each pair's exact share
 
     dV_j = P_j^T dO,   dS_j = P_j o (dO V_j^T - D),   dQ += dS_j K_j scale,   dK_j = dS_j^T Q scale,
 
-and the blocks travel around the ring again, each carrying its dK_j, dV_j accumulators home
-(N-1 passes of K, V, dK, dV and a last one of dK, dV). Under a causal mask a contiguous split
-would leave rank 0 one block of work and rank N-1 N blocks; with chunks r and 2N-1-r every rank
-multiplies 2N+1 chunk pairs (chunk pairs wholly above the diagonal are skipped).
+with P_j = exp(S_j - l), D = rowsum(dO o O); the blocks travel around the ring again, each carrying
+its fp32 dK_j, dV_j accumulators home (N-1 passes of K, V, dK, dV and a last one of dK, dV). Under a
+causal mask a contiguous split would leave rank 0 one block of work and rank N-1 N blocks; with
+chunks r and 2N-1-r every rank runs 2N+1 chunk pairs (chunk pairs wholly above the diagonal are
+skipped). v's head dimension may differ from q's and k's (one block [k | v] travels).
 
 **All-to-all** (DeepSpeed-Ulysses, Jacobs et al. 2023): q, k, v go from sequence-sharded
 [B, h, T/N, d] to head-sharded [B, h/N, T, d] with one all-to-all each, the usual attention core
@@ -58,6 +63,7 @@ import torch.nn as nn
 
 from megaformer import comm
 from megaformer.kernels.attention import DocumentMask, document_ids, document_mask
+from megaformer.kernels.attention_block import block_backward, block_forward
 
 MODES = ("ring", "all_to_all")
 
@@ -112,7 +118,6 @@ class ContextParallel:
     mode: str
     ranks: list[int] = field(default_factory=list)
     active: bool = True
-    tile: int = 512  # ring: chunk pairs are computed in tiles of at most tile x tile positions
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -197,7 +202,8 @@ class ContextParallel:
         window: Optional[int],
     ) -> torch.Tensor:
         """softmax(Q K^T / sqrt(d) + M) V over the whole sequence for this rank's queries:
-        q [B, h, T/N, d], k, v [B, h_kv, T/N, d] -> [B, h, T/N, d]."""
+        q [B, h, T/N, d], k [B, h_kv, T/N, d], v [B, h_kv, T/N, d_v] -> [B, h, T/N, d_v] (the
+        ring takes d_v != d; all-to-all as its inner core does)."""
         if self.mode == "ring":
             if dropout_p > 0:
                 raise ValueError("ring attention has no attention dropout")
@@ -357,12 +363,6 @@ def weighted_loss_fn(
 # ----------------------------------------------------------------------------- ring attention
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, H, T, X] -> [B, Hkv, g T, X]: the g query heads of each key/value head stacked."""
-    B, H, T, X = x.shape
-    return x.reshape(B, kv_heads, (H // kv_heads) * T, X)
-
-
 def _pair_mask(
     qpos: torch.Tensor,
     kpos: torch.Tensor,
@@ -395,7 +395,7 @@ def _visible(q0: int, qn: int, k0: int, kn: int, causal: bool, window: Optional[
 
 def _pairs(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int]):
     """The (query slice, key slice, query start, key start) chunk pairs to compute between this
-    rank's queries and the keys/values of rank ``src``."""
+    rank's queries and the keys/values of rank ``src`` (pairs nobody sees skipped)."""
     mine = chunk_starts(cp.rank, cp.size, cp.mode, tl)
     theirs = chunk_starts(src, cp.size, cp.mode, tl)
     qoff = koff = 0
@@ -410,30 +410,18 @@ def _pairs(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optiona
     return out
 
 
-def _tiles(
-    cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int], count: bool
-):
-    """The chunk pairs of :func:`_pairs` cut into tiles of at most ``cp.tile`` queries and keys
-    (the scores of one tile are what lives at a time), tiles nobody sees skipped. ``count``:
-    add the chunk pairs and tiles to :data:`RING_WORK`."""
-    t = cp.tile
-    for qs, ks, q0, k0 in _pairs(cp, src, tl, causal, window):
-        RING_WORK["pairs"] += count
-        for i in range(0, qs.stop - qs.start, t):
-            qn = min(t, qs.stop - qs.start - i)
-            for j in range(0, ks.stop - ks.start, t):
-                kn = min(t, ks.stop - ks.start - j)
-                if _visible(q0 + i, qn, k0 + j, kn, causal, window):
-                    RING_WORK["tiles"] += count
-                    yield (
-                        slice(qs.start + i, qs.start + i + qn),
-                        slice(ks.start + j, ks.start + j + kn),
-                        q0 + i,
-                        k0 + j,
-                    )
+@dataclass
+class _Block:
+    """One chunk pair as the kernel takes it: the query and key slices, and the mask -- none
+    (every query sees every key), ``causal`` (a chunk on the diagonal) or an explicit one."""
+
+    qs: slice
+    ks: slice
+    causal: bool
+    mask: Optional[torch.Tensor]
 
 
-def _masks(
+def _blocks(
     cp: ContextParallel,
     src: int,
     tl: int,
@@ -442,31 +430,26 @@ def _masks(
     doc_ids: Optional[torch.Tensor],
     device: torch.device,
     count: bool = False,
-):
-    """Each tile with its mask (None where every query sees every key)."""
-    for qs, ks, q0, k0 in _tiles(cp, src, tl, causal, window, count):
+) -> list[_Block]:
+    """The chunk pairs of :func:`_pairs` with their masks; ``count``: add them to :data:`RING_WORK`.
+    A pair wholly below the diagonal (and inside the window) needs no mask, one on the diagonal
+    the kernel's causal mask; a window that cuts a pair, or documents, an explicit mask."""
+    out = []
+    for qs, ks, q0, k0 in _pairs(cp, src, tl, causal, window):
+        RING_WORK["pairs"] += count
         qn, kn = qs.stop - qs.start, ks.stop - ks.start
-        full_view = not causal or (
-            q0 >= k0 + kn - 1 and (window is None or q0 + qn - 1 - k0 < window)
-        )
-        qpos = torch.arange(q0, q0 + qn, device=device)
-        kpos = torch.arange(k0, k0 + kn, device=device)
-        if doc_ids is not None:
-            mask = _pair_mask(
-                qpos, kpos, causal, window, doc_ids[:, q0 : q0 + qn], doc_ids[:, k0 : k0 + kn]
-            )
+        in_window = window is None or q0 + qn - 1 - k0 < window
+        if doc_ids is None and (not causal or (q0 >= k0 + kn - 1 and in_window)):
+            out.append(_Block(qs, ks, False, None))
+        elif doc_ids is None and q0 == k0 and qn == kn and in_window:
+            out.append(_Block(qs, ks, True, None))
         else:
-            mask = None if full_view else _pair_mask(qpos, kpos, causal, window, None, None)
-        yield qs, ks, mask
-
-
-def _tile_scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """S = Q K^T * scale (+ mask: -inf where hidden), fp32 [B, H, Tq, Tk]; one buffer, in place."""
-    B, H, tq, _ = q.shape
-    s = torch.matmul(_grouped(q, k.shape[1]), k.transpose(-2, -1)).view(B, H, tq, -1).mul_(scale)
-    return s.masked_fill_(~mask, float("-inf")) if mask is not None else s
+            qpos = torch.arange(q0, q0 + qn, device=device)
+            kpos = torch.arange(k0, k0 + kn, device=device)
+            qdoc = doc_ids[:, q0 : q0 + qn] if doc_ids is not None else None
+            kdoc = doc_ids[:, k0 : k0 + kn] if doc_ids is not None else None
+            out.append(_Block(qs, ks, False, _pair_mask(qpos, kpos, causal, window, qdoc, kdoc)))
+    return out
 
 
 class _RingPass(comm.RingPass):
@@ -477,7 +460,12 @@ class _RingPass(comm.RingPass):
 
 
 class RingAttention(torch.autograd.Function):
-    """Exact attention over the context group by passing K/V blocks around it (module docstring)."""
+    """Exact attention over the context group by passing K/V blocks around it (module docstring).
+
+    Every chunk pair is one call of the fused attention kernel with its log-sum-exp
+    (:mod:`megaformer.kernels.attention_block`), in the inputs' dtype; only the merge of the
+    partial results and the gradient accumulators are fp32. The backward is the ring's own: each
+    pair's dQ, dK, dV from the kernel's backward op given the final O and lse."""
 
     @staticmethod
     def forward(
@@ -491,65 +479,67 @@ class RingAttention(torch.autograd.Function):
         window: Optional[int],
         scale: float,
     ) -> torch.Tensor:
-        B, H, tl, D = q.shape
-        hkv = k.shape[1]
-        qf = q.float()
-        o = torch.zeros(B, H, tl, D, dtype=torch.float32, device=q.device)
+        B, H, tl, _ = q.shape
+        dk = k.shape[-1]
+        o = torch.zeros(B, H, tl, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((B, H, tl), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v)).contiguous()
+        kv = torch.cat((k, v), dim=-1)  # one block travels; v's head dim may differ from k's
         src = cp.rank
         for step in range(cp.size):
             pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
-            kf, vf = kv[0].float(), kv[1].float()
-            for qs, ks, mask in _masks(cp, src, tl, causal, window, doc_ids, q.device, True):
-                qn = qs.stop - qs.start
-                s = _tile_scores(qf[:, :, qs], kf[:, :, ks], scale, mask)
-                l_b = torch.logsumexp(s, dim=-1)
-                p = s.sub_(torch.where(torch.isinf(l_b), 0.0, l_b).unsqueeze(-1)).exp_()
-                o_b = torch.matmul(_grouped(p, hkv), vf[:, :, ks]).view(B, H, qn, D)
-                l_old = lse[:, :, qs]
+            for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device, True):
+                o_b, l_b = block_forward(
+                    q[:, :, b.qs],
+                    kv[:, :, b.ks, :dk],
+                    kv[:, :, b.ks, dk:],
+                    causal=b.causal,
+                    mask=b.mask,
+                    scale=scale,
+                )
+                l_old = lse[:, :, b.qs]
                 l_new = torch.logaddexp(l_old, l_b)
                 safe = torch.where(torch.isinf(l_new), 0.0, l_new)
-                o[:, :, qs] = o[:, :, qs] * torch.exp(l_old - safe).unsqueeze(-1) + o_b * torch.exp(
-                    l_b - safe
-                ).unsqueeze(-1)
-                lse[:, :, qs] = l_new
+                o[:, :, b.qs] = o[:, :, b.qs] * torch.exp(l_old - safe).unsqueeze(-1) + o_b * (
+                    torch.exp(l_b - safe).unsqueeze(-1)
+                )
+                lse[:, :, b.qs] = l_new
             if pending is not None:
                 kv = pending.wait()
             src = (src - 1) % cp.size
-        ctx.save_for_backward(q, k, v, o, lse, doc_ids if doc_ids is not None else torch.empty(0))
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, doc_ids if doc_ids is not None else torch.empty(0))
         ctx.cp, ctx.causal, ctx.window, ctx.scale = cp, causal, window, scale
         ctx.has_docs = doc_ids is not None
-        return o.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, do: torch.Tensor):  # type: ignore[override]
         q, k, v, o, lse, doc_ids = ctx.saved_tensors
         doc_ids = doc_ids if ctx.has_docs else None
         cp, causal, window, scale = ctx.cp, ctx.causal, ctx.window, ctx.scale
-        B, H, tl, D = q.shape
-        hkv = k.shape[1]
-        qf, dof = q.float(), do.float()
-        delta = (dof * o).sum(-1)  # D_i = rowsum(dO o O)
-        dq = torch.zeros_like(qf)
-        kv = torch.stack((k, v)).contiguous()
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        tl, dk = q.shape[2], k.shape[-1]
+        do = do.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.cat((k, v), dim=-1)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
         src = cp.rank
         for step in range(cp.size):
             pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
-            kf, vf = kv[0].float(), kv[1].float()
-            for qs, ks, mask in _masks(cp, src, tl, causal, window, doc_ids, q.device):
-                qn = qs.stop - qs.start
-                p = _tile_scores(qf[:, :, qs], kf[:, :, ks], scale, mask)
-                p = p.sub_(lse[:, :, qs].unsqueeze(-1)).exp_()  # P = exp(S - l)
-                do_g = _grouped(dof[:, :, qs], hkv)
-                dkv[1][:, :, ks] += torch.matmul(_grouped(p, hkv).transpose(-2, -1), do_g)
-                dp = torch.matmul(do_g, vf[:, :, ks].transpose(-2, -1)).view(B, H, qn, -1)
-                ds = dp.sub_(delta[:, :, qs].unsqueeze(-1)).mul_(p).mul_(scale)  # dS * scale
-                dq[:, :, qs] += torch.matmul(_grouped(ds, hkv), kf[:, :, ks]).view(B, H, qn, D)
-                dkv[0][:, :, ks] += torch.matmul(
-                    _grouped(ds, hkv).transpose(-2, -1), _grouped(qf[:, :, qs], hkv)
+            for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device):
+                dq_b, dk_b, dv_b = block_backward(
+                    do[:, :, b.qs],
+                    q[:, :, b.qs],
+                    kv[:, :, b.ks, :dk],
+                    kv[:, :, b.ks, dk:],
+                    o[:, :, b.qs],
+                    lse[:, :, b.qs],
+                    causal=b.causal,
+                    mask=b.mask,
+                    scale=scale,
                 )
+                dq[:, :, b.qs] += dq_b
+                dkv[:, :, b.ks, :dk] += dk_b
+                dkv[:, :, b.ks, dk:] += dv_b
             # the accumulators follow their block: after N passes they are back with its owner
             dkv = _RingPass(dkv, cp, "cp_ring_dkv").wait()
             if pending is not None:
@@ -557,8 +547,8 @@ class RingAttention(torch.autograd.Function):
             src = (src - 1) % cp.size
         return (
             dq.to(q.dtype),
-            dkv[0].to(k.dtype),
-            dkv[1].to(v.dtype),
+            dkv[..., :dk].to(k.dtype),
+            dkv[..., dk:].to(v.dtype),
             None,
             None,
             None,
