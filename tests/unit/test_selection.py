@@ -169,9 +169,9 @@ def test_ring_block_kernel_rule():
     def impl(device, dtype, head_dim=128, masked=False):
         return choose("attention_block", device, dtype, head_dim=head_dim, masked=masked).impl
 
-    assert {impl("cpu", dt, masked=m) for dt in (torch.float32, torch.bfloat16) for m in (0, 1)} == {
-        "cpu-flash"
-    }
+    assert {
+        impl("cpu", dt, masked=m) for dt in (torch.float32, torch.bfloat16) for m in (0, 1)
+    } == {"cpu-flash"}
     assert impl("cuda", torch.bfloat16) == "flash"
     assert impl("cuda", torch.bfloat16, masked=True) == "efficient"
     assert impl("cuda", torch.float32) == "efficient"
