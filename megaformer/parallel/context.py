@@ -104,6 +104,9 @@ def split_sequence(t: torch.Tensor, rank: int, size: int, mode: str, dim: int = 
 #: chunk-pair products of the ring's forward pass, per process (a benchmark/test reads and resets it)
 RING_WORK: Counter = Counter()
 
+#: every ContextParallel of this process, by its ``key``
+_GROUPS: list = []
+
 
 @dataclass
 class ContextParallel:
@@ -128,6 +131,9 @@ class ContextParallel:
                 if self.group is not None
                 else list(range(self.size))
             )
+        # the operators below take the group by this number (a graph holds no Python object)
+        self.key = len(_GROUPS)
+        _GROUPS.append(self)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -459,102 +465,157 @@ class _RingPass(comm.RingPass):
         super().__init__(t, cp.group, cp.ranks, cp.rank, kind)
 
 
-class RingAttention(torch.autograd.Function):
-    """Exact attention over the context group by passing K/V blocks around it (module docstring).
+def _ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel,
+    causal: bool,
+    doc_ids: Optional[torch.Tensor],
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O in q's dtype, lse fp32) of this rank's queries over the whole sequence (module docstring)."""
+    B, H, tl, _ = q.shape
+    dk = k.shape[-1]
+    o = torch.zeros(B, H, tl, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H, tl), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.cat((k, v), dim=-1)  # one block travels; v's head dim may differ from k's
+    src = cp.rank
+    for step in range(cp.size):
+        pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
+        for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device, True):
+            o_b, l_b = block_forward(
+                q[:, :, b.qs],
+                kv[:, :, b.ks, :dk],
+                kv[:, :, b.ks, dk:],
+                causal=b.causal,
+                mask=b.mask,
+                scale=scale,
+            )
+            l_old = lse[:, :, b.qs]
+            l_new = torch.logaddexp(l_old, l_b)
+            safe = torch.where(torch.isinf(l_new), 0.0, l_new)
+            o[:, :, b.qs] = o[:, :, b.qs] * torch.exp(l_old - safe).unsqueeze(-1) + o_b * (
+                torch.exp(l_b - safe).unsqueeze(-1)
+            )
+            lse[:, :, b.qs] = l_new
+        if pending is not None:
+            kv = pending.wait()
+        src = (src - 1) % cp.size
+    return o.to(q.dtype), lse
 
-    Every chunk pair is one call of the fused attention kernel with its log-sum-exp
-    (:mod:`megaformer.kernels.attention_block`), in the inputs' dtype; only the merge of the
-    partial results and the gradient accumulators are fp32. The backward is the ring's own: each
-    pair's dQ, dK, dV from the kernel's backward op given the final O and lse."""
 
-    @staticmethod
-    def forward(
-        ctx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cp: ContextParallel,  # type: ignore[override]
-        causal: bool,
-        doc_ids: Optional[torch.Tensor],
-        window: Optional[int],
-        scale: float,
-    ) -> torch.Tensor:
-        B, H, tl, _ = q.shape
-        dk = k.shape[-1]
-        o = torch.zeros(B, H, tl, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((B, H, tl), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.cat((k, v), dim=-1)  # one block travels; v's head dim may differ from k's
-        src = cp.rank
-        for step in range(cp.size):
-            pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
-            for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device, True):
-                o_b, l_b = block_forward(
-                    q[:, :, b.qs],
-                    kv[:, :, b.ks, :dk],
-                    kv[:, :, b.ks, dk:],
-                    causal=b.causal,
-                    mask=b.mask,
-                    scale=scale,
-                )
-                l_old = lse[:, :, b.qs]
-                l_new = torch.logaddexp(l_old, l_b)
-                safe = torch.where(torch.isinf(l_new), 0.0, l_new)
-                o[:, :, b.qs] = o[:, :, b.qs] * torch.exp(l_old - safe).unsqueeze(-1) + o_b * (
-                    torch.exp(l_b - safe).unsqueeze(-1)
-                )
-                lse[:, :, b.qs] = l_new
-            if pending is not None:
-                kv = pending.wait()
-            src = (src - 1) % cp.size
-        out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, doc_ids if doc_ids is not None else torch.empty(0))
-        ctx.cp, ctx.causal, ctx.window, ctx.scale = cp, causal, window, scale
-        ctx.has_docs = doc_ids is not None
-        return out
+def _ring_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cp: ContextParallel,
+    causal: bool,
+    doc_ids: Optional[torch.Tensor],
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV): each chunk pair's share from the kernel's backward op given the final O and
+    lse; the fp32 dK/dV accumulators travel with their block and are home after N passes."""
+    tl, dk = q.shape[2], k.shape[-1]
+    do = do.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.cat((k, v), dim=-1)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
+    src = cp.rank
+    for step in range(cp.size):
+        pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
+        for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device):
+            dq_b, dk_b, dv_b = block_backward(
+                do[:, :, b.qs],
+                q[:, :, b.qs],
+                kv[:, :, b.ks, :dk],
+                kv[:, :, b.ks, dk:],
+                o[:, :, b.qs],
+                lse[:, :, b.qs],
+                causal=b.causal,
+                mask=b.mask,
+                scale=scale,
+            )
+            dq[:, :, b.qs] += dq_b
+            dkv[:, :, b.ks, :dk] += dk_b
+            dkv[:, :, b.ks, dk:] += dv_b
+        dkv = _RingPass(dkv, cp, "cp_ring_dkv").wait()
+        if pending is not None:
+            kv = pending.wait()
+        src = (src - 1) % cp.size
+    return (
+        dq.to(q.dtype),
+        torch.empty_like(k).copy_(dkv[..., :dk]),
+        torch.empty_like(v).copy_(dkv[..., dk:]),
+    )
 
-    @staticmethod
-    def backward(ctx, do: torch.Tensor):  # type: ignore[override]
-        q, k, v, o, lse, doc_ids = ctx.saved_tensors
-        doc_ids = doc_ids if ctx.has_docs else None
-        cp, causal, window, scale = ctx.cp, ctx.causal, ctx.window, ctx.scale
-        tl, dk = q.shape[2], k.shape[-1]
-        do = do.to(q.dtype)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.cat((k, v), dim=-1)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
-        src = cp.rank
-        for step in range(cp.size):
-            pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
-            for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device):
-                dq_b, dk_b, dv_b = block_backward(
-                    do[:, :, b.qs],
-                    q[:, :, b.qs],
-                    kv[:, :, b.ks, :dk],
-                    kv[:, :, b.ks, dk:],
-                    o[:, :, b.qs],
-                    lse[:, :, b.qs],
-                    causal=b.causal,
-                    mask=b.mask,
-                    scale=scale,
-                )
-                dq[:, :, b.qs] += dq_b
-                dkv[:, :, b.ks, :dk] += dk_b
-                dkv[:, :, b.ks, dk:] += dv_b
-            # the accumulators follow their block: after N passes they are back with its owner
-            dkv = _RingPass(dkv, cp, "cp_ring_dkv").wait()
-            if pending is not None:
-                kv = pending.wait()
-            src = (src - 1) % cp.size
-        return (
-            dq.to(q.dtype),
-            dkv[..., :dk].to(k.dtype),
-            dkv[..., dk:].to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+
+# The ring as operators (torch.library): under torch.compile a block traces through them in one
+# graph (their communication is opaque to the compiler), and autograd uses the ring's backward.
+
+
+@torch.library.custom_op("megaformer::ring_attention", mutates_args=())
+def _ring_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: Optional[torch.Tensor],
+    group: int,
+    causal: bool,
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, _GROUPS[group], causal, doc_ids, window, scale)
+
+
+@_ring_op.register_fake
+def _(q, k, v, doc_ids, group, causal, window, scale):
+    B, H, T, _ = q.shape
+    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("megaformer::ring_attention_backward", mutates_args=())
+def _ring_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    doc_ids: Optional[torch.Tensor],
+    group: int,
+    causal: bool,
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(do, q, k, v, o, lse, _GROUPS[group], causal, doc_ids, window, scale)
+
+
+@_ring_backward_op.register_fake
+def _(do, q, k, v, o, lse, doc_ids, group, causal, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup(ctx, inputs, output) -> None:
+    q, k, v, doc_ids, group, causal, window, scale = inputs
+    docs = () if doc_ids is None else (doc_ids,)
+    ctx.save_for_backward(q, k, v, *output, *docs)
+    ctx.args = (group, causal, window, scale)
+
+
+def _ring_grad(ctx, do: torch.Tensor, _dlse: Optional[torch.Tensor]):
+    q, k, v, o, lse, *docs = ctx.saved_tensors
+    doc_ids = docs[0] if docs else None
+    dq, dk, dv = _ring_backward_op(do, q, k, v, o, lse, doc_ids, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_ring_op.register_autograd(_ring_grad, setup_context=_ring_setup)
 
 
 def ring_attention(
@@ -581,15 +642,32 @@ def ring_attention(
         window = None
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return RingAttention.apply(q, k, v, cp, causal, doc_ids, window, scale)
+    return _ring_op(q, k, v, doc_ids, cp.key, causal, window, scale)[0]
 
 
 # ----------------------------------------------------------------------------- all-to-all
 
 
-def _all_to_all(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+@torch.library.custom_op("megaformer::cp_all_to_all", mutates_args=())
+def _all_to_all_op(x: torch.Tensor, group: int) -> torch.Tensor:
     """all_to_all_single over dim 0 (N equal blocks): block j goes to rank j."""
-    return comm.all_to_all(x, None, None, cp.group, kind="cp_all_to_all")
+    return comm.all_to_all(x, None, None, _GROUPS[group].group, kind="cp_all_to_all")
+
+
+@_all_to_all_op.register_fake
+def _(x, group):
+    return torch.empty_like(x)
+
+
+def _all_to_all_setup(ctx, inputs, output) -> None:
+    ctx.group = inputs[1]
+
+
+def _all_to_all_grad(ctx, g: torch.Tensor):
+    return _all_to_all_op(g.contiguous(), ctx.group), None  # the exchange is its own transpose
+
+
+_all_to_all_op.register_autograd(_all_to_all_grad, setup_context=_all_to_all_setup)
 
 
 def _seq_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
@@ -597,7 +675,7 @@ def _seq_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     B, H, tl, D = x.shape
     n = cp.size
     blocks = x.reshape(B, n, H // n, tl, D).transpose(0, 1).contiguous()  # [N, B, H/N, T/N, d]
-    got = _all_to_all(blocks, cp)  # got[j]: rank j's positions of this rank's heads
+    got = _all_to_all_op(blocks, cp.key)  # got[j]: rank j's positions of this rank's heads
     return got.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * tl, D)
 
 
@@ -608,30 +686,8 @@ def _heads_to_seq(y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     blocks = (
         y.reshape(B, hl, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()
     )  # [N, B, H/N, T/N, d]
-    got = _all_to_all(blocks, cp)  # got[j]: this rank's positions of rank j's heads
+    got = _all_to_all_op(blocks, cp.key)  # got[j]: this rank's positions of rank j's heads
     return got.transpose(0, 1).reshape(B, n * hl, T // n, D)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:  # type: ignore[override]
-        ctx.cp = cp
-        return _seq_to_heads(x, cp)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return _heads_to_seq(g.contiguous(), ctx.cp), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:  # type: ignore[override]
-        ctx.cp = cp
-        return _heads_to_seq(y.contiguous(), cp)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return _seq_to_heads(g.contiguous(), ctx.cp), None
 
 
 def ulysses_attention(
@@ -660,7 +716,7 @@ def ulysses_attention(
     if hkv % n:
         reps = (hkv * n // math.gcd(hkv, n)) // hkv
         k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
-    qh, kh, vh = (_SeqToHeads.apply(t, cp) for t in (q, k, v))
+    qh, kh, vh = (_seq_to_heads(t, cp) for t in (q, k, v))
     y = core(
         qh,
         kh,
@@ -671,4 +727,4 @@ def ulysses_attention(
         doc_ids=doc_ids,
         window=window,
     )
-    return _HeadsToSeq.apply(y, cp)
+    return _heads_to_seq(y, cp)

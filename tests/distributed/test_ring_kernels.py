@@ -30,7 +30,8 @@ _KERNELS = {
 
 
 class WorkByDtype(TorchDispatchMode):
-    """Counts matrix-product FLOPs (2 m n k) per input dtype, and attention-kernel calls per dtype."""
+    """Counts matrix-product FLOPs (2 m n k) per input dtype, and attention-kernel calls per dtype;
+    megaformer's own operators (the ring) are run with the mode still on, so their inside counts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,6 +39,11 @@ class WorkByDtype(TorchDispatchMode):
         self.kernel_calls: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "megaformer":
+            from torch._library.custom_ops import OPDEFS
+
+            with self:
+                return OPDEFS[func.name().split(".")[0]]._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if name in _MATMULS:

@@ -109,11 +109,6 @@ def check_context(cfg: Config) -> None:
         "loads are per-sequence statistics that context parallelism would split; use "
         "parallel.context=1 for mixture-of-experts models",
     )
-    require(
-        not cfg.train.compile,
-        f"parallel.context={cp} with train.compile=true: the context-parallel attention "
-        "communicates inside the blocks, which are not compiled; set train.compile=false",
-    )
     if p.context_mode == "ring":
         require(
             m.attention_backend in ("auto", "reference"),
@@ -185,9 +180,9 @@ def check_fp8(cfg: Config) -> None:
     cp = cfg.parallel.context
     require(
         cp == 1,
-        f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs (CUDA) need "
-        "train.compile=true, which context parallelism does not support; use one of "
-        "them (or train.fp8_emulate=true)",
+        f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs scale the activations by "
+        "their amax over the tokens, which context parallelism splits over ranks and the "
+        "scales are not reduced over; use one of them",
     )
     if t.micro_batch_size is not None:  # null: resolved per world size, at launch
         tokens = t.micro_batch_size * cfg.seq_len // cp
