@@ -114,8 +114,10 @@ def block_forward(
             scale=scale,
         )[:2]
         lse = lse[..., : q.shape[2]]
-    if mask is not None:  # a row that sees no key of this block: lse = -inf (the kernels say 0)
-        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+    if mask is not None:  # a row that sees no key of this block: lse = -inf, O = 0 (kernels differ)
+        blind = ~mask.any(-1)
+        lse = lse.masked_fill(blind, float("-inf"))
+        o = o.masked_fill(blind.unsqueeze(-1), 0.0)
     return o[..., :dv], lse
 
 
