@@ -22,7 +22,8 @@ the inputs' dtype with fp32 accumulation inside the kernel:
                       (any float dtype; the mask as an additive bias; grouped-query heads native)
   * ``flash``      -- aten's ``_scaled_dot_product_flash_attention`` (FlashAttention-2, CUDA,
                       fp16/bf16, no explicit mask) and ``_scaled_dot_product_flash_attention_backward``
-  * ``efficient``  -- aten's ``_scaled_dot_product_efficient_attention`` and its backward (CUDA,
+  * ``efficient``  -- aten's memory-efficient kernel, ``_efficient_attention_forward`` and
+                      ``_efficient_attention_backward`` called as torch's SDPA calls them (CUDA,
                       any float dtype, the mask as an additive bias)
 
 Unequal head dimensions (Dv != Dqk) are padded with zeros to the larger one for the kernel call
@@ -67,7 +68,7 @@ def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _sum_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     B, H, T, D = t.shape
-    return t if H == kv_heads else t.view(B, kv_heads, H // kv_heads, T, D).sum(2)
+    return t if H == kv_heads else t.reshape(B, kv_heads, H // kv_heads, T, D).sum(2)
 
 
 def _impl(q: torch.Tensor, mask: Optional[torch.Tensor]) -> str:
@@ -77,8 +78,16 @@ def _impl(q: torch.Tensor, mask: Optional[torch.Tensor]) -> str:
 
 
 def _efficient_lse_len(t: int) -> int:
-    """The memory-efficient kernel's log-sum-exp rows are padded to a multiple of 32."""
-    return -(-t // 32) * 32
+    """The memory-efficient kernel's log-sum-exp rows are padded to a multiple of 32 (on CUDA;
+    ROCm's are not)."""
+    return t if torch.version.hip else -(-t // 32) * 32
+
+
+def _efficient_bias(mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+    """The mask as the memory-efficient kernel takes a bias: in q's dtype, rows 16-element
+    aligned, expanded to [B, H, Tq, Tk] (what torch's SDPA front end hands it)."""
+    bias = _bias(mask, q.dtype, 16)
+    return None if bias is None else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
 def block_forward(
@@ -101,19 +110,23 @@ def block_forward(
         )
     elif impl == "flash":
         o, lse = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
-    else:
+    else:  # torch's own call of it from SDPA: [B, T, H, D] views, causal top-left (mask type 1)
         h = q.shape[1]
-        o, lse = _aten._scaled_dot_product_efficient_attention(
-            q,
-            _repeat_heads(k, h),
-            _repeat_heads(v, h),
-            _bias(mask, q.dtype, 16),
-            True,
+        o, lse = _aten._efficient_attention_forward(
+            q.transpose(1, 2),
+            _repeat_heads(k, h).transpose(1, 2),
+            _repeat_heads(v, h).transpose(1, 2),
+            _efficient_bias(mask, q, k),
+            None,
+            None,
+            None,
+            None,
             0.0,
-            causal,
+            int(causal),
+            True,
             scale=scale,
         )[:2]
-        lse = lse[..., : q.shape[2]]
+        o, lse = o.transpose(1, 2), lse[..., : q.shape[2]]
     if mask is not None:  # a row that sees no key of this block: lse = -inf, O = 0 (kernels differ)
         blind = ~mask.any(-1)
         lse = lse.masked_fill(blind, float("-inf"))
@@ -148,29 +161,33 @@ def block_backward(
         )
     elif impl == "flash":
         tq, tk = q.shape[2], k.shape[2]
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
+        rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: not read
+        # no cumulative sequence lengths (None): the dense kernel, not the varlen one
         dq, dk, dvv = _aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, none, none, tq, tk, 0.0, causal, none, none, scale=scale
+            do, q, k, v, o, lse, None, None, tq, tk, 0.0, causal, rng, rng, scale=scale
         )
     else:
-        hkv, h, tq = k.shape[1], q.shape[1], q.shape[2]
-        lse_pad = F.pad(lse, (0, _efficient_lse_len(tq) - tq))
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
-        bias = _bias(mask, q.dtype, 16)
-        dq, dk, dvv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            do,
-            q,
-            _repeat_heads(k, h),
-            _repeat_heads(v, h),
-            bias if bias is not None else torch.empty(0, dtype=q.dtype, device=q.device),
-            o,
-            lse_pad,
-            none,
-            none,
+        hkv, h, tq, tk = k.shape[1], q.shape[1], q.shape[2], k.shape[2]
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: not read
+        dq, dk, dvv, _ = _aten._efficient_attention_backward(
+            do.transpose(1, 2),
+            q.transpose(1, 2),
+            _repeat_heads(k, h).transpose(1, 2),
+            _repeat_heads(v, h).transpose(1, 2),
+            _efficient_bias(mask, q, k),
+            o.transpose(1, 2),
+            None,
+            None,
+            tq,
+            tk,
+            F.pad(lse, (0, _efficient_lse_len(tq) - tq)),
             0.0,
-            [True, True, True, False],
-            causal,
+            seed,
+            seed,
+            int(causal),
+            False,
             scale=scale,
         )
+        dq, dk, dvv = (t.transpose(1, 2) for t in (dq, dk, dvv))
         dk, dvv = _sum_heads(dk, hkv), _sum_heads(dvv, hkv)
     return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
