@@ -12,14 +12,17 @@ sequence (n = s, on h/CP heads); the all-to-all exchange of q, k, v and the outp
 overlapped (it is priced as communication by the planner).
 
 The ring (:mod:`megaformer.parallel.context`) runs CP steps per layer. Each rank holds chunks r and
-2CP-1-r of C = s / 2CP tokens, so every step is two C x C chunk pairs of work (step 0: two diagonal
-pairs and one full) -- the causal load is balanced, each step F / CP of the rank's attention
-FLOPs F = (causal FLOPs of the layer) / CP at the rate R(C). The K/V block for the next step travels
-while a step computes; the fp32 dK/dV accumulators travel after each backward step, waited at once:
+2CP-1-r of C = s / 2CP tokens; step i runs the chunk pairs it sees against the block it holds then,
+w_i C x C score blocks of work (:func:`megaformer.parallel.context.ring_step_work`: a pair below
+the diagonal 1, a diagonal one 1/2 under the kernel's causal mask, one with an explicit mask --
+cut by the sliding window, or with document masks -- 1), taken on the busiest rank of the step.
+Without a window every step of every rank is w_i = 2: the causal load is balanced. The K/V block
+for the next step travels while a step computes; the fp32 dK/dV accumulators travel after each
+backward step, waited at once:
 
-    forward  = CP t_f + (CP - 1) max(0, t_kv - t_f)
-    backward = CP t_b + (CP - 1) max(0, t_kv - t_b) + CP t_dkv
-    t_f = F / CP / R(C),  t_b = 2 t_f,  t_kv = b (s / CP) 2 h_kv e / BW,  t_dkv = the same with 4 bytes
+    forward  = sum_i t_i + sum_{i < CP-1} max(0, t_kv - t_i)
+    backward = sum_i 2 t_i + sum_{i < CP-1} max(0, t_kv - 2 t_i) + CP t_dkv
+    t_i = w_i 4 C^2 h d b / R(C),  t_kv = b (s / CP) 2 h_kv d e / BW,  t_dkv = the same with 4 bytes
 
 The first terms are the kernel time (``compute``), the rest the exposed point-to-point time
 (``exposed``). The merge of the partial outputs (elementwise, fp32) is not priced.
@@ -27,9 +30,13 @@ The first terms are the kernel time (``compute``), the rest the exposed point-to
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 from megaformer.analysis.flops import attention_pairs, checkpointed_blocks
 from megaformer.analysis.memory import DTYPE_BYTES, Layout
 from megaformer.config import ModelConfig
+from megaformer.parallel.context import ring_step_work
 
 N_HALF = 256
 GB = 1e9
@@ -63,11 +70,29 @@ def attention_seconds(
     cp = layout.cp
     if cp == 1 or layout.cp_mode != "ring":
         return {"compute": fwd * (3 + redo) / (rate * kernel_efficiency(seq_len)), "exposed": 0.0}
-    t_f = fwd / cp / (rate * kernel_efficiency(seq_len / (2 * cp)))
-    t_b = 2 * t_f
+    c = seq_len / (2 * cp)
+    block = 4 * c * c * heads * cfg.head_dim * layout.micro_batch  # one C x C pair, forward
+    rate_c = rate * kernel_efficiency(c)
+    t_f = [w * block / rate_c for w in _slowest_steps(cfg, seq_len, cp)]
     kv = layout.micro_batch * seq_len / cp * 2 * cfg.kv_heads * cfg.head_dim / layout.tp
     t_kv = kv * DTYPE_BYTES[layout.precision] / (gbps * GB)
     t_dkv = kv * 4 / (gbps * GB)
-    exposed_f = (cp - 1) * max(0.0, t_kv - t_f)
-    exposed = exposed_f * (1 + redo) + (cp - 1) * max(0.0, t_kv - t_b) + cp * t_dkv
-    return {"compute": cp * (t_f * (1 + redo) + t_b), "exposed": exposed}
+    exposed_f = sum(max(0.0, t_kv - t) for t in t_f[:-1])
+    exposed_b = sum(max(0.0, t_kv - 2 * t) for t in t_f[:-1]) + cp * t_dkv
+    return {
+        "compute": sum(t_f) * (3 + redo),
+        "exposed": exposed_f * (1 + redo) + exposed_b,
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _steps(cp: int, seq_len: int, window: Optional[int], documents: bool) -> tuple:
+    work = [ring_step_work(r, cp, seq_len // cp, window, documents) for r in range(cp)]
+    return tuple(max(w[i] for w in work) for i in range(cp))
+
+
+def _slowest_steps(cfg: ModelConfig, seq_len: int, cp: int) -> tuple:
+    """Each ring step's kernel work on its busiest rank, in C x C score blocks (a step ends when
+    its slowest rank has the next block): 2 per step without a sliding window."""
+    window = cfg.sliding_window if cfg.sliding_window and cfg.sliding_window < seq_len else None
+    return _steps(cp, seq_len, window, bool(cfg.document_mask))

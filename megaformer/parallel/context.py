@@ -427,6 +427,45 @@ class _Block:
     mask: Optional[torch.Tensor]
 
 
+def _pair_kind(
+    q0: int, qn: int, k0: int, kn: int, causal: bool, window: Optional[int], documents: bool
+) -> str:
+    """How the kernel masks a visible chunk pair: ``full`` (wholly below the diagonal and inside
+    the window: no mask), ``causal`` (on the diagonal: the kernel's own causal mask) or
+    ``masked`` (cut by the window, or holding document boundaries: an explicit mask)."""
+    in_window = window is None or q0 + qn - 1 - k0 < window
+    if not documents and (not causal or (q0 >= k0 + kn - 1 and in_window)):
+        return "full"
+    if not documents and q0 == k0 and qn == kn and in_window:
+        return "causal"
+    return "masked"
+
+
+#: the kernel work of a chunk pair in C x C score blocks: the causal kernel skips the upper half
+PAIR_WORK = {"full": 1.0, "causal": 0.5, "masked": 1.0}
+
+
+def ring_step_work(
+    rank: int, size: int, t_local: int, window: Optional[int] = None, documents: bool = False
+) -> list[float]:
+    """The kernel work of each of ``rank``'s ring steps (causal attention), in C x C score blocks
+    (C = t_local / 2): the chunk pairs it runs against the block of each step, weighted by
+    :data:`PAIR_WORK`. Without a window every step of every rank is 2 (balanced)."""
+    mine = chunk_starts(rank, size, "ring", t_local)
+    out = []
+    for step in range(size):
+        theirs = chunk_starts((rank - step) % size, size, "ring", t_local)
+        out.append(
+            sum(
+                PAIR_WORK[_pair_kind(q0, qn, k0, kn, True, window, documents)]
+                for q0, qn in mine
+                for k0, kn in theirs
+                if _visible(q0, qn, k0, kn, True, window)
+            )
+        )
+    return out
+
+
 def _blocks(
     cp: ContextParallel,
     src: int,
@@ -437,24 +476,21 @@ def _blocks(
     device: torch.device,
     count: bool = False,
 ) -> list[_Block]:
-    """The chunk pairs of :func:`_pairs` with their masks; ``count``: add them to :data:`RING_WORK`.
-    A pair wholly below the diagonal (and inside the window) needs no mask, one on the diagonal
-    the kernel's causal mask; a window that cuts a pair, or documents, an explicit mask."""
+    """The chunk pairs of :func:`_pairs` with their masks (:func:`_pair_kind`); ``count``: add
+    them to :data:`RING_WORK`."""
     out = []
     for qs, ks, q0, k0 in _pairs(cp, src, tl, causal, window):
         RING_WORK["pairs"] += count
         qn, kn = qs.stop - qs.start, ks.stop - ks.start
-        in_window = window is None or q0 + qn - 1 - k0 < window
-        if doc_ids is None and (not causal or (q0 >= k0 + kn - 1 and in_window)):
-            out.append(_Block(qs, ks, False, None))
-        elif doc_ids is None and q0 == k0 and qn == kn and in_window:
-            out.append(_Block(qs, ks, True, None))
-        else:
-            qpos = torch.arange(q0, q0 + qn, device=device)
-            kpos = torch.arange(k0, k0 + kn, device=device)
-            qdoc = doc_ids[:, q0 : q0 + qn] if doc_ids is not None else None
-            kdoc = doc_ids[:, k0 : k0 + kn] if doc_ids is not None else None
-            out.append(_Block(qs, ks, False, _pair_mask(qpos, kpos, causal, window, qdoc, kdoc)))
+        kind = _pair_kind(q0, qn, k0, kn, causal, window, doc_ids is not None)
+        if kind != "masked":
+            out.append(_Block(qs, ks, kind == "causal", None))
+            continue
+        qpos = torch.arange(q0, q0 + qn, device=device)
+        kpos = torch.arange(k0, k0 + kn, device=device)
+        qdoc = doc_ids[:, q0 : q0 + qn] if doc_ids is not None else None
+        kdoc = doc_ids[:, k0 : k0 + kn] if doc_ids is not None else None
+        out.append(_Block(qs, ks, False, _pair_mask(qpos, kpos, causal, window, qdoc, kdoc)))
     return out
 
 

@@ -209,12 +209,12 @@ def test_ring_and_all_to_all_are_priced_by_what_they_run():
     m, rate = cfg.model, 989.5e12 * 0.6
     ring, a2a = (Layout(cp=8, precision="bf16", cp_mode=mode) for mode in ("ring", "all_to_all"))
     r, a = attention_seconds(m, s, ring, rate, 450), attention_seconds(m, s, a2a, rate, 450)
-    assert r["compute"] / a["compute"] == pytest.approx(
-        kernel_efficiency(s) / kernel_efficiency(s / 16)
+    assert r["compute"] / a["compute"] == pytest.approx(  # s^2/2 pairs vs s(s+1)/2
+        kernel_efficiency(s) / kernel_efficiency(s / 16) * s / (s + 1)
     )
     assert a["exposed"] == 0
     kv = s / 8 * 2 * m.kv_heads * m.head_dim  # one K/V block, elements
-    t_f = r["compute"] / 8 / 3  # one forward step: a third of (forward + backward)
+    t_f = r["compute"] / 8 / 3  # one forward step (balanced): a third of (forward + backward)
     assert kv * 2 / 450e9 < t_f  # the K/V pass hides behind a step's kernels ...
     assert r["exposed"] == pytest.approx(8 * kv * 4 / 450e9)  # ... the fp32 dK/dV passes do not
     slow = attention_seconds(m, s, ring, rate, 0.5)  # a network slower than the kernels
@@ -240,3 +240,28 @@ def test_plan_prices_the_ring_above_all_to_all_where_its_chunks_are_short():
     )
     assert ring["attention"] > a2a["attention"] * 1.3
     assert ring["compute"] - ring["attention"] == pytest.approx(a2a["compute"] - a2a["attention"])
+
+
+def test_ring_steps_are_priced_on_their_busiest_rank():
+    """Without a window every ring step of every rank is two C x C blocks (balanced); document
+    masks make the diagonal pairs explicit masks (the kernel computes them whole); a sliding
+    window unbalances the steps, and each is priced on its busiest rank."""
+    from megaformer.analysis.attention_time import attention_seconds, kernel_efficiency
+    from megaformer.analysis.memory import Layout
+    from megaformer.config import load_config
+    from megaformer.parallel.context import ring_step_work
+
+    assert all(ring_step_work(r, 4, 1024) == [2.0] * 4 for r in range(4))
+    assert ring_step_work(1, 4, 1024, documents=True) == [3.0, 2.0, 2.0, 2.0]
+    work = [ring_step_work(r, 8, 1024, window=1500) for r in range(8)]
+    assert work[0] == [1.0, 0, 0, 0, 0, 1.0, 1.0, 1.0] and work[7][0] == 2.0
+    busiest = [max(w[i] for w in work) for i in range(8)]
+    s = 8192
+    cfg = load_config(
+        "configs/llama-7b.yaml",
+        [f"data.seq_len={s}", f"model.max_seq_len={s}", "model.sliding_window=1500"],
+    )
+    m, c = cfg.model, s / 16
+    r = attention_seconds(m, s, Layout(cp=8, precision="bf16"), 1e15, 450)
+    block = 4 * c * c * m.n_heads * m.head_dim / (1e15 * kernel_efficiency(c))
+    assert r["compute"] == pytest.approx(3 * sum(busiest) * block)
