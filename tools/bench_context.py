@@ -175,6 +175,8 @@ def _worker(rank: int, world: int, port: int, args: tuple, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     _fixed_mmap_threshold()
     import torch
+    import torch._dynamo  # noqa: F401  (as the trainer and the rank spawner have it imported:
+    # the context-parallel operators' first call would import it, ~150 MiB once per process)
 
     torch.set_num_threads(1 if world > 1 else 2)
     try:
