@@ -5,9 +5,9 @@ that backward, once more when recomputed) runs a fused kernel at the rate
 
     R(n) = peak * efficiency * n / (n + N_HALF),     N_HALF = 256 tokens,
 
-where n is the length of the blocks one kernel call sees: a kernel reaches half its long-sequence
-rate on blocks of 256 tokens (per-call launch and tile-tail costs; FlashAttention-2 works in
-128-row tiles). One process and all-to-all (DeepSpeed-Ulysses) run one call over the whole
+where n is the length of the blocks one kernel call sees: a kernel is taken to reach half its
+long-sequence rate on blocks of 256 tokens (per-call launch and tile-tail costs; FlashAttention-2
+works in 128-row tiles) -- an assumption of this model, not a measurement. One process and all-to-all (DeepSpeed-Ulysses) run one call over the whole
 sequence (n = s, on h/CP heads); the all-to-all exchange of q, k, v and the output is not
 overlapped (it is priced as communication by the planner).
 
