@@ -2,13 +2,14 @@
 """Context parallelism on CPU: memory, communication and throughput per rank at CP 1 / 2 / 4.
 
     python tools/bench_context.py [--lengths 4096,16384,65536] [--attention-only-from 65536]
-                                  [--degrees 1,2,4] [--modes ring,all_to_all]
+                                  [--degrees 1,2,4] [--modes ring,all_to_all] [--dtype fp32]
 
 For each sequence length, one training step (forward + backward, batch 1) of a small model
 (1 block, d_model 64, 4 heads of 16, vocabulary 256) on N gloo processes of this machine:
 CP 1 (one process, the plain model), and ring and all-to-all at CP 2 and 4. From
 ``--attention-only-from`` on, only the attention core runs (forward + backward of q, k, v of the
 same shape), since the rest of the model is per-token work that CP splits trivially.
+``--dtype bf16`` runs the model (or q, k, v) in bf16: the ring's kernels then run in bf16 too.
 
 Columns, per rank (the busiest):
   mem MiB    peak resident memory of the step above the resident memory before it (VmHWM after
@@ -75,7 +76,7 @@ def _model_cfg(T: int):
     )
 
 
-def estimate_mib(T: int, cp: int, mode: str, attention_only: bool) -> float:
+def estimate_mib(T: int, cp: int, mode: str, attention_only: bool, dtype: str = "fp32") -> float:
     from megaformer.analysis.memory import (
         Layout,
         activation_bytes,
@@ -84,7 +85,7 @@ def estimate_mib(T: int, cp: int, mode: str, attention_only: bool) -> float:
     )
 
     cfg = _model_cfg(T)
-    layout = Layout(cp=cp, cp_mode=mode, device="cpu", precision="fp32")
+    layout = Layout(cp=cp, cp_mode=mode, device="cpu", precision=dtype)
     if attention_only:
         return (
             layer_activation_bytes(cfg, T, layout)["attention"]
@@ -94,10 +95,10 @@ def estimate_mib(T: int, cp: int, mode: str, attention_only: bool) -> float:
     return (act["total"] + act["backward_transient"]) / MiB
 
 
-def analytic_mib(T: int, cp: int, mode: str) -> float:
+def analytic_mib(T: int, cp: int, mode: str, dtype: str = "fp32") -> float:
     if cp == 1:
         return 0.0
-    n, e = T / cp, 4
+    n, e = T / cp, 4 if dtype == "fp32" else 2
     if mode == "ring":
         return (
             (cp - 1) * n * 2 * HEADS * HEAD_DIM * 2 * e + cp * n * 2 * HEADS * HEAD_DIM * 4
@@ -105,8 +106,10 @@ def analytic_mib(T: int, cp: int, mode: str) -> float:
     return 2 * (cp - 1) / cp * n * 4 * HEADS * HEAD_DIM * e / MiB
 
 
-def _step(rank: int, world: int, T: int, mode: str, attention_only: bool) -> dict:
+def _step(rank: int, world: int, T: int, mode: str, attention_only: bool, dtype: str) -> dict:
     import torch
+
+    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
     import torch.distributed as dist
 
     from megaformer.comm import CommCounter
@@ -120,7 +123,9 @@ def _step(rank: int, world: int, T: int, mode: str, attention_only: bool) -> dic
         cp = ContextParallel(dist.group.WORLD, world, rank, mode)
     tl = T // world
     if attention_only:
-        q, k, v = (torch.randn(1, HEADS, tl, HEAD_DIM, requires_grad=True) for _ in range(3))
+        q, k, v = (
+            torch.randn(1, HEADS, tl, HEAD_DIM, dtype=dt, requires_grad=True) for _ in range(3)
+        )
 
         def run() -> None:
             if cp is None:
@@ -142,7 +147,7 @@ def _step(rank: int, world: int, T: int, mode: str, attention_only: bool) -> dic
         from megaformer.model.transformer import Transformer
         from megaformer.parallel.topology import build_topology
 
-        model = Transformer(_model_cfg(T))
+        model = Transformer(_model_cfg(T)).to(dt)
         if cp is not None:
             from megaformer.parallel.context import apply_context
 
@@ -170,6 +175,8 @@ def _worker(rank: int, world: int, port: int, args: tuple, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     _fixed_mmap_threshold()
     import torch
+    import torch._dynamo  # noqa: F401  (as the trainer and the rank spawner have it imported:
+    # the context-parallel operators' first call would import it, ~150 MiB once per process)
 
     torch.set_num_threads(1 if world > 1 else 2)
     try:
@@ -183,7 +190,9 @@ def _worker(rank: int, world: int, port: int, args: tuple, out) -> None:
             torch.distributed.destroy_process_group()
 
 
-def measure(world: int, T: int, mode: str, attention_only: bool, timeout: float) -> dict:
+def measure(
+    world: int, T: int, mode: str, attention_only: bool, timeout: float, dtype: str = "fp32"
+) -> dict:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -193,7 +202,9 @@ def measure(world: int, T: int, mode: str, attention_only: bool, timeout: float)
         port = s.getsockname()[1]
     procs = [
         ctx.Process(
-            target=_worker, args=(r, world, port, (T, mode, attention_only), out), daemon=True
+            target=_worker,
+            args=(r, world, port, (T, mode, attention_only, dtype), out),
+            daemon=True,
         )
         for r in range(world)
     ]
@@ -227,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--degrees", default="1,2,4")
     ap.add_argument("--modes", default="ring,all_to_all")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     a = ap.parse_args(argv)
     header = (
         f"{'T':>6} {'what':>9} {'CP':>2} {'mode':>10} {'mem MiB':>8} {'est MiB':>8} "
@@ -238,12 +250,12 @@ def main(argv: list[str] | None = None) -> None:
         attn = T >= a.attention_only_from
         for cp in (int(x) for x in a.degrees.split(",")):
             for mode in ("ring",) if cp == 1 else a.modes.split(","):
-                r = measure(cp, T, mode, attn, a.timeout)
+                r = measure(cp, T, mode, attn, a.timeout, a.dtype)
                 print(
                     f"{T:>6} {'attention' if attn else 'model':>9} {cp:>2} "
                     f"{'-' if cp == 1 else mode:>10} {r['mem']:>8.1f} "
-                    f"{estimate_mib(T, cp, mode, attn):>8.1f} {r['sent']:>8.2f} "
-                    f"{analytic_mib(T, cp, mode):>9.2f} {T / r['wall']:>8.0f}",
+                    f"{estimate_mib(T, cp, mode, attn, a.dtype):>8.1f} {r['sent']:>8.2f} "
+                    f"{analytic_mib(T, cp, mode, a.dtype):>9.2f} {T / r['wall']:>8.0f}",
                     flush=True,
                 )
 

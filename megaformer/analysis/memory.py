@@ -435,41 +435,34 @@ def _context_sizes(cfg: ModelConfig, seq_len: int, layout: Layout) -> tuple[int,
 
 
 def context_saved_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
-    """Bytes per layer context-parallel attention keeps beyond the plain attention's: the ring keeps
-    its output in fp32 (n h_q (4 - e)); all_to_all keeps k and v with repeated heads when the local
-    KV heads do not divide by CP (2 n h_kv (r - 1) e)."""
-    if layout.cp == 1:
+    """Bytes per layer context-parallel attention keeps beyond the plain attention's: the ring
+    none (q, k, v, its output in the training dtype and the fp32 log-sum-exp, as a fused kernel
+    keeps); all_to_all keeps k and v with repeated heads when the local KV heads do not divide by
+    CP (2 n h_kv (r - 1) e)."""
+    if layout.cp == 1 or layout.cp_mode == "ring":
         return 0.0
     e, n, hq, hkv = _context_sizes(cfg, seq_len, layout)
-    if layout.cp_mode == "ring":
-        return n * hq * (4 - e)
     return 2 * n * hkv * (_kv_repeat(cfg, layout) - 1) * e
-
-
-RING_TILE = 512  # the ring's attention tiles: queries x keys
 
 
 def context_transient_bytes(cfg: ModelConfig, seq_len: int, layout: Layout) -> float:
     """Bytes the context-parallel attention of one layer holds briefly besides the saved tensors.
 
-    ring: the K/V block being used and the one arriving (2 x 2 h_kv per local token, dtype e) and,
-    in backward, the travelling fp32 dK/dV accumulators (2 x 2 h_kv x 4), the fp32 dq accumulator
-    (h_q x 4), fp32 copies of q and dO under 16-bit precision (2 h_q x 4), and two tiles of scores
-    (2 b heads 512^2 x 4);
+    ring (the larger of forward and backward): the K/V block being used and the one arriving
+    (2 x 2 h_kv per local token, dtype e); forward the fp32 output accumulator (h_q x 4) and one
+    chunk pair's kernel output (h_q e / 2); backward the travelling fp32 dK/dV accumulators
+    (2 x 2 h_kv x 4), the fp32 dq accumulator (h_q x 4) and one chunk pair's kernel gradients
+    ((h_q + 2 h_kv) e / 2);
     all_to_all: the head-sharded copies of q, k, v and the output while exchanged (2 h_q + 2 h_kv r
     per local token)."""
     if layout.cp == 1:
         return 0.0
     e, n, hq, hkv = _context_sizes(cfg, seq_len, layout)
     if layout.cp_mode == "ring":
-        tiles = 2 * layout.micro_batch * (cfg.n_heads // layout.tp) * RING_TILE**2 * 4
-        return (
-            n * 2 * 2 * hkv * e
-            + n * 2 * 2 * hkv * 4
-            + n * hq * 4
-            + (2 * n * hq * 4 if e < 4 else 0)
-            + tiles
-        )
+        blocks = n * 2 * 2 * hkv * e
+        forward = n * hq * 4 + n * hq * e / 2
+        backward = n * 2 * 2 * hkv * 4 + n * hq * 4 + n * (hq + 2 * hkv) * e / 2
+        return blocks + max(forward, backward)
     return n * (2 * hq + 2 * hkv * _kv_repeat(cfg, layout)) * e
 
 

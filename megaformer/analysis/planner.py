@@ -4,11 +4,16 @@ Memory per GPU from :mod:`megaformer.analysis.memory`: the larger of a training 
 model's build (this rank's part plus one whole module; ZeRO-3 keeps only its partition as it
 builds) (+ ``RESERVE_GB`` for the CUDA context,
 NCCL buffers and allocator fragmentation). Step time from a compute + communication model with
-stated bandwidths and nothing overlapped (so it is a pessimistic, comparable ranking, not a promise):
+stated bandwidths and nothing overlapped but the ring's K/V passes with its kernels (so it is a
+pessimistic, comparable ranking, not a promise):
 
     compute   = hardware FLOPs / (GPUs * peak * efficiency) * k(schedule, PP, m)   m micro-batches;
                 k = 1 + (PP-1)/m under 1F1B, the DualPipeV timeline's step over its busy time
-                (:mod:`megaformer.analysis.schedules`: a backward costing two forwards)
+                (:mod:`megaformer.analysis.schedules`: a backward costing two forwards);
+                the attention core (scores and values) at its fused kernel's rate on the blocks it
+                runs (:mod:`megaformer.analysis.attention_time`: whole sequences for one process
+                and all-to-all, chunks of s / 2CP for the ring, n / (n + 256) of the rate on n-token
+                blocks), reported also on its own as ``attention``
     TP        = 4 (6 with full recompute) all-reduces of b*s*h*e bytes per layer per micro-batch,
                 ring: 2 (t-1)/t * bytes / BW;  BW = intra-node if TP <= GPUs per node, else inter
     DP        = gradient all-reduce 2 (d-1)/d * P*e_g / BW (ZeRO 2: reduce-scatter + all-gather,
@@ -16,9 +21,10 @@ stated bandwidths and nothing overlapped (so it is a pessimistic, comparable ran
                 node, else inter
     PP        = m * 2 (PP-1) point-to-point sends of b*s*h*e bytes (DualPipeV: 4 (PP-1), out
                 and back) over PP ranks at the inter/intra bandwidth
-    CP        = per layer and micro-batch the ring's K/V (+ dK/dV) passes or the all-to-all's q/k/v/out
-                exchange (:func:`megaformer.analysis.memory.context_comm_bytes`) / BW; intra if TP*CP
-                fits a node. Dense gradients are averaged over DP x CP
+    CP        = per layer and micro-batch: the ring's passes its kernels do not hide (each step's K/V
+                pass beyond that step's kernel time, every fp32 dK/dV pass), or the all-to-all's
+                q/k/v/out exchange (:func:`megaformer.analysis.memory.context_comm_bytes`) / BW; intra
+                if TP*CP fits a node. Dense gradients are averaged over DP x CP
     EP        = per MoE block and micro-batch four all-to-alls of the routed tokens
                 (:func:`megaformer.analysis.memory.expert_comm_bytes`) / BW; intra if TP*CP*EP fits a
                 node. Expert gradients are averaged over DP / EP
@@ -59,7 +65,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from megaformer.accelerators import find_accelerator, peak_tflops
-from megaformer.analysis.flops import fp8_forward_flops, fp8_share, step_flops
+from megaformer.analysis.attention_time import attention_seconds, recomputed_share
+from megaformer.analysis.flops import forward_flops, fp8_forward_flops, fp8_share, step_flops
 from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate, pipeline_in_flight
 from megaformer.analysis.schedules import (
     SCHEDULES,
@@ -116,15 +123,22 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         share = fp8_share(m, s)
         f8 = 3 * fp8_forward_flops(m, s) * gbs + share * fl.recompute
         work = (fl.hardware - f8) / peak + f8 / (hw.fp8_tflops * 1e12)
-    # the pipeline's idle time: 1 + (PP-1)/m under 1F1B, the schedule's timeline otherwise
-    compute = work / (hw.gpus * hw.efficiency) * step_factor(lay.schedule, lay.pp, micro)
-    act = lay.micro_batch * s // lay.cp * m.d_model * e  # one context rank's part
     node = hw.gpus_per_node
 
     def bw(span: int) -> float:  # a group of `span` adjacent ranks: NVLink if it fits a node
         return hw.intra_gbps if span <= node else hw.inter_gbps
 
     layers = math.ceil(m.n_layers / lay.pp)
+    # the pipeline's idle time: 1 + (PP-1)/m under 1F1B, the schedule's timeline otherwise
+    bubble = step_factor(lay.schedule, lay.pp, micro)
+    # the attention core at its kernels' rate, by what the context mode runs (attention_time)
+    fwd = forward_flops(m, s)
+    core = (fwd.attn_scores + fwd.attn_values) * gbs
+    core_hw = core * (3 + recomputed_share(m, lay))
+    attn = attention_seconds(m, s, lay, peak * hw.efficiency, bw(lay.tp * lay.cp))
+    attn_time = micro * layers * attn["compute"] * bubble
+    compute = (work - core_hw / peak) / (hw.gpus * hw.efficiency) * bubble + attn_time
+    act = lay.micro_batch * s // lay.cp * m.d_model * e  # one context rank's part
     n_ar = 6 if lay.recompute == "full" else 4
     tp_time = micro * layers * n_ar * _allreduce_s(act, lay.tp, bw(lay.tp))
     from megaformer.analysis.memory import (
@@ -144,7 +158,10 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
     pp_bw = hw.inter_gbps if lay.tp * lay.pp > node else hw.intra_gbps
     sends = p2p_sends_per_micro_batch(lay.schedule, lay.pp)  # over the pipeline
     pp_time = micro * sends * act / (pp_bw * GB) / lay.pp if lay.pp > 1 else 0.0
-    cp_time = micro * layers * context_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp) * GB)
+    if lay.cp_mode == "ring":  # the passes a ring step's kernels do not hide
+        cp_time = micro * layers * attn["exposed"]
+    else:
+        cp_time = micro * layers * context_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp) * GB)
     moe_layers = min(layers, math.ceil(m.moe_layers / lay.pp)) if m.moe_layers else 0
     ep_time = (
         micro * moe_layers * expert_comm_bytes(m, s, lay) / (bw(lay.tp * lay.cp * lay.ep) * GB)
@@ -180,6 +197,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         "step_time_s": step,
         "time": {
             "compute": compute,
+            "attention": attn_time,
             "tp_comm": tp_time,
             "dp_comm": dp_time,
             "pp_comm": pp_time,
@@ -329,7 +347,7 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
         "assumptions": dict(
             asdict(hw),
             reserve_gb=RESERVE_GB,
-            overlap="none",
+            overlap="the ring's K/V passes with its kernels",
             seq_len=cfg.seq_len,
             global_batch=cfg.train.global_batch_size,
             precision=cfg.train.precision,
@@ -375,7 +393,8 @@ def format_plan(r: dict, top: int = 10) -> str:
     lines = [
         f"plan {r['config']}: {a['gpus']} GPUs ({a['gpus_per_node']} per node), {a['memory_gb']:g} GB "
         f"each, peak {a['peak_tflops']:g} TFLOP/s x efficiency {a['efficiency']:g}; NVLink/intra "
-        f"{a['intra_gbps']:g} GB/s, network {a['inter_gbps']:g} GB/s per GPU; no overlap; "
+        f"{a['intra_gbps']:g} GB/s, network {a['inter_gbps']:g} GB/s per GPU; "
+        "no overlap but the ring's K/V passes; "
         f"{a['reserve_gb']:g} GB reserved; global batch {a['global_batch']} x {a['seq_len']}",
         f"{'TP':>3s} {'PP':>3s} {'schedule':>9s} {'bubble':>6s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} "
         f"{'recompute':>9s} {'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "

@@ -5,7 +5,9 @@ The model is the engine's own (no copy, no gather): under PP = 1 the engine's fo
 logits (the tensor-parallel head gathers them; ZeRO-3 gathers each layer's weights as in
 training), under PP > 1 the stages pass activations point to point
 (:class:`~megaformer.evaluation.forward.PipelineRunner`). The requests are split over the
-data-parallel ranks. The model is in eval mode for the pass (no dropout), and every random
+data-parallel ranks; under context parallelism the model runs whole sequences on every rank
+(the context group switched off, as the diagnostics do: exact, and without gradients nothing is
+saved for backward) and the requests are split over the data x context ranks. The model is in eval mode for the pass (no dropout), and every random
 stream (torch, CUDA, NumPy, Python) is restored afterwards, so evaluating does not change the
 training that follows.
 """
@@ -21,6 +23,7 @@ from megaformer.config import Config
 from megaformer.evaluation import tasks as task_lib
 from megaformer.evaluation.forward import PipelineRunner, PlainRunner
 from megaformer.evaluation.harness import make_lm
+from megaformer.parallel.context import context_disabled
 
 
 class TaskEvaluator:
@@ -34,7 +37,7 @@ class TaskEvaluator:
         self.manager = task_lib.task_manager(self.tasks, e.tasks_include_path)
         p = cfg.parallel
         self.seq_multiple = p.tensor if p.sequence_parallel and p.tensor > 1 else 1
-        # data-parallel ranks that must run their forwards together
+        # ranks of the replica (data x context) group that must run their forwards together
         self.lockstep = p.zero_stage == 3 or p.expert > 1
         self.batch_size = cfg.train.micro_batch_size
 
@@ -63,14 +66,15 @@ class TaskEvaluator:
             runner,
             tokenizer,
             batch_size=self.batch_size,
-            dp_group=topo.groups.dp,
+            dp_group=topo.groups.replica,  # DP x CP: the context ranks take requests of their own
             lockstep=self.lockstep,
         )
         states = _rng_states()
         was_training = module.training
         module.eval()
         try:
-            results = task_lib.run_tasks(lm, self.tasks, self.manager, limit=self.limit)
+            with context_disabled(module):
+                results = task_lib.run_tasks(lm, self.tasks, self.manager, limit=self.limit)
         finally:
             module.train(was_training)
             _restore_rng(states)

@@ -3,6 +3,8 @@
     op (function)                         module            implementations
     attention(q, k, v, ...)               attention.py      FlashAttention FA3/FA2/FA4, torch SDPA,
                                                             native CPU FlashAttention-2, reference
+    block_forward / block_backward        attention_block.py aten FlashAttention (CPU, CUDA),
+      (one key block with its lse: ring)                    memory-efficient (CUDA, masked pairs)
     swiglu(g, u), swiglu_packed(gu)       activations.py    Triton, native CPU, fewer-pass CPU, torch
     bias_gelu(h, b)                       activations.py    Triton, torch
     rms_norm(x, w), layer_norm(x, w, b)   norm.py           apex, Triton, torch native, native CPU, torch

@@ -16,6 +16,8 @@ trainer's start-up summary, ``megaformer bench`` and the tests ask the same func
     rope           native (fp32 CPU) | cpu | torch
     dropout        native (fp32 CPU) | int16 (CPU) | torch
     attention      flash | sdpa | native (fp32 CPU) | reference
+    attention_block  (one key block with its log-sum-exp, forward and backward: ring attention)
+                   cpu-flash (CPU) | flash (CUDA fp16/bf16, no explicit mask) | efficient (CUDA)
     cross_entropy  chunked (model.loss_chunk_tokens > 0) | native (fp32 CPU) | torch
     experts        grouped (torch._grouped_mm: bf16 or bf16 autocast; on CUDA sm90+)
                    | loop (one GEMM per expert; reads the expert counts on the host)
@@ -256,6 +258,25 @@ def _attention(
     )
 
 
+def _attention_block(device: str, dtype: torch.dtype, head_dim: int, masked: bool) -> Choice:
+    """One key block of ring attention with its log-sum-exp (:mod:`megaformer.kernels.attention_block`),
+    in the training dtype: torch's fused attention ops that return the log-sum-exp and have a
+    backward op taking it."""
+    if device == "cpu":
+        return Choice("cpu-flash", "aten's CPU FlashAttention kernel (the mask as a bias)")
+    if device != "cuda":
+        raise ConfigError(f"ring attention: no attention kernel with a log-sum-exp on {device}")
+    if masked:
+        return Choice("efficient", "aten's memory-efficient kernel (the block's mask as a bias)")
+    if dtype not in FLASH_DTYPES or head_dim > FLASH_MAX_HEAD_DIM or head_dim % 8:
+        return Choice(
+            "efficient",
+            f"aten's memory-efficient kernel (FlashAttention-2 needs fp16/bf16 and head_dim <= "
+            f"{FLASH_MAX_HEAD_DIM}, a multiple of 8; got {_dtype_name(dtype)}, {head_dim})",
+        )
+    return Choice("flash", "aten's FlashAttention-2 kernel")
+
+
 def _experts(device: str, dtype: torch.dtype, d_model: int, d_ffn: int) -> Choice:
     """The MoE experts' GEMMs on rows sorted by expert; ``dtype`` the one they compute in (the
     autocast dtype under autocast). torch's grouped GEMM takes bf16 with 16-byte aligned rows."""
@@ -314,6 +335,8 @@ def _decide(
                 f.get("window", False),
             )
         )
+    if op == "attention_block":  # fused kernels either way (ring attention is not traced)
+        return tuple(_attention_block(device, dtype, f["head_dim"], f["masked"]))
     if op == "experts":  # torch ops either way: neither a kernel-mode nor a compile choice
         return tuple(_experts(device, f.get("compute_dtype", dtype), f["d_model"], f["d_ffn"]))
     if op == "cross_entropy" and f.get("chunked"):
@@ -354,7 +377,8 @@ def choose(
     """The implementation of ``op`` for tensors on ``device`` with ``dtype`` (see the table above).
 
     ``facts`` are the op's own inputs to its rule: attention takes backend, head_dim, dropout and
-    doc_mask (and window: a sliding window hides keys); norms weight_dtype (and bias for LayerNorm); rope full; cross_entropy chunked;
+    doc_mask (and window: a sliding window hides keys); attention_block head_dim and masked (an
+    explicit mask); norms weight_dtype (and bias for LayerNorm); rope full; cross_entropy chunked;
     experts d_model and d_ffn (and compute_dtype, the autocast dtype, when not ``dtype``)."""
     device_type = device if isinstance(device, str) else device.type
     if compiling is None:

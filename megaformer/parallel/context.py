@@ -16,17 +16,22 @@ queries to every block it receives and merges the partial results by their log-s
     l'  = log(e^l + e^{l_j}),     O' = e^{l - l'} O + e^{l_j - l'} O_j
 
 so after N blocks O = softmax(Q K^T * scale + M) V and l = logsumexp of the whole row, exactly.
-M_j is built from the *global* positions (and document ids) of the query and key tokens: causal,
-sliding window, packed-document boundaries, whatever each block pair sees. The backward pass is
-written out with the saved l (FlashAttention-2's): with D = rowsum(dO o O) and
-P_j = exp(S_j - l),
+Each block pair is one call of a fused attention kernel that returns l_j
+(:mod:`megaformer.kernels.attention_block`: aten's FlashAttention kernels on CPU and CUDA, the
+memory-efficient one on CUDA where a pair needs an explicit mask), in the training dtype; only the
+merge above is fp32. M_j is built from the *global* positions (and document ids) of the query and
+key tokens: a pair wholly below the diagonal needs none, a pair on the diagonal is the kernel's
+causal mask, a pair cut by the sliding window or holding document boundaries an explicit mask. The
+backward pass is the ring's own: the kernel's backward op, given the *final* O and l of the rows
+(FlashAttention-2's backward needs nothing else), returns each pair's exact share
 
     dV_j = P_j^T dO,   dS_j = P_j o (dO V_j^T - D),   dQ += dS_j K_j scale,   dK_j = dS_j^T Q scale,
 
-and the blocks travel around the ring again, each carrying its dK_j, dV_j accumulators home
-(N-1 passes of K, V, dK, dV and a last one of dK, dV). Under a causal mask a contiguous split
-would leave rank 0 one block of work and rank N-1 N blocks; with chunks r and 2N-1-r every rank
-multiplies 2N+1 chunk pairs (chunk pairs wholly above the diagonal are skipped).
+with P_j = exp(S_j - l), D = rowsum(dO o O); the blocks travel around the ring again, each carrying
+its fp32 dK_j, dV_j accumulators home (N-1 passes of K, V, dK, dV and a last one of dK, dV). Under a
+causal mask a contiguous split would leave rank 0 one block of work and rank N-1 N blocks; with
+chunks r and 2N-1-r every rank runs 2N+1 chunk pairs (chunk pairs wholly above the diagonal are
+skipped). v's head dimension may differ from q's and k's (one block [k | v] travels).
 
 **All-to-all** (DeepSpeed-Ulysses, Jacobs et al. 2023): q, k, v go from sequence-sharded
 [B, h, T/N, d] to head-sharded [B, h/N, T, d] with one all-to-all each, the usual attention core
@@ -58,6 +63,7 @@ import torch.nn as nn
 
 from megaformer import comm
 from megaformer.kernels.attention import DocumentMask, document_ids, document_mask
+from megaformer.kernels.attention_block import block_backward, block_forward
 
 MODES = ("ring", "all_to_all")
 
@@ -98,6 +104,9 @@ def split_sequence(t: torch.Tensor, rank: int, size: int, mode: str, dim: int = 
 #: chunk-pair products of the ring's forward pass, per process (a benchmark/test reads and resets it)
 RING_WORK: Counter = Counter()
 
+#: every ContextParallel of this process, by its ``key``
+_GROUPS: list = []
+
 
 @dataclass
 class ContextParallel:
@@ -112,7 +121,6 @@ class ContextParallel:
     mode: str
     ranks: list[int] = field(default_factory=list)
     active: bool = True
-    tile: int = 512  # ring: chunk pairs are computed in tiles of at most tile x tile positions
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,6 +131,9 @@ class ContextParallel:
                 if self.group is not None
                 else list(range(self.size))
             )
+        # the operators below take the group by this number (a graph holds no Python object)
+        self.key = len(_GROUPS)
+        _GROUPS.append(self)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -197,7 +208,8 @@ class ContextParallel:
         window: Optional[int],
     ) -> torch.Tensor:
         """softmax(Q K^T / sqrt(d) + M) V over the whole sequence for this rank's queries:
-        q [B, h, T/N, d], k, v [B, h_kv, T/N, d] -> [B, h, T/N, d]."""
+        q [B, h, T/N, d], k [B, h_kv, T/N, d], v [B, h_kv, T/N, d_v] -> [B, h, T/N, d_v] (the
+        ring takes d_v != d; all-to-all as its inner core does)."""
         if self.mode == "ring":
             if dropout_p > 0:
                 raise ValueError("ring attention has no attention dropout")
@@ -357,12 +369,6 @@ def weighted_loss_fn(
 # ----------------------------------------------------------------------------- ring attention
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, H, T, X] -> [B, Hkv, g T, X]: the g query heads of each key/value head stacked."""
-    B, H, T, X = x.shape
-    return x.reshape(B, kv_heads, (H // kv_heads) * T, X)
-
-
 def _pair_mask(
     qpos: torch.Tensor,
     kpos: torch.Tensor,
@@ -395,7 +401,7 @@ def _visible(q0: int, qn: int, k0: int, kn: int, causal: bool, window: Optional[
 
 def _pairs(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int]):
     """The (query slice, key slice, query start, key start) chunk pairs to compute between this
-    rank's queries and the keys/values of rank ``src``."""
+    rank's queries and the keys/values of rank ``src`` (pairs nobody sees skipped)."""
     mine = chunk_starts(cp.rank, cp.size, cp.mode, tl)
     theirs = chunk_starts(src, cp.size, cp.mode, tl)
     qoff = koff = 0
@@ -410,30 +416,57 @@ def _pairs(cp: ContextParallel, src: int, tl: int, causal: bool, window: Optiona
     return out
 
 
-def _tiles(
-    cp: ContextParallel, src: int, tl: int, causal: bool, window: Optional[int], count: bool
-):
-    """The chunk pairs of :func:`_pairs` cut into tiles of at most ``cp.tile`` queries and keys
-    (the scores of one tile are what lives at a time), tiles nobody sees skipped. ``count``:
-    add the chunk pairs and tiles to :data:`RING_WORK`."""
-    t = cp.tile
-    for qs, ks, q0, k0 in _pairs(cp, src, tl, causal, window):
-        RING_WORK["pairs"] += count
-        for i in range(0, qs.stop - qs.start, t):
-            qn = min(t, qs.stop - qs.start - i)
-            for j in range(0, ks.stop - ks.start, t):
-                kn = min(t, ks.stop - ks.start - j)
-                if _visible(q0 + i, qn, k0 + j, kn, causal, window):
-                    RING_WORK["tiles"] += count
-                    yield (
-                        slice(qs.start + i, qs.start + i + qn),
-                        slice(ks.start + j, ks.start + j + kn),
-                        q0 + i,
-                        k0 + j,
-                    )
+@dataclass
+class _Block:
+    """One chunk pair as the kernel takes it: the query and key slices, and the mask -- none
+    (every query sees every key), ``causal`` (a chunk on the diagonal) or an explicit one."""
+
+    qs: slice
+    ks: slice
+    causal: bool
+    mask: Optional[torch.Tensor]
 
 
-def _masks(
+def _pair_kind(
+    q0: int, qn: int, k0: int, kn: int, causal: bool, window: Optional[int], documents: bool
+) -> str:
+    """How the kernel masks a visible chunk pair: ``full`` (wholly below the diagonal and inside
+    the window: no mask), ``causal`` (on the diagonal: the kernel's own causal mask) or
+    ``masked`` (cut by the window, or holding document boundaries: an explicit mask)."""
+    in_window = window is None or q0 + qn - 1 - k0 < window
+    if not documents and (not causal or (q0 >= k0 + kn - 1 and in_window)):
+        return "full"
+    if not documents and q0 == k0 and qn == kn and in_window:
+        return "causal"
+    return "masked"
+
+
+#: the kernel work of a chunk pair in C x C score blocks: the causal kernel skips the upper half
+PAIR_WORK = {"full": 1.0, "causal": 0.5, "masked": 1.0}
+
+
+def ring_step_work(
+    rank: int, size: int, t_local: int, window: Optional[int] = None, documents: bool = False
+) -> list[float]:
+    """The kernel work of each of ``rank``'s ring steps (causal attention), in C x C score blocks
+    (C = t_local / 2): the chunk pairs it runs against the block of each step, weighted by
+    :data:`PAIR_WORK`. Without a window every step of every rank is 2 (balanced)."""
+    mine = chunk_starts(rank, size, "ring", t_local)
+    out = []
+    for step in range(size):
+        theirs = chunk_starts((rank - step) % size, size, "ring", t_local)
+        out.append(
+            sum(
+                PAIR_WORK[_pair_kind(q0, qn, k0, kn, True, window, documents)]
+                for q0, qn in mine
+                for k0, kn in theirs
+                if _visible(q0, qn, k0, kn, True, window)
+            )
+        )
+    return out
+
+
+def _blocks(
     cp: ContextParallel,
     src: int,
     tl: int,
@@ -442,31 +475,23 @@ def _masks(
     doc_ids: Optional[torch.Tensor],
     device: torch.device,
     count: bool = False,
-):
-    """Each tile with its mask (None where every query sees every key)."""
-    for qs, ks, q0, k0 in _tiles(cp, src, tl, causal, window, count):
+) -> list[_Block]:
+    """The chunk pairs of :func:`_pairs` with their masks (:func:`_pair_kind`); ``count``: add
+    them to :data:`RING_WORK`."""
+    out = []
+    for qs, ks, q0, k0 in _pairs(cp, src, tl, causal, window):
+        RING_WORK["pairs"] += count
         qn, kn = qs.stop - qs.start, ks.stop - ks.start
-        full_view = not causal or (
-            q0 >= k0 + kn - 1 and (window is None or q0 + qn - 1 - k0 < window)
-        )
+        kind = _pair_kind(q0, qn, k0, kn, causal, window, doc_ids is not None)
+        if kind != "masked":
+            out.append(_Block(qs, ks, kind == "causal", None))
+            continue
         qpos = torch.arange(q0, q0 + qn, device=device)
         kpos = torch.arange(k0, k0 + kn, device=device)
-        if doc_ids is not None:
-            mask = _pair_mask(
-                qpos, kpos, causal, window, doc_ids[:, q0 : q0 + qn], doc_ids[:, k0 : k0 + kn]
-            )
-        else:
-            mask = None if full_view else _pair_mask(qpos, kpos, causal, window, None, None)
-        yield qs, ks, mask
-
-
-def _tile_scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, mask: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """S = Q K^T * scale (+ mask: -inf where hidden), fp32 [B, H, Tq, Tk]; one buffer, in place."""
-    B, H, tq, _ = q.shape
-    s = torch.matmul(_grouped(q, k.shape[1]), k.transpose(-2, -1)).view(B, H, tq, -1).mul_(scale)
-    return s.masked_fill_(~mask, float("-inf")) if mask is not None else s
+        qdoc = doc_ids[:, q0 : q0 + qn] if doc_ids is not None else None
+        kdoc = doc_ids[:, k0 : k0 + kn] if doc_ids is not None else None
+        out.append(_Block(qs, ks, False, _pair_mask(qpos, kpos, causal, window, qdoc, kdoc)))
+    return out
 
 
 class _RingPass(comm.RingPass):
@@ -476,95 +501,157 @@ class _RingPass(comm.RingPass):
         super().__init__(t, cp.group, cp.ranks, cp.rank, kind)
 
 
-class RingAttention(torch.autograd.Function):
-    """Exact attention over the context group by passing K/V blocks around it (module docstring)."""
+def _ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel,
+    causal: bool,
+    doc_ids: Optional[torch.Tensor],
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O in q's dtype, lse fp32) of this rank's queries over the whole sequence (module docstring)."""
+    B, H, tl, _ = q.shape
+    dk = k.shape[-1]
+    o = torch.zeros(B, H, tl, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H, tl), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.cat((k, v), dim=-1)  # one block travels; v's head dim may differ from k's
+    src = cp.rank
+    for step in range(cp.size):
+        pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
+        for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device, True):
+            o_b, l_b = block_forward(
+                q[:, :, b.qs],
+                kv[:, :, b.ks, :dk],
+                kv[:, :, b.ks, dk:],
+                causal=b.causal,
+                mask=b.mask,
+                scale=scale,
+            )
+            l_old = lse[:, :, b.qs]
+            l_new = torch.logaddexp(l_old, l_b)
+            safe = torch.where(torch.isinf(l_new), 0.0, l_new)
+            o[:, :, b.qs] = o[:, :, b.qs] * torch.exp(l_old - safe).unsqueeze(-1) + o_b * (
+                torch.exp(l_b - safe).unsqueeze(-1)
+            )
+            lse[:, :, b.qs] = l_new
+        if pending is not None:
+            kv = pending.wait()
+        src = (src - 1) % cp.size
+    return o.to(q.dtype), lse
 
-    @staticmethod
-    def forward(
-        ctx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cp: ContextParallel,  # type: ignore[override]
-        causal: bool,
-        doc_ids: Optional[torch.Tensor],
-        window: Optional[int],
-        scale: float,
-    ) -> torch.Tensor:
-        B, H, tl, D = q.shape
-        hkv = k.shape[1]
-        qf = q.float()
-        o = torch.zeros(B, H, tl, D, dtype=torch.float32, device=q.device)
-        lse = torch.full((B, H, tl), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v)).contiguous()
-        src = cp.rank
-        for step in range(cp.size):
-            pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
-            kf, vf = kv[0].float(), kv[1].float()
-            for qs, ks, mask in _masks(cp, src, tl, causal, window, doc_ids, q.device, True):
-                qn = qs.stop - qs.start
-                s = _tile_scores(qf[:, :, qs], kf[:, :, ks], scale, mask)
-                l_b = torch.logsumexp(s, dim=-1)
-                p = s.sub_(torch.where(torch.isinf(l_b), 0.0, l_b).unsqueeze(-1)).exp_()
-                o_b = torch.matmul(_grouped(p, hkv), vf[:, :, ks]).view(B, H, qn, D)
-                l_old = lse[:, :, qs]
-                l_new = torch.logaddexp(l_old, l_b)
-                safe = torch.where(torch.isinf(l_new), 0.0, l_new)
-                o[:, :, qs] = o[:, :, qs] * torch.exp(l_old - safe).unsqueeze(-1) + o_b * torch.exp(
-                    l_b - safe
-                ).unsqueeze(-1)
-                lse[:, :, qs] = l_new
-            if pending is not None:
-                kv = pending.wait()
-            src = (src - 1) % cp.size
-        ctx.save_for_backward(q, k, v, o, lse, doc_ids if doc_ids is not None else torch.empty(0))
-        ctx.cp, ctx.causal, ctx.window, ctx.scale = cp, causal, window, scale
-        ctx.has_docs = doc_ids is not None
-        return o.to(q.dtype)
 
-    @staticmethod
-    def backward(ctx, do: torch.Tensor):  # type: ignore[override]
-        q, k, v, o, lse, doc_ids = ctx.saved_tensors
-        doc_ids = doc_ids if ctx.has_docs else None
-        cp, causal, window, scale = ctx.cp, ctx.causal, ctx.window, ctx.scale
-        B, H, tl, D = q.shape
-        hkv = k.shape[1]
-        qf, dof = q.float(), do.float()
-        delta = (dof * o).sum(-1)  # D_i = rowsum(dO o O)
-        dq = torch.zeros_like(qf)
-        kv = torch.stack((k, v)).contiguous()
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-        src = cp.rank
-        for step in range(cp.size):
-            pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
-            kf, vf = kv[0].float(), kv[1].float()
-            for qs, ks, mask in _masks(cp, src, tl, causal, window, doc_ids, q.device):
-                qn = qs.stop - qs.start
-                p = _tile_scores(qf[:, :, qs], kf[:, :, ks], scale, mask)
-                p = p.sub_(lse[:, :, qs].unsqueeze(-1)).exp_()  # P = exp(S - l)
-                do_g = _grouped(dof[:, :, qs], hkv)
-                dkv[1][:, :, ks] += torch.matmul(_grouped(p, hkv).transpose(-2, -1), do_g)
-                dp = torch.matmul(do_g, vf[:, :, ks].transpose(-2, -1)).view(B, H, qn, -1)
-                ds = dp.sub_(delta[:, :, qs].unsqueeze(-1)).mul_(p).mul_(scale)  # dS * scale
-                dq[:, :, qs] += torch.matmul(_grouped(ds, hkv), kf[:, :, ks]).view(B, H, qn, D)
-                dkv[0][:, :, ks] += torch.matmul(
-                    _grouped(ds, hkv).transpose(-2, -1), _grouped(qf[:, :, qs], hkv)
-                )
-            # the accumulators follow their block: after N passes they are back with its owner
-            dkv = _RingPass(dkv, cp, "cp_ring_dkv").wait()
-            if pending is not None:
-                kv = pending.wait()
-            src = (src - 1) % cp.size
-        return (
-            dq.to(q.dtype),
-            dkv[0].to(k.dtype),
-            dkv[1].to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+def _ring_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cp: ContextParallel,
+    causal: bool,
+    doc_ids: Optional[torch.Tensor],
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV): each chunk pair's share from the kernel's backward op given the final O and
+    lse; the fp32 dK/dV accumulators travel with their block and are home after N passes."""
+    tl, dk = q.shape[2], k.shape[-1]
+    do = do.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.cat((k, v), dim=-1)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
+    src = cp.rank
+    for step in range(cp.size):
+        pending = _RingPass(kv, cp, "cp_ring_kv") if step < cp.size - 1 else None
+        for b in _blocks(cp, src, tl, causal, window, doc_ids, q.device):
+            dq_b, dk_b, dv_b = block_backward(
+                do[:, :, b.qs],
+                q[:, :, b.qs],
+                kv[:, :, b.ks, :dk],
+                kv[:, :, b.ks, dk:],
+                o[:, :, b.qs],
+                lse[:, :, b.qs],
+                causal=b.causal,
+                mask=b.mask,
+                scale=scale,
+            )
+            dq[:, :, b.qs] += dq_b
+            dkv[:, :, b.ks, :dk] += dk_b
+            dkv[:, :, b.ks, dk:] += dv_b
+        dkv = _RingPass(dkv, cp, "cp_ring_dkv").wait()
+        if pending is not None:
+            kv = pending.wait()
+        src = (src - 1) % cp.size
+    return (
+        dq.to(q.dtype),
+        torch.empty_like(k).copy_(dkv[..., :dk]),
+        torch.empty_like(v).copy_(dkv[..., dk:]),
+    )
+
+
+# The ring as operators (torch.library): under torch.compile a block traces through them in one
+# graph (their communication is opaque to the compiler), and autograd uses the ring's backward.
+
+
+@torch.library.custom_op("megaformer::ring_attention", mutates_args=())
+def _ring_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: Optional[torch.Tensor],
+    group: int,
+    causal: bool,
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, _GROUPS[group], causal, doc_ids, window, scale)
+
+
+@_ring_op.register_fake
+def _(q, k, v, doc_ids, group, causal, window, scale):
+    B, H, T, _ = q.shape
+    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("megaformer::ring_attention_backward", mutates_args=())
+def _ring_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    doc_ids: Optional[torch.Tensor],
+    group: int,
+    causal: bool,
+    window: Optional[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(do, q, k, v, o, lse, _GROUPS[group], causal, doc_ids, window, scale)
+
+
+@_ring_backward_op.register_fake
+def _(do, q, k, v, o, lse, doc_ids, group, causal, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup(ctx, inputs, output) -> None:
+    q, k, v, doc_ids, group, causal, window, scale = inputs
+    docs = () if doc_ids is None else (doc_ids,)
+    ctx.save_for_backward(q, k, v, *output, *docs)
+    ctx.args = (group, causal, window, scale)
+
+
+def _ring_grad(ctx, do: torch.Tensor, _dlse: Optional[torch.Tensor]):
+    q, k, v, o, lse, *docs = ctx.saved_tensors
+    doc_ids = docs[0] if docs else None
+    dq, dk, dv = _ring_backward_op(do, q, k, v, o, lse, doc_ids, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_ring_op.register_autograd(_ring_grad, setup_context=_ring_setup)
 
 
 def ring_attention(
@@ -591,15 +678,32 @@ def ring_attention(
         window = None
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return RingAttention.apply(q, k, v, cp, causal, doc_ids, window, scale)
+    return _ring_op(q, k, v, doc_ids, cp.key, causal, window, scale)[0]
 
 
 # ----------------------------------------------------------------------------- all-to-all
 
 
-def _all_to_all(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+@torch.library.custom_op("megaformer::cp_all_to_all", mutates_args=())
+def _all_to_all_op(x: torch.Tensor, group: int) -> torch.Tensor:
     """all_to_all_single over dim 0 (N equal blocks): block j goes to rank j."""
-    return comm.all_to_all(x, None, None, cp.group, kind="cp_all_to_all")
+    return comm.all_to_all(x, None, None, _GROUPS[group].group, kind="cp_all_to_all")
+
+
+@_all_to_all_op.register_fake
+def _(x, group):
+    return torch.empty_like(x)
+
+
+def _all_to_all_setup(ctx, inputs, output) -> None:
+    ctx.group = inputs[1]
+
+
+def _all_to_all_grad(ctx, g: torch.Tensor):
+    return _all_to_all_op(g.contiguous(), ctx.group), None  # the exchange is its own transpose
+
+
+_all_to_all_op.register_autograd(_all_to_all_grad, setup_context=_all_to_all_setup)
 
 
 def _seq_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
@@ -607,7 +711,7 @@ def _seq_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     B, H, tl, D = x.shape
     n = cp.size
     blocks = x.reshape(B, n, H // n, tl, D).transpose(0, 1).contiguous()  # [N, B, H/N, T/N, d]
-    got = _all_to_all(blocks, cp)  # got[j]: rank j's positions of this rank's heads
+    got = _all_to_all_op(blocks, cp.key)  # got[j]: rank j's positions of this rank's heads
     return got.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * tl, D)
 
 
@@ -618,30 +722,8 @@ def _heads_to_seq(y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     blocks = (
         y.reshape(B, hl, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()
     )  # [N, B, H/N, T/N, d]
-    got = _all_to_all(blocks, cp)  # got[j]: this rank's positions of rank j's heads
+    got = _all_to_all_op(blocks, cp.key)  # got[j]: this rank's positions of rank j's heads
     return got.transpose(0, 1).reshape(B, n * hl, T // n, D)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:  # type: ignore[override]
-        ctx.cp = cp
-        return _seq_to_heads(x, cp)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return _heads_to_seq(g.contiguous(), ctx.cp), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:  # type: ignore[override]
-        ctx.cp = cp
-        return _heads_to_seq(y.contiguous(), cp)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return _seq_to_heads(g.contiguous(), ctx.cp), None
 
 
 def ulysses_attention(
@@ -670,7 +752,7 @@ def ulysses_attention(
     if hkv % n:
         reps = (hkv * n // math.gcd(hkv, n)) // hkv
         k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
-    qh, kh, vh = (_SeqToHeads.apply(t, cp) for t in (q, k, v))
+    qh, kh, vh = (_seq_to_heads(t, cp) for t in (q, k, v))
     y = core(
         qh,
         kh,
@@ -681,4 +763,4 @@ def ulysses_attention(
         doc_ids=doc_ids,
         window=window,
     )
-    return _HeadsToSeq.apply(y, cp)
+    return _heads_to_seq(y, cp)

@@ -510,6 +510,8 @@ def test_context_parallel_attention_on_one_rank(one_rank_group, mode, monkeypatc
     assert max(errors) < 2e-2, (mode, errors)
     if mode == "all_to_all":
         assert ran.get("attention") and "reference" not in ran["attention"], ran
+    else:  # every chunk pair on one rank is unmasked or the kernel's causal one
+        assert ran.get("attention_block") == {"flash"}, ran
 
 
 def test_moe_experts_take_the_grouped_gemm(monkeypatch):

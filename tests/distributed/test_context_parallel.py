@@ -35,14 +35,12 @@ VOCAB = 257
 # ----------------------------------------------------------------------------- attention function
 
 
-def _attention_case(
-    rank: int, world: int, mode: str, hkv: int, docs: bool, window, tile: int = 1024
-) -> dict:
+def _attention_case(rank: int, world: int, mode: str, hkv: int, docs: bool, window) -> dict:
     from megaformer.comm import CommCounter
     from megaformer.kernels.attention import attention, document_mask
     from megaformer.parallel.context import RING_WORK, ContextParallel
 
-    cp = ContextParallel(dist.group.WORLD, world, rank, mode, tile=tile)
+    cp = ContextParallel(dist.group.WORLD, world, rank, mode)
     g = torch.Generator().manual_seed(0)
     B, H, T, D = 2, 4, 16, 8
     q, do = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
@@ -81,26 +79,19 @@ def _attention_case(
     return {
         "err": max(errs),
         "pairs": RING_WORK["pairs"],
-        "tiles": RING_WORK["tiles"],
         "bytes": dict(counter.bytes),
     }
 
 
 def _attention_suite(rank: int, world: int) -> dict:
-    """Every mode x key/value heads (MHA, GQA, fewer than the ranks) x document mask x window;
-    the ring also in tiles smaller than its chunks (3 of 4 positions, 1 of 2)."""
-    out = {
+    """Every mode x key/value heads (MHA, GQA, fewer than the ranks) x document mask x window."""
+    return {
         (mode, hkv, docs, window): _attention_case(rank, world, mode, hkv, docs, window)
         for mode in ("ring", "all_to_all")
         for hkv in (4, 2, 1)
         for docs in (False, True)
         for window in (None, 5)
     }
-    for docs, window in ((False, None), (True, 5)):
-        out["tiled", 2, docs, window] = _attention_case(
-            rank, world, "ring", 2, docs, window, tile=8 // world - 1
-        )
-    return out
 
 
 def _check_attention(results: list[dict], world: int) -> None:
@@ -109,11 +100,9 @@ def _check_attention(results: list[dict], world: int) -> None:
         mode, hkv, docs, window = case
         for r in results:
             assert r[case]["err"] < 1e-5, (case, r[case]["err"])
-        if mode in ("ring", "tiled"):
+        if mode == "ring":
             if window is None:  # balanced: every rank 2N + 1 chunk pairs (of the 2N x 2N)
                 assert [r[case]["pairs"] for r in results] == [2 * world + 1] * world, case
-                # and as many tiles (two diagonal chunk pairs each)
-                assert len({r[case]["tiles"] for r in results}) == 1, case
             block = 2 * B * hkv * (T // world) * D * f32  # one K/V block, bytes
             for r in results:  # forward N-1 passes, backward N-1 (K, V) + N (dK, dV)
                 assert r[case]["bytes"] == {

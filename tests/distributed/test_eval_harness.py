@@ -461,13 +461,18 @@ def test_eval_tasks_during_training_logged_to_metrics_tensorboard_and_wandb(tmp_
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "layout",
-    [{"parallel.pipeline": 2}, {"parallel.zero_stage": 3, "train.precision": "fp32"}],
-    ids=["pp2", "dp2-zero3"],
+    [
+        {"parallel.pipeline": 2},
+        {"parallel.zero_stage": 3, "train.precision": "fp32"},
+        {"parallel.context": 2, "parallel.zero_stage": 3, "train.precision": "fp32"},
+    ],
+    ids=["pp2", "dp2-zero3", "cp2-zero3"],
 )
 def test_eval_tasks_on_the_live_engine_of_two_ranks(tmp_path, layout):
-    """Pipeline stages (activations sent stage to stage) and ZeRO-3 data parallelism (the ranks
-    run their forwards in lockstep): the scores at the last step equal megaformer eval of the
-    checkpoint saved there, on one process."""
+    """Pipeline stages (activations sent stage to stage), ZeRO-3 data parallelism (the ranks
+    run their forwards in lockstep) and context parallelism (whole sequences on each rank, the
+    requests split over the context ranks, in lockstep under ZeRO-3): the scores at the last step
+    equal megaformer eval of the checkpoint saved there, on one process."""
     from megaformer.evaluation.checkpoint import evaluate_checkpoint
     from tests.helpers import run_torchrun
 
@@ -528,11 +533,12 @@ def test_eval_task_keys_are_checked():
         ({"eval": {"tasks": [" "]}}, "eval.tasks"),
         ({"eval": {"tasks_limit": 0}}, "eval.tasks_limit"),
         ({"eval": {"tasks_interval": -1}}, "eval.tasks_interval"),
-        ({"eval": {"tasks": [MC]}, "parallel": {"context": 2}}, "eval.tasks with parallel.context"),
         ({"log": {"wandb_mode": "cloud"}}, "log.wandb_mode"),
     ):
         with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
             config_from_dict(bad)
+    # task evaluation under context parallelism runs whole sequences on each rank
+    assert config_from_dict({"eval": {"tasks": [MC]}, "parallel": {"context": 2}}).eval.tasks
 
 
 def test_wandb_missing_is_one_line(tmp_path, monkeypatch):

@@ -197,3 +197,35 @@ def test_sdpa_without_enable_gqa_falls_back_to_repeat(monkeypatch):
     q, k, v = qkv(2, 4, 2, 3, 8, seed=4)
     ref = attention(q, k, v, causal=True, backend="reference")
     assert torch.allclose(attention(q, k, v, causal=True, backend="sdpa"), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dv", [8, 12])
+def test_block_kernel_returns_lse_and_its_backward_takes_the_final_lse(dtype, dv):
+    """One key block of ring attention: O and lse equal the written-out formula (a row that sees
+    no key: lse -inf, O 0), and the backward given O and lse of the block equals autograd."""
+    from megaformer.kernels.attention_block import block_backward, block_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    v, do = torch.randn(2, 2, 6, dv, generator=g), torch.randn(2, 4, 6, dv, generator=g)
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.4
+    mask[0, 0, 2] = False  # a row with no visible key
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = leaves[0] @ leaves[1].repeat_interleave(2, 1).transpose(-2, -1) * 0.3
+    s = s.masked_fill(~mask, float("-inf"))
+    lse_ref = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse_ref), 0.0, lse_ref).unsqueeze(-1))
+    ref = p @ leaves[2].repeat_interleave(2, 1)
+    ref.backward(do)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    o, lse = block_forward(*(t.to(dtype) for t in (q, k, v)), causal=False, mask=mask, scale=0.3)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert torch.allclose(o.float(), ref.detach(), atol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    assert torch.allclose(lse[~torch.isinf(lse)], lse_ref[~torch.isinf(lse_ref)], atol=tol)
+    grads = block_backward(
+        do.to(dtype), *(t.to(dtype) for t in (q, k, v)), o, lse, causal=False, mask=mask, scale=0.3
+    )
+    for got, leaf in zip(grads, leaves):
+        assert got.dtype == dtype and torch.allclose(got.float(), leaf.grad, atol=2 * tol)

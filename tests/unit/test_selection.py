@@ -157,3 +157,22 @@ def test_deciding_saves_nothing_for_autograd():
         loss.backward()
         counts.append(len(saved))
     assert counts[0] == counts[1] > 0
+
+
+def test_ring_block_kernel_rule():
+    """Ring attention's block kernel (one key block with its log-sum-exp): aten's CPU
+    FlashAttention on CPU; on CUDA FlashAttention-2 for unmasked pairs in fp16/bf16, the
+    memory-efficient kernel where a pair needs an explicit mask or the dtype/head size rules
+    FlashAttention-2 out."""
+    from megaformer.kernels.selection import choose
+
+    def impl(device, dtype, head_dim=128, masked=False):
+        return choose("attention_block", device, dtype, head_dim=head_dim, masked=masked).impl
+
+    assert {
+        impl("cpu", dt, masked=m) for dt in (torch.float32, torch.bfloat16) for m in (0, 1)
+    } == {"cpu-flash"}
+    assert impl("cuda", torch.bfloat16) == "flash"
+    assert impl("cuda", torch.bfloat16, masked=True) == "efficient"
+    assert impl("cuda", torch.float32) == "efficient"
+    assert impl("cuda", torch.float16, head_dim=320) == "efficient"

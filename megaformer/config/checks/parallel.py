@@ -168,18 +168,13 @@ def check_context(cfg: Config) -> None:
         "first assignments in the micro-batch's token order, which no context rank sees whole; "
         "use model.moe.dropless=true",
     )
-    require(
-        not cfg.train.compile,
-        f"parallel.context={cp} with train.compile=true: the context-parallel attention "
-        "communicates inside the blocks, which are not compiled; set train.compile=false",
-    )
     if p.context_mode == "ring":
         require(
             m.attention_backend in ("auto", "reference"),
             f"parallel.context={cp} (ring) with model.attention_backend="
-            f"{m.attention_backend}: ring attention merges blocks by their log-sum-exp with its "
-            "own blockwise kernel; set attention_backend=auto or use "
-            "parallel.context_mode=all_to_all (any backend)",
+            f"{m.attention_backend}: ring attention runs the block kernels that return a "
+            "log-sum-exp (chosen by their own rule, not this setting); set attention_backend=auto "
+            "or use parallel.context_mode=all_to_all (any backend)",
         )
         require(
             m.attention_dropout == 0,

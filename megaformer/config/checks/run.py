@@ -127,9 +127,3 @@ def check_eval_tasks(cfg: Config) -> None:
         len(e.tasks) > 0 and all(t.strip() for t in e.tasks),
         f"eval.tasks={e.tasks!r}: a non-empty list of task names (or null for none)",
     )
-    require(
-        cfg.parallel.context == 1,
-        f"eval.tasks with parallel.context={cfg.parallel.context}: the task evaluation runs "
-        "whole sequences on each rank; use parallel.context=1 or evaluate the checkpoint "
-        "with megaformer eval",
-    )
