@@ -46,6 +46,7 @@ from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
 from megaformer.model.decoding import decode, kv_cached
 from megaformer.model.linear import Linear
+from megaformer.model.mla import LatentKVCache
 from megaformer.model.moe import MoE, take_router_losses
 from megaformer.model.norms import RMSNorm, build_norm
 from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
@@ -132,8 +133,9 @@ class Transformer(nn.Module):
             )
         else:
             self.pos_table = None
+        fraction = 1.0 if cfg.attention == "mla" else cfg.rotary_fraction
         self.rotary = (
-            RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
+            RotaryEmbedding(cfg.rope_dim, fraction, cfg.rope_theta, cfg.rope_scaling)
             if cfg.position == "rope"
             else None
         )
@@ -297,7 +299,7 @@ class Transformer(nn.Module):
             input_ids,
             self.eod_id,
             backend=self.cfg.attention_backend,
-            head_dim=self.cfg.head_dim,
+            head_dim=self.cfg.qk_head_dim,
             dtype=dtype,
             window=self.cfg.sliding_window,
         )
@@ -337,7 +339,8 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
         """An empty KV cache for up to ``max_len`` (default max_seq_len) positions; storage is
         allocated at the first forward_cached call."""
-        return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)
+        latent = LatentKVCache if self.cfg.attention == "mla" else None
+        return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len, latent)
 
     def forward_cached(
         self,

@@ -63,14 +63,41 @@ VARIANTS = {
         sliding_window=5,
         rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8},
     ),
+    # multi-head latent attention: the up-projections split by heads, the latents, the shared
+    # rotary key and their norms replicated (gradients summed over TP); YaRN with DeepSeek's scale
+    "mla-q-latent-yarn": dict(
+        n_heads=4,
+        attention="mla",
+        mla={
+            "q_lora_rank": 12,
+            "kv_lora_rank": 10,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 6,
+        },
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 8,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    "mla-direct-queries": dict(
+        n_heads=4,
+        attention="mla",
+        mla={"q_lora_rank": None, "kv_lora_rank": 10, "qk_nope_head_dim": 8, "v_head_dim": 6},
+    ),
 }
 
 
 def _model_cfg(**kw):
-    from megaformer.config import ModelConfig
+    from megaformer.config import MLAConfig, ModelConfig
 
     base = dict(vocab_size=257, d_model=32, n_layers=2, max_seq_len=16, d_ffn=64)
     base.update(kw)
+    if isinstance(base.get("mla"), dict):
+        base["mla"] = MLAConfig(**base["mla"])
     return ModelConfig(**base)
 
 
