@@ -80,7 +80,8 @@ class MoEConfig:
         "Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias b_e is added to "
         "the scores for the top-k selection only (not to the expert weights), and after each "
         "optimizer step b_e += rate * sign(mean load - load_e), the load counted over the "
-        "step's tokens on all data-parallel ranks; 0 = off.",
+        "step's tokens on all data-parallel ranks; 0 = no updates (a bias already learned, "
+        "or imported with the weights, keeps choosing the experts).",
     )
     num_groups: int = option(
         1,

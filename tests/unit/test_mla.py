@@ -178,3 +178,40 @@ def test_latent_cache_holds_the_latent_and_decodes_as_the_full_forward():
     assert isinstance(layer, LatentKVCache)
     # per token and layer: d_c + d_r = 10 + 4 numbers, not h (d_n + d_r + d_v) = 4 * 24
     assert layer.latent.shape == (2, 32, 10) and layer.k_rope.shape == (2, 1, 32, 4)
+
+
+@pytest.mark.parametrize(
+    "model,needle",
+    [
+        ({"attention": "mla", "mla": {"kv_lora_rank": 0}}, "model.mla.kv_lora_rank=0: must be > 0"),
+        ({"attention": "mla", "mla": {"qk_rope_head_dim": 3}}, "qk_rope_head_dim=3: must be even"),
+        ({"attention": "mla", "n_kv_heads": 2}, "model.n_kv_heads=2: not supported with"),
+        ({"attention": "mla", "position": "learned"}, "model.position=learned: not supported"),
+        ({"attention": "mla", "bias": True}, "its projections have no biases"),
+        ({"attention": "gqa"}, "model.attention"),
+        ({"moe": {"interval": 1, "num_groups": 3}}, "num_groups=3: must divide"),
+        ({"moe": {"interval": 1, "num_groups": 4, "top_groups": 5}}, "top_groups=5: more than"),
+        (
+            {
+                "moe": {
+                    "interval": 1,
+                    "num_experts": 8,
+                    "top_k": 3,
+                    "num_groups": 4,
+                    "top_groups": 1,
+                }
+            },
+            "the groups kept hold fewer than model.moe.top_k=3",
+        ),
+        ({"moe": {"interval": 1, "first_dense": 4}}, "first_dense=4: no block would be MoE"),
+        ({"moe": {"interval": 1, "routed_scaling_factor": 0}}, "routed_scaling_factor=0"),
+    ],
+)
+def test_config_errors_are_one_line(model, needle):
+    from megaformer.config import ConfigError, config_from_dict, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(config_from_dict({"model": model}))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    ok = {"attention": "mla", "moe": {"interval": 1, "num_groups": 4, "top_groups": 2}}
+    validate(config_from_dict({"model": ok}))
