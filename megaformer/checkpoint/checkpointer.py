@@ -213,6 +213,7 @@ class Checkpointer:
             return None
         if self.kind == "weights":
             log.info("starting from the weights of %s (fresh optimizer, step 0)", self.source)
+            load_router_state(self.trained.engine.module, self.source)  # converted expert biases
             return None
         state = {
             "sharded": self._resume_sharded,
