@@ -11,6 +11,10 @@ f = d_ffn, V = vocabulary rows of the output layer, L = n_layers:
     out proj    2*s*h_q*d
     scores      2*P*h_q        Q K^T,  P = s(s+1)/2 query-key pairs if causal, s^2 if not
     values      2*P*h_q        softmax(.) V
+
+Multi-head latent attention (``model.attention: mla``): q, k, v is 2*s times the weights of its
+down- and up-projections (:func:`megaformer.analysis.params.attention_weights`), scores
+2*P*h*(d_n + d_r), values 2*P*h*d_v, out proj 2*s*h*d_v*d.
     mlp         gelu: 2 * 2*s*d*f;   swiglu: 3 * 2*s*d*f        (three matrices)
     logits      2*s*d*V
 
@@ -59,6 +63,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from megaformer.analysis.params import attention_weights
 from megaformer.config import Config, ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -105,7 +110,7 @@ def forward_flops(
     if not isinstance(V, int) or isinstance(V, bool):
         raise ValueError(f"model.vocab_size must be an int to count FLOPs, got {V!r}")
     s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
-    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attn_in, attn_out = attention_weights(cfg)
     pairs = attention_pairs(s, causal, cfg.sliding_window)
     n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
@@ -118,10 +123,10 @@ def forward_flops(
         else 0
     )
     return ForwardFlops(
-        qkv=L * (2 * s * d * hq + 2 * 2 * s * d * hkv),
-        attn_scores=L * 2 * pairs * hq,
-        attn_values=L * 2 * pairs * hq,
-        attn_out=L * 2 * s * hq * d,
+        qkv=L * 2 * s * attn_in,
+        attn_scores=L * 2 * pairs * cfg.n_heads * cfg.qk_head_dim,
+        attn_values=L * 2 * pairs * cfg.n_heads * cfg.v_head_dim,
+        attn_out=L * 2 * s * attn_out,
         mlp=(L - moe) * n_mats * 2 * s * d * f + moe * moe_mlp,
         logits=2 * s * d * V,
     )
@@ -210,9 +215,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     layer (V*d, tied or not); excludes norms, biases and position tables. PaLM's N in 6N. In
     MoE blocks the active ones: router, top_k routed experts, shared experts."""
     d, f = cfg.d_model, cfg.ffn_dim
-    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     n_mats = 3 if cfg.activation == "swiglu" else 2
-    block = d * hq + 2 * d * hkv + hq * d + n_mats * d * f
+    block = sum(attention_weights(cfg)) + n_mats * d * f
     moe = cfg.moe_layers
     moe_mlp = d * (cfg.moe.num_experts + cfg.moe.shared_gate) + n_mats * d * (
         cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim
@@ -228,16 +232,16 @@ def fp8_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
     the attention output of every block, the dense FFNs and the MoE blocks' shared experts
 
         fp8 = L * (2 s d (h_q + 2 h_kv) + 2 s h_q d) + (L - L_moe) * m * 2 s d f
+              (every projection of multi-head latent attention: its q, k, v and out FLOPs)
               + L_moe * m * 2 s d f_s                                   (m = 3 swiglu, 2 gelu)
 
     The rest (attention scores and values, router, routed experts, logits) stays in the
     training precision."""
     s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
-    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
     return (
-        L * (2 * s * d * (hq + 2 * hkv) + 2 * s * hq * d)
+        L * 2 * s * sum(attention_weights(cfg))
         + (L - moe) * n_mats * 2 * s * d * f
         + moe * n_mats * 2 * s * d * (cfg.shared_dim if moe else 0)
     )

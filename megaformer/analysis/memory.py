@@ -252,6 +252,30 @@ def _norm_elems(cfg: ModelConfig, layout: Layout) -> int:
     return 2 * cfg.d_model if fused else 3 * cfg.d_model
 
 
+def _mla_elems(cfg: ModelConfig, layout: Layout) -> float:
+    """Elements per token multi-head latent attention keeps (per TP rank): the down-projections'
+    output [c^Q | c^KV | k^R] (the latents' norms keep views of it; without the query latent, the
+    fused product's queries too), the normalised latents, q and k (h (d_n + d_r) each), v and the
+    output (h d_v each; where the kernel pads the values to the query width, flash-attn and
+    native, v and the output at h (d_n + d_r) and the output again at h d_v for W^O; not under
+    selective recomputation)."""
+    mla, h, t = cfg.mla, cfg.n_heads, layout.tp
+    plan = _plan(cfg, layout)
+    qk, v = h * cfg.qk_head_dim / t, h * cfg.v_head_dim / t
+    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    down = latents + mla.qk_rope_head_dim
+    if mla.q_lora_rank is None and plan["projections"] == "fused":
+        down += qk
+    normed = latents * (2 if plan["rms_norm"] == "torch" else 1)  # + the unfused norm's x / rms
+    padded = (
+        cfg.v_head_dim < cfg.qk_head_dim
+        and plan["attention"] in ("flash", "native")
+        and layout.recompute != "selective"  # the recomputed core keeps only its inputs
+    )
+    values = 2 * qk + v if padded else 2 * v
+    return down + normed + 2 * qk + values
+
+
 def _mlp_elems(cfg: ModelConfig, layout: Layout) -> int:
     """Elements per token the MLP keeps (per TP rank before /t): see the module docstring."""
     f = cfg.ffn_dim
@@ -300,11 +324,15 @@ def layer_activation_bytes(
     per_norm = _norm_elems(cfg, layout)
     norms = 2 * per_norm - (d if cfg.residual == "parallel" else 0)  # parallel: one shared input
     lse = n * cfg.n_heads * 4 / t  # fp32 log-sum-exp
+    if cfg.attention == "mla":
+        core = _mla_elems(cfg, layout) * n * e
+    else:
+        core = n * (2 * hq + 2 * hkv) * e / t
+        core += n * (hq + hkv) * e / t if cfg.qk_norm else 0  # q, k before their norms
     parts = {
         "norms": n * norms * e / sp,
-        "attention": n * (2 * hq + 2 * hkv) * e / t
+        "attention": core
         + (0 if layout.recompute == "selective" else lse)
-        + (n * (hq + hkv) * e / t if cfg.qk_norm else 0)  # q, k before their norms
         + context_saved_bytes(cfg, seq_len, layout),
         "mlp": _moe_mlp_bytes(cfg, n, layout, e) if moe else n * _mlp_elems(cfg, layout) * e / t,
         "dropout_masks": (2 * n * d * _mask_bytes(layout, cfg) / sp) if cfg.dropout > 0 else 0,
@@ -335,7 +363,11 @@ def activation_bytes(
         kept, recompute_live = (layers - n_moe) * layer + n_moe * moe_layer, 0.0
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     per_norm = _norm_elems(cfg, layout)
-    rot = int(cfg.head_dim * cfg.rotary_fraction) if cfg.position == "rope" else 0
+    rot = (
+        (cfg.rope_dim if cfg.attention == "mla" else int(cfg.head_dim * cfg.rotary_fraction))
+        if cfg.position == "rope"
+        else 0
+    )
     Vp = padded_vocab or V
     native_loss = _native_cpu(cfg, layout) and t == 1 and cfg.loss_chunk_tokens == 0
     # final norm + what the loss keeps: fp32 log-probs, or (native kernel) the padded logits + lse

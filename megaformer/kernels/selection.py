@@ -468,7 +468,7 @@ def _model_plan(
                 dtype,
                 compiling=compiled,
                 backend=m.attention_backend,
-                head_dim=m.head_dim,
+                head_dim=m.qk_head_dim,
                 dropout=training and m.attention_dropout > 0,
                 doc_mask=m.document_mask,
                 window=m.sliding_window is not None,

@@ -79,6 +79,8 @@ MOE_PLAN: dict[str, type] = {
     "mlp.shared.w3": ColumnParallelLinear,
     "mlp.shared.w2": RowParallelLinear,
 }
+# Multi-head latent attention's projections to its latents: replicated under TP (not in the plan)
+MLA_DOWN_PROJECTIONS = ("attn.wq_a", "attn.wkv_a")
 # What expert parallelism marks on an expert parameter (megaformer.parallel.experts), kept when it
 # is split.
 EXPERT_MARKS = ("allreduce", "group_name", "expert_parallel")

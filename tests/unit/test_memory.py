@@ -15,7 +15,7 @@ from megaformer.analysis.memory import (
     state_bytes,
 )
 from megaformer.analysis.params import count_parameters
-from megaformer.config import ModelConfig
+from megaformer.config import MLAConfig, ModelConfig
 from megaformer.model import Transformer
 
 CONFIGS = {
@@ -34,6 +34,21 @@ CONFIGS = {
         bias=True,
         tie_embeddings=False,
         dropout=0.1,
+    ),
+    "mla": dict(
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=64,
+        attention="mla",
+        mla={
+            "q_lora_rank": 32,
+            "kv_lora_rank": 24,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 24,
+        },
     ),
 }
 
@@ -67,7 +82,10 @@ def _measured(cfg: ModelConfig, B: int, s: int, mode: str, padded: int) -> tuple
 def test_estimate_matches_measured_cpu_memory(name, mode):
     if mode != "none":
         pytest.importorskip("megaformer.parallel.recompute")
-    cfg = ModelConfig(**CONFIGS[name])
+    kw = dict(CONFIGS[name])
+    if "mla" in kw:
+        kw["mla"] = MLAConfig(**kw["mla"])
+    cfg = ModelConfig(**kw)
     B, s, padded = 4, 64, 384 if cfg.vocab_size > 256 else None
     act, peak = _measured(cfg, B, s, mode, padded)
     layout = Layout(micro_batch=B, recompute=mode, device="cpu")

@@ -26,12 +26,9 @@ YARN = {
 
 
 def _cfg(q_lora: bool, yarn: bool, **extra) -> ModelConfig:
+    base = dict(vocab_size=50, d_model=D, n_layers=2, n_heads=H, max_seq_len=32)
     return ModelConfig(
-        vocab_size=50,
-        d_model=D,
-        n_layers=2,
-        n_heads=H,
-        max_seq_len=32,
+        **{**base, **extra},
         attention="mla",
         mla=MLAConfig(
             q_lora_rank=12 if q_lora else None,
@@ -41,7 +38,6 @@ def _cfg(q_lora: bool, yarn: bool, **extra) -> ModelConfig:
             v_head_dim=8,
         ),
         rope_scaling=dict(YARN) if yarn else None,
-        **extra,
     )
 
 
@@ -215,3 +211,57 @@ def test_config_errors_are_one_line(model, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
     ok = {"attention": "mla", "moe": {"interval": 1, "num_groups": 4, "top_groups": 2}}
     validate(config_from_dict({"model": ok}))
+
+
+def _deepseek_tiny(**kw) -> ModelConfig:
+    """Multi-head latent attention with the DeepSeek-V3 MoE: the first block dense, 8 experts in
+    4 groups of which 2 are kept, one shared expert."""
+    from megaformer.config import MoEConfig
+
+    return _cfg(
+        True,
+        True,
+        attention_backend="reference",
+        n_layers=3,
+        d_ffn=48,
+        moe=MoEConfig(
+            interval=1,
+            first_dense=1,
+            num_experts=8,
+            top_k=3,
+            score="sigmoid",
+            d_expert=16,
+            num_shared_experts=1,
+            num_groups=4,
+            top_groups=2,
+            routed_scaling_factor=2.5,
+        ),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_parameter_and_flop_counts_equal_the_module_and_the_flop_counter(q_lora):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megaformer.analysis.flops import step_flops
+    from megaformer.analysis.params import count_parameters
+
+    cfg = _deepseek_tiny()
+    if not q_lora:
+        cfg.mla.q_lora_rank = None
+    torch.manual_seed(0)
+    model = Transformer(cfg, padded_vocab_size=64)
+    counts = count_parameters(cfg)
+    assert counts["total"] == model.num_parameters()
+    with torch.device("meta"):  # the same count from a model built on meta
+        on_meta = Transformer(cfg)
+    assert counts["total"] == on_meta.num_parameters()
+    per_expert = 3 * cfg.d_model * cfg.expert_dim
+    assert counts["total"] - counts["active"] == 2 * (8 - 3) * per_expert  # 2 MoE blocks
+    x = torch.randint(0, 50, (2, 16))
+    with FlopCounterMode(display=False) as counter:
+        model(x, x).backward()
+    assert (
+        counter.get_total_flops() == step_flops(cfg, 16, 2, causal=False, padded_vocab=64).hardware
+    )
