@@ -271,7 +271,12 @@ def _experts(device: str, dtype: torch.dtype, d_model: int, d_ffn: int) -> Choic
             f"d_model={d_model}, d_ffn={d_ffn}: grouped GEMM rows must be "
             "multiples of 8 (16 bytes)",
         )
-    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+    # (planning for CUDA on a machine without one: the GPU planned for is taken to be sm90+)
+    if (
+        device == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() < (9, 0)
+    ):
         return Choice("loop", "grouped GEMM needs CUDA sm90+")
     if device not in ("cuda", "cpu"):
         return Choice("loop", f"no grouped GEMM on {device}")
