@@ -265,3 +265,14 @@ def test_parameter_and_flop_counts_equal_the_module_and_the_flop_counter(q_lora)
     assert (
         counter.get_total_flops() == step_flops(cfg, 16, 2, causal=False, padded_vocab=64).hardware
     )
+
+
+def test_the_ring_is_refused_in_one_line_all_to_all_is_taken():
+    from megaformer.config import ConfigError, config_from_dict, validate
+
+    raw = {"model": {"attention": "mla", "max_seq_len": 64}, "parallel": {"context": 2}}
+    with pytest.raises(ConfigError) as e:
+        validate(config_from_dict(raw))
+    assert "use parallel.context_mode=all_to_all" in str(e.value) and "\n" not in str(e.value)
+    raw["parallel"]["context_mode"] = "all_to_all"
+    validate(config_from_dict(raw))
