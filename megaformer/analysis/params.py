@@ -17,6 +17,7 @@ model.head_dim), f = ffn_dim, V = vocab, beta = 1 if biases else 0, beta_qkv = 1
     block      = attention + (mlp or moe mlp) + 2 * norm
     embedding  = V*d  (+ max_seq_len*d for learned positions)  (+ V*d for an untied lm_head)
     total      = embedding + L * block + norm
+                 + D * (2*d + 2*d*d + block + norm)   (multi-token prediction, model.mtp_depth = D)
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def count_parameters(cfg: ModelConfig) -> dict:
         embedding += V * d
     block = attention_params(cfg) + mlp_params(cfg) + 2 * norm_params(cfg)
     non_embedding = cfg.n_layers * block + norm_params(cfg)
-    moe = cfg.moe_layers
+    # multi-token prediction: per module two RMSNorms, M_k [d, 2d], one block, the head's norm
+    mtp_blocks = [cfg.n_layers + k for k in range(cfg.mtp_depth)]
+    non_embedding += cfg.mtp_depth * (2 * d + 2 * d * d + block + norm_params(cfg))
+    moe = cfg.moe_layers + sum(cfg.is_moe_layer(i) for i in mtp_blocks)
     if moe == 0:
         return {
             "total": embedding + non_embedding,

@@ -252,6 +252,18 @@ class ModelKeys:
         "shards; null = initialise from train.seed. Ignored when the run directory holds "
         "a checkpoint (it resumes). megaformer train CONFIG --init-from DIR sets it.",
     )
+    mtp_depth: int = option(
+        0,
+        "Multi-token prediction (DeepSeek-V3): this many extra modules after the blocks, module "
+        "k predicting the token k + 1 ahead from module k - 1's output and the embedding of the "
+        "token k ahead (one block each, sharing the embedding and the output head); training "
+        "only: evaluation, generation and export use the main model. 0 = off.",
+    )
+    mtp_loss_coef: float = option(
+        0.3,
+        "Weight lambda of the multi-token prediction loss lambda / D * sum_k L_k added to the "
+        "training loss (DeepSeek-V3: 0.3, then 0.1); logged apart as mtp/loss.",
+    )
     attention: Literal["mha", "mla"] = option(
         "mha",
         "Attention form: mha (multi-head attention, grouped-query with model.n_kv_heads) or mla "

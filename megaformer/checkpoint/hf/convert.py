@@ -182,6 +182,10 @@ def export_to_hf(
         else ShardedWeights(ckpt, precision_dtype(cfg.train.precision))
     )
     plan = adapter.export_plan(m) + router_bias_entries(adapter, m, ckpt)
+    if m.mtp_depth > 0:
+        log.warning(
+            "the %d multi-token prediction modules are training-only: not exported", m.mtp_depth
+        )
     out_dtype = _dtype(dtype)
     label = _DTYPE_LABEL.get(out_dtype or source.meta(plan[0].inputs[0]).dtype, "float32")
     with staged_output(dst) as tmp:
@@ -192,7 +196,9 @@ def export_to_hf(
             out_dtype,
             max_shard_size,
             metadata={"megaformer_version": __version__},
-            ignore=lambda name: m.tie_embeddings and name == "lm_head.weight",
+            ignore=lambda name: (
+                (m.tie_embeddings and name == "lm_head.weight") or name.startswith("mtp.")
+            ),
         )
         special = write_hf_tokenizer(tokenizer, tmp, m.max_seq_len) if tokenizer else {}
         config = {

@@ -75,6 +75,32 @@ def check_model(cfg: Config) -> None:
         )
     check_mla(cfg)
     check_moe(cfg)
+    check_mtp(cfg)
+
+
+def check_mtp(cfg: Config) -> None:
+    """Multi-token prediction: its depth and weight, and the layouts it runs under."""
+    m, p = cfg.model, cfg.parallel
+    positive("model.mtp_depth", m.mtp_depth, allow_zero=True)
+    positive("model.mtp_loss_coef", m.mtp_loss_coef, allow_zero=True)
+    if m.mtp_depth == 0:
+        return
+    require(
+        m.mtp_depth < m.max_seq_len - 1,
+        f"model.mtp_depth={m.mtp_depth}: must be below model.max_seq_len - 1",
+    )
+    for key, value, why in (
+        ("model.position", m.position != "rope", "the modules reuse the rotary positions"),
+        ("model.document_mask", m.document_mask, "its shifted sequences cross documents"),
+        ("parallel.pipeline", p.pipeline > 1, "the last stage would need the token ids"),
+        ("parallel.tensor", p.tensor > 1, "its modules are not split by the plan yet"),
+        ("parallel.context", p.context > 1, "its shifted sequences cross the context ranks"),
+    ):
+        require(
+            not value,
+            f"model.mtp_depth={m.mtp_depth} with {key}={getattr(m if key.startswith('model') else p, key.split('.')[1])}: "
+            f"not supported ({why}); set model.mtp_depth=0",
+        )
 
 
 def check_mla(cfg: Config) -> None:
