@@ -276,3 +276,26 @@ def test_the_ring_is_refused_in_one_line_all_to_all_is_taken():
     assert "use parallel.context_mode=all_to_all" in str(e.value) and "\n" not in str(e.value)
     raw["parallel"]["context_mode"] = "all_to_all"
     validate(config_from_dict(raw))
+
+
+def test_fp8_converts_every_projection_and_counts_their_flops():
+    from megaformer.analysis.flops import forward_flops, fp8_forward_flops
+    from megaformer.parallel.fp8 import apply_fp8
+
+    cfg = _cfg(True, False, d_ffn=64, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Transformer(cfg, padded_vocab_size=64)
+    x = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        before = model(x, x)
+    assert apply_fp8(model, "tensorwise", True) == 2 * 8
+    converted = {n for n, m in model.named_modules() if getattr(m, "fp8", None) is not None}
+    names = ("attn.wq_a", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo")
+    assert converted == {
+        f"layers.{i}.{n}" for i in range(2) for n in (*names, "mlp.w1", "mlp.w3", "mlp.w2")
+    }
+    with torch.no_grad():
+        after = model(x, x)
+    assert 0 < abs(after.item() - before.item()) < 0.05  # quantised, not broken
+    total = forward_flops(cfg, 16)
+    assert fp8_forward_flops(cfg, 16) == total.qkv + total.attn_out + total.mlp
