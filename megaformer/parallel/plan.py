@@ -254,7 +254,12 @@ def parallelize(
         return model
     group = topo.groups.tp
     sp = sequence_parallel
-    for block in model.layers:
+    # the multi-token prediction modules' blocks are split as the model's (their inputs and
+    # outputs whole: not under sequence parallelism, whose splits follow the main blocks)
+    extra = [m.block for m in getattr(model, "mtp", ())]
+    if extra and sp:
+        raise ValueError("multi-token prediction does not run under sequence parallelism")
+    for block in (*model.layers, *extra):
         if materialize is not None:
             materialize(block)
         if isinstance(block.mlp, MoE):

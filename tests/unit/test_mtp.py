@@ -139,17 +139,30 @@ def test_parameter_and_flop_counts_equal_the_module_and_the_flop_counter(mla):
     "overrides,needle",
     [
         (["parallel.pipeline=2"], "model.mtp_depth=1 with parallel.pipeline=2: not supported"),
-        (["parallel.tensor=2"], "model.mtp_depth=1 with parallel.tensor=2: not supported"),
+        (
+            ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+            "model.mtp_depth=1 with parallel.sequence_parallel=true: not supported",
+        ),
+        (
+            ["parallel.context=2", "parallel.context_mode=all_to_all"],
+            "model.mtp_depth=1 with parallel.context=2: not supported",
+        ),
         (["model.mtp_depth=-1"], "model.mtp_depth=-1: must be >= 0"),
+        (["parallel.tensor=2"], None),  # tensor parallelism without sequence parallelism runs
     ],
 )
 def test_refusals_are_one_line(overrides, needle):
     from megaformer.config import ConfigError, load_config, validate
 
+    def check() -> None:
+        path = ROOT / "configs" / "deepseek-tiny.yaml"
+        validate(load_config(path, ["model.mtp_depth=1", *overrides]))
+
+    if needle is None:
+        check()
+        return
     with pytest.raises(ConfigError) as e:
-        validate(
-            load_config(ROOT / "configs" / "deepseek-tiny.yaml", ["model.mtp_depth=1", *overrides])
-        )
+        check()
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 

@@ -93,13 +93,21 @@ def check_mtp(cfg: Config) -> None:
         ("model.position", m.position != "rope", "the modules reuse the rotary positions"),
         ("model.document_mask", m.document_mask, "its shifted sequences cross documents"),
         ("parallel.pipeline", p.pipeline > 1, "the last stage would need the token ids"),
-        ("parallel.tensor", p.tensor > 1, "its modules are not split by the plan yet"),
+        (
+            "parallel.sequence_parallel",
+            p.tensor > 1 and p.sequence_parallel,
+            "its shorter sequences do not split like the main blocks'",
+        ),
         ("parallel.context", p.context > 1, "its shifted sequences cross the context ranks"),
+        ("parallel.expert", p.expert > 1, "its experts are not distributed yet"),
+        ("parallel.zero_stage", p.zero_stage == 3, "its modules are not partitioned yet"),
     ):
+        section, name = key.split(".")
         require(
             not value,
-            f"model.mtp_depth={m.mtp_depth} with {key}={getattr(m if key.startswith('model') else p, key.split('.')[1])}: "
-            f"not supported ({why}); set model.mtp_depth=0",
+            f"model.mtp_depth={m.mtp_depth} with {key}="
+            f"{str(getattr(m if section == 'model' else p, name)).lower()}: not supported "
+            f"({why}); set model.mtp_depth=0",
         )
 
 
