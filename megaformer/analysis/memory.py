@@ -60,7 +60,7 @@ selective recompute, 2*s*b*h with full recompute: :func:`korthikanti_layer_bytes
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
@@ -374,7 +374,8 @@ def activation_bytes(
     output = n * per_norm * e / sp + (n * (Vp + 1) * 4 if native_loss else n * V * 4 / t)
     tables = 2 * rot * seq_len * 4  # RoPE cos/sin, once per forward
     dropout_emb = n * d * _mask_bytes(layout, cfg) / sp if cfg.dropout > 0 else 0
-    total = kept * in_flight + output + tables + dropout_emb
+    mtp = mtp_activation_bytes(cfg, seq_len, layout, native_loss, padded_vocab)
+    total = kept * in_flight + output + tables + dropout_emb + mtp
     # backward transient: at the output layer the logits grad (padded, dtype e) + fp32 log-prob
     # grad (native loss: the logits grad alone); in each MLP the gradient of the up-projection's
     # output (SwiGLU: d[g | u], 2f, and an f-wide temporary of the torch ops; GELU: f) while the
@@ -387,10 +388,36 @@ def activation_bytes(
         "per_layer": layer,
         "layers": kept * in_flight,
         "output": output + tables + dropout_emb,
+        "mtp": mtp,
         "total": total,
         "backward_transient": transient,
         "recompute_live": recompute_live,
     }
+
+
+def mtp_activation_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    layout: Layout,
+    native_loss: bool,
+    padded_vocab: Optional[int] = None,
+) -> float:
+    """Bytes the multi-token prediction modules keep for backward: module k on n_k = b (s - k)
+    tokens keeps one block's activations (as block L + k - 1, not recomputed), the inputs of its two norms and of
+    M_k (4 d), its head norm and what the loss keeps (fp32 log-probs, or with the native loss the
+    padded logits and the lse)."""
+    e, t = DTYPE_BYTES[layout.precision], layout.tp
+    d, V, Vp = cfg.d_model, cfg.vocab_size, padded_vocab or cfg.vocab_size
+    total = 0.0
+    for k in range(1, cfg.mtp_depth + 1):
+        s_k = seq_len - k
+        n = layout.micro_batch * s_k
+        moe = cfg.is_moe_layer(cfg.n_layers + k - 1)
+        plain = replace(layout, recompute="none")  # the modules are not recomputed
+        total += layer_activation_bytes(cfg, s_k, plain, moe=moe)["total"]
+        total += n * (4 * d + _norm_elems(cfg, layout)) * e
+        total += n * (Vp + 1) * 4 if native_loss else n * V * 4 / t
+    return total
 
 
 def _kv_repeat(cfg: ModelConfig, layout: Layout) -> int:

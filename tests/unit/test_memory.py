@@ -50,6 +50,16 @@ CONFIGS = {
             "v_head_dim": 24,
         },
     ),
+    "mla-mtp": dict(
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=64,
+        attention="mla",
+        mla={"q_lora_rank": None, "kv_lora_rank": 24, "qk_nope_head_dim": 16, "v_head_dim": 16},
+        mtp_depth=2,
+    ),
 }
 
 
