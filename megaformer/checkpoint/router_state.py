@@ -78,11 +78,17 @@ def load_router_state(module: nn.Module, ckpt: Path) -> int:
     """Set ``module``'s aux-loss-free biases from checkpoint ``ckpt`` (any layout wrote it: keyed
     by block). Returns how many blocks were set; a checkpoint without router state (written
     before, or converted from a class without expert biases) leaves them at zero."""
-    layers = moe_layers(module)
-    if not layers:
+    if not moe_layers(module):
         return 0
-    folder = Path(ckpt) / ROUTER_DIR
-    saved = read_router_state(ckpt)
+    return set_router_state(module, read_router_state(ckpt), Path(ckpt) / ROUTER_DIR)
+
+
+@torch.no_grad()
+def set_router_state(module: nn.Module, saved: dict[str, torch.Tensor], source: object) -> int:
+    """Set ``module``'s aux-loss-free biases from ``saved`` (by plain-model name; ``source``
+    names where they came from in errors). Returns how many blocks were set."""
+    layers = moe_layers(module)
+    folder = source
     n = 0
     for m in layers:
         t = saved.get(f"layers.{m.layer}.mlp.expert_bias")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -256,6 +256,10 @@ class Transformer(nn.Module):
             x = x + table.to(x.dtype)
         return self.drop(x), rope
 
+    def _hidden(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Final-normed residual stream Norm(x_L) [B, T, d]; the arguments of :meth:`_residual`."""
+        return self.final_norm(self._residual(*args, **kwargs))
+
     def _residual(
         self,
         input_ids: torch.Tensor,
@@ -376,7 +380,7 @@ class Transformer(nn.Module):
         """
         if cache is None:
             cache = self.new_cache()
-        h = self.final_norm(self._residual(input_ids, cache, start_pos))
+        h = self._hidden(input_ids, cache, start_pos)
         if last_only:
             h = h[:, -1:]
         return self.lm_head.output_logits(self.lm_head(h)), cache

@@ -173,3 +173,38 @@ def test_export_refuses_what_the_class_lacks(hf_folders, tmp_path):
     assert_one_line_error(
         proc, "model.moe.score=softmax cannot be expressed by DeepseekV3ForCausalLM"
     )
+
+
+def test_init_from_reads_the_weights_and_the_expert_biases(hf_folders, tmp_path):
+    """``model.init_from`` with a DeepseekV3ForCausalLM folder: its shapes and routing keys, its
+    expert biases (kept as they are with bias_update_rate 0: the checkpoint's router state after
+    one step equals the folder's e_score_correction_bias)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import ROOT
+
+    src = hf_folders["q-latent-yarn"]
+    run = tmp_path / "run"
+    proc = cli_main(
+        "train",
+        str(ROOT / "configs" / "deepseek-tiny.yaml"),
+        "--run-dir",
+        str(run),
+        f"model.init_from={src}",
+        f"data.tokenizer={src / 'tokenizer.json'}",
+        "model.moe.bias_update_rate=0",
+        "model.max_seq_len=32",
+        "train.steps=1",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "data.max_bytes=200000",
+        "eval.interval=0",
+        "log.sample_tokens=0",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = load_file(str(src / "model.safetensors"))
+    saved = read_router_state(run / "checkpoints" / "step_0000001")
+    assert sorted(saved) == ["layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"]
+    for i in (1, 2):
+        want = theirs[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+        assert want.abs().max() > 0 and torch.equal(saved[f"layers.{i}.mlp.expert_bias"], want)
