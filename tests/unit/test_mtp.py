@@ -191,3 +191,11 @@ def test_training_logs_the_mtp_loss_apart(tmp_path):
     assert len(mtp) == 8 and mtp[-1] < mtp[0]
     # the logged loss is the objective: main + 0.3 * mtp, so above the mtp share alone
     assert all(loss > 0.3 * m for loss, m in zip(losses, mtp))
+    # export: the main model as DeepseekV3ForCausalLM, equal logits, without the modules
+    proc = cli_main(
+        "convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--to", "hf", "--verify"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verify: max |logit difference|" in proc.stdout
+    config = (tmp_path / "hf" / "config.json").read_text()
+    assert '"DeepseekV3ForCausalLM"' in config and '"num_nextn_predict_layers": 0' in config
