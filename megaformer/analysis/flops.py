@@ -11,10 +11,17 @@ f = d_ffn, V = vocabulary rows of the output layer, L = n_layers:
     out proj    2*s*h_q*d
     scores      2*P*h_q        Q K^T,  P = s(s+1)/2 query-key pairs if causal, s^2 if not
     values      2*P*h_q        softmax(.) V
+
+Multi-head latent attention (``model.attention: mla``): q, k, v is 2*s times the weights of its
+down- and up-projections (:func:`megaformer.analysis.params.attention_weights`), scores
+2*P*h*(d_n + d_r), values 2*P*h*d_v, out proj 2*s*h*d_v*d.
     mlp         gelu: 2 * 2*s*d*f;   swiglu: 3 * 2*s*d*f        (three matrices)
     logits      2*s*d*V
 
-    forward = L * (q,k,v + out + scores + values + mlp) + logits
+    forward = L * (q,k,v + out + scores + values + mlp) + logits (+ mtp)
+
+Multi-token prediction (``model.mtp_depth`` = D): module k on the s - k tokens it predicts for,
+its projection [2d -> d], one block and the shared output head (:func:`mtp_flops`).
 
 Mixture of Experts (``model.moe``): FLOPs count the ACTIVE parameters, what each token multiplies:
 an MoE block's mlp term is its router 2*s*d*E plus top_k routed experts and the shared experts,
@@ -59,6 +66,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from megaformer.analysis.params import attention_weights
 from megaformer.config import Config, ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -87,6 +95,7 @@ class ForwardFlops:
     attn_out: int
     mlp: int
     logits: int
+    mtp: int = 0  # the multi-token prediction modules (model.mtp_depth), their logits included
 
     @property
     def layers(self) -> int:
@@ -94,7 +103,7 @@ class ForwardFlops:
 
     @property
     def total(self) -> int:
-        return self.layers + self.logits
+        return self.layers + self.logits + self.mtp
 
 
 def forward_flops(
@@ -104,27 +113,55 @@ def forward_flops(
     V = cfg.vocab_size if vocab is None else vocab
     if not isinstance(V, int) or isinstance(V, bool):
         raise ValueError(f"model.vocab_size must be an int to count FLOPs, got {V!r}")
-    s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
-    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    s, d, L = seq_len, cfg.d_model, cfg.n_layers
+    attn_in, attn_out = attention_weights(cfg)
     pairs = attention_pairs(s, causal, cfg.sliding_window)
-    n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
-    moe_mlp = (
-        (
-            2 * s * d * (cfg.moe.num_experts + cfg.moe.shared_gate)
-            + n_mats * 2 * s * d * (cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim)
-        )
-        if moe
-        else 0
-    )
     return ForwardFlops(
-        qkv=L * (2 * s * d * hq + 2 * 2 * s * d * hkv),
-        attn_scores=L * 2 * pairs * hq,
-        attn_values=L * 2 * pairs * hq,
-        attn_out=L * 2 * s * hq * d,
-        mlp=(L - moe) * n_mats * 2 * s * d * f + moe * moe_mlp,
+        qkv=L * 2 * s * attn_in,
+        attn_scores=L * 2 * pairs * cfg.n_heads * cfg.qk_head_dim,
+        attn_values=L * 2 * pairs * cfg.n_heads * cfg.v_head_dim,
+        attn_out=L * 2 * s * attn_out,
+        mlp=(L - moe) * _mlp_flops(cfg, s, False) + moe * _mlp_flops(cfg, s, True),
         logits=2 * s * d * V,
+        mtp=mtp_flops(cfg, s, causal, V),
     )
+
+
+def _mlp_flops(cfg: ModelConfig, s: int, moe: bool) -> int:
+    """One FFN on s tokens: m 2 s d f dense; 2 s d E + m 2 s d (k f_e + f_s) MoE (router, top_k
+    routed experts, shared experts; m = 3 swiglu, 2 gelu)."""
+    n_mats, d = (3 if cfg.activation == "swiglu" else 2), cfg.d_model
+    if not moe:
+        return n_mats * 2 * s * d * cfg.ffn_dim
+    return 2 * s * d * (cfg.moe.num_experts + cfg.moe.shared_gate) + n_mats * 2 * s * d * (
+        cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim
+    )
+
+
+def mtp_flops(
+    cfg: ModelConfig, seq_len: int, causal: bool = True, vocab: Optional[int] = None
+) -> int:
+    """Forward FLOPs of the multi-token prediction modules on one sequence: module k works on
+    s_k = s - k tokens, its projection 2 s_k (2d) d, one block (as block L + k - 1) and the
+    shared output head 2 s_k d V."""
+    V = cfg.vocab_size if vocab is None else vocab
+    d, h = cfg.d_model, cfg.n_heads
+    attn_in, attn_out = attention_weights(cfg)
+    total = 0
+    for k in range(1, cfg.mtp_depth + 1):
+        sk = seq_len - k
+        if sk < 1:
+            break
+        pairs = attention_pairs(sk, causal, cfg.sliding_window)
+        total += (
+            2 * sk * 2 * d * d
+            + 2 * sk * (attn_in + attn_out)
+            + 2 * pairs * h * (cfg.qk_head_dim + cfg.v_head_dim)
+            + _mlp_flops(cfg, sk, cfg.is_moe_layer(cfg.n_layers + k - 1))
+            + 2 * sk * d * V
+        )
+    return total
 
 
 def recompute_flops(fwd: ForwardFlops, n_layers: int, recompute: str, every: int = 1) -> int:
@@ -210,9 +247,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     layer (V*d, tied or not); excludes norms, biases and position tables. PaLM's N in 6N. In
     MoE blocks the active ones: router, top_k routed experts, shared experts."""
     d, f = cfg.d_model, cfg.ffn_dim
-    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     n_mats = 3 if cfg.activation == "swiglu" else 2
-    block = d * hq + 2 * d * hkv + hq * d + n_mats * d * f
+    block = sum(attention_weights(cfg)) + n_mats * d * f
     moe = cfg.moe_layers
     moe_mlp = d * (cfg.moe.num_experts + cfg.moe.shared_gate) + n_mats * d * (
         cfg.moe.top_k * cfg.expert_dim + cfg.shared_dim
@@ -229,16 +265,16 @@ def fp8_forward_flops(cfg: ModelConfig, seq_len: int, routed: bool = True) -> in
     ``routed``) their routed experts
 
         fp8 = L * (2 s d (h_q + 2 h_kv) + 2 s h_q d) + (L - L_moe) * m * 2 s d f
+              (every projection of multi-head latent attention: its q, k, v and out FLOPs)
               + L_moe * m * 2 s d (f_s + k f_e)                         (m = 3 swiglu, 2 gelu)
 
     The rest (attention scores and values, router, logits) stays in the training precision."""
     s, d, L, f = seq_len, cfg.d_model, cfg.n_layers, cfg.ffn_dim
-    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     n_mats = 3 if cfg.activation == "swiglu" else 2
     moe = cfg.moe_layers
     experts = (cfg.shared_dim + (cfg.moe.top_k * cfg.expert_dim if routed else 0)) if moe else 0
     return (
-        L * (2 * s * d * (hq + 2 * hkv) + 2 * s * hq * d)
+        L * 2 * s * sum(attention_weights(cfg))
         + (L - moe) * n_mats * 2 * s * d * f
         + moe * n_mats * 2 * s * d * experts
     )

@@ -62,7 +62,7 @@ selective recompute, 2*s*b*h with full recompute: :func:`korthikanti_layer_bytes
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
@@ -297,6 +297,30 @@ def _norm_elems(cfg: ModelConfig, layout: Layout) -> int:
     return 2 * cfg.d_model if fused else 3 * cfg.d_model
 
 
+def _mla_elems(cfg: ModelConfig, layout: Layout) -> float:
+    """Elements per token multi-head latent attention keeps (per TP rank): the down-projections'
+    output [c^Q | c^KV | k^R] (the latents' norms keep views of it; without the query latent, the
+    fused product's queries too), the normalised latents, q and k (h (d_n + d_r) each), v and the
+    output (h d_v each; where the kernel pads the values to the query width, flash-attn and
+    native, v and the output at h (d_n + d_r) and the output again at h d_v for W^O; not under
+    selective recomputation)."""
+    mla, h, t = cfg.mla, cfg.n_heads, layout.tp
+    plan = _plan(cfg, layout)
+    qk, v = h * cfg.qk_head_dim / t, h * cfg.v_head_dim / t
+    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    down = latents + mla.qk_rope_head_dim
+    if mla.q_lora_rank is None and plan["projections"] == "fused":
+        down += qk
+    normed = latents * (2 if plan["rms_norm"] == "torch" else 1)  # + the unfused norm's x / rms
+    padded = (
+        cfg.v_head_dim < cfg.qk_head_dim
+        and plan["attention"] in ("flash", "native")
+        and layout.recompute != "selective"  # the recomputed core keeps only its inputs
+    )
+    values = 2 * qk + v if padded else 2 * v
+    return down + normed + 2 * qk + values
+
+
 def _mlp_elems(cfg: ModelConfig, layout: Layout) -> int:
     """Elements per token the MLP keeps (per TP rank before /t): see the module docstring."""
     f = cfg.ffn_dim
@@ -345,11 +369,15 @@ def layer_activation_bytes(
     per_norm = _norm_elems(cfg, layout)
     norms = 2 * per_norm - (d if cfg.residual == "parallel" else 0)  # parallel: one shared input
     lse = n * cfg.n_heads * 4 / t  # fp32 log-sum-exp
+    if cfg.attention == "mla":
+        core = _mla_elems(cfg, layout) * n * e
+    else:
+        core = n * (2 * hq + 2 * hkv) * e / t
+        core += n * (hq + hkv) * e / t if cfg.qk_norm else 0  # q, k before their norms
     parts = {
         "norms": n * norms * e / sp,
-        "attention": n * (2 * hq + 2 * hkv) * e / t
+        "attention": core
         + (0 if layout.recompute == "selective" else lse)
-        + (n * (hq + hkv) * e / t if cfg.qk_norm else 0)  # q, k before their norms
         + context_saved_bytes(cfg, seq_len, layout),
         "mlp": _moe_mlp_bytes(cfg, n, layout, e) if moe else n * _mlp_elems(cfg, layout) * e / t,
         "dropout_masks": (2 * n * d * _mask_bytes(layout, cfg) / sp) if cfg.dropout > 0 else 0,
@@ -391,14 +419,19 @@ def activation_bytes(
         kept, recompute_live = (layers - n_moe) * layer + n_moe * moe_layer, 0.0
     in_flight = pipeline_in_flight(layout)
     per_norm = _norm_elems(cfg, layout)
-    rot = int(cfg.head_dim * cfg.rotary_fraction) if cfg.position == "rope" else 0
+    rot = (
+        (cfg.rope_dim if cfg.attention == "mla" else int(cfg.head_dim * cfg.rotary_fraction))
+        if cfg.position == "rope"
+        else 0
+    )
     Vp = padded_vocab or V
     native_loss = _native_cpu(cfg, layout) and t == 1 and cfg.loss_chunk_tokens == 0
     # final norm + what the loss keeps: fp32 log-probs, or (native kernel) the padded logits + lse
     output = n * per_norm * e / sp + (n * (Vp + 1) * 4 if native_loss else n * V * 4 / t)
     tables = 2 * rot * seq_len * 4  # RoPE cos/sin, once per forward
     dropout_emb = n * d * _mask_bytes(layout, cfg) / sp if cfg.dropout > 0 else 0
-    total = kept * in_flight + output + tables + dropout_emb
+    mtp = mtp_activation_bytes(cfg, seq_len, layout, native_loss, padded_vocab)
+    total = kept * in_flight + output + tables + dropout_emb + mtp
     # backward transient: at the output layer the logits grad (padded, dtype e) + fp32 log-prob
     # grad (native loss: the logits grad alone); in each MLP the gradient of the up-projection's
     # output (SwiGLU: d[g | u], 2f, and an f-wide temporary of the torch ops; GELU: f) while the
@@ -411,10 +444,36 @@ def activation_bytes(
         "per_layer": layer,
         "layers": kept * in_flight,
         "output": output + tables + dropout_emb,
+        "mtp": mtp,
         "total": total,
         "backward_transient": transient,
         "recompute_live": recompute_live,
     }
+
+
+def mtp_activation_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    layout: Layout,
+    native_loss: bool,
+    padded_vocab: Optional[int] = None,
+) -> float:
+    """Bytes the multi-token prediction modules keep for backward: module k on n_k = b (s - k)
+    tokens keeps one block's activations (as block L + k - 1, not recomputed), the inputs of its two norms and of
+    M_k (4 d), its head norm and what the loss keeps (fp32 log-probs, or with the native loss the
+    padded logits and the lse)."""
+    e, t = DTYPE_BYTES[layout.precision], layout.tp
+    d, V, Vp = cfg.d_model, cfg.vocab_size, padded_vocab or cfg.vocab_size
+    total = 0.0
+    for k in range(1, cfg.mtp_depth + 1):
+        s_k = seq_len - k
+        n = layout.micro_batch * s_k
+        moe = cfg.is_moe_layer(cfg.n_layers + k - 1)
+        plain = replace(layout, recompute="none")  # the modules are not recomputed
+        total += layer_activation_bytes(cfg, s_k, plain, moe=moe)["total"]
+        total += n * (4 * d + _norm_elems(cfg, layout)) * e
+        total += n * (Vp + 1) * 4 if native_loss else n * V * 4 / t
+    return total
 
 
 def _kv_repeat(cfg: ModelConfig, layout: Layout) -> int:

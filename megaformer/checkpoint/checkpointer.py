@@ -69,7 +69,7 @@ from megaformer.checkpoint.legacy import portable
 from megaformer.checkpoint.legacy.engine_files import load_engine_state
 from megaformer.checkpoint.optimizer_state import OptimizerAccess, restore_schedule
 from megaformer.checkpoint.rng import load_rng_state
-from megaformer.checkpoint.router_state import load_router_state, router_files
+from megaformer.checkpoint.router_state import load_router_state, router_files, set_router_state
 from megaformer.checkpoint.save import save_checkpoint
 from megaformer.checkpoint.sliced import SlicedWeights
 from megaformer.checkpoint.staging import HostStaging
@@ -221,9 +221,17 @@ class Checkpointer:
                     "starting from the weights of %s (fresh optimizer, step 0)",
                     self.cfg.model.init_from,
                 )
+                from megaformer.checkpoint.hf.init_from import hf_router_state
+
+                set_router_state(  # the expert biases stored with the weights (DeepSeek-V3)
+                    self.trained.engine.module,
+                    hf_router_state(self.cfg.model),
+                    self.cfg.model.init_from,
+                )
             return None
         if self.kind == "weights":
             log.info("starting from the weights of %s (fresh optimizer, step 0)", self.source)
+            load_router_state(self.trained.engine.module, self.source)  # converted expert biases
             return None
         state = {
             "sharded": self._resume_sharded,

@@ -30,6 +30,7 @@ RESUME_MAY_CHANGE = {
     "loss_chunk_tokens",
     "document_mask",
     "init_from",
+    "mtp_loss_coef",
 }
 # Data keys that define the sample stream the saved position (consumed samples) indexes.
 RESUME_DATA_KEYS = (

@@ -8,6 +8,7 @@ from typing import Any
 
 from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint import weights as ckpt_weights
+from megaformer.checkpoint.router_state import load_router_state
 from megaformer.config import Config
 
 
@@ -28,4 +29,5 @@ def load_model_weights(path: str | Path, device: str = "cpu") -> tuple[Any, Conf
 
         weights = ShardedState(ckpt)
     model = build_model(cfg, device=device, weights=weights, training=False).model
+    load_router_state(model, ckpt)  # the MoE blocks' aux-loss-free biases
     return model.float().eval(), cfg, ckpt

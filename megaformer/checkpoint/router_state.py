@@ -38,18 +38,15 @@ def router_files(module: nn.Module, topo: Any) -> dict[str, dict[str, torch.Tens
     return {f"{ROUTER_DIR}/stage_{topo.pp_rank:03d}.safetensors": state}
 
 
-@torch.no_grad()
-def load_router_state(module: nn.Module, ckpt: Path) -> int:
-    """Set ``module``'s aux-loss-free biases from checkpoint ``ckpt`` (any layout wrote it: keyed
-    by block). Returns how many blocks were set; a checkpoint without router state (written
-    before, or by ``megaformer convert``) leaves them at zero."""
+def read_router_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The aux-loss-free biases saved in checkpoint ``ckpt``, by plain-model name (empty for a
+    checkpoint without router state)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    layers = moe_layers(module)
     folder = Path(ckpt) / ROUTER_DIR
-    if not layers or not folder.is_dir():
-        return 0
+    if folder.is_symlink() or not folder.is_dir():
+        return {}
     saved: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("stage_*.safetensors")):
         if f.is_symlink() or not f.is_file():
@@ -58,6 +55,40 @@ def load_router_state(module: nn.Module, ckpt: Path) -> int:
             saved.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f}: unreadable router state ({str(e)[:200]})") from None
+    return saved
+
+
+def write_router_state(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` (biases by plain-model name) as checkpoint ``ckpt``'s router state, as one
+    stage's file (any layout reads it: keyed by block); nothing when empty."""
+    from safetensors.torch import save_file
+
+    if not state:
+        return
+    folder = Path(ckpt) / ROUTER_DIR
+    folder.mkdir(exist_ok=True)
+    save_file(
+        {k: v.detach().float().cpu().contiguous() for k, v in state.items()},
+        str(folder / "stage_000.safetensors"),
+    )
+
+
+@torch.no_grad()
+def load_router_state(module: nn.Module, ckpt: Path) -> int:
+    """Set ``module``'s aux-loss-free biases from checkpoint ``ckpt`` (any layout wrote it: keyed
+    by block). Returns how many blocks were set; a checkpoint without router state (written
+    before, or converted from a class without expert biases) leaves them at zero."""
+    if not moe_layers(module):
+        return 0
+    return set_router_state(module, read_router_state(ckpt), Path(ckpt) / ROUTER_DIR)
+
+
+@torch.no_grad()
+def set_router_state(module: nn.Module, saved: dict[str, torch.Tensor], source: object) -> int:
+    """Set ``module``'s aux-loss-free biases from ``saved`` (by plain-model name; ``source``
+    names where they came from in errors). Returns how many blocks were set."""
+    layers = moe_layers(module)
+    folder = source
     n = 0
     for m in layers:
         t = saved.get(f"layers.{m.layer}.mlp.expert_bias")

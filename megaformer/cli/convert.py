@@ -62,10 +62,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "mixtral",
             "qwen3_moe",
             "qwen2_moe",
+            "deepseek_v3",
         ),
         help="--to hf: the Hugging Face class (default: the first of llama, gpt2, "
-        "gpt-neox, mistral, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe that can "
-        "express the model); "
+        "gpt-neox, mistral, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe, deepseek_v3 that "
+        "can express the model); "
         "--to megaformer: checked against SRC's config.json",
     )
     conv.add_argument(

@@ -29,7 +29,13 @@ from megaformer.config.evaluation import EvalConfig
 from megaformer.config.fields import option
 from megaformer.config.loading import RENAMED_KEYS, config_from_dict, load_config
 from megaformer.config.log import LogConfig
-from megaformer.config.model import ROPE_SCALING_KEYS, ModelConfig, ModelKeys, MoEConfig
+from megaformer.config.model import (
+    ROPE_SCALING_KEYS,
+    MLAConfig,
+    ModelConfig,
+    ModelKeys,
+    MoEConfig,
+)
 from megaformer.config.overrides import apply_overrides
 from megaformer.config.parallel import ParallelConfig
 from megaformer.config.reference import describe_keys
@@ -54,6 +60,7 @@ __all__ = [
     "LogConfig",
     "ModelConfig",
     "ModelKeys",
+    "MLAConfig",
     "MoEConfig",
     "ParallelConfig",
     "TrainConfig",

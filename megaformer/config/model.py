@@ -80,8 +80,58 @@ class MoEConfig:
         "Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias b_e is added to "
         "the scores for the top-k selection only (not to the expert weights), and after each "
         "optimizer step b_e += rate * sign(mean load - load_e), the load counted over the "
-        "step's tokens on all data-parallel ranks; 0 = off.",
+        "step's tokens on all data-parallel ranks; 0 = no updates (a bias already learned, "
+        "or imported with the weights, keeps choosing the experts).",
     )
+    num_groups: int = option(
+        1,
+        "Group-limited routing (DeepSeek-V3's node-limited routing): the experts form this many "
+        "equal groups of consecutive ids; each token first keeps the top_groups groups whose "
+        "two best scores (plus the bias) sum highest, then picks its top_k experts inside "
+        "them. 1 = no groups.",
+    )
+    top_groups: Optional[int] = option(
+        None,
+        "Groups each token may route to with num_groups > 1 (DeepSeek-V3: 4 of 8); "
+        "null = all of them.",
+    )
+    routed_scaling_factor: float = option(
+        1.0,
+        "The routed experts' weights are multiplied by this factor after any renormalisation "
+        "(DeepSeek-V3: 2.5).",
+    )
+    first_dense: int = option(
+        0,
+        "The first n blocks keep a dense FFN whatever the interval picks (DeepSeek-V3's "
+        "first_k_dense_replace: 3).",
+    )
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (``model.attention: mla``; DeepSeek-V2 section 2.1).
+
+    Per token h_t: an optional query latent c^Q = RMSNorm(W^DQ h_t) of q_lora_rank dimensions,
+    a key/value latent c^KV = RMSNorm(W^DKV h_t) of kv_lora_rank dimensions and one rotary key
+    k^R = RoPE(W^KR h_t) of qk_rope_head_dim dimensions shared by every head; head i's key is
+    [W^UK_i c^KV ; k^R] (qk_nope_head_dim + qk_rope_head_dim) and its value W^UV_i c^KV
+    (v_head_dim). docs/deepseek.md explains the equations."""
+
+    q_lora_rank: Optional[int] = option(
+        None,
+        "Width of the query latent c^Q (DeepSeek-V3: 1536); null = queries projected from the "
+        "hidden state directly (DeepSeek-V2-Lite).",
+    )
+    kv_lora_rank: int = option(512, "Width of the key/value latent c^KV (DeepSeek-V3: 512).")
+    qk_nope_head_dim: int = option(
+        128, "Per-head query/key dimensions without rotary positions (DeepSeek-V3: 128)."
+    )
+    qk_rope_head_dim: int = option(
+        64,
+        "Per-head query dimensions rotated by RoPE, and the width of the rotary key shared by "
+        "all heads (DeepSeek-V3: 64).",
+    )
+    v_head_dim: int = option(128, "Per-head value width (DeepSeek-V3: 128).")
 
 
 @dataclass
@@ -202,6 +252,27 @@ class ModelKeys:
         "shards; null = initialise from train.seed. Ignored when the run directory holds "
         "a checkpoint (it resumes). megaformer train CONFIG --init-from DIR sets it.",
     )
+    mtp_depth: int = option(
+        0,
+        "Multi-token prediction (DeepSeek-V3): this many extra modules after the blocks, module "
+        "k predicting the token k + 1 ahead from module k - 1's output and the embedding of the "
+        "token k ahead (one block each, sharing the embedding and the output head); training "
+        "only: evaluation, generation and export use the main model. 0 = off.",
+    )
+    mtp_loss_coef: float = option(
+        0.3,
+        "Weight lambda of the multi-token prediction loss lambda / D * sum_k L_k added to the "
+        "training loss (DeepSeek-V3: 0.3, then 0.1); logged apart as mtp/loss.",
+    )
+    attention: Literal["mha", "mla"] = option(
+        "mha",
+        "Attention form: mha (multi-head attention, grouped-query with model.n_kv_heads) or mla "
+        "(multi-head latent attention, DeepSeek-V2/V3: keys and values from one compressed "
+        "latent, see the model.mla.* keys; model.head_dim and model.n_kv_heads are not used).",
+    )
+    mla: MLAConfig = option(
+        None, "Multi-head latent attention: see the model.mla.* keys.", factory=MLAConfig
+    )
     moe: MoEConfig = option(
         None, "Mixture-of-Experts FFN: see the model.moe.* keys.", factory=MoEConfig
     )
@@ -230,6 +301,23 @@ class ModelConfig(ModelKeys):
         return self.__dict__.get("head_dim")
 
     @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's queries and keys: d_k, or under MLA qk_nope + qk_rope."""
+        if self.attention == "mla":
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Width of one head's values: d_k, or under MLA ``model.mla.v_head_dim``."""
+        return self.mla.v_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions per head the rotary tables cover: under MLA the shared rotary part."""
+        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
@@ -247,9 +335,10 @@ class ModelConfig(ModelKeys):
         return 4 * self.d_model
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether block ``i`` (from 0) has an MoE FFN (``model.moe.interval``)."""
+        """Whether block ``i`` (from 0) has an MoE FFN (``model.moe.interval``, after the first
+        ``model.moe.first_dense`` blocks)."""
         n = self.moe.interval
-        return n > 0 and (i + 1) % n == 0
+        return n > 0 and (i + 1) % n == 0 and i >= self.moe.first_dense
 
     @property
     def moe_layers(self) -> int:

@@ -2,7 +2,8 @@
 
     Attention(Q, K, V) = softmax(Q K^T * scale + M) V,   scale = 1 / sqrt(d_k) by default,
 
-with q of shape [B, H, T, D] and k, v of shape [B, Hkv, S, D], H a multiple of Hkv (grouped-query
+with q, k of shape [B, H, T, D], [B, Hkv, S, D] and v of shape [B, Hkv, S, Dv] (Dv = D but for
+multi-head latent attention), H a multiple of Hkv (grouped-query
 attention: query head i reads key/value head i // (H / Hkv); Hkv = 1 is multi-query attention).
 When T < S the queries are the *last* T positions of the S keys (decoding with a KV cache), so the
 causal mask M is aligned bottom-right: query i (absolute position S - T + i) sees keys j <= S - T + i.
@@ -55,7 +56,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[in
         )
     B, H, T, D = q.shape
     Bk, Hkv, S, Dk = k.shape
-    if k.shape != v.shape or Bk != B or Dk != D:
+    if k.shape[:3] != v.shape[:3] or Bk != B or Dk != D:
         raise ValueError(
             f"attention shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
@@ -434,6 +435,8 @@ def _native(
 
 
 _IMPLS = {"reference": _reference, "sdpa": _sdpa, "flash": _flash, "native": _native}
+# the kernels whose value heads must be as wide as the query/key heads (the others take any width)
+_SAME_HEAD_DIMS = ("flash", "native")
 
 
 def attention(
@@ -448,7 +451,9 @@ def attention(
     doc_ids: DocIds = None,
     window: Optional[int] = None,
 ) -> torch.Tensor:
-    """softmax(Q K^T * scale + M) V for q [B, H, T, D], k, v [B, Hkv, S, D] -> [B, H, T, D].
+    """softmax(Q K^T * scale + M) V for q [B, H, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] ->
+    [B, H, T, Dv]. Dv != D (multi-head latent attention) runs as is on sdpa and reference; flash
+    and native pad the narrower side with zero columns and drop them from the output.
 
     ``dropout_p`` is applied as given (pass 0 in eval mode). ``scale`` defaults to 1/sqrt(D).
     ``doc_ids`` (causal, T == S only): a :class:`DocumentMask`, or the [B, T] document index of
@@ -479,4 +484,13 @@ def attention(
         doc_mask=doc_ids is not None,
         window=window is not None,
     ).impl
-    return _IMPLS[impl](q, k, v, causal, dropout_p, scale, _as_mask(doc_ids, impl, window), window)
+    mask = _as_mask(doc_ids, impl, window)
+    Dv = v.shape[-1]
+    if Dv != q.shape[-1] and impl in _SAME_HEAD_DIMS:
+        # value heads of another width (multi-head latent attention): zero columns make the
+        # widths equal, and the output's extra columns (zeros) are dropped: the same values
+        width = max(Dv, q.shape[-1])
+        q, k = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k))
+        out = _IMPLS[impl](q, k, F.pad(v, (0, width - Dv)), causal, dropout_p, scale, mask, window)
+        return out[..., :Dv]
+    return _IMPLS[impl](q, k, v, causal, dropout_p, scale, mask, window)

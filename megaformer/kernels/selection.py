@@ -292,7 +292,12 @@ def _experts(device: str, dtype: torch.dtype, d_model: int, d_ffn: int) -> Choic
             f"d_model={d_model}, d_ffn={d_ffn}: grouped GEMM rows must be "
             "multiples of 8 (16 bytes)",
         )
-    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+    # (planning for CUDA on a machine without one: the GPU planned for is taken to be sm90+)
+    if (
+        device == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() < (9, 0)
+    ):
         return Choice("loop", "grouped GEMM needs CUDA sm90+")
     if device not in ("cuda", "cpu"):
         return Choice("loop", f"no grouped GEMM on {device}")
@@ -492,7 +497,7 @@ def _model_plan(
                 dtype,
                 compiling=compiled,
                 backend=m.attention_backend,
-                head_dim=m.head_dim,
+                head_dim=m.qk_head_dim,
                 dropout=training and m.attention_dropout > 0,
                 doc_mask=m.document_mask,
                 window=m.sliding_window is not None,

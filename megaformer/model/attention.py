@@ -29,7 +29,7 @@ each sequence, at its tokens' global positions.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -74,11 +74,15 @@ class LayerKVCache:
 
 
 class KVCache:
-    """Per-layer key/value caches for incremental decoding (``layers[i]`` belongs to block i)."""
+    """Per-layer key/value caches for incremental decoding (``layers[i]`` belongs to block i);
+    ``layer_cache(max_len)`` makes one layer's (multi-head latent attention caches latents)."""
 
-    def __init__(self, n_layers: int, max_len: int) -> None:
+    def __init__(
+        self, n_layers: int, max_len: int, layer_cache: Optional[Callable[[int], Any]] = None
+    ) -> None:
         self.max_len = max_len
-        self.layers = [LayerKVCache(max_len) for _ in range(n_layers)]
+        make = layer_cache or LayerKVCache
+        self.layers = [make(max_len) for _ in range(n_layers)]
 
 
 class AttentionCore(nn.Module):

@@ -1,6 +1,7 @@
 """One pre-norm Transformer block writing additively onto the residual stream.
 
-MLP is the dense FFN, or in an MoE block (``model.moe``) the Mixture-of-Experts FFN.
+Attn is multi-head attention (:mod:`.attention`) or multi-head latent attention (:mod:`.mla`,
+``model.attention: mla``); MLP is the dense FFN, or in an MoE block (``model.moe``) the Mixture-of-Experts FFN.
 
     sequential:  h   = x + Dropout(Attn(Norm_a(x)))
                  out = h + Dropout(MLP(Norm_m(h)))
@@ -18,6 +19,7 @@ from megaformer.config import ModelConfig
 from megaformer.kernels.attention import DocumentMask
 from megaformer.kernels.dropout import Dropout
 from megaformer.model.attention import Attention, LayerKVCache
+from megaformer.model.mla import LatentAttention, LatentKVCache
 from megaformer.model.mlp import MLP
 from megaformer.model.moe import MoE
 from megaformer.model.norms import build_norm
@@ -32,7 +34,12 @@ class Block(nn.Module):
             raise ValueError(f"model.residual={cfg.residual!r}: must be sequential or parallel")
         self.parallel = cfg.residual == "parallel"
         self.attn_norm = build_norm(cfg)
-        self.attn = Attention(cfg, causal=causal)
+        # multi-head (grouped-query) attention, or multi-head latent attention (model.attention)
+        self.attn = (
+            LatentAttention(cfg, causal=causal)
+            if cfg.attention == "mla"
+            else Attention(cfg, causal=causal)
+        )
         self.mlp_norm = build_norm(cfg)
         # the FFN: dense, or a Mixture of Experts in the blocks model.moe.interval picks
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
@@ -42,7 +49,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        cache: Optional[LayerKVCache] = None,
+        cache: Optional[LayerKVCache | LatentKVCache] = None,
         start_pos: int = 0,
         doc_ids: Optional[DocumentMask] = None,
         positions: Optional[torch.Tensor] = None,

@@ -5,10 +5,17 @@ DeepSeek-V3):
 
     logits  z_n = x_n W_r^T                                  router, [N, E], fp32
     scores  s_n = softmax(z_n)  or  sigmoid(z_n)             ``model.moe.score``
-    experts T_n = top-k_e (s_ne + b_e)                       b: aux-loss-free bias, selection only
-    weights g_ne = s_ne (/ sum_{e' in T_n} s_ne')            ``model.moe.renormalize``
+    experts T_n = top-k_e (s_ne + b_e),  e in G_n            b: aux-loss-free bias, selection only
+    weights g_ne = gamma s_ne (/ sum_{e' in T_n} s_ne')      ``model.moe.renormalize``; gamma
+                                                             ``model.moe.routed_scaling_factor``
     y_n     = sum_{e in T_n} g_ne FFN_e(x_n)  (+ FFN_shared(x_n), times sigmoid(x_n w_g) when
                                                   ``model.moe.shared_gate``: Qwen2-MoE)
+
+Group-limited routing (DeepSeek-V3's node-limited routing, ``model.moe.num_groups`` > 1): the E
+experts form G groups of E / G consecutive ids; group j scores sum of the two largest s_ne + b_e
+in it, and G_n is the union of the ``top_groups`` best groups of token n (every expert without
+groups). With the groups on the expert-parallel ranks of one node, a token's routed rows reach at
+most ``top_groups`` nodes.
 
 Dispatch sorts the N k (token, expert) assignments by expert (a stable sort: within an expert,
 token order), so each expert reads one contiguous block of rows; the experts run as one grouped
@@ -110,6 +117,18 @@ def within_capacity(flat: torch.Tensor, counts: torch.Tensor, cap: int) -> torch
     start = torch.cumsum(counts, 0) - counts
     pos = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]
     return torch.empty_like(flat, dtype=torch.bool).scatter_(0, order, pos < cap)
+
+
+def limit_to_groups(scores: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """``scores`` [N, E] with the experts outside each row's ``keep`` best groups set to -inf: the
+    E experts form ``groups`` groups of consecutive ids, a group ranked by the sum of its two
+    largest scores (DeepSeek-V3)."""
+    n, E = scores.shape
+    per_group = scores.view(n, groups, E // groups)
+    rank = per_group.topk(2, dim=-1).values.sum(-1)  # [N, G]
+    best = rank.topk(keep, dim=-1).indices
+    kept = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
+    return scores.masked_fill(~kept.repeat_interleave(E // groups, dim=1), float("-inf"))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -225,6 +244,9 @@ class MoE(nn.Module):
         self.layer = layer
         self.num_experts, self.top_k = m.num_experts, m.top_k
         self.score, self.renormalize = m.score, m.renormalize
+        self.num_groups = m.num_groups
+        self.top_groups = m.top_groups if m.top_groups is not None else m.num_groups
+        self.routed_scale = m.routed_scaling_factor
         self.capacity_factor = None if m.dropless else m.capacity_factor
         self.aux_coef, self.z_coef, self.bias_rate = (
             m.aux_loss_coef,
@@ -282,11 +304,16 @@ class MoE(nn.Module):
         logits = self.router(x)
         scores = torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
         with torch.no_grad():
-            chooser = scores + self.expert_bias.float() if self.bias_rate > 0 else scores
+            # b: zero unless trained (bias_update_rate) or imported with the weights
+            chooser = scores + self.expert_bias.float()
+            if self.top_groups < self.num_groups:
+                chooser = limit_to_groups(chooser, self.num_groups, self.top_groups)
             idx = chooser.topk(self.top_k, dim=-1).indices
         gates = scores.gather(1, idx)
         if self.renormalize:
             gates = gates / gates.sum(-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            gates = gates * self.routed_scale
         return logits, idx, gates
 
     def router_losses(
@@ -411,7 +438,12 @@ class MoE(nn.Module):
             if self.capacity_factor is None
             else f"capacity_factor={self.capacity_factor}"
         )
-        return f"layer={self.layer}, top_k={self.top_k}, score={self.score}, {cap}"
+        groups = (
+            f", groups={self.top_groups} of {self.num_groups}"
+            if self.top_groups < self.num_groups
+            else ""
+        )
+        return f"layer={self.layer}, top_k={self.top_k}, score={self.score}{groups}, {cap}"
 
 
 # ---------------------------------------------------------------------- the model's MoE blocks

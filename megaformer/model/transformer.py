@@ -4,7 +4,8 @@
     x_l     = Block_l(x_{l-1}),  l = 1..L                pre-norm blocks on the residual stream
     logits  = Norm(x_L) W_out                            W_out = E_tok^T when embeddings are tied
     loss    = mean over positions with label != -100 of -log softmax(logits)[label]
-              (+ in training, the MoE blocks' router losses: megaformer.model.moe)
+              (+ in training, the MoE blocks' router losses: megaformer.model.moe, and with
+              ``model.mtp_depth`` the multi-token prediction loss: megaformer.model.mtp)
 
 The embedding and output tables may hold more rows than the vocabulary (``padded_vocab_size``, so
 that tensor parallelism splits them evenly); padding rows start at zero and are sliced off the
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -46,7 +47,9 @@ from megaformer.model.attention import KVCache
 from megaformer.model.block import Block
 from megaformer.model.decoding import decode, kv_cached
 from megaformer.model.linear import Linear
+from megaformer.model.mla import LatentKVCache
 from megaformer.model.moe import MoE, take_router_losses
+from megaformer.model.mtp import MTPMetrics, MTPModule, mtp_losses
 from megaformer.model.norms import RMSNorm, build_norm
 from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
 
@@ -132,13 +135,17 @@ class Transformer(nn.Module):
             )
         else:
             self.pos_table = None
+        fraction = 1.0 if cfg.attention == "mla" else cfg.rotary_fraction
         self.rotary = (
-            RotaryEmbedding(cfg.head_dim, cfg.rotary_fraction, cfg.rope_theta, cfg.rope_scaling)
+            RotaryEmbedding(cfg.rope_dim, fraction, cfg.rope_theta, cfg.rope_scaling)
             if cfg.position == "rope"
             else None
         )
         self.drop = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, layer=i) for i in range(cfg.n_layers))
+        # multi-token prediction (model.mtp_depth): training only, after the blocks
+        self.mtp = nn.ModuleList(MTPModule(cfg, cfg.n_layers + k) for k in range(cfg.mtp_depth))
+        self.mtp_metrics = MTPMetrics()
         self.final_norm = build_norm(cfg)
         self.lm_head = OutputHead(
             cfg.d_model, self.padded_vocab_size, cfg.vocab_size, cfg.loss_chunk_tokens
@@ -249,7 +256,11 @@ class Transformer(nn.Module):
             x = x + table.to(x.dtype)
         return self.drop(x), rope
 
-    def _hidden(
+    def _hidden(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Final-normed residual stream Norm(x_L) [B, T, d]; the arguments of :meth:`_residual`."""
+        return self.final_norm(self._residual(*args, **kwargs))
+
+    def _residual(
         self,
         input_ids: torch.Tensor,
         cache: Optional[KVCache],
@@ -257,9 +268,9 @@ class Transformer(nn.Module):
         positions: Optional[torch.Tensor] = None,
         doc_ids: Optional[DocumentMask] = None,
     ) -> torch.Tensor:
-        """Final-normed residual stream [B, T, d] for tokens at positions start_pos..start_pos+T-1
-        (or ``positions``), with the document mask ``doc_ids`` (default: that of ``input_ids``
-        under ``model.document_mask``, without a cache)."""
+        """x_L [B, T, d], the last block's output (before the final norm), for tokens at positions
+        start_pos..start_pos+T-1 (or ``positions``), with the document mask ``doc_ids`` (default:
+        that of ``input_ids`` under ``model.document_mask``, without a cache)."""
         x, rope = self.embed(input_ids, start_pos, positions)
         if doc_ids is None and self.cfg.document_mask and cache is None:
             doc_ids = self.document_mask(input_ids)
@@ -272,7 +283,7 @@ class Transformer(nn.Module):
                 start_pos=start_pos,
                 **docs,
             )
-        return self.final_norm(x)
+        return x
 
     def document_mask(
         self, input_ids: torch.Tensor, build: Callable[..., DocumentMask] = document_mask
@@ -297,7 +308,7 @@ class Transformer(nn.Module):
             input_ids,
             self.eod_id,
             backend=self.cfg.attention_backend,
-            head_dim=self.cfg.head_dim,
+            head_dim=self.cfg.qk_head_dim,
             dtype=dtype,
             window=self.cfg.sliding_window,
         )
@@ -313,18 +324,34 @@ class Transformer(nn.Module):
 
         ``positions`` [T]: the tokens' absolute positions (default 0..T-1); ``doc_ids``: the
         document mask (default: that of ``input_ids`` under ``model.document_mask``)."""
-        hidden = self._hidden(input_ids, None, 0, positions, doc_ids)
+        residual = self._residual(input_ids, None, 0, positions, doc_ids)
+        hidden = self.final_norm(residual)
         if labels is None:
             return self.lm_head.output_logits(self.lm_head(hidden))
-        if self.cfg.loss_chunk_tokens > 0:
-            loss = self.lm_head.hidden_loss(hidden, labels)
-        else:
-            loss = self.lm_head.loss(self.lm_head(hidden), labels)
+        loss = self.head_loss(hidden, labels)
+        if len(self.mtp) > 0 and self.training:  # + lambda / D sum_k L^k_MTP, in training
+            losses = mtp_losses(
+                self.mtp, residual, input_ids, labels, self._embed_tokens, self.head_loss
+            )
+            if losses:
+                self.mtp_metrics.add(losses)
+                loss = loss + self.cfg.mtp_loss_coef / len(self.mtp) * sum(losses)
         if self.cfg.moe.interval > 0:  # + the MoE blocks' router losses, in training
             router = take_router_losses(self)
             if router is not None:
                 loss = loss + router
         return loss
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The output head's mean cross-entropy of final-normed hidden states [B, T, d] (chunked
+        with ``model.loss_chunk_tokens``)."""
+        if self.cfg.loss_chunk_tokens > 0:
+            return self.lm_head.hidden_loss(hidden, labels)
+        return self.lm_head.loss(self.lm_head(hidden), labels)
+
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Emb(ids) with the embedding dropout (the multi-token prediction modules' input)."""
+        return self.drop(self.tok_embeddings(input_ids))
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """lm_head output -> logits over the real vocabulary [.., V] (padding columns dropped)."""
@@ -337,7 +364,8 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
         """An empty KV cache for up to ``max_len`` (default max_seq_len) positions; storage is
         allocated at the first forward_cached call."""
-        return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)
+        latent = LatentKVCache if self.cfg.attention == "mla" else None
+        return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len, latent)
 
     def forward_cached(
         self,

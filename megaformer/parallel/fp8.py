@@ -347,11 +347,12 @@ def _group_dequantised(t: torch.Tensor, ids: torch.Tensor, groups: int, pow2: bo
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every linear layer FP8 converts: the blocks' projections of the
-    tensor-parallel plan (q, k, v, attention output, FFN, shared experts)."""
-    from megaformer.parallel.plan import BLOCK_PLAN, MOE_PLAN, submodule
+    tensor-parallel plan (q, k, v, attention output, FFN, shared experts) and multi-head latent
+    attention's projections to its latents."""
+    from megaformer.parallel.plan import BLOCK_PLAN, MLA_DOWN_PROJECTIONS, MOE_PLAN, submodule
 
     for i, block in enumerate(model.layers):
-        for name in {**BLOCK_PLAN, **MOE_PLAN}:
+        for name in (*BLOCK_PLAN, *MOE_PLAN, *MLA_DOWN_PROJECTIONS):
             parent, leaf = submodule(block, name)
             if parent is not None:
                 yield f"layers.{i}.{name}", getattr(parent, leaf)

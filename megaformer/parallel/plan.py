@@ -10,6 +10,12 @@ seed, so TP=N starts from exactly the weights of TP=1) and :func:`parallelize` t
     layers.*.attn.q/k_norm   -> replicated                  (one gain over d_k; every rank's heads
                                                              add to its gradient: summed over TP)
     layers.*.attn.wo         -> row parallel
+    multi-head latent attention (model.attention: mla):
+    layers.*.attn.wq / wq_b  -> column parallel             (heads split)
+    layers.*.attn.wkv_b      -> column parallel             (heads split: keys and values of each)
+    layers.*.attn.wq_a/wkv_a -> replicated                  (the latents and the shared rotary key:
+    layers.*.attn.q/kv_norm                                  every rank's heads add to their
+                                                             gradients: summed over TP)
     layers.*.mlp.w1 (/w3)    -> column parallel             (SwiGLU gate and up split alike)
     layers.*.mlp.w2          -> row parallel
     MoE blocks:
@@ -40,6 +46,7 @@ import torch.nn as nn
 from megaformer.comm import ProcessGroup, all_gather_cat, gather_seq_split_bwd, scatter_seq
 from megaformer.kernels.cross_entropy import chunked_cross_entropy
 from megaformer.kernels.dropout import Dropout
+from megaformer.model.mla import LatentAttention
 from megaformer.model.moe import MoE
 from megaformer.parallel.layers import (
     ColumnParallelLinear,
@@ -60,6 +67,8 @@ BLOCK_PLAN: dict[str, type] = {
     "attn.wk": ColumnParallelLinear,
     "attn.wv": ColumnParallelLinear,
     "attn.wo": RowParallelLinear,
+    "attn.wq_b": ColumnParallelLinear,  # multi-head latent attention's up-projections
+    "attn.wkv_b": ColumnParallelLinear,
     "mlp.w1": ColumnParallelLinear,
     "mlp.w3": ColumnParallelLinear,
     "mlp.w2": RowParallelLinear,
@@ -70,6 +79,8 @@ MOE_PLAN: dict[str, type] = {
     "mlp.shared.w3": ColumnParallelLinear,
     "mlp.shared.w2": RowParallelLinear,
 }
+# Multi-head latent attention's projections to its latents: replicated under TP (not in the plan)
+MLA_DOWN_PROJECTIONS = ("attn.wq_a", "attn.wkv_a")
 # What expert parallelism marks on an expert parameter (megaformer.parallel.experts), kept when it
 # is split.
 EXPERT_MARKS = ("allreduce", "group_name", "expert_parallel")
@@ -98,6 +109,17 @@ def shard_experts(moe: MoE, group: ProcessGroup, sequence_parallel: bool) -> Non
     if moe.shared_gate is not None:  # replicated too, its gradient share scaled inside the block
         sum_grad_over_tp(moe.shared_gate.weight, group)
     moe.tp_group, moe.tp_size, moe.sequence_parallel = group, world, sequence_parallel
+
+
+def replicated_attention_parameters(attn: nn.Module) -> list[nn.Parameter]:
+    """The parameters of an attention layer every TP rank holds whole while its gradient sees only
+    this rank's heads: the q/k norms' gains; under multi-head latent attention the down-projections
+    to the latents (and the shared rotary key) and the latents' norms."""
+    if isinstance(attn, LatentAttention):
+        parts = (attn.wq_a, attn.q_norm, attn.wkv_a, attn.kv_norm)
+    else:
+        parts = (attn.q_norm, attn.k_norm)
+    return [p for m in parts if m is not None for p in m.parameters()]
 
 
 def padded_vocab_size(vocab: int, tensor: int, multiple: int) -> int:
@@ -232,7 +254,12 @@ def parallelize(
         return model
     group = topo.groups.tp
     sp = sequence_parallel
-    for block in model.layers:
+    # the multi-token prediction modules' blocks are split as the model's (their inputs and
+    # outputs whole: not under sequence parallelism, whose splits follow the main blocks)
+    extra = [m.block for m in getattr(model, "mtp", ())]
+    if extra and sp:
+        raise ValueError("multi-token prediction does not run under sequence parallelism")
+    for block in (*model.layers, *extra):
         if materialize is not None:
             materialize(block)
         if isinstance(block.mlp, MoE):
@@ -246,9 +273,8 @@ def parallelize(
             getattr(block, name).register_forward_pre_hook(
                 _region_input(group, sp), with_kwargs=True
             )
-        if block.attn.q_norm is not None:  # the gain sees only this rank's heads
-            for norm in (block.attn.q_norm, block.attn.k_norm):
-                sum_grad_over_tp(norm.weight, group)
+        for p in replicated_attention_parameters(block.attn):  # they feed this rank's heads
+            sum_grad_over_tp(p, group)
         if rng is not None:
             block.attn.core = ForkedAttentionCore(block.attn.core, rng)  # local heads
             if sp and block.drop.p > 0:

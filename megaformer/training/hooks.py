@@ -127,6 +127,7 @@ class IntervalMetrics(StepHook):
         if self.meter is not None:  # tflops_per_gpu, [mfu, hfu], peak_mem_gb
             record.update(self.meter.record(t / len(window)))
         record.update(window[-1].get("moe", {}))  # the last step's MoE metrics
+        record.update(window[-1].get("mtp", {}))  # the last step's multi-token prediction loss
         return record
 
     @property

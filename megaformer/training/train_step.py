@@ -83,7 +83,7 @@ class TrainStep:
 
     def __call__(self, step: int, loader: Any) -> dict[str, Any]:
         """Optimizer step number ``step`` on the next batches of ``loader``: {loss, lr, grad_norm,
-        bad (this rank's step was skipped or its loss is not finite), step_time_s, moe}."""
+        bad (this rank's step was skipped or its loss is not finite), step_time_s, moe, mtp}."""
         engine = self.engine
         lr = self.scheduler.get_last_lr()[0]
         t0 = time.perf_counter()
@@ -108,6 +108,12 @@ class TrainStep:
             if self.cfg.model.moe.interval > 0
             else {}
         )
+        # multi-token prediction: the step's mean of its losses over the data-parallel ranks
+        mtp = (
+            engine.module.mtp_metrics.take(self.topo.groups.replica)
+            if self.cfg.model.mtp_depth > 0
+            else {}
+        )
         return {
             "loss": float(loss),
             "lr": lr,
@@ -115,6 +121,7 @@ class TrainStep:
             "bad": bad,
             "step_time_s": time.perf_counter() - t0,
             "moe": moe,
+            "mtp": mtp,
         }
 
     def _forward_backward(self, step: int, micro_batches: list) -> torch.Tensor:

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megaformer.config import MLAConfig
 from tests.dist_harness import run_ranks
 from tests.helpers import cli_main, run_cli, run_torchrun, step_records, tiny_overrides
 
@@ -131,6 +132,14 @@ MODELS = {
         activation="gelu",
     ),
     "gqa-window-qknorm": dict(n_heads=8, n_kv_heads=4, d_model=64, sliding_window=5, qk_norm=True),
+    # multi-head latent attention: value heads (6) narrower than query/key heads (8 + 4)
+    "mla": dict(
+        n_heads=4,
+        attention="mla",
+        mla=MLAConfig(
+            q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+        ),
+    ),
 }
 
 
@@ -225,7 +234,8 @@ CASES = {
         for variant in ("mha-rope", "gqa-learned-untied")
         for docs in (False, True)
     ]
-    + [(1, 2, mode, False, "gqa-window-qknorm", True) for mode in ("ring", "all_to_all")],
+    + [(1, 2, mode, False, "gqa-window-qknorm", True) for mode in ("ring", "all_to_all")]
+    + [(1, 2, "all_to_all", False, "mla", docs) for docs in (False, True)],
     4: [
         (1, 4, mode, False, variant, docs)
         for mode in ("ring", "all_to_all")
@@ -236,6 +246,7 @@ CASES = {
         (2, 2, "all_to_all", True, "gqa-window-qknorm", True),
         (2, 2, "ring", False, "gqa-learned-untied", True),
         (2, 2, "all_to_all", False, "mha-rope", False),
+        (2, 2, "all_to_all", True, "mla", True),
     ],
 }
 

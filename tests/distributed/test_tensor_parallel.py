@@ -63,14 +63,66 @@ VARIANTS = {
         sliding_window=5,
         rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8},
     ),
+    # multi-head latent attention: the up-projections split by heads, the latents, the shared
+    # rotary key and their norms replicated (gradients summed over TP); YaRN with DeepSeek's scale
+    "mla-q-latent-yarn": dict(
+        n_heads=4,
+        attention="mla",
+        mla={
+            "q_lora_rank": 12,
+            "kv_lora_rank": 10,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 6,
+        },
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 8,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    "mla-direct-queries": dict(
+        n_heads=4,
+        attention="mla",
+        mla={"q_lora_rank": None, "kv_lora_rank": 10, "qk_nope_head_dim": 8, "v_head_dim": 6},
+    ),
+    # DeepSeek-V3: latent attention, group-limited sigmoid MoE with a shared expert after a dense
+    # block, two multi-token prediction modules (MoE blocks too); no sequence parallelism
+    "deepseek-mtp": dict(
+        n_heads=4,
+        n_layers=2,
+        attention="mla",
+        mla={"q_lora_rank": 12, "kv_lora_rank": 10, "qk_nope_head_dim": 8, "v_head_dim": 6},
+        moe={
+            "interval": 1,
+            "first_dense": 1,
+            "num_experts": 8,
+            "top_k": 3,
+            "score": "sigmoid",
+            "d_expert": 16,
+            "num_shared_experts": 1,
+            "num_groups": 4,
+            "top_groups": 2,
+            "routed_scaling_factor": 2.5,
+            "aux_loss_coef": 0.0,
+        },
+        mtp_depth=2,
+        mtp_loss_coef=0.3,
+    ),
 }
 
 
 def _model_cfg(**kw):
-    from megaformer.config import ModelConfig
+    from megaformer.config import MLAConfig, ModelConfig, MoEConfig
 
     base = dict(vocab_size=257, d_model=32, n_layers=2, max_seq_len=16, d_ffn=64)
     base.update(kw)
+    if isinstance(base.get("mla"), dict):
+        base["mla"] = MLAConfig(**base["mla"])
+    if isinstance(base.get("moe"), dict):
+        base["moe"] = MoEConfig(**base["moe"])
     return ModelConfig(**base)
 
 
@@ -147,6 +199,7 @@ def _tp_suite(rank: int, world: int) -> dict:
         f"{variant}/{'sp' if sp else 'nosp'}": _tp_vs_reference(rank, world, variant, sp)
         for variant in VARIANTS
         for sp in (False, True)
+        if not (sp and VARIANTS[variant].get("mtp_depth"))  # refused under sequence parallelism
     }
 
 

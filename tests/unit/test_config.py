@@ -220,9 +220,10 @@ def test_override_syntax_errors():
 def test_every_key_is_documented():
     rows = describe_keys()
     n_fields = sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
-    from megaformer.config import MoEConfig
+    from megaformer.config import MLAConfig, MoEConfig
 
     n_fields += len(dataclasses.fields(MoEConfig)) - 1  # model.moe: a row per nested key
+    n_fields += len(dataclasses.fields(MLAConfig)) - 1  # model.mla too
     assert len(rows) == n_fields + 1
     assert all(doc.strip() for _, _, _, doc in rows)
     reference = (ROOT / "docs" / "configuration.md").read_text()
@@ -310,8 +311,9 @@ def test_choices_are_declared_once_as_literal_types():
             allowed = choices(typing.get_type_hints(cls)[f.name])
             if allowed:
                 declared[f"{section}.{f.name}"] = allowed
-    assert len(declared) == 20
+    assert len(declared) == 21  # model.attention: mha | mla among them
     assert declared["parallel.pipeline_schedule"] == ("1f1b", "dualpipev")
+    assert declared["model.attention"] == ("mha", "mla")
     assert declared["train.precision"] == ("fp32", "bf16", "fp16")
     assert declared["parallel.expert_dispatch"] == ("auto", "splits", "padded")
     assert declared["parallel.zero_stage"] == (0, 1, 2, 3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -82,15 +83,19 @@ def _hf_model(kind: str):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def hf_folders(tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("hf")
+def save_folders(base: Path, kinds: Any, make: Any) -> dict[str, Path]:
+    """Each ``make(kind)`` saved with the byte tokenizer as a Hugging Face folder under ``base``."""
     out = {}
-    for kind in KINDS:
-        _hf_model(kind).save_pretrained(base / kind)
+    for kind in kinds:
+        make(kind).save_pretrained(base / kind)
         byte_tokenizer_as_hf().save(str(base / kind / "tokenizer.json"))
         out[kind] = base / kind
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory) -> dict[str, Path]:
+    return save_folders(tmp_path_factory.mktemp("hf"), KINDS, _hf_model)
 
 
 def _ids(n: int = T) -> torch.Tensor:

@@ -15,13 +15,13 @@ from megaformer.analysis.memory import (
     state_bytes,
 )
 from megaformer.analysis.params import count_parameters
-from megaformer.config import ModelConfig
+from megaformer.config import MLAConfig, ModelConfig
 from megaformer.model import Transformer
 
+LLAMA = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+MLA = dict(LLAMA, attention="mla")
 CONFIGS = {
-    "llama-gqa": dict(
-        vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64
-    ),
+    "llama-gqa": dict(LLAMA, n_kv_heads=2),
     "gpt-dropout": dict(
         vocab_size=300,
         d_model=96,
@@ -35,6 +35,10 @@ CONFIGS = {
         tie_embeddings=False,
         dropout=0.1,
     ),
+    # multi-head latent attention: value heads narrower than query heads, padded by the native
+    # kernel; then without the query latent and with two multi-token prediction modules
+    "mla": dict(MLA, mla=dict(q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=16, v_head_dim=24)),
+    "mla-mtp": dict(MLA, mla=dict(q_lora_rank=None, kv_lora_rank=24, v_head_dim=16), mtp_depth=2),
 }
 
 
@@ -67,7 +71,10 @@ def _measured(cfg: ModelConfig, B: int, s: int, mode: str, padded: int) -> tuple
 def test_estimate_matches_measured_cpu_memory(name, mode):
     if mode != "none":
         pytest.importorskip("megaformer.parallel.recompute")
-    cfg = ModelConfig(**CONFIGS[name])
+    kw = dict(CONFIGS[name])
+    if "mla" in kw:
+        kw["mla"] = MLAConfig(**{"qk_nope_head_dim": 16, **kw["mla"]})
+    cfg = ModelConfig(**kw)
     B, s, padded = 4, 64, 384 if cfg.vocab_size > 256 else None
     act, peak = _measured(cfg, B, s, mode, padded)
     layout = Layout(micro_batch=B, recompute=mode, device="cpu")

@@ -177,10 +177,16 @@ def test_aux_free_bias_moves_a_skewed_router_toward_balance():
     assert cvs[0] > 1.0 and max_loads[0] > 0.7 * 128  # skewed to begin with
     assert max(cvs[-10:]) < 0.2 and max(max_loads[-10:]) < 0.35 * 128  # 32 = balanced
     assert moe.expert_bias[0] < -0.4 and (moe.expert_bias[1:] > 0.4).all()
-    # the same forward without the update rule stays skewed
+    # the same forward without the bias stays skewed (the bias keeps choosing with the update
+    # rule off: DeepSeek-V3's last phase has rate 0 and its learned bias)
+    learned = moe.expert_bias.clone()
     moe.bias_rate = 0.0
     moe(x)
+    assert end_of_step(moe)["moe/load_cv/3"] < 0.2
+    moe.expert_bias.zero_()
+    moe(x)
     assert end_of_step(moe)["moe/load_cv/3"] > 1.0
+    moe.expert_bias.copy_(learned)
     moe.bias_rate = 0.02
     # the bias chooses the experts; it does not weight them: gates are the plain scores
     _, idx, gates = moe.route(x.reshape(-1, 16))

@@ -110,3 +110,62 @@ def test_sigmoid_load_balancing_loss_equals_hand_computed_value():
     ]
     soft_mean = [sum(r[e] / sum(r) for r in soft) / n for e in range(E)]
     assert abs(E * sum(counts[e] / (n * k) * soft_mean[e] for e in range(E)) - aux) > 1e-3 * aux
+
+
+def test_group_limited_routing_and_the_routed_scale_equal_hand_computation():
+    """DeepSeek-V3: 8 experts in 4 groups of 2, each token keeps its 2 best groups (ranked by
+    the sum of their two scores plus biases), picks its top 3 experts there; the weights are the
+    sigmoid scores renormalised, times 2.5."""
+    block = _moe(
+        num_experts=8,
+        top_k=3,
+        score="sigmoid",
+        renormalize=True,
+        num_groups=4,
+        top_groups=2,
+        routed_scaling_factor=2.5,
+        aux_loss_coef=0.0,
+    )
+    bias = torch.tensor([0.05, -0.1, 0.2, 0.0, -0.05, 0.1, 0.0, -0.2])
+    block.expert_bias.copy_(bias)
+    block.eval()
+    x = torch.randn(40, 16)
+    scores = torch.sigmoid(x @ block.router.weight.detach().t())
+    chooser = scores + bias
+    chosen = []
+    for n in range(40):
+        rank = [float(chooser[n, 2 * g] + chooser[n, 2 * g + 1]) for g in range(4)]
+        groups = sorted(range(4), key=lambda g: -rank[g])[:2]
+        allowed = [e for e in range(8) if e // 2 in groups]
+        chosen.append(sorted(allowed, key=lambda e: -float(chooser[n, e]))[:3])
+    free = [sorted(range(8), key=lambda e: -float(chooser[n, e]))[:3] for n in range(40)]
+    assert sum(set(a) != set(b) for a, b in zip(chosen, free)) >= 4  # the groups change choices
+
+    _, idx, gates = block.route(x)
+    assert [sorted(r) for r in idx.tolist()] == [sorted(c) for c in chosen]
+    s = torch.stack([scores[n, idx[n]] for n in range(40)])
+    torch.testing.assert_close(gates, 2.5 * s / s.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    with torch.no_grad():
+        y = block(x)
+    ref = torch.stack(
+        [
+            sum(
+                2.5 * scores[n, e] / sum(scores[n, c] for c in chosen[n]) * _ffn(block, e, x[n])
+                for e in chosen[n]
+            )
+            for n in range(40)
+        ]
+    )
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_first_blocks_stay_dense():
+    cfg = ModelConfig(
+        vocab_size=37,
+        d_model=16,
+        n_layers=5,
+        n_heads=2,
+        moe=MoEConfig(interval=1, first_dense=3),
+    )
+    assert [cfg.is_moe_layer(i) for i in range(5)] == [False, False, False, True, True]
+    assert cfg.moe_layers == 2

@@ -43,6 +43,16 @@ class Architecture:
         """Source tensors that carry no weights (old checkpoints' cached buffers)."""
         return False
 
+    def router_bias_names(self, m: ModelConfig) -> dict[str, str]:
+        """The MoE blocks' aux-loss-free biases the class stores with its weights: megaformer's
+        router-state name -> the class's tensor name (none for most classes)."""
+        return {}
+
+    def beyond_blocks(self, m: ModelConfig, name: str) -> bool:
+        """Source tensors of modules past the model's blocks that are not imported (DeepSeek's
+        multi-token prediction modules)."""
+        return False
+
     def moe_refusals(self, m: ModelConfig) -> list[str]:
         """Refusals of the Mixture-of-Experts options (a dense class: any MoE block)."""
         if m.moe.interval > 0:

@@ -31,6 +31,7 @@ from megaformer import __version__
 from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.checkpoint.hf.arch import Architecture
+from megaformer.checkpoint.hf.deepseek import DeepseekV3
 from megaformer.checkpoint.hf.gpt2 import GPT2
 from megaformer.checkpoint.hf.gpt_neox import OUT_NAMES, GPTNeoX
 from megaformer.checkpoint.hf.llama import Llama, LlamaFamily
@@ -47,6 +48,7 @@ from megaformer.checkpoint.hf.stream import (
 from megaformer.checkpoint.hf.tokenizer_files import read_hf_tokenizer, write_hf_tokenizer
 from megaformer.checkpoint.hf.verify import DEFAULT_TOLERANCE
 from megaformer.checkpoint.hf.verify import verify as verify_logits
+from megaformer.checkpoint.router_state import read_router_state, write_router_state
 from megaformer.checkpoint.sharded import ShardedWeights
 from megaformer.config import (
     PRECISIONS,
@@ -79,6 +81,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Mixtral(),
         Qwen3Moe(),
         Qwen2Moe(),
+        DeepseekV3(),
     )
 }
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
@@ -124,8 +127,8 @@ def _read_megaformer(src: Path) -> tuple[Path, Config]:
 
 def choose_architecture(cfg: Config, arch: Optional[str]) -> Architecture:
     """The requested architecture if it can express the model (else every reason, by name), or the
-    first of llama, gpt2, gpt-neox, mistral, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe that
-    can."""
+    first of llama, gpt2, gpt-neox, mistral, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe,
+    deepseek_v3 that can."""
     m = cfg.model
     if arch is not None:
         if arch not in ARCHITECTURES:
@@ -178,7 +181,11 @@ def export_to_hf(
         if (ckpt / ckpt_layout.WEIGHTS).exists()
         else ShardedWeights(ckpt, precision_dtype(cfg.train.precision))
     )
-    plan = adapter.export_plan(m)
+    plan = adapter.export_plan(m) + router_bias_entries(adapter, m, ckpt)
+    if m.mtp_depth > 0:
+        log.warning(
+            "the %d multi-token prediction modules are training-only: not exported", m.mtp_depth
+        )
     out_dtype = _dtype(dtype)
     label = _DTYPE_LABEL.get(out_dtype or source.meta(plan[0].inputs[0]).dtype, "float32")
     with staged_output(dst) as tmp:
@@ -189,7 +196,9 @@ def export_to_hf(
             out_dtype,
             max_shard_size,
             metadata={"megaformer_version": __version__},
-            ignore=lambda name: m.tie_embeddings and name == "lm_head.weight",
+            ignore=lambda name: (
+                (m.tie_embeddings and name == "lm_head.weight") or name.startswith("mtp.")
+            ),
         )
         special = write_hf_tokenizer(tokenizer, tmp, m.max_seq_len) if tokenizer else {}
         config = {
@@ -339,6 +348,8 @@ def import_from_hf(
             ignore=ignore,
             expected_out=expected,
         )
+        biases = adapter.router_bias_names(cfg.model)  # the aux-loss-free biases: router state
+        write_router_state(path.parent, {ours: source.get(hf) for ours, hf in biases.items()})
 
     with staged_output(dst) as tmp:
         ckpt_weights.save_weights_checkpoint(
@@ -382,8 +393,20 @@ def import_plan(
     tied_out = {"lm_head.weight", *OUT_NAMES} if m.tie_embeddings else set()
 
     def ignore(n: str) -> bool:
-        return adapter.ignore_on_import(n) or n in tied_out
+        return adapter.ignore_on_import(n) or n in tied_out or adapter.beyond_blocks(m, n)
 
+    beyond = [n for n in names if adapter.beyond_blocks(m, n)]
+    if beyond:
+        log.warning(
+            "%s: %d tensors of modules after the %d blocks (multi-token prediction) are not "
+            "imported",
+            src,
+            len(beyond),
+            m.n_layers,
+        )
+    missing_bias = sorted(set(adapter.router_bias_names(m).values()) - names)
+    if missing_bias:
+        raise ConversionError(f"{src}: missing {missing_bias[0]}")
     check_inputs(plan, source, ignore)
     ckpt_weights.check_shapes(
         [(n, shape) for n, shape, _ in output_specs(plan, source, dtype)],
@@ -392,6 +415,23 @@ def import_plan(
         ConversionError,
     )
     return source, plan, ignore
+
+
+def router_bias_entries(adapter: Architecture, m: Any, ckpt: Path) -> list[Entry]:
+    """The class's tensors of the MoE blocks' aux-loss-free biases, from the checkpoint's router
+    state (zeros for a block it does not hold)."""
+    names = adapter.router_bias_names(m)
+    if not names:
+        return []
+    saved = read_router_state(ckpt)
+
+    def const(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: t.clone()
+
+    return [
+        Entry(hf, (), const(saved.get(ours, torch.zeros(m.moe.num_experts)).float()))
+        for ours, hf in names.items()
+    ]
 
 
 class _NoTokenizer:

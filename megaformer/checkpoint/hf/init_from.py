@@ -23,6 +23,9 @@ from megaformer.errors import ConfigError, ConversionError
 
 log = logging.getLogger("megaformer")
 
+# MoE keys that steer training, not the function of the weights: the run's config keeps them
+TRAINING_ONLY = ("aux_loss_coef", "z_loss_coef", "bias_update_rate")
+
 
 def _folder(m: Any) -> Path:
     path = Path(m.init_from)
@@ -44,6 +47,11 @@ def with_hf_model(cfg: Config) -> Config:
     except (KeyError, TypeError) as e:
         raise ConversionError(f"{src / 'config.json'}: missing or invalid key {e}") from None
     fields = {k: v for k, v in fields.items() if k not in RESUME_MAY_CHANGE}  # the run's own
+    for key, value in fields.items():  # a nested section (model.moe, model.mla): its keys set
+        section = getattr(cfg.model, key, None)
+        if isinstance(value, dict) and dataclasses.is_dataclass(section):
+            value = {k: v for k, v in value.items() if k not in TRAINING_ONLY}  # the run's own
+            fields[key] = dataclasses.replace(section, **value)
     configured = {**cfg.model.__dict__, "head_dim": cfg.model.configured_head_dim}
     changed = [k for k, v in fields.items() if configured.get(k) != v]
     if changed:
@@ -58,6 +66,21 @@ def with_hf_model(cfg: Config) -> Config:
     except ConfigError as e:
         raise ConfigError(f"model.init_from={src}: {e}") from None
     return out
+
+
+def hf_router_state(m: Any) -> dict:
+    """The MoE blocks' aux-loss-free biases the folder ``m.init_from`` stores with its weights
+    (DeepSeek-V3's ``e_score_correction_bias``), by megaformer's router-state name; small tensors
+    ([E] per block), read whole."""
+    from megaformer.checkpoint.hf.stream import TensorSource
+
+    src = _folder(m)
+    _, adapter = _read_hf_config(src, None)
+    names = adapter.router_bias_names(m)
+    if not names:
+        return {}
+    source = TensorSource(src)
+    return {ours: source.get(theirs) for ours, theirs in names.items() if theirs in source}
 
 
 def hf_weights(m: Any) -> tuple[SlicedWeights, Path]:

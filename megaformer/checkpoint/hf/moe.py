@@ -62,6 +62,9 @@ class _MoEFamily(LlamaFamily):
             ("num_shared_experts", 0, "it has no shared experts"),
             ("dropless", True, "it computes every routed token"),
             ("bias_update_rate", 0.0, "its routing has no expert bias"),
+            ("num_groups", 1, "its routing has no expert groups"),
+            ("routed_scaling_factor", 1.0, "its expert weights are not scaled"),
+            ("first_dense", 0, "its sparse step alone picks the MoE blocks"),
         ):
             if getattr(moe, key) != want:
                 out.append(

@@ -71,7 +71,81 @@ def check_model(cfg: Config) -> None:
         f"{p.context}: the stages rebuild the mask from their context part of the ids, not the "
         "whole sequences; use one of pipeline or context parallelism",
     )
+    check_mla(cfg)
     check_moe(cfg)
+    check_mtp(cfg)
+
+
+def check_mtp(cfg: Config) -> None:
+    """Multi-token prediction: its depth and weight, and the layouts it runs under."""
+    m, p = cfg.model, cfg.parallel
+    positive("model.mtp_depth", m.mtp_depth, allow_zero=True)
+    positive("model.mtp_loss_coef", m.mtp_loss_coef, allow_zero=True)
+    if m.mtp_depth == 0:
+        return
+    require(
+        m.mtp_depth < m.max_seq_len - 1,
+        f"model.mtp_depth={m.mtp_depth}: must be below model.max_seq_len - 1",
+    )
+    for key, value, why in (
+        ("model.position", m.position != "rope", "the modules reuse the rotary positions"),
+        ("model.document_mask", m.document_mask, "its shifted sequences cross documents"),
+        ("parallel.pipeline", p.pipeline > 1, "the last stage would need the token ids"),
+        (
+            "parallel.sequence_parallel",
+            p.tensor > 1 and p.sequence_parallel,
+            "its shorter sequences do not split like the main blocks'",
+        ),
+        ("parallel.context", p.context > 1, "its shifted sequences cross the context ranks"),
+        ("parallel.expert", p.expert > 1, "its experts are not distributed yet"),
+        ("parallel.zero_stage", p.zero_stage == 3, "its modules are not partitioned yet"),
+    ):
+        section, name = key.split(".")
+        require(
+            not value,
+            f"model.mtp_depth={m.mtp_depth} with {key}="
+            f"{str(getattr(m if section == 'model' else p, name)).lower()}: not supported "
+            f"({why}); set model.mtp_depth=0",
+        )
+
+
+def check_mla(cfg: Config) -> None:
+    """Multi-head latent attention's widths, and what it does not combine with."""
+    m = cfg.model
+    if m.attention != "mla":
+        return
+    mla = m.mla
+    positive("model.mla.q_lora_rank", mla.q_lora_rank)
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        positive(f"model.mla.{key}", getattr(mla, key))
+    require(
+        mla.qk_rope_head_dim >= 2 and mla.qk_rope_head_dim % 2 == 0,
+        f"model.mla.qk_rope_head_dim={mla.qk_rope_head_dim}: must be even and >= 2",
+    )
+    for key, on, why in (
+        ("position", m.position != "rope", "its decoupled keys are rotary"),
+        ("rotary_fraction", m.rotary_fraction != 1.0, "model.mla.qk_rope_head_dim sets it"),
+        ("n_kv_heads", m.n_kv_heads not in (None, m.n_heads), "every head has its own key"),
+        ("qk_norm", m.qk_norm, "its latents are normalised instead"),
+        ("bias", m.bias or m.attn_bias, "its projections have no biases"),
+        ("sliding_window", m.sliding_window is not None, "it attends to the whole context"),
+        ("residual", m.residual != "sequential", "it is built for the sequential residual"),
+    ):
+        require(
+            not on,
+            f"model.{key}={getattr(m, key)}: not supported with model.attention=mla ({why})",
+        )
+    tp = cfg.parallel.tensor
+    require(
+        m.n_heads % tp == 0,
+        f"parallel.tensor={tp}: must divide model.n_heads={m.n_heads} (MLA splits heads)",
+    )
+    require(
+        cfg.parallel.context == 1 or cfg.parallel.context_mode != "ring",
+        f"parallel.context={cfg.parallel.context} with parallel.context_mode=ring and "
+        "model.attention=mla: the ring passes keys and values of one width, MLA's differ; "
+        "use parallel.context_mode=all_to_all",
+    )
 
 
 def check_rope_scaling(scaling: Optional[dict]) -> None:
@@ -129,8 +203,42 @@ def check_moe(cfg: Config) -> None:
     )
     for key in ("d_expert", "d_shared"):
         positive(f"model.moe.{key}", getattr(moe, key))
-    for key in ("num_shared_experts", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+    for key in (
+        "num_shared_experts",
+        "aux_loss_coef",
+        "z_loss_coef",
+        "bias_update_rate",
+        "first_dense",
+    ):
         positive(f"model.moe.{key}", getattr(moe, key), allow_zero=True)
+    positive("model.moe.routed_scaling_factor", moe.routed_scaling_factor)
+    positive("model.moe.num_groups", moe.num_groups)
+    positive("model.moe.top_groups", moe.top_groups)
+    groups = moe.num_groups
+    require(
+        moe.num_experts % groups == 0,
+        f"model.moe.num_groups={groups}: must divide model.moe.num_experts={moe.num_experts}",
+    )
+    top_groups = groups if moe.top_groups is None else moe.top_groups
+    require(
+        top_groups <= groups,
+        f"model.moe.top_groups={moe.top_groups}: more than model.moe.num_groups={groups}",
+    )
+    require(
+        groups == 1 or moe.num_experts // groups >= 2,
+        f"model.moe.num_groups={groups}: a group is ranked by its two best experts, so each "
+        f"needs >= 2 of the {moe.num_experts}",
+    )
+    require(
+        top_groups * (moe.num_experts // groups) >= moe.top_k,
+        f"model.moe.top_groups={top_groups}: the groups kept hold fewer than "
+        f"model.moe.top_k={moe.top_k} experts",
+    )
+    require(
+        m.moe_layers > 0,
+        f"model.moe.first_dense={moe.first_dense}: no block would be MoE with "
+        f"model.n_layers={m.n_layers}",
+    )
     require(
         not moe.shared_gate or moe.num_shared_experts > 0,
         "model.moe.shared_gate=true: gates the shared experts; set "
