@@ -297,7 +297,6 @@ def test_split_layouts_and_positions():
         ),
         (["parallel.context=2", "model.attention_backend=sdpa"], "attention_backend=sdpa"),
         (["parallel.context=2", "model.attention_dropout=0.1"], "no attention dropout"),
-        (["parallel.context=2", "train.compile=true"], "train.compile=true"),
         (
             [
                 "parallel.context=2",
