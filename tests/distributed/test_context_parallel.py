@@ -235,7 +235,7 @@ CASES = {
         for docs in (False, True)
     ]
     + [(1, 2, mode, False, "gqa-window-qknorm", True) for mode in ("ring", "all_to_all")]
-    + [(1, 2, "all_to_all", False, "mla", docs) for docs in (False, True)],
+    + [(1, 2, mode, False, "mla", docs) for mode in ("ring", "all_to_all") for docs in (False, True)],
     4: [
         (1, 4, mode, False, variant, docs)
         for mode in ("ring", "all_to_all")
@@ -247,6 +247,7 @@ CASES = {
         (2, 2, "ring", False, "gqa-learned-untied", True),
         (2, 2, "all_to_all", False, "mha-rope", False),
         (2, 2, "all_to_all", True, "mla", True),
+        (2, 2, "ring", True, "mla", True),
     ],
 }
 

@@ -140,12 +140,6 @@ def check_mla(cfg: Config) -> None:
         m.n_heads % tp == 0,
         f"parallel.tensor={tp}: must divide model.n_heads={m.n_heads} (MLA splits heads)",
     )
-    require(
-        cfg.parallel.context == 1 or cfg.parallel.context_mode != "ring",
-        f"parallel.context={cfg.parallel.context} with parallel.context_mode=ring and "
-        "model.attention=mla: the ring passes keys and values of one width, MLA's differ; "
-        "use parallel.context_mode=all_to_all",
-    )
 
 
 def check_rope_scaling(scaling: Optional[dict]) -> None:
