@@ -5,6 +5,8 @@ The variable holds faults separated by ``;``, each ``KIND@step=S[,rank=R][,attem
     nan           the loss of rank R's first micro-batch of step S is multiplied by NaN (so its
                   gradients are NaN too) before the backward pass
     stall         rank R sleeps T seconds (default 3600) at the start of step S
+    slow          rank R sleeps T seconds (default 0.2) at the start of every step S1..S2 (a
+                  repeating stall: a straggler the other ranks wait for in each step)
     kill          rank R sends itself SIGKILL at the start of step S
     sigterm       rank R sends itself SIGTERM in the middle of step S (after the backward pass)
     sigusr1       the same with SIGUSR1 (Slurm's warning signal)
@@ -33,7 +35,7 @@ import torch
 from megaformer.errors import LaunchError
 
 ENV = "MEGAFORMER_FAULT"
-KINDS = ("nan", "stall", "kill", "sigterm", "sigusr1", "kill-in-save")
+KINDS = ("nan", "stall", "slow", "kill", "sigterm", "sigusr1", "kill-in-save")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def parse(spec: str) -> list[Fault]:
         fields = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
         if kind not in KINDS or "step" not in fields:
             raise LaunchError(
-                f"{ENV}={spec!r}: expected KIND@step=S[,rank=R][,attempt=A] with KIND "
+                f"{ENV}={spec!r}: expected KIND@step=S[,rank=R][,attempt=A][,seconds=T] with KIND "
                 f"one of {', '.join(KINDS)}"
             )
         first, _, last = fields["step"].partition("-")
@@ -72,7 +74,7 @@ def parse(spec: str) -> list[Fault]:
                 int(last or first),
                 int(fields["rank"]) if "rank" in fields else None,
                 int(fields.get("attempt", 0)),
-                float(fields.get("seconds", 3600)),
+                float(fields.get("seconds", 0.2 if kind == "slow" else 3600)),
             )
         )
     return faults
@@ -103,9 +105,10 @@ class FaultPlan:
     def step_start(self, step: int) -> None:
         if self._hit("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
-        stall = self._hit("stall", step)
-        if stall:
-            time.sleep(stall.seconds)
+        for kind in ("stall", "slow"):
+            stall = self._hit(kind, step)
+            if stall:
+                time.sleep(stall.seconds)
 
     def loss(self, step: int, micro: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if micro == 0 and self._hit("nan", step) else loss

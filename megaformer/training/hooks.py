@@ -8,6 +8,8 @@ counts):
     BackgroundWriteCheck   a failed asynchronous save raises at the next step boundary
     StopAgreement          signals / time limit and non-finite steps, agreed over ranks (one all-reduce)
     Watchdog               a stalled step names itself in the rank's log
+    StragglerDetector      per-rank time outside collectives, compared every
+                           ``log.straggler_interval`` steps (:mod:`megaformer.training.stragglers`)
     IntervalMetrics        progress bar; opens the record every ``log.interval`` steps (and on skips)
     BadSteps               reports skipped steps; too many in a row end the run
     Diagnostics            residual-stream diagnostics into the record

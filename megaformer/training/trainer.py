@@ -29,7 +29,7 @@ import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
 from megaformer.checkpoint.files import write_text_atomic
-from megaformer.comm import broadcast_from_main
+from megaformer.comm import broadcast_from_main, flight
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
 from megaformer.data.dataset import TrainLoader, validation_batches
@@ -59,6 +59,7 @@ from megaformer.training.loop import TrainLoop
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
 from megaformer.training.preemption import StopRequest
 from megaformer.training.schedule import lr_lambda
+from megaformer.training.stragglers import StragglerDetector
 from megaformer.training.train_step import train_step_class
 from megaformer.training.watchdog import StepWatchdog
 
@@ -174,6 +175,9 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        # every collective counted per group (hang attribution, straggler timing): installed
+        # before DeepSpeed's comm layer looks its functions up
+        self.flight = flight.recorder()
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.run_lock = acquire_on_rank0(self.run_dir, self.rank)  # one job per run directory
         self.topo = build_topology(
@@ -444,6 +448,18 @@ class Trainer:
                         self.run_dir / "logs" / f"rank_{self.rank}.log",
                         self.rank,
                     )
+                )
+            )
+        if cfg.log.straggler_interval > 0:
+            loop.add_hook(
+                StragglerDetector(
+                    cfg.log.straggler_interval,
+                    cfg.log.straggler_threshold,
+                    self.flight,
+                    self.rank,
+                    self.proc.device,
+                    self.run_dir,
+                    host_group(),
                 )
             )
         metrics = loop.add_hook(
