@@ -82,7 +82,7 @@ class FlightRecorder:
         self.blocked_s = 0.0  # synchronous host collectives: entered -> returned
         self.own_s = 0.0  # the recorder's own bookkeeping
         self.events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs not yet read
-        self._ranks: dict[int, tuple[int, ...]] = {}
+        self._ranks: dict[int, tuple[Any, tuple[int, ...]]] = {}
         self._saved: dict[str, Callable] = {}
         self._lock = threading.Lock()
 
@@ -151,10 +151,10 @@ class FlightRecorder:
         """The global ranks of ``group`` (None or WORLD: every rank), cached per group object."""
         if group is None or group is dist.group.WORLD:
             group = dist.group.WORLD
-        key = self._ranks.get(id(group))
-        if key is None:
-            key = self._ranks[id(group)] = tuple(dist.get_process_group_ranks(group))
-        return key
+        held = self._ranks.get(id(group))
+        if held is None or held[0] is not group:  # (the group is held: its id is not reused)
+            held = self._ranks[id(group)] = (group, tuple(dist.get_process_group_ranks(group)))
+        return held[1]
 
     # ----------------------------------------------------------------------------- reading
 

@@ -49,7 +49,7 @@ from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.safe_files import check_run_dir
 from megaformer.training import deepspeed_adapter as ds_adapter
 from megaformer.training import distributed as dist
-from megaformer.training import hooks, wandb_log
+from megaformer.training import hooks, profiling, wandb_log
 from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.console import Console, log_summary
 from megaformer.training.deepspeed_config import build_deepspeed_config, zero3_partitioner
@@ -201,6 +201,9 @@ class Trainer:
             for tmp in self.checkpointer.half_written():
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
         self.faults = FaultPlan.from_env(self.rank)
+        self.profiled = self.rank in profiling.profiled_ranks(cfg.log.profile_ranks)
+        if cfg.log.memory_snapshot_step is not None and self.profiled:
+            profiling.start_memory_history(self.proc.device)  # before the model is built
         self.tokenizer, data = setup_data(
             cfg,
             self.run_dir,
@@ -481,11 +484,30 @@ class Trainer:
         )
         if self.task_eval is not None:
             loop.add_hook(hooks.TaskEvaluation(self.task_eval, self._evaluate_tasks, console))
+        for hook in self._profiling_hooks():
+            loop.add_hook(hook)
         for hook, every in self.extra_hooks:
             loop.add_hook(hook, every)
         checkpoints = hooks.Checkpoints(self.save, due, console, self.checkpointer)
         loop.tail += [hooks.WriteRecord(self.metrics, console), checkpoints]
         return loop, metrics, validation, checkpoints
+
+    def _profiling_hooks(self) -> list[Any]:
+        """``log.profile_steps`` and ``log.memory_snapshot_step`` on the ranks of
+        ``log.profile_ranks`` (:mod:`megaformer.training.profiling`)."""
+        lg, out, device = self.cfg.log, self.run_dir / profiling.PROFILE_DIR, self.proc.device
+        if not self.profiled:
+            return []
+        found: list[Any] = []
+        if lg.profile_steps is not None:
+            first, last = lg.profile_steps
+            found.append(
+                profiling.ProfileSteps(first, last, out / f"rank_{self.rank}", self.rank, device)
+            )
+        if lg.memory_snapshot_step is not None:
+            path = out / f"memory_rank_{self.rank}.pickle"
+            found.append(profiling.MemorySnapshot(lg.memory_snapshot_step, path, device))
+        return found
 
     def _evaluate_tasks(self) -> tuple[dict, str]:
         """eval.tasks on the live model (:mod:`megaformer.evaluation.training`)."""
