@@ -6,6 +6,8 @@ both call it there) is counted per process group, keyed by the group's global ra
 
     seq[g] += 1;  entry = (seq[g], kind, g, bytes, entered at, left at)
 
+(bytes: of the tensors handed to the call, inputs and outputs).
+
 A group's members issue its collectives in the same order, so after a hang the member whose
 ``entered`` count is behind the others' on a group is the one that did not arrive (:func:`stragglers`
 reads the per-rank dumps). The last ``capacity`` entries are kept (a ring), so the memory is fixed.
@@ -53,6 +55,7 @@ COLLECTIVES = (
 )
 
 _TENSOR_ARGS = 2  # the tensors of a collective are among its first two arguments
+_TENSOR_KWARGS = ("tensor", "tensor_list", "output_tensor", "input_tensor", "output", "input")
 
 
 def _nbytes(value: Any) -> int:
@@ -63,8 +66,13 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _first_tensor(args: tuple) -> Optional[torch.Tensor]:
-    for value in args[:_TENSOR_ARGS]:
+def _tensor_args(args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments of a collective that may hold its tensors (a tensor or a list of them)."""
+    return [*args[:_TENSOR_ARGS], *(kwargs[k] for k in _TENSOR_KWARGS if k in kwargs)]
+
+
+def _first_tensor(values: list[Any]) -> Optional[torch.Tensor]:
+    for value in values:
         if isinstance(value, torch.Tensor):
             return value
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
@@ -121,10 +129,11 @@ class FlightRecorder:
             )
             key = self._key(group)
             seq = self.seq[key] = self.seq.get(key, 0) + 1
-            nbytes = sum(_nbytes(a) for a in args[:_TENSOR_ARGS])
+            values = _tensor_args(args, kwargs)
+            nbytes = sum(_nbytes(v) for v in values)
             entry = [seq, kind, key, nbytes, time.time(), None]
             self.entries.append(entry)
-            tensor = _first_tensor(args)
+            tensor = _first_tensor(values)
             events = None
             if tensor is not None and tensor.is_cuda and not is_async:
                 events = (
@@ -298,8 +307,9 @@ def hang_line(dumps: dict[int, dict]) -> str:
             + (f" ({hosts[r]}, at #{f['behind'][r]})" if r in hosts else " (no dump: dead?)")
             for r in f["missing"]
         )
+        waiting = f"rank{'s' if len(f['waiting']) > 1 else ''} {_span(f['waiting'])}"
         parts.append(
             f"{f['kind']} #{f['seq']} on ranks {_span(f['ranks'])} ({f['bytes']} bytes), "
-            f"waited {f['wait_s']:.1f} s by ranks {_span(f['waiting'])}: did not arrive: {who}"
+            f"waited {f['wait_s']:.1f} s by {waiting}: did not arrive: {who}"
         )
     return "megaformer hang: " + "; ".join(parts)

@@ -54,6 +54,7 @@ from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.console import Console, log_summary
 from megaformer.training.deepspeed_config import build_deepspeed_config, zero3_partitioner
 from megaformer.training.faults import FaultPlan
+from megaformer.training.hang import HangReport, nccl_flight_recorder_env
 from megaformer.training.intervals import LoopIntervals
 from megaformer.training.loop import TrainLoop
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
@@ -178,6 +179,8 @@ class Trainer:
         # every collective counted per group (hang attribution, straggler timing): installed
         # before DeepSpeed's comm layer looks its functions up
         self.flight = flight.recorder()
+        if self.proc.device.type == "cuda":
+            nccl_flight_recorder_env(self.run_dir / "logs")
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.run_lock = acquire_on_rank0(self.run_dir, self.rank)  # one job per run directory
         self.topo = build_topology(
@@ -450,6 +453,7 @@ class Trainer:
                         t.watchdog_min_seconds,
                         self.run_dir / "logs" / f"rank_{self.rank}.log",
                         self.rank,
+                        hang=HangReport(self.run_dir / "logs", self.rank),
                     )
                 )
             )
