@@ -169,6 +169,8 @@ class Trainer:
             else None
         )
         self.extra_hooks: list[tuple[Any, Optional[int]]] = []  # see add_hook
+        # end the loop after this step, the schedule still that of train.steps (a replay)
+        self.stop_after: Optional[int] = None
 
     # ------------------------------------------------------------------------- setup
 
@@ -388,6 +390,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step (:class:`~megaformer.training.train_step.TrainStep`)."""
+        self.faults.weights(self.step + 1, self.plain_model)
         result = self.stepper(self.step + 1, self.loader)
         self.step += 1
         return result
@@ -441,7 +444,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         console = Console(self.is_main, cfg.log.progress_bar, t.steps, self.step)
         due = LoopIntervals.from_config(cfg)
-        loop = TrainLoop(lambda n: self.train_step(), t.steps)
+        loop = TrainLoop(lambda n: self.train_step(), min(t.steps, self.stop_after or t.steps))
         if cfg.checkpoint.async_save:  # a failed background save stops the run at a step boundary
             loop.add_hook(hooks.BackgroundWriteCheck(self.checkpointer))
         loop.add_hook(hooks.StopAgreement(StopRequest(t.exit_after_minutes)))
@@ -479,8 +482,11 @@ class Trainer:
             )
         )
         loop.add_hook(
-            hooks.BadSteps(self.bad_steps, console, self.metrics, self.checkpointer.latest)
+            hooks.BadSteps(
+                self.bad_steps, console, self.metrics, self.checkpointer.latest, self.run_dir
+            )
         )
+        loop.add_hook(hooks.LossSpikes(console, self.run_dir))
         if self.diagnostics is not None:
             loop.add_hook(hooks.Diagnostics(self.diagnostics))
         validation = loop.add_hook(
