@@ -41,6 +41,7 @@ RUN_DIR_ENTRIES = (
     "wandb_run_id",
     "profile",
     "stragglers.json",
+    "layout.json",
 )
 # Folders of a run directory whose entries megaformer (or a library it drives) writes. W&B's own
 # wandb/ folder holds a link it makes itself (latest-run); the folder may not be a link.
