@@ -12,12 +12,13 @@ A group's members issue its collectives in the same order, so after a hang the m
 ``entered`` count is behind the others' on a group is the one that did not arrive (:func:`stragglers`
 reads the per-rank dumps). The last ``capacity`` entries are kept (a ring), so the memory is fixed.
 
-Time spent blocked: a synchronous call on host tensors returns when every member has arrived, so
-``blocked_s`` (the sum of those calls' durations) is this rank's waiting for its peers plus the
-transfer itself. On CUDA the host returns at once; a pair of CUDA events around the call on the
-current stream times it instead (read later, once per interval; no host sync at the call). A call with ``async_op=True`` is counted but not timed.
+On CUDA a pair of CUDA events on the current stream brackets each synchronous call (read later,
+once per interval, by the straggler detector; no host sync at the call): the time the collective
+took on the device, waiting for its peers included.
 
-The wrapper costs a few microseconds per call; :attr:`FlightRecorder.own_s` adds them up.
+The wrapper costs a few microseconds per call; :attr:`FlightRecorder.own_s` adds them up. Inside a
+``torch.compile`` graph (compiled blocks under tensor parallelism) it steps aside: the collective is
+traced as it is, and not recorded.
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ class FlightRecorder:
         self.entries: deque[list] = deque(maxlen=capacity)
         self.seq: dict[tuple[int, ...], int] = {}
         self.done: dict[tuple[int, ...], int] = {}
-        self.blocked_s = 0.0  # synchronous host collectives: entered -> returned
         self.own_s = 0.0  # the recorder's own bookkeeping
         self.events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs not yet read
         self._ranks: dict[int, tuple[Any, tuple[int, ...]]] = {}
@@ -118,6 +118,8 @@ class FlightRecorder:
 
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():  # inside a compiled graph: the collective alone
+                return fn(*args, **kwargs)
             t0 = time.perf_counter()
             group = kwargs.get(
                 "group", args[g_at] if g_at is not None and len(args) > g_at else None
@@ -149,8 +151,6 @@ class FlightRecorder:
             if events is not None:
                 events[1].record()
                 self.events.append(events)
-            elif not is_async:
-                self.blocked_s += t2 - t1
             self.own_s += (t1 - t0) + (time.perf_counter() - t2)
             return out
 

@@ -43,9 +43,9 @@ class LogConfig:
     )
     straggler_interval: int = option(
         50,
-        "Straggler detection: every N steps the ranks compare the median time each spent per "
-        "step outside collectives (one all-gather of a few numbers); a rank or host more than "
-        "log.straggler_threshold above the median is named in the log with its host and GPU, in "
+        "Straggler detection: every N steps the ranks compare the time each spent per step "
+        "outside collectives (its lower quartile over the interval; one all-gather of a few "
+        "numbers); a rank or host more than log.straggler_threshold above the median is named in the log with its host and GPU, in "
         "metrics.jsonl/TensorBoard (straggler/*) and in RUN_DIR/stragglers.json. 0 = off.",
     )
     straggler_threshold: float = option(

@@ -5,8 +5,8 @@ The variable holds faults separated by ``;``, each ``KIND@step=S[,rank=R][,attem
     nan           the loss of rank R's first micro-batch of step S is multiplied by NaN (so its
                   gradients are NaN too) before the backward pass
     stall         rank R sleeps T seconds (default 3600) at the start of step S
-    slow          rank R sleeps T seconds (default 0.2) at the start of every step S1..S2 (a
-                  repeating stall: a straggler the other ranks wait for in each step)
+    slow          rank R computes T CPU seconds longer (default 0.2; a busy loop) at the start of
+                  every step S1..S2: a straggler the other ranks wait for in each step
     blowup        at the start of step S, rank R multiplies the matrices of block L (``layer=L``,
                   0-based) by F (``factor=F``, default 10): a weight blow-up for the replay
     kill          rank R sends itself SIGKILL at the start of step S
@@ -111,10 +111,14 @@ class FaultPlan:
     def step_start(self, step: int) -> None:
         if self._hit("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
-        for kind in ("stall", "slow"):
-            stall = self._hit(kind, step)
-            if stall:
-                time.sleep(stall.seconds)
+        stall = self._hit("stall", step)
+        if stall:
+            time.sleep(stall.seconds)
+        slow = self._hit("slow", step)
+        if slow:  # busy: the rank computes longer, as a slow device or host does
+            end = time.process_time() + slow.seconds
+            while time.process_time() < end:
+                pass
 
     def weights(self, step: int, model: torch.nn.Module) -> None:
         """``blowup``: block L's matrices times F, in place, before step ``step`` trains."""

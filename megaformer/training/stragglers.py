@@ -1,21 +1,27 @@
 """Which rank is slow: each rank times its own work per step; every interval the ranks compare.
 
 In a synchronous step the fast ranks wait for the slow one inside a collective, so every rank's
-step takes as long as the slowest's. What differs is the time spent *outside* the collectives::
+step takes as long as the slowest's. What differs is each rank's own work, the step without the
+waiting::
 
-    own_r(n) = step_r(n) - comm_r(n)       (comm: the step's collectives, from the flight recorder)
+    CUDA:  own_r(n) = step_r(n) - comm_r(n)    (CUDA events around the step and around each
+                                                collective, from the flight recorder)
+    host:  own_r(n) = CPU seconds of the process over the step (a rank waiting in a gloo
+                      collective, or descheduled by other jobs, spends none)
 
 Every ``log.straggler_interval`` steps one all-gather of a few numbers per rank gives every rank
-the median m_r of own_r(n) over the interval (a median: a one-off hiccup does not count); a rank
-with m_r > (1 + ``log.straggler_threshold``) x median_r(m_r) is named, as is a host whose ranks'
-median is that much above the median host (with more than one host). Rank 0 logs the names with
-the host and GPU index, adds ``straggler/*`` to the step's metrics record and keeps
+q_r, the lower quartile of own_r(n) over the interval (time lost in a few steps -- jitter, a
+one-off -- does not move it; a rank slow in most steps does); a rank with
+q_r > (1 + ``log.straggler_threshold``) x median_r(q_r) is named, as is a host whose ranks' median
+is that much above the median host (with more than one host). Rank 0 logs the names with the host
+and GPU index, adds ``straggler/*`` to the step's metrics record and keeps
 ``RUN_DIR/stragglers.json`` (the flagged intervals, and per host how many intervals in a row it was
-flagged, which ``launch/slurm.sbatch`` reads to exclude a node from the requeued job).
+flagged, which ``launch/slurm.sbatch`` reads to exclude a node from the requeued job). On the host a
+rank that stalls without computing (waiting on I/O) is not a straggler by this measure: the
+watchdog and the profiler show those.
 
-Host timing is ``time.perf_counter``; on CUDA the step and each collective are bracketed by CUDA
-events on the current stream instead, read once per interval (the only host sync it adds). The
-detector adds up the seconds of its own bookkeeping (``overhead_s``), reported beside the step time.
+CUDA events are read once per interval (the only host sync the detector adds). The detector adds
+up the seconds of its own bookkeeping (``overhead_s``), reported beside the step time.
 """
 
 from __future__ import annotations
@@ -47,6 +53,14 @@ def gpu_index(device: torch.device) -> Optional[int]:
     if device.type != "cuda":
         return None
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def lower_quartile(xs: list[float]) -> float:
+    """The 25th percentile of ``xs`` (0 for none): a rank slow in most steps of the interval moves
+    it, time lost in a few steps (scheduling jitter, a one-off) does not."""
+    if len(xs) < 2:
+        return xs[0] if xs else 0.0
+    return statistics.quantiles(xs, n=4, method="inclusive")[0]
 
 
 def flag(values: dict[Any, float], threshold: float) -> tuple[float, dict[Any, float]]:
@@ -85,7 +99,7 @@ class StragglerDetector(StepHook):
         self.last: Optional[dict] = None
         self.in_a_row: dict[str, int] = {}
         self._t0 = 0.0
-        self._blocked0 = 0.0
+        self._cpu0 = 0.0
         self._ev0: Any = None
         self._i0 = 0
 
@@ -99,7 +113,7 @@ class StragglerDetector(StepHook):
             self._ev0 = torch.cuda.Event(enable_timing=True)
             self._ev0.record()
             self._i0 = len(self.recorder.events)
-        self._blocked0 = self.recorder.blocked_s
+        self._cpu0 = time.process_time()
         self._t0 = time.perf_counter()
         self.overhead_s += self._t0 - t
 
@@ -110,8 +124,8 @@ class StragglerDetector(StepHook):
             ev1 = torch.cuda.Event(enable_timing=True)
             ev1.record()
             self.pending.append((self._ev0, ev1, self._i0, len(self.recorder.events)))
-        else:
-            self.own.append((t - self._t0) - (self.recorder.blocked_s - self._blocked0))
+        else:  # the CPU the process spent on the step: waiting in gloo and being descheduled cost none
+            self.own.append(time.process_time() - self._cpu0)
         self.overhead_s += time.perf_counter() - t
         if state.step % self.interval == 0:
             self._compare(state, record)
@@ -137,7 +151,7 @@ class StragglerDetector(StepHook):
     def _compare(self, state: StepState, record: dict) -> None:
         t = time.perf_counter()
         own = self._own_seconds()
-        mine = statistics.median(own) if own else 0.0
+        mine = lower_quartile(own)
         if self.who is None:
             self.who = all_gather_objects(self.me, self.group)
         cost = self.overhead_s + self.recorder.own_s
@@ -166,6 +180,7 @@ class StragglerDetector(StepHook):
         return {
             "steps": list(steps),
             "median_own_s": median,
+            "own_s": [own[r] for r in range(rows.shape[0])],
             "ranks": [
                 {
                     "rank": r,
@@ -185,8 +200,8 @@ class StragglerDetector(StepHook):
         for s in result["ranks"]:
             where = f"GPU {s['gpu']}" if s["gpu"] is not None else "host CPU"
             log.warning(
-                "straggler: rank %d (%s, %s) spent %.3f s per step outside collectives in steps "
-                "%d-%d, %.2fx the median %.3f s of the ranks (log.straggler_threshold %g)",
+                "straggler: rank %d (%s, %s) needed %.3f s of its own per step in steps %d-%d, "
+                "%.2fx the median %.3f s of the ranks (log.straggler_threshold %g)",
                 s["rank"],
                 s["host"],
                 where,
@@ -251,9 +266,9 @@ def _all_gather_rows(row: torch.Tensor, group: Any) -> torch.Tensor:
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return row[None]
-    out = torch.empty(dist.get_world_size(group) * row.numel(), dtype=row.dtype)
-    dist.all_gather_into_tensor(out, row, group=group)
-    return out.view(-1, row.numel())
+    out = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, row, group=group)
+    return torch.stack(out)
 
 
 def hosts_to_exclude(run_dir: str | Path, in_a_row: int) -> list[str]:

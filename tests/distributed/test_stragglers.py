@@ -25,7 +25,7 @@ def train_2_ranks(run_dir, fault: str = "", **extra):
 @pytest.mark.multiprocess
 def test_a_rank_slow_in_every_step_is_named_within_two_intervals(tmp_path):
     run = tmp_path / "run"
-    proc = train_2_ranks(run, "slow@step=1-6,rank=1,seconds=0.4", **{"log.straggler_interval": 3})
+    proc = train_2_ranks(run, "slow@step=1-6,rank=1,seconds=0.2", **{"log.straggler_interval": 3})
     out = proc.stdout + proc.stderr
     print("\n".join(line for line in out.splitlines() if "straggler" in line))
     assert "straggler: rank 1 (" in out and "host CPU" in out, out[-3000:]
@@ -44,10 +44,11 @@ def test_a_clean_run_names_nobody_and_the_detector_costs_little(tmp_path):
     run = tmp_path / "run"
     proc = train_2_ranks(run, **{"train.steps": 50, "log.interval": 10})  # default interval: 50
     out = proc.stdout + proc.stderr
-    assert "straggler:" not in out, out[-3000:]
+    summary = json.loads((run / "stragglers.json").read_text())
+    print(f"own seconds per step, by rank: {summary['last']['own_s']}")
+    assert "straggler:" not in out, [line for line in out.splitlines() if "straggler" in line]
     rec = step_records(run)[50]
     assert rec["straggler/count"] == 0
-    summary = json.loads((run / "stragglers.json").read_text())
     assert summary["interval"] == 50 and summary["flagged"] == []
     overhead = summary["last"]["overhead"]
     print(
