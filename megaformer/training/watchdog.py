@@ -83,8 +83,13 @@ class StepWatchdog:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
         if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"\0")  # wake the thread out of its select
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+        if self._wake is not None and not self._thread.is_alive():
             read_fd, write_fd, previous_fd, previous_handler = self._wake
             signal.set_wakeup_fd(previous_fd)
             signal.signal(signal.SIGUSR2, previous_handler)
@@ -110,15 +115,14 @@ class StepWatchdog:
 
     def _wait(self) -> bool:
         """Sleep a poll (or until SIGUSR2); True when asked to dump. Exits the loop on close."""
-        if self._wake is None:
+        wake = self._wake
+        if wake is None:
             self._stop.wait(self.poll_seconds)
             return False
-        ready, _, _ = select.select([self._wake[0]], [], [], self.poll_seconds)
-        if not ready:
-            return False
         try:
-            got = os.read(self._wake[0], 512)
-        except OSError:
+            ready, _, _ = select.select([wake[0]], [], [], self.poll_seconds)
+            got = os.read(wake[0], 512) if ready else b""
+        except (OSError, ValueError):  # closed under us: the watchdog is closing
             return False
         return signal.SIGUSR2 in got
 
