@@ -352,6 +352,8 @@ def replay(run_dir: Path, first: int, last: int, out: Optional[Path] = None) -> 
     from megaformer.training.trainer import Trainer
 
     run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ReplayError(f"{run_dir}: not a run directory (it holds no config.yaml)")
     cfg = replay_config(run_dir / "config.yaml")
     logged = read_metrics(run_dir)
     if last > cfg.train.steps:
