@@ -8,7 +8,10 @@
 #   NNODES > 1), RDZV_ID (a job name shared by the nodes, default megaformer), MAX_RESTARTS (0: how
 #   often torchrun restarts all workers after a failure; each restart resumes from the latest
 #   checkpoint), PYTHON (default: the project's .venv/bin/python, else python3 on PATH),
-#   OMP_NUM_THREADS (1), TORCHRUN_ARGS (more torchrun flags).
+#   OMP_NUM_THREADS (1), TORCHRUN_ARGS (more torchrun flags), LAYOUT=auto (a run relaunched with
+#   another number of ranks than its first launch trains at the layout `megaformer plan` ranks
+#   best for it, global batch kept; see launch/layout.sh), PLAN_ARGS (megaformer plan's hardware
+#   flags for LAYOUT=auto, e.g. "--gpu H100-SXM").
 # The config, the layout and the data paths are checked once before any process starts (one line
 # and exit 2 on a mistake); an error a rank meets later is one line from rank 0 and exit 2 as well
 # (megaformer.cli.torchrun: torchrun with the ranks' exit code, without its failure table).
@@ -24,6 +27,13 @@ NPROC=$1; shift
 source "$(dirname "${BASH_SOURCE[0]}")/python.sh"
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+if [ "${LAYOUT:-}" = auto ]; then  # the planner's layout when the run has another world size
+  # shellcheck source=launch/layout.sh
+  source "$(dirname "${BASH_SOURCE[0]}")/layout.sh"
+  WORDS=$(auto_layout "$((NPROC * NNODES))" "$@") || exit 2
+  # shellcheck disable=SC2086
+  set -- "$@" $WORDS
+fi
 "$PYTHON" -m megaformer train "$@" --dry-run --world-size "$((NPROC * NNODES))" > /dev/null
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ARGS=(--nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}")

@@ -39,10 +39,13 @@ RUN_DIR_ENTRIES = (
     "tensorboard",
     "wandb",
     "wandb_run_id",
+    "profile",
+    "stragglers.json",
+    "layout.json",
 )
 # Folders of a run directory whose entries megaformer (or a library it drives) writes. W&B's own
 # wandb/ folder holds a link it makes itself (latest-run); the folder may not be a link.
-RUN_DIR_FOLDERS = ("checkpoints", "logs", "report", "data_cache", "tensorboard")
+RUN_DIR_FOLDERS = ("checkpoints", "logs", "report", "data_cache", "tensorboard", "profile")
 
 
 def refuse_link(path: Path, error: Type[UserError] = CheckpointError) -> None:

@@ -242,8 +242,36 @@ def summary_markdown(run_dir: Path, records: list[dict], source: str, plots: lis
             "No MFU: the run had no known peak (a CPU, or a GPU without log.gpu / "
             "log.peak_tflops).",
         ]
+    files = artifacts(run_dir)
+    if files:
+        lines += ["", "## Diagnostics files", ""] + [f"- `{rel}`: {what}" for rel, what in files]
     lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+#: (pattern under RUN_DIR, what it is): the diagnostics files a run leaves beside its metrics
+ARTIFACTS = [
+    (
+        "profile/rank_*/*.pt.trace.json*",
+        "profiler trace (TensorBoard profiler plugin, ui.perfetto.dev)",
+    ),
+    ("profile/memory_rank_*.pickle", "CUDA memory snapshot (pytorch.org/memory_viz)"),
+    ("stragglers.json", "straggler detection: flagged ranks and hosts"),
+    ("logs/hang.log", "hang attribution: the ranks that did not arrive"),
+    ("logs/collectives_rank_*.json", "per-rank collective record dumped at a hang"),
+    ("logs/nccl_trace_rank_*", "NCCL flight recorder dump"),
+]
+
+
+def artifacts(run_dir: Path) -> list[tuple[str, str]]:
+    """(path relative to ``run_dir``, what it is) of every diagnostics file the run holds (links
+    are not listed)."""
+    found = []
+    for pattern, what in ARTIFACTS:
+        for path in sorted(run_dir.glob(pattern)):
+            if path.is_file() and not any(p.is_symlink() for p in (path, *path.parents)):
+                found.append((str(path.relative_to(run_dir)), what))
+    return found
 
 
 def write_report(run_dir: str | Path, out: Optional[str | Path] = None) -> dict:
@@ -266,6 +294,7 @@ def write_report(run_dir: str | Path, out: Optional[str | Path] = None) -> dict:
         "plots": [str(p) for p in plots],
         "records": len(records),
         "medians": medians(records),
+        "artifacts": artifacts(run_dir),
     }
 
 

@@ -26,6 +26,7 @@ from megaformer.cli import (
     generate,
     plan,
     prepare_data,
+    replay,
     report,
     train,
 )
@@ -44,6 +45,7 @@ SUBCOMMANDS = [
     flops,
     plan,
     report,
+    replay,
     bench,
     check,
     env,

@@ -14,7 +14,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="plots and a markdown summary of a run directory",
         description="Read RUN_DIR/metrics.jsonl (or its TensorBoard events) and write PNG plots of loss, "
         "lr, tokens/s, TFLOP/s per GPU, MFU and memory over steps plus summary.md with "
-        "medians. Works on a run still in progress.",
+        "medians; list the run's profiler traces, memory snapshots, straggler and hang "
+        "files. Works on a run still in progress.",
     )
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument(
@@ -43,5 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"comparison: {c['summary']} ({len(c['plots'])} plots)")
         return 0
     r = write_report(args.run_dir, args.out)
+    for rel, what in r["artifacts"]:
+        print(f"{rel}: {what}")
     print(f"report: {r['summary']} ({len(r['plots'])} plots, {r['records']} records)")
     return 0

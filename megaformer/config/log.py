@@ -41,6 +41,31 @@ class LogConfig:
         "Steps between diagnostics passes when log.diagnostics is on (one extra no-grad "
         "forward of one micro-batch each).",
     )
+    straggler_interval: int = option(
+        50,
+        "Straggler detection: every N steps the ranks compare the time each spent per step "
+        "outside collectives (its lower quartile over the interval; one all-gather of a few "
+        "numbers); a rank or host more than log.straggler_threshold above the median is named in the log with its host and GPU, in "
+        "metrics.jsonl/TensorBoard (straggler/*) and in RUN_DIR/stragglers.json. 0 = off.",
+    )
+    straggler_threshold: float = option(
+        0.10, "Fraction above the median rank (or host) at which straggler detection names it."
+    )
+    profile_steps: Optional[list[int]] = option(
+        None,
+        "[FIRST, LAST]: record a torch.profiler trace of steps FIRST..LAST on the ranks of "
+        "log.profile_ranks, written to RUN_DIR/profile/rank_N/ (TensorBoard's profiler plugin "
+        "and Perfetto read it). null = no profiling.",
+    )
+    profile_ranks: Optional[list[int]] = option(
+        None, "Ranks that record log.profile_steps and log.memory_snapshot_step (null = rank 0)."
+    )
+    memory_snapshot_step: Optional[int] = option(
+        None,
+        "Record the CUDA allocator's history from the start and write a memory snapshot after "
+        "this step to RUN_DIR/profile/memory_rank_N.pickle on the ranks of log.profile_ranks (open it at pytorch.org/memory_viz); "
+        "CUDA only: on a CPU run a one-line notice says so. null = none.",
+    )
     wandb: bool = option(
         False,
         "Also log to Weights & Biases (rank 0): the metrics.jsonl scalars, the resolved "

@@ -5,6 +5,10 @@ The variable holds faults separated by ``;``, each ``KIND@step=S[,rank=R][,attem
     nan           the loss of rank R's first micro-batch of step S is multiplied by NaN (so its
                   gradients are NaN too) before the backward pass
     stall         rank R sleeps T seconds (default 3600) at the start of step S
+    slow          rank R computes T CPU seconds longer (default 0.2; a busy loop) at the start of
+                  every step S1..S2: a straggler the other ranks wait for in each step
+    blowup        at the start of step S, rank R multiplies the matrices of block L (``layer=L``,
+                  0-based) by F (``factor=F``, default 10): a weight blow-up for the replay
     kill          rank R sends itself SIGKILL at the start of step S
     sigterm       rank R sends itself SIGTERM in the middle of step S (after the backward pass)
     sigusr1       the same with SIGUSR1 (Slurm's warning signal)
@@ -33,7 +37,7 @@ import torch
 from megaformer.errors import LaunchError
 
 ENV = "MEGAFORMER_FAULT"
-KINDS = ("nan", "stall", "kill", "sigterm", "sigusr1", "kill-in-save")
+KINDS = ("nan", "stall", "slow", "blowup", "kill", "sigterm", "sigusr1", "kill-in-save")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class Fault:
     rank: Optional[int] = None
     attempt: int = 0
     seconds: float = 3600.0
+    layer: int = 0
+    factor: float = 10.0
 
     def hits(self, kind: str, step: int, rank: int, attempt: int) -> bool:
         return (
@@ -61,7 +67,7 @@ def parse(spec: str) -> list[Fault]:
         fields = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
         if kind not in KINDS or "step" not in fields:
             raise LaunchError(
-                f"{ENV}={spec!r}: expected KIND@step=S[,rank=R][,attempt=A] with KIND "
+                f"{ENV}={spec!r}: expected KIND@step=S[,rank=R][,attempt=A][,seconds=T] with KIND "
                 f"one of {', '.join(KINDS)}"
             )
         first, _, last = fields["step"].partition("-")
@@ -72,7 +78,9 @@ def parse(spec: str) -> list[Fault]:
                 int(last or first),
                 int(fields["rank"]) if "rank" in fields else None,
                 int(fields.get("attempt", 0)),
-                float(fields.get("seconds", 3600)),
+                float(fields.get("seconds", 0.2 if kind == "slow" else 3600)),
+                int(fields.get("layer", 0)),
+                float(fields.get("factor", 10.0)),
             )
         )
     return faults
@@ -106,6 +114,22 @@ class FaultPlan:
         stall = self._hit("stall", step)
         if stall:
             time.sleep(stall.seconds)
+        slow = self._hit("slow", step)
+        if slow:  # busy: the rank computes longer, as a slow device or host does
+            end = time.process_time() + slow.seconds
+            while time.process_time() < end:
+                pass
+
+    def weights(self, step: int, model: torch.nn.Module) -> None:
+        """``blowup``: block L's matrices times F, in place, before step ``step`` trains."""
+        fault = self._hit("blowup", step)
+        if fault is None:
+            return
+        prefix = f"layers.{fault.layer}."
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith(prefix) and p.dim() >= 2:
+                    p.mul_(fault.factor)
 
     def loss(self, step: int, micro: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if micro == 0 and self._hit("nan", step) else loss

@@ -8,8 +8,11 @@ counts):
     BackgroundWriteCheck   a failed asynchronous save raises at the next step boundary
     StopAgreement          signals / time limit and non-finite steps, agreed over ranks (one all-reduce)
     Watchdog               a stalled step names itself in the rank's log
+    StragglerDetector      per-rank time outside collectives, compared every
+                           ``log.straggler_interval`` steps (:mod:`megaformer.training.stragglers`)
     IntervalMetrics        progress bar; opens the record every ``log.interval`` steps (and on skips)
     BadSteps               reports skipped steps; too many in a row end the run
+    LossSpikes             a loss far above the recent median names the replay command
     Diagnostics            residual-stream diagnostics into the record
     Validation             validation loss into the record
     TaskEvaluation         lm-eval task scores into the record
@@ -21,6 +24,8 @@ counts):
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -148,9 +153,10 @@ class BadSteps(StepHook):
         console: Console,
         metrics: Any,
         latest_checkpoint: Callable[[], Optional[Path]],
+        run_dir: Optional[Path] = None,
     ) -> None:
         self.counter, self.console, self.metrics = counter, console, metrics
-        self.latest_checkpoint = latest_checkpoint
+        self.latest_checkpoint, self.run_dir = latest_checkpoint, run_dir
 
     def after_step(self, state: StepState, record: dict) -> None:
         r, c = state.result, self.counter
@@ -159,6 +165,7 @@ class BadSteps(StepHook):
                 f"step {state.step}: non-finite loss or gradient norm on some rank (loss "
                 f"{r['loss']:.4g}, grad norm {r['grad_norm']:.4g}): update skipped "
                 f"({c.consecutive + 1} in a row, {c.total + 1} in total)"
+                + (f"; see why: {replay_command(self.run_dir, state.step)}" if self.run_dir else "")
             )
         latest = self.latest_checkpoint() if r["bad"] else None
         try:
@@ -168,6 +175,34 @@ class BadSteps(StepHook):
                 record["skipped_steps"] = c.total
                 if c.consecutive >= c.max_consecutive:
                     self.metrics.write(record)  # the run ends with the error just raised
+
+
+def replay_command(run_dir: Path, step: int) -> str:
+    """The command that re-runs ``step`` with per-layer diagnostics (:mod:`.replay`)."""
+    return f"megaformer replay {run_dir} --steps {step}..{step}"
+
+
+class LossSpikes(StepHook):
+    """A finite loss more than ``factor`` x the median of the last ``window`` good steps (and
+    after at least ``window`` of them) is logged with the replay command for its step."""
+
+    def __init__(self, console: Console, run_dir: Path, window: int = 20, factor: float = 1.5):
+        self.console, self.run_dir, self.window, self.factor = console, run_dir, window, factor
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def after_step(self, state: StepState, record: dict) -> None:
+        loss, bad = state.result["loss"], state.result["bad"]
+        if bad or not math.isfinite(loss):
+            return
+        if len(self.recent) == self.window:
+            median = statistics.median(self.recent)
+            if loss > self.factor * median:
+                self.console.write(
+                    f"step {state.step}: loss {loss:.4g} spiked to {loss / median:.2f}x the "
+                    f"median {median:.4g} of the last {self.window} steps; see why: "
+                    f"{replay_command(self.run_dir, state.step)}"
+                )
+        self.recent.append(loss)
 
 
 class Diagnostics(StepHook):

@@ -29,7 +29,7 @@ import torch
 
 from megaformer.checkpoint.checkpointer import Checkpointer, Trained, TrainState
 from megaformer.checkpoint.files import write_text_atomic
-from megaformer.comm import broadcast_from_main
+from megaformer.comm import broadcast_from_main, flight
 from megaformer.config import Config
 from megaformer.config.preflight import preflight
 from megaformer.data.dataset import TrainLoader, validation_batches
@@ -50,16 +50,18 @@ from megaformer.runtime.run_lock import acquire_on_rank0
 from megaformer.safe_files import check_run_dir
 from megaformer.training import deepspeed_adapter as ds_adapter
 from megaformer.training import distributed as dist
-from megaformer.training import hooks, wandb_log
+from megaformer.training import hooks, profiling, wandb_log
 from megaformer.training.bad_steps import BadStepCounter
 from megaformer.training.console import Console, log_summary
 from megaformer.training.deepspeed_config import build_deepspeed_config, zero3_partitioner
 from megaformer.training.faults import FaultPlan
+from megaformer.training.hang import HangReport, nccl_flight_recorder_env
 from megaformer.training.intervals import LoopIntervals
 from megaformer.training.loop import TrainLoop
 from megaformer.training.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
 from megaformer.training.preemption import StopRequest
 from megaformer.training.schedule import lr_lambda
+from megaformer.training.stragglers import StragglerDetector
 from megaformer.training.train_step import train_step_class
 from megaformer.training.watchdog import StepWatchdog
 
@@ -168,6 +170,8 @@ class Trainer:
             else None
         )
         self.extra_hooks: list[tuple[Any, Optional[int]]] = []  # see add_hook
+        # end the loop after this step, the schedule still that of train.steps (a replay)
+        self.stop_after: Optional[int] = None
 
     # ------------------------------------------------------------------------- setup
 
@@ -175,6 +179,11 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        # every collective counted per group (hang attribution, straggler timing): installed
+        # before DeepSpeed's comm layer looks its functions up
+        self.flight = flight.recorder()
+        if self.proc.device.type == "cuda":
+            nccl_flight_recorder_env(self.run_dir / "logs")
         dist.init_distributed(self.proc, cfg.parallel.collective_timeout_minutes)
         self.run_lock = acquire_on_rank0(self.run_dir, self.rank)  # one job per run directory
         self.topo = build_topology(
@@ -198,6 +207,9 @@ class Trainer:
             for tmp in self.checkpointer.half_written():
                 log.warning("ignoring %s: a checkpoint save that did not complete", tmp)
         self.faults = FaultPlan.from_env(self.rank)
+        self.profiled = self.rank in profiling.profiled_ranks(cfg.log.profile_ranks)
+        if cfg.log.memory_snapshot_step is not None and self.profiled:
+            profiling.start_memory_history(self.proc.device)  # before the model is built
         self.tokenizer, data = setup_data(
             cfg,
             self.run_dir,
@@ -407,6 +419,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step (:class:`~megaformer.training.train_step.TrainStep`)."""
+        self.faults.weights(self.step + 1, self.plain_model)
         result = self.stepper(self.step + 1, self.loader)
         self.step += 1
         return result
@@ -463,7 +476,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         console = Console(self.is_main, cfg.log.progress_bar, t.steps, self.step)
         due = LoopIntervals.from_config(cfg)
-        loop = TrainLoop(lambda n: self.train_step(), t.steps)
+        loop = TrainLoop(lambda n: self.train_step(), min(t.steps, self.stop_after or t.steps))
         if cfg.checkpoint.async_save:  # a failed background save stops the run at a step boundary
             loop.add_hook(hooks.BackgroundWriteCheck(self.checkpointer))
         loop.add_hook(hooks.StopAgreement(StopRequest(t.exit_after_minutes)))
@@ -475,7 +488,20 @@ class Trainer:
                         t.watchdog_min_seconds,
                         self.run_dir / "logs" / f"rank_{self.rank}.log",
                         self.rank,
+                        hang=HangReport(self.run_dir / "logs", self.rank),
                     )
+                )
+            )
+        if cfg.log.straggler_interval > 0:
+            loop.add_hook(
+                StragglerDetector(
+                    cfg.log.straggler_interval,
+                    cfg.log.straggler_threshold,
+                    self.flight,
+                    self.rank,
+                    self.proc.device,
+                    self.run_dir,
+                    host_group(),
                 )
             )
         metrics = loop.add_hook(
@@ -488,8 +514,11 @@ class Trainer:
             )
         )
         loop.add_hook(
-            hooks.BadSteps(self.bad_steps, console, self.metrics, self.checkpointer.latest)
+            hooks.BadSteps(
+                self.bad_steps, console, self.metrics, self.checkpointer.latest, self.run_dir
+            )
         )
+        loop.add_hook(hooks.LossSpikes(console, self.run_dir))
         if self.diagnostics is not None:
             loop.add_hook(hooks.Diagnostics(self.diagnostics))
         validation = loop.add_hook(
@@ -497,11 +526,30 @@ class Trainer:
         )
         if self.task_eval is not None:
             loop.add_hook(hooks.TaskEvaluation(self.task_eval, self._evaluate_tasks, console))
+        for hook in self._profiling_hooks():
+            loop.add_hook(hook)
         for hook, every in self.extra_hooks:
             loop.add_hook(hook, every)
         checkpoints = hooks.Checkpoints(self.save, due, console, self.checkpointer)
         loop.tail += [hooks.WriteRecord(self.metrics, console), checkpoints]
         return loop, metrics, validation, checkpoints
+
+    def _profiling_hooks(self) -> list[Any]:
+        """``log.profile_steps`` and ``log.memory_snapshot_step`` on the ranks of
+        ``log.profile_ranks`` (:mod:`megaformer.training.profiling`)."""
+        lg, out, device = self.cfg.log, self.run_dir / profiling.PROFILE_DIR, self.proc.device
+        if not self.profiled:
+            return []
+        found: list[Any] = []
+        if lg.profile_steps is not None:
+            first, last = lg.profile_steps
+            found.append(
+                profiling.ProfileSteps(first, last, out / f"rank_{self.rank}", self.rank, device)
+            )
+        if lg.memory_snapshot_step is not None:
+            path = out / f"memory_rank_{self.rank}.pickle"
+            found.append(profiling.MemorySnapshot(lg.memory_snapshot_step, path, device))
+        return found
 
     def _evaluate_tasks(self) -> tuple[dict, str]:
         """eval.tasks on the live model (:mod:`megaformer.evaluation.training`)."""

@@ -98,7 +98,8 @@ def test_sigterm_then_killed_save_then_killed_rank_continue_exactly(tmp_path, dd
 def test_nan_on_one_rank_is_skipped_then_a_stalled_rank_trips_the_watchdog(tmp_path):
     """ZeRO-2, 2 ranks: rank 1's loss is NaN in step 2 -> every rank skips the update (weights of
     steps 1 and 2 identical), training goes on; rank 1 then stalls in step 5 -> each rank's watchdog
-    writes its stacks to logs/rank_N.log and the run ends non-zero within seconds (15 s limit: a
+    writes its stacks to logs/rank_N.log, rank 0 names rank 1 as the rank its collective waits for
+    (logs/hang.log) and the run ends non-zero within seconds (15 s limit: a
     step on a loaded 2-core machine can take over 5 s, which fired the watchdog early)."""
     run = tmp_path / "run"
     t0 = time.monotonic()
@@ -127,6 +128,8 @@ def test_nan_on_one_rank_is_skipped_then_a_stalled_rank_trips_the_watchdog(tmp_p
         assert f"megaformer watchdog (rank {rank}): step 5 has run" in log, log[-2000:]
         assert "most recent call first" in log and "Thread 0x" in log
     assert "in step_start" in (run / "logs" / "rank_1.log").read_text()  # the stalled frame
+    (hang,) = (run / "logs" / "hang.log").read_text().splitlines()  # one line, by rank 0
+    assert hang.startswith("megaformer hang: ") and "did not arrive: rank 1 (" in hang, hang
 
 
 @pytest.mark.slow

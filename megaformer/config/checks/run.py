@@ -85,6 +85,18 @@ def check_outputs(cfg: Config) -> None:
     positive("log.sample_tokens", cfg.log.sample_tokens, allow_zero=True)
     positive("log.peak_tflops", cfg.log.peak_tflops)
     positive("log.diagnostics_interval", cfg.log.diagnostics_interval)
+    positive("log.straggler_interval", cfg.log.straggler_interval, allow_zero=True)
+    positive("log.straggler_threshold", cfg.log.straggler_threshold)
+    positive("log.memory_snapshot_step", cfg.log.memory_snapshot_step)
+    steps = cfg.log.profile_steps
+    require(
+        steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+        f"log.profile_steps={steps}: expected [FIRST, LAST] with 1 <= FIRST <= LAST",
+    )
+    require(
+        all(r >= 0 for r in cfg.log.profile_ranks or []),
+        f"log.profile_ranks={cfg.log.profile_ranks}: ranks are >= 0",
+    )
     require(
         not (cfg.log.diagnostics and cfg.parallel.zero_stage == 3),
         "log.diagnostics=true with parallel.zero_stage=3: ZeRO-3 partitions the weights the "
