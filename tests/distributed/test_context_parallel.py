@@ -235,7 +235,11 @@ CASES = {
         for docs in (False, True)
     ]
     + [(1, 2, mode, False, "gqa-window-qknorm", True) for mode in ("ring", "all_to_all")]
-    + [(1, 2, mode, False, "mla", docs) for mode in ("ring", "all_to_all") for docs in (False, True)],
+    + [
+        (1, 2, mode, False, "mla", docs)
+        for mode in ("ring", "all_to_all")
+        for docs in (False, True)
+    ],
     4: [
         (1, 4, mode, False, variant, docs)
         for mode in ("ring", "all_to_all")
