@@ -45,7 +45,7 @@ fi
 (timeout 10 munge -n | timeout 10 unmunge) >/dev/null 2>&1 || skip "munge does not answer"
 
 HOST=$(hostname -s)
-CPUS=$(nproc)
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc honours OMP_NUM_THREADS
 mkdir -p "$STATE/ctld" "$STATE/d"
 export SLURM_CONF=$CONF
 if ! scontrol ping 2>/dev/null | grep -q UP; then
