@@ -1,6 +1,6 @@
 """``megaformer replay``: a clean window of a run is replayed bit for bit from the checkpoint before
 it and nothing is reported; a weight blow-up injected into block 2 at step 7 is attributed to step
-7 and block 2."""
+7 and block 2; one micro-batch scaled out of range at step 7 is attributed to that micro-batch."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def train_then_replay(run, steps: str, fault: str = ""):
     lines = [
         line
         for line in replayed.stdout.splitlines()
-        if line.startswith(("replay of", "losses:", "bands:"))
+        if line.startswith(("replay of", "losses:", "bands:", "micro-batches:"))
     ]
     print("\n".join(lines))
     return lines
@@ -42,6 +42,7 @@ def test_a_clean_window_replays_bit_for_bit_and_reports_nothing(tmp_path):
     assert lines[0].startswith(f"replay of steps 6-8 of {run} from checkpoint step 4")
     assert lines[1].startswith("losses: reproduced bit for bit at all 4 logged steps"), lines
     assert lines[2].startswith("bands: no layer's"), lines
+    assert lines[3].startswith("micro-batches: none left its band"), lines
     records = [
         json.loads(x) for x in (run / "replay_6-8" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -61,3 +62,19 @@ def test_a_weight_blow_up_in_block_2_is_attributed_to_its_step_and_block(tmp_pat
     lines = train_then_replay(run, "6..9", fault="blowup@step=7,layer=2,factor=10")
     assert lines[1].startswith("losses: reproduced bit for bit"), lines
     assert lines[2].startswith("bands: first left at step 7, layer_02 (blocks.2)"), lines
+    assert lines[3].startswith("micro-batches: first left at step 7, micro-batch "), lines
+    assert "(2 of the step's 2 micro-batches out: suspect the weights" in lines[3], lines
+
+
+@pytest.mark.slow
+def test_one_micro_batch_out_of_range_is_attributed_to_its_step_and_micro_batch(tmp_path):
+    # train.global_batch_size 8 = 2 micro-batches of 4 on one rank; micro-batch 1 of step 7 has
+    # its token embeddings times 20 (the step's held-out diagnostics batch does not see it)
+    run = tmp_path / "run"
+    lines = train_then_replay(run, "6..9", fault="scale@step=7,micro=1,factor=20")
+    assert lines[1].startswith("losses: reproduced bit for bit"), lines
+    assert lines[3].startswith("micro-batches: first left at step 7, micro-batch 1, layer_"), lines
+    assert "residual RMS" in lines[3], lines
+    assert "(1 of the step's 2 micro-batches out: suspect that micro-batch's data)" in lines[3]
+    report = json.loads((run / "replay_6-9" / "replay.json").read_text())
+    assert (report["micro"]["step"], report["micro"]["micro"]) == (7, 1)
