@@ -78,3 +78,34 @@ def test_one_micro_batch_out_of_range_is_attributed_to_its_step_and_micro_batch(
     assert "(1 of the step's 2 micro-batches out: suspect that micro-batch's data)" in lines[3]
     report = json.loads((run / "replay_6-9" / "replay.json").read_text())
     assert (report["micro"]["step"], report["micro"]["micro"]) == (7, 1)
+
+
+def _train_and_replay_dp2(rank: int, world: int, run, overrides: list[str]) -> list[str]:
+    from pathlib import Path
+
+    from megaformer.config import load_config
+    from megaformer.training.replay import replay
+    from megaformer.training.trainer import train
+
+    train(load_config(Path("configs/quickstart.yaml"), overrides), run)
+    return replay(run, 6, 9).lines()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_two_rank_replay_names_the_micro_batch_and_its_data_parallel_rank(tmp_path, monkeypatch):
+    # DP2, 2 micro-batches of 2 per rank: rank 1's micro-batch 1 of step 7 is scaled; rank 1 waits
+    # for rank 0 to prepare the replay's folder
+    from tests.dist_harness import run_ranks
+
+    monkeypatch.setenv("MEGAFORMER_FAULT", "scale@step=7,micro=1,rank=1,factor=20")
+    overrides = tiny_overrides(**BASE, **{"train.micro_batch_size": 2})
+    run = tmp_path / "run"
+    r0, r1 = run_ranks(2, _train_and_replay_dp2, run, overrides, timeout=300)
+    print("\n".join(r0))
+    assert r0 == r1  # every rank judges the same
+    assert r0[1].startswith("losses: reproduced bit for bit"), r0
+    assert r0[3].startswith(
+        "micro-batches: first left at step 7, micro-batch 1 of data-parallel rank 1, layer_"
+    ), r0
+    assert "(1 of the step's 4 micro-batches out: suspect that micro-batch's data)" in r0[3], r0
