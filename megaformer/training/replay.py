@@ -357,6 +357,7 @@ class ReplayReport:
     anomaly: Optional[dict] = None
     micro: Optional[dict] = None
     micro_note: str = ""  # why micro-batches were not judged ("" when they were)
+    micro_figures: list[dict[str, float]] = field(default_factory=list)  # at ``micro``'s step
     dp: int = 1
 
     @property
@@ -558,14 +559,24 @@ def replay(run_dir: Path, first: int, last: int, out: Optional[Path] = None) -> 
         from megaformer.comm import all_gather_objects
 
         mine = first_micro_anomaly(probe.figures, cfg.model.n_layers)
-        report.micro = earliest_micro_anomaly(all_gather_objects(mine, trainer.topo.groups.dp))
+        dp = trainer.topo.groups.dp
+        report.micro = earliest_micro_anomaly(all_gather_objects(mine, dp))
+        if report.micro is not None:  # the figures of that step's micro-batches on that rank
+            x = report.micro
+            held = probe.figures[x["step"]] if trainer.topo.dp_rank == x["dp_rank"] else None
+            report.micro_figures = next(f for f in all_gather_objects(held, dp) if f is not None)
     if rank == 0:
         text = "# Replay\n\n" + "\n".join(f"- {line}" for line in report.lines()) + "\n"
         write_atomic(replay_dir / "replay.md", text, fsync=False, error=ReplayError)
         write_atomic(
             replay_dir / "replay.json",
             json.dumps(
-                {"compared": report.compared, "anomaly": report.anomaly, "micro": report.micro}
+                {
+                    "compared": report.compared,
+                    "anomaly": report.anomaly,
+                    "micro": report.micro,
+                    "micro_figures": report.micro_figures,
+                }
             ),
             fsync=False,
             error=ReplayError,

@@ -78,6 +78,12 @@ def test_one_micro_batch_out_of_range_is_attributed_to_its_step_and_micro_batch(
     assert "(1 of the step's 2 micro-batches out: suspect that micro-batch's data)" in lines[3]
     report = json.loads((run / "replay_6-9" / "replay.json").read_text())
     assert (report["micro"]["step"], report["micro"]["micro"]) == (7, 1)
+    clean, scaled = report["micro_figures"]  # step 7's two micro-batches, as the diagnostics saw
+    assert scaled["resid/layer_00/rms"] > 4 * clean["resid/layer_00/rms"]
+    # each micro-batch's loss is its training loss: their mean is the step's logged loss
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    step7 = next(r["loss"] for r in logged if r.get("step") == 7 and "loss" in r)
+    assert (clean["loss"] + scaled["loss"]) / 2 == pytest.approx(step7, rel=1e-5)
 
 
 def _train_and_replay_dp2(rank: int, world: int, run, overrides: list[str]) -> list[str]:
