@@ -1,5 +1,6 @@
 """``megaformer replay RUN --steps A..B``: re-run steps of a run bit for bit from its checkpoint
-before A and say whether the losses reproduce and where a layer left its band."""
+before A and say whether the losses reproduce and where (step, layer, micro-batch) a figure left its
+band."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "with RUN's own config at its layout (launch with as many ranks as the run had), "
         "logging every step with the residual-stream diagnostics and per-layer gradient and "
         "update norms. Prints whether the logged losses were reproduced bit for bit (if not: "
-        "suspect the hardware of the original run) and the first step and layer where the "
+        "suspect the hardware of the original run), the first step and layer where the "
         "residual RMS, the max attention logit or the update norm / lr moved more than 4x from "
-        "its median over the earlier replayed steps. Writes RUN/replay_A-B/ (metrics.jsonl, "
-        "replay.md); saves no checkpoint.",
+        "its median over the earlier replayed steps, and the first step, micro-batch and layer "
+        "where a training micro-batch's loss, residual RMS or max attention logit did (each "
+        "micro-batch of each step gets the diagnostics pass). Writes RUN/replay_A-B/ "
+        "(metrics.jsonl, replay.md, replay.json); saves no checkpoint.",
     )
     rp.add_argument("run_dir", metavar="RUN")
     rp.add_argument(

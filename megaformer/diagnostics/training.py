@@ -74,6 +74,20 @@ class DiagnosticsHook:
         out["diag_time_s"] = time.perf_counter() - t0
         return out
 
+    def on_batch(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """The same pass on another micro-batch (every rank of the TP and PP groups calls, each
+        with its own), without the FP8 demotion check."""
+        kept = self.ids, self.labels, self.demotion
+        self.ids, self.labels, self.demotion = (
+            ids.to(kept[0].device),
+            labels.to(kept[0].device),
+            None,
+        )
+        try:
+            return self()
+        finally:
+            self.ids, self.labels, self.demotion = kept
+
     # ------------------------------------------------------------------ pipeline
 
     def _peer(self, stage: int) -> int:

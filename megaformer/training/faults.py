@@ -9,6 +9,9 @@ The variable holds faults separated by ``;``, each ``KIND@step=S[,rank=R][,attem
                   every step S1..S2: a straggler the other ranks wait for in each step
     blowup        at the start of step S, rank R multiplies the matrices of block L (``layer=L``,
                   0-based) by F (``factor=F``, default 10): a weight blow-up for the replay
+    scale         in step S, rank R's token embeddings of micro-batch J (``micro=J``, 0-based) are
+                  multiplied by F (``factor=F``, default 10): one micro-batch far out of range,
+                  for the replay's attribution to a micro-batch (not under pipeline parallelism)
     kill          rank R sends itself SIGKILL at the start of step S
     sigterm       rank R sends itself SIGTERM in the middle of step S (after the backward pass)
     sigusr1       the same with SIGUSR1 (Slurm's warning signal)
@@ -25,19 +28,20 @@ of an empty :class:`FaultPlan`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from megaformer.errors import LaunchError
 
 ENV = "MEGAFORMER_FAULT"
-KINDS = ("nan", "stall", "slow", "blowup", "kill", "sigterm", "sigusr1", "kill-in-save")
+KINDS = ("nan", "stall", "slow", "blowup", "scale", "kill", "sigterm", "sigusr1", "kill-in-save")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Fault:
     seconds: float = 3600.0
     layer: int = 0
     factor: float = 10.0
+    micro: int = 0
 
     def hits(self, kind: str, step: int, rank: int, attempt: int) -> bool:
         return (
@@ -81,6 +86,7 @@ def parse(spec: str) -> list[Fault]:
                 float(fields.get("seconds", 0.2 if kind == "slow" else 3600)),
                 int(fields.get("layer", 0)),
                 float(fields.get("factor", 10.0)),
+                int(fields.get("micro", 0)),
             )
         )
     return faults
@@ -130,6 +136,20 @@ class FaultPlan:
             for name, p in model.named_parameters():
                 if name.startswith(prefix) and p.dim() >= 2:
                     p.mul_(fault.factor)
+
+    @contextlib.contextmanager
+    def micro_batch(self, step: int, micro: int, model: torch.nn.Module) -> Iterator[None]:
+        """``scale``: inside, model's token embeddings come out times F when ``micro`` is J."""
+        fault = self._hit("scale", step)
+        if fault is None or fault.micro != micro:
+            yield
+            return
+        embedding = next(m for n, m in model.named_modules() if n.endswith("tok_embeddings"))
+        handle = embedding.register_forward_hook(lambda m, i, out: out * fault.factor)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def loss(self, step: int, micro: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if micro == 0 and self._hit("nan", step) else loss

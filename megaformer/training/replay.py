@@ -21,6 +21,16 @@ q in {residual RMS, max attention logit, update norm / lr} and layer l, step n l
     |log(q_l(n) / median_{c < m < n} q_l(m))| > log(BAND)        (at least two earlier steps)
 
 and the report names the first such step and, at it, the layer and quantity furthest out.
+
+Micro-batches: before each replayed step trains, the same diagnostics run on each of its training
+micro-batches (x_j, y_j) at the step's starting weights (the weights every micro-batch of the step
+sees), giving per micro-batch j and layer l the residual RMS and max attention logit, and the loss of
+the micro-batch (the last block's logit lens: the model's loss without dropout). Each
+data-parallel rank judges its own micro-batches by the same rule, against the median over its
+micro-batches of the earlier replayed steps, and the report names the first step where a
+micro-batch left its band: the micro-batch (and data-parallel rank), layer and quantity furthest
+out. A spike that one micro-batch's data caused shows there while the step's figures (a fixed
+held-out micro-batch) stay in band; a weight blow-up moves every micro-batch.
 """
 
 from __future__ import annotations
@@ -47,6 +57,12 @@ QUANTITIES = (
     ("resid/{layer}/rms", "residual RMS"),
     ("attn/{layer}/max_logit", "max attention logit"),
     ("update_per_lr/{layer}", "update norm / lr"),
+)
+
+
+MICRO_QUANTITIES = (
+    ("resid/{layer}/rms", "residual RMS"),
+    ("attn/{layer}/max_logit", "max attention logit"),
 )
 
 
@@ -120,6 +136,109 @@ class LayerNorms(StepHook):
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+# ----------------------------------------------------------------------------- per micro-batch
+
+
+class _Given:
+    """A loader whose next step is the micro-batches already read."""
+
+    def __init__(self, batches: list, loader: Any) -> None:
+        self.batches, self.loader = batches, loader
+
+    def next_step(self) -> list:
+        return self.batches
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+class MicroBatchProbe:
+    """The train step, wrapped: before step n trains, the diagnostics pass (a no-grad forward
+    each) on every micro-batch of n, kept in ``figures[n][j]``: per layer the residual RMS and max
+    attention logit, and ``loss``."""
+
+    def __init__(self, stepper: Any, diagnostics: Any, faults: Any, model: Any, n_layers: int):
+        self.stepper, self.diagnostics, self.faults = stepper, diagnostics, faults
+        self.model, self.n_layers = model, n_layers
+        self.figures: dict[int, list[dict[str, float]]] = {}
+
+    def __call__(self, step: int, loader: Any) -> dict[str, Any]:
+        from megaformer.diagnostics.metrics import layer_name
+
+        batches = loader.next_step()
+        last = layer_name(self.n_layers - 1, self.n_layers)
+        keys = [
+            p.format(layer=layer_name(i, self.n_layers))
+            for i in range(self.n_layers)
+            for p, _ in MICRO_QUANTITIES
+        ]
+        figures = []
+        for j, (x, y) in enumerate(batches):
+            with self.faults.micro_batch(step, j, self.model):
+                out = self.diagnostics.on_batch(x, y)
+            figures.append({k: out[k] for k in keys if k in out})
+            figures[-1]["loss"] = out.get(f"logit_lens/{last}/loss", float("nan"))
+        self.figures[step] = figures
+        return self.stepper(step, _Given(batches, loader))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stepper, name)
+
+
+def first_micro_anomaly(
+    figures: dict[int, list[dict[str, float]]], n_layers: int
+) -> Optional[dict]:
+    """The first step where one of its micro-batches left the band (see the module docstring),
+    with the micro-batch, layer and quantity furthest out; ``median`` over the micro-batches of the
+    earlier steps (at least two steps)."""
+    from megaformer.diagnostics.metrics import layer_name
+
+    quantities = [("loss", "", "loss")] + [
+        (p.format(layer=layer_name(i, n_layers)), layer_name(i, n_layers), label)
+        for i in range(n_layers)
+        for p, label in MICRO_QUANTITIES
+    ]
+    steps = sorted(figures)
+    for i, n in enumerate(steps[2:], start=2):
+        out = []
+        for key, layer, label in quantities:
+            earlier = [f[key] for m in steps[:i] for f in figures[m] if _finite(f.get(key))]
+            if not earlier or statistics.median(earlier) <= 0:
+                continue
+            median = statistics.median(earlier)
+            for j, f in enumerate(figures[n]):
+                value = f.get(key)
+                if _finite(value) and value > 0 and abs(math.log(value / median)) > math.log(BAND):
+                    out.append(
+                        {
+                            "step": n,
+                            "micro": j,
+                            "layer": layer,
+                            "quantity": label,
+                            "value": value,
+                            "median": median,
+                            "ratio": value / median,
+                            "since": steps[0],
+                        }
+                    )
+        if out:
+            top = max(out, key=lambda x: abs(math.log(x["ratio"])))
+            return dict(top, n_out=len({x["micro"] for x in out}), n_micro=len(figures[n]))
+    return None
+
+
+def earliest_micro_anomaly(found: list[Optional[dict]]) -> Optional[dict]:
+    """Of each data-parallel rank's first micro-batch anomaly (in rank order), the earliest step's
+    furthest out, with its rank as ``dp_rank``, ``n_out`` the micro-batches out at that step on all
+    ranks and ``n_micro`` those of the step."""
+    hits = [dict(x, dp_rank=r) for r, x in enumerate(found) if x is not None]
+    if not hits:
+        return None
+    first = [x for x in hits if x["step"] == min(x["step"] for x in hits)]
+    top = max(first, key=lambda x: abs(math.log(x["ratio"])))
+    return dict(top, n_out=sum(x["n_out"] for x in first), n_micro=top["n_micro"] * len(found))
 
 
 # ----------------------------------------------------------------------------- preparing
@@ -205,6 +324,15 @@ def replay_config(config_yaml: Path) -> Any:
     return load_config(config_yaml, words + [f"log.diagnostics={word(diag)}"])
 
 
+def _micro_note(cfg: Any, diagnostics: Any) -> str:
+    """Why the micro-batches cannot be judged at this layout ("" when they can)."""
+    if diagnostics is None:
+        return "the diagnostics pass is off at this run's config"
+    if cfg.parallel.pipeline > 1 or cfg.parallel.context > 1:
+        return "under pipeline or context parallelism"
+    return ""
+
+
 def _wait_for(path: Path, timeout_s: float = 600.0) -> None:
     """Until ``path`` exists (rank 0 is preparing the replay's folder)."""
     import time
@@ -227,6 +355,10 @@ class ReplayReport:
     steps: tuple[int, int]
     compared: list[tuple[int, float, float]] = field(default_factory=list)  # step, logged, replay
     anomaly: Optional[dict] = None
+    micro: Optional[dict] = None
+    micro_note: str = ""  # why micro-batches were not judged ("" when they were)
+    micro_figures: list[dict[str, float]] = field(default_factory=list)  # at ``micro``'s step
+    dp: int = 1
 
     @property
     def reproduced(self) -> bool:
@@ -267,7 +399,36 @@ class ReplayReport:
                 f"of steps {x['since']}-{x['step'] - 1}"
                 + (f"; also out at that step: {', '.join(x['also'])}" if x["also"] else "")
             )
+        out.append(self.micro_line())
         return out
+
+    def micro_line(self) -> str:
+        if self.micro_note:
+            return f"micro-batches: not judged ({self.micro_note})"
+        if self.micro is None:
+            return (
+                "micro-batches: none left its band (residual RMS, max attention logit or loss "
+                f"x{BAND:g} from the median of the earlier replayed steps' micro-batches)"
+            )
+        x = self.micro
+        where = f", {x['layer']}" if x["layer"] else ""
+        rank = f" of data-parallel rank {x['dp_rank']}" if self.dp > 1 else ""
+        return (
+            f"micro-batches: first left at step {x['step']}, micro-batch {x['micro']}{rank}"
+            f"{where}: {x['quantity']} {x['value']:.4g}, {x['ratio']:.3g}x the median "
+            f"{x['median']:.4g} of the micro-batches of steps {x['since']}-{x['step'] - 1} "
+            f"({x['n_out']} of the step's {x['n_micro']} micro-batches out: "
+            + _verdict(x["n_out"], x["n_micro"])
+            + ")"
+        )
+
+
+def _verdict(n_out: int, n_micro: int) -> str:
+    if n_out == 1 < n_micro:
+        return "suspect that micro-batch's data"
+    if n_out == n_micro:
+        return "suspect the weights rather than one micro-batch's data"
+    return "several micro-batches"
 
 
 def _same(a: float, b: float) -> bool:
@@ -367,11 +528,22 @@ def replay(run_dir: Path, first: int, last: int, out: Optional[Path] = None) -> 
         _wait_for(replay_dir / "checkpoints" / "latest")
     trainer = Trainer(cfg, replay_dir)
     trainer.stop_after = last
+    probe = None
     try:
         trainer.setup()
         trainer.add_hook(
             LayerNorms(trainer._local_params(), trainer.cfg.model.n_layers, trainer.topo)
         )
+        note = _micro_note(cfg, trainer.diagnostics)
+        if not note:
+            probe = MicroBatchProbe(
+                trainer.stepper,
+                trainer.diagnostics,
+                trainer.faults,
+                trainer.plain_model,
+                cfg.model.n_layers,
+            )
+            trainer.stepper = probe
         trainer.run()
         dist.barrier()
     finally:
@@ -382,12 +554,30 @@ def replay(run_dir: Path, first: int, last: int, out: Optional[Path] = None) -> 
     replayed = {s: float(r["loss"]) for s, r in records.items() if "loss" in r}
     report.compared = compare_losses(logged, replayed, report.start, last)
     report.anomaly = first_anomaly(records, cfg.model.n_layers)
+    report.micro_note, report.dp = note, trainer.topo.dp
+    if probe is not None:
+        from megaformer.comm import all_gather_objects
+
+        mine = first_micro_anomaly(probe.figures, cfg.model.n_layers)
+        dp = trainer.topo.groups.dp
+        report.micro = earliest_micro_anomaly(all_gather_objects(mine, dp))
+        if report.micro is not None:  # the figures of that step's micro-batches on that rank
+            x = report.micro
+            held = probe.figures[x["step"]] if trainer.topo.dp_rank == x["dp_rank"] else None
+            report.micro_figures = next(f for f in all_gather_objects(held, dp) if f is not None)
     if rank == 0:
         text = "# Replay\n\n" + "\n".join(f"- {line}" for line in report.lines()) + "\n"
         write_atomic(replay_dir / "replay.md", text, fsync=False, error=ReplayError)
         write_atomic(
             replay_dir / "replay.json",
-            json.dumps({"compared": report.compared, "anomaly": report.anomaly}),
+            json.dumps(
+                {
+                    "compared": report.compared,
+                    "anomaly": report.anomaly,
+                    "micro": report.micro,
+                    "micro_figures": report.micro_figures,
+                }
+            ),
             fsync=False,
             error=ReplayError,
         )

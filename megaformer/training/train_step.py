@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -129,7 +130,13 @@ class TrainStep:
         losses = []
         for i, (x, y) in enumerate(micro_batches):
             y = y.to(dev, non_blocking=True)
-            loss = self.weigh_loss(engine(x.to(dev, non_blocking=True), y), y)
+            faults = (
+                self.faults.micro_batch(step, i, engine.module)
+                if self.faults is not None
+                else nullcontext()
+            )
+            with faults:
+                loss = self.weigh_loss(engine(x.to(dev, non_blocking=True), y), y)
             if self.faults is not None:
                 loss = self.faults.loss(step, i, loss)
             engine.backward(loss)

@@ -10,7 +10,14 @@ import pytest
 
 from megaformer.training.hooks import LossSpikes
 from megaformer.training.loop import StepState
-from megaformer.training.replay import ReplayError, compare_losses, first_anomaly, parse_steps
+from megaformer.training.replay import (
+    ReplayError,
+    compare_losses,
+    earliest_micro_anomaly,
+    first_anomaly,
+    first_micro_anomaly,
+    parse_steps,
+)
 
 
 def test_steps_are_a_range_or_one_step():
@@ -39,6 +46,43 @@ def test_the_first_step_out_of_band_names_the_layer_furthest_out():
     assert (top["step"], top["layer"], top["quantity"]) == (7, "layer_01", "update norm / lr")
     assert top["also"] == ["layer_01 residual RMS 5x"]
     assert first_anomaly({n: dict(steady) for n in (5, 6, 7)}, 2) is None
+
+
+def micro_steps(steps, n_micro=3):
+    steady = {"resid/layer_00/rms": 1.0, "attn/layer_01/max_logit": 2.0, "loss": 3.0}
+    return {n: [dict(steady) for _ in range(n_micro)] for n in steps}
+
+
+def test_the_first_micro_batch_out_of_band_is_named_with_how_many_were_out():
+    figures = micro_steps((5, 6, 7, 8))
+    figures[7][2]["resid/layer_00/rms"] = 10.0  # 10x, one micro-batch
+    figures[7][0]["loss"] = 3.5  # within the band
+    figures[8][1]["attn/layer_01/max_logit"] = 200.0  # later: not the first
+    top = first_micro_anomaly(figures, n_layers=2)
+    assert (top["step"], top["micro"], top["layer"], top["quantity"]) == (
+        7,
+        2,
+        "layer_00",
+        "residual RMS",
+    )
+    assert (top["ratio"], top["n_out"], top["n_micro"]) == (10.0, 1, 3)
+    # a loss far out is judged too; two earlier steps are needed before any step is judged
+    figures = micro_steps((5, 6, 7))
+    figures[6][1]["loss"] = 300.0
+    figures[7][0]["loss"] = 30.0
+    top = first_micro_anomaly(figures, n_layers=2)
+    assert (top["step"], top["micro"], top["layer"], top["quantity"]) == (7, 0, "", "loss")
+    assert first_micro_anomaly(micro_steps((5, 6, 7, 8)), 2) is None
+
+
+def test_the_data_parallel_ranks_earliest_micro_batch_anomaly_wins():
+    late = {"step": 8, "micro": 0, "ratio": 100.0, "n_out": 1, "n_micro": 2}
+    early = {"step": 7, "micro": 1, "ratio": 0.1, "n_out": 2, "n_micro": 2}
+    early2 = {"step": 7, "micro": 0, "ratio": 5.0, "n_out": 1, "n_micro": 2}
+    top = earliest_micro_anomaly([late, None, early, early2])
+    assert (top["step"], top["micro"], top["dp_rank"]) == (7, 1, 2)
+    assert (top["n_out"], top["n_micro"]) == (3, 8)
+    assert earliest_micro_anomaly([None, None]) is None
 
 
 class Lines:
