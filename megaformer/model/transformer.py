@@ -49,7 +49,7 @@ from megaformer.model.decoding import decode, kv_cached
 from megaformer.model.linear import Linear
 from megaformer.model.mla import LatentKVCache
 from megaformer.model.moe import MoE, take_router_losses
-from megaformer.model.mtp import MTPMetrics, MTPModule, mtp_losses
+from megaformer.model.mtp import MTPMetrics, MTPModule, ShiftedTokens, mtp_losses
 from megaformer.model.norms import RMSNorm, build_norm
 from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
 
@@ -319,11 +319,14 @@ class Transformer(nn.Module):
         labels: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
         doc_ids: Optional[DocumentMask] = None,
+        mtp_shifted: Optional[ShiftedTokens] = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100.
 
         ``positions`` [T]: the tokens' absolute positions (default 0..T-1); ``doc_ids``: the
-        document mask (default: that of ``input_ids`` under ``model.document_mask``)."""
+        document mask (default: that of ``input_ids`` under ``model.document_mask``);
+        ``mtp_shifted``: the multi-token prediction inputs of split sequences (context
+        parallelism passes them)."""
         residual = self._residual(input_ids, None, 0, positions, doc_ids)
         hidden = self.final_norm(residual)
         if labels is None:
@@ -331,10 +334,21 @@ class Transformer(nn.Module):
         loss = self.head_loss(hidden, labels)
         if len(self.mtp) > 0 and self.training:  # + lambda / D sum_k L^k_MTP, in training
             losses = mtp_losses(
-                self.mtp, residual, input_ids, labels, self._embed_tokens, self.head_loss
+                self.mtp,
+                residual,
+                input_ids,
+                labels,
+                self._embed_tokens,
+                self.head_loss,
+                mtp_shifted,
+                positions,
             )
-            if losses:
+            if losses and mtp_shifted is not None:  # each L^k weighed by its own label count
+                self.mtp_metrics.add([x * s for x, s in zip(losses, mtp_shifted.scales)])
+                losses = [x * w for x, w in zip(losses, mtp_shifted.weights)]
+            elif losses:
                 self.mtp_metrics.add(losses)
+            if losses:
                 loss = loss + self.cfg.mtp_loss_coef / len(self.mtp) * sum(losses)
         if self.cfg.moe.interval > 0:  # + the MoE blocks' router losses, in training
             router = take_router_losses(self)

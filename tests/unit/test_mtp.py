@@ -145,8 +145,9 @@ def test_parameter_and_flop_counts_equal_the_module_and_the_flop_counter(mla):
         ),
         (
             ["parallel.context=2", "parallel.context_mode=all_to_all"],
-            "model.mtp_depth=1 with parallel.context=2: not supported",
+            "model.mtp_depth=1 with parallel.context=2: not supported (its MoE blocks",
         ),
+        (["parallel.context=2", "model.moe.interval=0"], None),  # dense modules split
         (["model.mtp_depth=-1"], "model.mtp_depth=-1: must be >= 0"),
         (["parallel.tensor=2"], None),  # tensor parallelism without sequence parallelism runs
     ],

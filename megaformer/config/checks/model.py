@@ -96,7 +96,11 @@ def check_mtp(cfg: Config) -> None:
             p.tensor > 1 and p.sequence_parallel,
             "its shorter sequences do not split like the main blocks'",
         ),
-        ("parallel.context", p.context > 1, "its shifted sequences cross the context ranks"),
+        (
+            "parallel.context",
+            p.context > 1 and any(m.is_moe_layer(m.n_layers + k) for k in range(m.mtp_depth)),
+            "its MoE blocks would route the padding past each sequence's end",
+        ),
         ("parallel.expert", p.expert > 1, "its experts are not distributed yet"),
         ("parallel.zero_stage", p.zero_stage == 3, "its modules are not partitioned yet"),
     ):

@@ -1,0 +1,94 @@
+"""Multi-token prediction under context parallelism equals one process: CP 2 (ring and
+all-to-all) against one process, the loss (main + weighted MTP losses) averaged over the context
+group, every gradient averaged over it as DeepSpeed does, and the logged ``mtp/loss``, within 1e-5
+over 3 AdamW steps, with ignored labels all on one context rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import run_ranks
+from tests.distributed.test_context_parallel import MODELS as CP_MODELS
+from tests.distributed.test_context_parallel import _rel
+
+VOCAB = 257
+MODELS = {name: CP_MODELS[name] for name in ("mha-rope", "mla")}
+
+
+def _context_case(rank: int, topo, mode: str, variant: str) -> dict:
+    from megaformer.config import ModelConfig
+    from megaformer.model.transformer import Transformer
+    from megaformer.parallel.context import apply_context
+
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        max_seq_len=16,
+        d_ffn=64,
+        mtp_depth=2,
+        mtp_loss_coef=0.3,
+        **MODELS[variant],
+    )
+    torch.manual_seed(0)
+    ref = Transformer(cfg)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    cp = apply_context(model, topo, mode)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (ref, model)]
+    gen = torch.Generator().manual_seed(1)
+    losses, mtp, errs = [], [], []
+    for _ in range(3):
+        x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+        y = torch.randint(0, VOCAB, (2, 16), generator=gen)
+        y[0, :3] = -100  # ignored labels, all on one context rank: counted globally
+        y[1, 13] = -100  # one that the shifted labels move across the ranks
+        for opt in opts:
+            opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        loss = cp.scale_loss(model(cp.split(x), cp.split(y)), cp.split(y))  # as the train step
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=topo.group("cp"))
+        losses.append((ref_loss.item(), mean_loss.item() / topo.cp))
+        mtp.append(
+            (
+                ref.mtp_metrics.take()["mtp/loss"],
+                model.mtp_metrics.take(topo.group("cp"))["mtp/loss"],
+            )
+        )
+        ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+        grads = {}
+        for n, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=topo.group("cp"))  # DeepSpeed: averaged over DP x CP
+            grads[n] = p.grad.div_(topo.cp)
+        assert grads.keys() == ref_grads.keys()
+        assert all(float(g.norm()) > 0 for n, g in ref_grads.items() if n.startswith("mtp."))
+        total = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
+        errs.append(max(_rel(grads[n], ref_grads[n], 1e-3 * total) for n in ref_grads))
+        for opt in opts:
+            opt.step()
+    return {"losses": losses, "mtp": mtp, "errs": errs}
+
+
+CASES = [(mode, variant) for mode in ("ring", "all_to_all") for variant in MODELS]
+
+
+def _suite(rank: int, world: int) -> dict:
+    from megaformer.parallel.topology import build_topology
+
+    topo = build_topology(world, rank, cp=world)
+    return {case: _context_case(rank, topo, *case) for case in CASES}
+
+
+@pytest.mark.multiprocess
+def test_mtp_under_context_parallelism_equals_one_process():
+    results = run_ranks(2, _suite)
+    for case in CASES:
+        for r in results:
+            for want, got in r[case]["losses"] + r[case]["mtp"]:
+                assert abs(got - want) <= 1e-5 * abs(want), (case, r[case])
+            assert max(r[case]["errs"]) < 1e-5, (case, r[case]["errs"])
