@@ -1,9 +1,12 @@
 """Multi-token prediction under context parallelism equals one process: CP 2 (ring and
 all-to-all) against one process, the loss (main + weighted MTP losses) averaged over the context
 group, every gradient averaged over it as DeepSpeed does, and the logged ``mtp/loss``, within 1e-5
-over 3 AdamW steps, with ignored labels all on one context rank."""
+over 3 AdamW steps, with ignored labels all on one context rank; and training through DeepSpeed
+at CP 2 in both modes equal to one process (losses, gradient norms, mtp/loss, weights)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ import torch.distributed as dist
 from tests.dist_harness import run_ranks
 from tests.distributed.test_context_parallel import MODELS as CP_MODELS
 from tests.distributed.test_context_parallel import _rel
+from tests.distributed.test_pipeline import _compare
+from tests.helpers import run_cli, run_torchrun, step_records, tiny_overrides
 
 VOCAB = 257
 MODELS = {name: CP_MODELS[name] for name in ("mha-rope", "mla")}
@@ -92,3 +97,43 @@ def test_mtp_under_context_parallelism_equals_one_process():
             for want, got in r[case]["losses"] + r[case]["mtp"]:
                 assert abs(got - want) <= 1e-5 * abs(want), (case, r[case])
             assert max(r[case]["errs"]) < 1e-5, (case, r[case]["errs"])
+
+
+TRAIN = {
+    "train.steps": 3,
+    "eval.interval": 3,
+    "train.micro_batch_size": 2,
+    "train.global_batch_size": 8,
+    "model.d_ffn": 64,
+    "model.mtp_depth": 2,
+    "checkpoint.interval": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("mtp") / "ref"
+    proc = run_cli(
+        "train",
+        "configs/quickstart.yaml",
+        *tiny_overrides("stdlib", **TRAIN),
+        "--run-dir",
+        str(run),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_training_with_mtp_at_cp2_equals_one_process(reference, tmp_path, mode):
+    run = tmp_path / "cp"
+    extra = {"parallel.context": 2, "parallel.context_mode": mode}
+    overrides = tiny_overrides("stdlib", **TRAIN, **extra)
+    proc = run_torchrun(2, "train", "configs/quickstart.yaml", *overrides, "--run-dir", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _compare(reference, run)
+    a, b = step_records(reference), step_records(run)
+    for step in (1, 2, 3):
+        assert b[step]["mtp/loss"] == pytest.approx(a[step]["mtp/loss"], rel=1e-5), step
