@@ -132,11 +132,19 @@ class MTPMetrics:
         pair = torch.stack((value, torch.ones_like(value)))
         self.sums = pair if self.sums is None else self.sums + pair
 
-    def take(self, group: Any = None) -> dict[str, float]:
+    def take(
+        self, group: Any = None, stages: Any = None, device: Optional[torch.device] = None
+    ) -> dict[str, float]:
         """{'mtp/loss': the step's mean over micro-batches and the ``group``'s ranks} (collective
-        over ``group`` when it has more than one rank); resets the sums."""
+        over ``group`` when it has more than one rank); resets the sums. ``stages`` (pipeline
+        parallelism: the pipeline group, whose last stage alone holds the modules): the sums
+        are first summed over it, so that every stage (on ``device``) reports them."""
         import torch.distributed as dist
 
+        if stages is not None and dist.get_world_size(stages) > 1:
+            if self.sums is None:
+                self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+            dist.all_reduce(self.sums, group=stages)
         if self.sums is None:
             return {}
         sums, self.sums = self.sums, None

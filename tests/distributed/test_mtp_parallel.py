@@ -1,8 +1,9 @@
-"""Multi-token prediction under context parallelism equals one process: CP 2 (ring and
+"""Multi-token prediction under context and pipeline parallelism equals one process: CP 2 (ring and
 all-to-all) against one process, the loss (main + weighted MTP losses) averaged over the context
 group, every gradient averaged over it as DeepSpeed does, and the logged ``mtp/loss``, within 1e-5
 over 3 AdamW steps, with ignored labels all on one context rank; and training through DeepSpeed
-at CP 2 in both modes equal to one process (losses, gradient norms, mtp/loss, weights)."""
+at CP 2 in both modes, and at PP 2 (1F1B, the modules on the last stage), equal to one process
+(losses, gradient norms, mtp/loss, validation loss, weights)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_mtp_under_context_parallelism_equals_one_process():
             assert max(r[case]["errs"]) < 1e-5, (case, r[case]["errs"])
 
 
-TRAIN = {
+TRAIN = {  # quickstart ties the embedding to the output head
     "train.steps": 3,
     "eval.interval": 3,
     "train.micro_batch_size": 2,
@@ -110,30 +111,41 @@ TRAIN = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("mtp") / "ref"
-    proc = run_cli(
-        "train",
-        "configs/quickstart.yaml",
-        *tiny_overrides("stdlib", **TRAIN),
-        "--run-dir",
-        str(run),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _train(world: int, run: Path, args: dict) -> Path:
+    """``megaformer train`` of the tiny quickstart model with ``args`` on ``world`` ranks."""
+    overrides = tiny_overrides("stdlib", **TRAIN, **args)
+    if world == 1:
+        proc = run_cli("train", "configs/quickstart.yaml", *overrides, "--run-dir", str(run))
+    else:
+        proc = run_torchrun(
+            world, "train", "configs/quickstart.yaml", *overrides, "--run-dir", str(run)
+        )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run
+
+
+def _same(ref: Path, run: Path) -> None:
+    """Losses, gradient norms, validation loss, weights and ``mtp/loss`` within 1e-5."""
+    _compare(ref, run)
+    a, b = step_records(ref), step_records(run)
+    for step in (1, 2, 3):
+        assert b[step]["mtp/loss"] == pytest.approx(a[step]["mtp/loss"], rel=1e-5), step
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["ring", "all_to_all"])
-def test_training_with_mtp_at_cp2_equals_one_process(reference, tmp_path, mode):
-    run = tmp_path / "cp"
-    extra = {"parallel.context": 2, "parallel.context_mode": mode}
-    overrides = tiny_overrides("stdlib", **TRAIN, **extra)
-    proc = run_torchrun(2, "train", "configs/quickstart.yaml", *overrides, "--run-dir", str(run))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _compare(reference, run)
-    a, b = step_records(reference), step_records(run)
-    for step in (1, 2, 3):
-        assert b[step]["mtp/loss"] == pytest.approx(a[step]["mtp/loss"], rel=1e-5), step
+def test_training_with_mtp_at_cp2_equals_one_process(tmp_path, mode):
+    ref = _train(1, tmp_path / "ref", {})
+    _same(ref, _train(2, tmp_path / "cp", {"parallel.context": 2, "parallel.context_mode": mode}))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("chunked", [0, 16], ids=["logits", "chunked-loss"])
+def test_training_with_mtp_at_pp2_equals_one_process(tmp_path, chunked):
+    """1F1B over two stages, the modules and the tied head on the last (``mtp/loss`` is logged
+    by the first)."""
+    args = {"model.loss_chunk_tokens": chunked}
+    ref = _train(1, tmp_path / "ref", args)
+    _same(ref, _train(2, tmp_path / "pp", {**args, "parallel.pipeline": 2}))

@@ -90,7 +90,22 @@ def check_mtp(cfg: Config) -> None:
     for key, value, why in (
         ("model.position", m.position != "rope", "the modules reuse the rotary positions"),
         ("model.document_mask", m.document_mask, "its shifted sequences cross documents"),
-        ("parallel.pipeline", p.pipeline > 1, "the last stage would need the token ids"),
+        (
+            "parallel.pipeline",
+            p.pipeline > 1 and not m.tie_embeddings,
+            "the last stage holds the shared embedding only when it is tied to the output head: "
+            "set model.tie_embeddings=true",
+        ),
+        (
+            "parallel.pipeline",
+            p.pipeline > 1 and p.pipeline_schedule != "1f1b",
+            "the modules run on the 1f1b schedule's last stage only",
+        ),
+        (
+            "parallel.pipeline",
+            p.pipeline > 1 and p.context > 1,
+            "the last stage has no shifted sequences of the context ranks",
+        ),
         (
             "parallel.sequence_parallel",
             p.tensor > 1 and p.sequence_parallel,
