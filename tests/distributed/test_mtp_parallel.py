@@ -1,9 +1,13 @@
-"""Multi-token prediction under context and pipeline parallelism equals one process: CP 2 (ring and
-all-to-all) against one process, the loss (main + weighted MTP losses) averaged over the context
-group, every gradient averaged over it as DeepSpeed does, and the logged ``mtp/loss``, within 1e-5
-over 3 AdamW steps, with ignored labels all on one context rank; and training through DeepSpeed
-at CP 2 in both modes, and at PP 2 (1F1B, the modules on the last stage), equal to one process
-(losses, gradient norms, mtp/loss, validation loss, weights)."""
+"""Multi-token prediction under context, sequence and pipeline parallelism equals one process:
+
+* the model at CP 2 (ring and all-to-all), TP 2 with sequence parallelism and TP 2 x CP 2: the
+  loss (main + weighted MTP losses) averaged over the context group, every gradient (averaged
+  over it as DeepSpeed does, gathered over TP) and the logged ``mtp/loss``, within 1e-5 over 3
+  AdamW steps, with ignored labels all on one context rank;
+* training through DeepSpeed at CP 2 in both modes, TP 2 with sequence parallelism and PP 2
+  (1F1B, the modules on the last stage): losses, gradient norms, ``mtp/loss``, validation loss
+  and weights.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +27,11 @@ VOCAB = 257
 MODELS = {name: CP_MODELS[name] for name in ("mha-rope", "mla")}
 
 
-def _context_case(rank: int, topo, mode: str, variant: str) -> dict:
+def _model_case(rank: int, topo, mode: str, variant: str, sp: bool) -> dict:
     from megaformer.config import ModelConfig
     from megaformer.model.transformer import Transformer
-    from megaformer.parallel.context import apply_context
+    from megaformer.parallel.context import apply_context, loss_weighting
+    from megaformer.parallel.plan import padded_vocab_size, parallelize
 
     cfg = ModelConfig(
         vocab_size=VOCAB,
@@ -39,10 +44,13 @@ def _context_case(rank: int, topo, mode: str, variant: str) -> dict:
         **MODELS[variant],
     )
     torch.manual_seed(0)
-    ref = Transformer(cfg)
+    ref = Transformer(cfg, padded_vocab_size=padded_vocab_size(VOCAB, 1, 8))
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = Transformer(cfg, padded_vocab_size=padded_vocab_size(VOCAB, topo.tp, 8))
+    parallelize(model, topo, sp, None)
     cp = apply_context(model, topo, mode)
+    split = cp.split if cp is not None else (lambda t: t)
+    weigh = loss_weighting(cp)  # as the train step
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (ref, model)]
     gen = torch.Generator().manual_seed(1)
     losses, mtp, errs = [], [], []
@@ -55,7 +63,7 @@ def _context_case(rank: int, topo, mode: str, variant: str) -> dict:
             opt.zero_grad()
         ref_loss = ref(x, y)
         ref_loss.backward()
-        loss = cp.scale_loss(model(cp.split(x), cp.split(y)), cp.split(y))  # as the train step
+        loss = weigh(model(split(x), split(y)), split(y))
         loss.backward()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, group=topo.group("cp"))
@@ -66,11 +74,19 @@ def _context_case(rank: int, topo, mode: str, variant: str) -> dict:
                 model.mtp_metrics.take(topo.group("cp"))["mtp/loss"],
             )
         )
-        ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+        ref_grads = {
+            n: p.grad[:VOCAB] if ("emb" in n or "lm_head" in n) else p.grad
+            for n, p in ref.named_parameters()
+        }
         grads = {}
         for n, p in model.named_parameters():
             dist.all_reduce(p.grad, group=topo.group("cp"))  # DeepSpeed: averaged over DP x CP
-            grads[n] = p.grad.div_(topo.cp)
+            g = p.grad.div_(topo.cp)
+            if getattr(p, "tensor_model_parallel", False):
+                parts = [torch.empty_like(g) for _ in range(topo.tp)]
+                dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
+                g = torch.cat(parts, dim=p.partition_dim)
+            grads[n] = g[:VOCAB] if ("emb" in n or "lm_head" in n) else g
         assert grads.keys() == ref_grads.keys()
         assert all(float(g.norm()) > 0 for n, g in ref_grads.items() if n.startswith("mtp."))
         total = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
@@ -80,20 +96,29 @@ def _context_case(rank: int, topo, mode: str, variant: str) -> dict:
     return {"losses": losses, "mtp": mtp, "errs": errs}
 
 
-CASES = [(mode, variant) for mode in ("ring", "all_to_all") for variant in MODELS]
+CASES = {  # world: [(tp, cp, context mode, model, sequence parallelism)]
+    2: [(1, 2, mode, variant, False) for mode in ("ring", "all_to_all") for variant in MODELS]
+    + [(2, 1, "ring", variant, True) for variant in MODELS],
+    4: [(2, 2, "ring", "mha-rope", True), (2, 2, "all_to_all", "mla", True)],
+}
 
 
 def _suite(rank: int, world: int) -> dict:
     from megaformer.parallel.topology import build_topology
 
-    topo = build_topology(world, rank, cp=world)
-    return {case: _context_case(rank, topo, *case) for case in CASES}
+    out, topos = {}, {}
+    for tp, cp, mode, variant, sp in CASES[world]:
+        if (tp, cp) not in topos:
+            topos[tp, cp] = build_topology(world, rank, tp=tp, cp=cp)
+        out[tp, cp, mode, variant, sp] = _model_case(rank, topos[tp, cp], mode, variant, sp)
+    return out
 
 
 @pytest.mark.multiprocess
-def test_mtp_under_context_parallelism_equals_one_process():
-    results = run_ranks(2, _suite)
-    for case in CASES:
+@pytest.mark.parametrize("world", [2, 4])
+def test_mtp_under_context_and_sequence_parallelism_equals_one_process(world):
+    results = run_ranks(world, _suite)
+    for case in CASES[world]:
         for r in results:
             for want, got in r[case]["losses"] + r[case]["mtp"]:
                 assert abs(got - want) <= 1e-5 * abs(want), (case, r[case])
@@ -149,3 +174,11 @@ def test_training_with_mtp_at_pp2_equals_one_process(tmp_path, chunked):
     args = {"model.loss_chunk_tokens": chunked}
     ref = _train(1, tmp_path / "ref", args)
     _same(ref, _train(2, tmp_path / "pp", {**args, "parallel.pipeline": 2}))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_training_with_mtp_at_tp2_with_sequence_parallelism_equals_one_process(tmp_path):
+    ref = _train(1, tmp_path / "ref", {})
+    sp = {"parallel.tensor": 2, "parallel.sequence_parallel": "true"}
+    _same(ref, _train(2, tmp_path / "sp", sp))

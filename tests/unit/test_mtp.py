@@ -153,7 +153,11 @@ def test_parameter_and_flop_counts_equal_the_module_and_the_flop_counter(mla):
         ),
         (
             ["parallel.tensor=2", "parallel.sequence_parallel=true"],
-            "model.mtp_depth=1 with parallel.sequence_parallel=true: not supported",
+            "model.mtp_depth=1 with parallel.sequence_parallel=true: not supported (its MoE",
+        ),
+        (
+            ["parallel.tensor=2", "parallel.sequence_parallel=true", "model.moe.interval=0"],
+            None,  # dense modules split their own sequences
         ),
         (
             ["parallel.context=2", "parallel.context_mode=all_to_all"],
