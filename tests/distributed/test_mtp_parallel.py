@@ -4,9 +4,9 @@
   loss (main + weighted MTP losses) averaged over the context group, every gradient (averaged
   over it as DeepSpeed does, gathered over TP) and the logged ``mtp/loss``, within 1e-5 over 3
   AdamW steps, with ignored labels all on one context rank;
-* training through DeepSpeed at CP 2 in both modes, TP 2 with sequence parallelism and PP 2
-  (1F1B, the modules on the last stage): losses, gradient norms, ``mtp/loss``, validation loss
-  and weights.
+* training through DeepSpeed at CP 2 in both modes, TP 2 with sequence parallelism, PP 2
+  (1F1B, the modules on the last stage; with logits, the chunked loss, and TP 2 with sequence
+  parallelism): losses, gradient norms, ``mtp/loss``, validation loss and weights.
 """
 
 from __future__ import annotations
@@ -167,13 +167,21 @@ def test_training_with_mtp_at_cp2_equals_one_process(tmp_path, mode):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("chunked", [0, 16], ids=["logits", "chunked-loss"])
-def test_training_with_mtp_at_pp2_equals_one_process(tmp_path, chunked):
+@pytest.mark.parametrize(
+    "world,chunked,extra",
+    [
+        (2, 0, {}),
+        (2, 16, {}),
+        (4, 0, {"parallel.tensor": 2, "parallel.sequence_parallel": "true"}),
+    ],
+    ids=["logits", "chunked-loss", "tp2-sp"],
+)
+def test_training_with_mtp_at_pp2_equals_one_process(tmp_path, world, chunked, extra):
     """1F1B over two stages, the modules and the tied head on the last (``mtp/loss`` is logged
     by the first)."""
     args = {"model.loss_chunk_tokens": chunked}
     ref = _train(1, tmp_path / "ref", args)
-    _same(ref, _train(2, tmp_path / "pp", {**args, "parallel.pipeline": 2}))
+    _same(ref, _train(world, tmp_path / "pp", {**args, **extra, "parallel.pipeline": 2}))
 
 
 @pytest.mark.slow
