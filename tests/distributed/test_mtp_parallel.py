@@ -190,3 +190,30 @@ def test_training_with_mtp_at_tp2_with_sequence_parallelism_equals_one_process(t
     ref = _train(1, tmp_path / "ref", {})
     sp = {"parallel.tensor": 2, "parallel.sequence_parallel": "true"}
     _same(ref, _train(2, tmp_path / "sp", sp))
+
+
+def _pipeline_build(rank: int, world: int) -> dict:
+    from megaformer.config import load_config
+    from megaformer.parallel.build import build_model
+    from megaformer.parallel.topology import build_topology
+    from tests.distributed.test_partitioned_build import _init
+
+    _init(rank)
+    over = {**TRAIN, "model.vocab_size": 64, "model.n_layers": 2, "parallel.pipeline": 2}
+    cfg = load_config("configs/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
+    built = build_model(cfg, build_topology(world, rank, pp=world))
+    mtp = list(built.plain.mtp.parameters())
+    held = {id(p) for p in built.model.parameters()}
+    return {
+        "values": sum(not p.is_meta for p in mtp),
+        "in_stage": sum(id(p) in held for p in mtp),
+        "count": len(mtp),
+    }
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stages_hold_the_modules_on_the_last_stage_only():
+    first, last = run_ranks(2, _pipeline_build)
+    assert first["count"] == last["count"] > 0
+    assert first["values"] == first["in_stage"] == 0  # meta, and not in the first stage's module
+    assert last["values"] == last["in_stage"] == last["count"]
