@@ -134,7 +134,7 @@ def build_model(
                 _stage_parts(cfg, topology, padded, model),
                 rank_stages(p.pipeline_schedule, pp, topology.pp_rank),
                 m.n_layers,
-                m.tie_embeddings,
+                m.tie_embeddings or m.mtp_depth > 0,  # the last stage holds the embedding
             )
             if pp > 1
             else None

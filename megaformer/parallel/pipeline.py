@@ -14,9 +14,10 @@ What crosses a stage boundary is the hidden state x [B, T, d], and with ``model.
 also the token ids (each stage rebuilds the documents' mask from them, once per micro-batch,
 instead of sending the mask), and with ``model.mtp_depth`` the token ids too: the last stage holds
 the multi-token prediction modules (in its final-norm layer), and its last layer hands the loss the
-head's output, the last block's output x_L and the ids, from which the loss adds the modules' losses
-(the embedding they share is on the last stage with tied embeddings, which DeepSpeed keeps equal
-to the first stage's). With ``model.loss_chunk_tokens`` the last layer passes x on and the
+head's output, the last block's output x_L and the ids, from which the loss adds the modules' losses.
+The embedding they share is on the last stage as a tied layer (the head itself with tied
+embeddings; else a layer after the head that passes its inputs on), which DeepSpeed keeps equal to
+the first stage's. With ``model.loss_chunk_tokens`` the last layer passes x on and the
 loss reads x and the head's weight a chunk of tokens at a time (no [B, T, V] logits). The MoE
 router losses r of a stage's blocks enter the backward where they are made: y = x forward, and
 dL/dr = the micro-batch's loss scale backward (:class:`RouterLosses`), so a stage's routers get
@@ -131,15 +132,22 @@ class FinalNorm(nn.Module):
 
 class FinalNormMTP(nn.Module):
     """The final norm as the pipeline layer after the last block, holding the multi-token
-    prediction modules (the loss runs them): (x_L, ids) -> (Norm(x_L), x_L, ids)."""
+    prediction modules (the loss runs them): (x_L, ids) -> (Norm(x_L), x_L, ids). With an untied
+    ``head`` it also holds the output head and applies it (unless the loss is chunked):
+    (x_L, ids) -> (head(Norm(x_L)), x_L, ids); the layer after it is then the embedding, tied to
+    the first stage's, which passes the tuple on."""
 
-    def __init__(self, norm: nn.Module, mtp: nn.ModuleList) -> None:
+    def __init__(
+        self, norm: nn.Module, mtp: nn.ModuleList, head: Optional[nn.Module], logits: bool
+    ) -> None:
         super().__init__()
-        self.norm, self.mtp = norm, mtp
+        self.norm, self.mtp, self.head = norm, mtp, head
+        self.logits = logits and head is not None
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
         x, ids = inputs
-        return self.norm(x), x, ids
+        h = self.norm(x)
+        return (self.head(h) if self.logits else h), x, ids
 
 
 class MTPLoss:
@@ -247,17 +255,18 @@ def stage_parts(model: nn.Module, stages: int, partition: str) -> list[int]:
         weights = [0] + [1] * n_blocks + [0, 0]
     elif partition == "parameters":
         tied = model.cfg.tie_embeddings
+        mtp = list(getattr(model, "mtp", ()))
         emb = _param_count(
             model.tok_embeddings, model.pos_embeddings, model.lm_head if tied else None
         )
-        weights = (
-            [emb]
-            + [_param_count(b) for b in model.layers]
-            + [
-                _param_count(model.final_norm, *getattr(model, "mtp", ())),
+        if mtp and not tied:  # [final norm, modules, head] [the embedding, tied]
+            last = [_param_count(model.final_norm, *mtp, model.lm_head), emb]
+        else:
+            last = [
+                _param_count(model.final_norm, *mtp),
                 emb if tied else _param_count(model.lm_head),
             ]
-        )
+        weights = [emb] + [_param_count(b) for b in model.layers] + last
     else:
         raise ValueError(
             f"pipeline partition {partition!r}: expected 'layers', 'parameters' or block counts"
@@ -277,6 +286,8 @@ class StagePieces:
 
 
 def stage_pieces(parts: list[int], stage: int, n_blocks: int, tied: bool) -> StagePieces:
+    """``tied``: the last stage holds the embedding too (tied to the head, or read by the
+    multi-token prediction modules)."""
     lo, hi = parts[stage], parts[stage + 1]
     head = hi == n_blocks + 3  # the last stage: final norm and head
     return StagePieces(
@@ -334,14 +345,11 @@ def build_pipeline(
     tied, chunked = cfg.tie_embeddings, cfg.loss_chunk_tokens > 0
     masks = DocumentMasks(model.document_mask) if cfg.document_mask else None
     mtp = len(model.mtp) > 0
-    if mtp and (not tied or masks is not None):
-        raise ValueError(
-            "multi-token prediction under pipeline parallelism needs tied embeddings and no "
-            "document masks"
-        )
+    if mtp and masks is not None:
+        raise ValueError("multi-token prediction under pipeline parallelism: no document masks")
     emb.pass_ids = masks is not None or mtp
     layers: list = []
-    if tied:
+    if tied or mtp:  # the last stage holds the embedding too (the head, or the modules' input)
         layers.append(
             TiedLayerSpec("embed", TiedEmbedding, emb, tied_weight_attr=["tok_embeddings.weight"])
         )
@@ -352,11 +360,22 @@ def build_pipeline(
     else:
         layers.extend(model.layers)
     if mtp:
-        layers.append(FinalNormMTP(model.final_norm, model.mtp))
+        untied_head = None if tied else model.lm_head
+        layers.append(FinalNormMTP(model.final_norm, model.mtp, untied_head, not chunked))
         loss_fn = MTPLoss(loss_fn, model)
     else:
         layers.append(FinalNorm(model.final_norm) if masks is not None else model.final_norm)
-    if tied:
+    if mtp and not tied:
+        layers.append(
+            TiedLayerSpec(
+                "embed",
+                TiedEmbedding,
+                emb,
+                forward_fn=_pass_hidden,
+                tied_weight_attr=["tok_embeddings.weight"],
+            )
+        )
+    elif tied:
         layers.append(
             TiedLayerSpec(
                 "embed",
