@@ -6,11 +6,13 @@
   AdamW steps, with ignored labels all on one context rank;
 * training through DeepSpeed at CP 2 in both modes, TP 2 with sequence parallelism, PP 2
   (1F1B, the modules on the last stage; with logits, the chunked loss, and TP 2 with sequence
-  parallelism): losses, gradient norms, ``mtp/loss``, validation loss and weights.
+  parallelism): losses, gradient norms, ``mtp/loss``, validation loss and weights; the pipeline
+  stages other than the last do not allocate the modules; a PP 2 checkpoint resumes exactly.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -138,7 +140,7 @@ TRAIN = {  # quickstart ties the embedding to the output head
 
 def _train(world: int, run: Path, args: dict) -> Path:
     """``megaformer train`` of the tiny quickstart model with ``args`` on ``world`` ranks."""
-    overrides = tiny_overrides("stdlib", **TRAIN, **args)
+    overrides = tiny_overrides("stdlib", **{**TRAIN, **args})
     if world == 1:
         proc = run_cli("train", "configs/quickstart.yaml", *overrides, "--run-dir", str(run))
     else:
@@ -219,3 +221,27 @@ def test_pipeline_stages_hold_the_modules_on_the_last_stage_only():
     assert first["count"] == last["count"] > 0
     assert first["values"] == first["in_stage"] == 0  # meta, and not in the first stage's module
     assert last["values"] == last["in_stage"] == last["count"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pp2_untied_checkpoint_resumes_exactly(tmp_path):
+    """The step-2 checkpoint of PP 2 with untied embeddings (the embedding on both stages, the
+    modules on the last) resumed: step 3 as the uninterrupted run's."""
+    args = {"model.tie_embeddings": "false", "checkpoint.interval": 1, "parallel.pipeline": 2}
+    run = _train(2, tmp_path / "pp", args)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000003")
+    (resumed / "checkpoints" / "latest").write_text("step_0000002\n")
+    log = resumed / "metrics.jsonl"  # the copied step-3 record goes: the resumed run writes it
+    log.write_text("".join(x for x in log.read_text().splitlines(True) if '"step": 3' not in x))
+    assert 3 not in step_records(resumed)
+    overrides = tiny_overrides("stdlib", **{**TRAIN, **args})
+    proc = run_torchrun(
+        2, "train", "configs/quickstart.yaml", *overrides, "--run-dir", str(resumed)
+    )
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    a, b = step_records(run), step_records(resumed)
+    for key in ("loss", "grad_norm", "mtp/loss"):
+        assert b[3][key] == pytest.approx(a[3][key], rel=1e-5), key
