@@ -49,7 +49,7 @@ from megaformer.model.decoding import decode, kv_cached
 from megaformer.model.linear import Linear
 from megaformer.model.mla import LatentKVCache
 from megaformer.model.moe import MoE, take_router_losses
-from megaformer.model.mtp import MTPMetrics, MTPModule, mtp_losses
+from megaformer.model.mtp import MTPMetrics, MTPModule, ShiftedTokens, mtp_losses
 from megaformer.model.norms import RMSNorm, build_norm
 from megaformer.model.positions import RotaryEmbedding, sinusoidal_table
 
@@ -319,28 +319,60 @@ class Transformer(nn.Module):
         labels: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
         doc_ids: Optional[DocumentMask] = None,
+        mtp_shifted: Optional[ShiftedTokens] = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] when ``labels`` is None, else the mean cross-entropy over labels != -100.
 
         ``positions`` [T]: the tokens' absolute positions (default 0..T-1); ``doc_ids``: the
-        document mask (default: that of ``input_ids`` under ``model.document_mask``)."""
+        document mask (default: that of ``input_ids`` under ``model.document_mask``);
+        ``mtp_shifted``: the multi-token prediction inputs of split sequences (context
+        parallelism passes them)."""
         residual = self._residual(input_ids, None, 0, positions, doc_ids)
         hidden = self.final_norm(residual)
         if labels is None:
             return self.lm_head.output_logits(self.lm_head(hidden))
         loss = self.head_loss(hidden, labels)
-        if len(self.mtp) > 0 and self.training:  # + lambda / D sum_k L^k_MTP, in training
-            losses = mtp_losses(
-                self.mtp, residual, input_ids, labels, self._embed_tokens, self.head_loss
-            )
-            if losses:
-                self.mtp_metrics.add(losses)
-                loss = loss + self.cfg.mtp_loss_coef / len(self.mtp) * sum(losses)
+        if self.training:  # + lambda / D sum_k L^k_MTP
+            mtp = self.mtp_loss(residual, input_ids, labels, mtp_shifted, positions)
+            if mtp is not None:
+                loss = loss + mtp
         if self.cfg.moe.interval > 0:  # + the MoE blocks' router losses, in training
             router = take_router_losses(self)
             if router is not None:
                 loss = loss + router
         return loss
+
+    def mtp_loss(
+        self,
+        residual: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        shifted: Optional[ShiftedTokens] = None,
+        positions: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """lambda / D sum_k L^k_MTP of the last block's output ``residual`` [B, T, d] (None
+        without the modules, out of training or when no depth fits), each L^k recorded for
+        ``mtp/loss``; ``shifted``, ``positions``: split sequences (:func:`mtp_losses`)."""
+        if len(self.mtp) == 0 or not self.mtp.training:
+            return None
+        losses = mtp_losses(
+            self.mtp,
+            residual,
+            input_ids,
+            labels,
+            self._embed_tokens,
+            self.head_loss,
+            shifted,
+            positions,
+        )
+        if not losses:
+            return None
+        if shifted is not None:  # each L^k weighed by its own label count
+            self.mtp_metrics.add([x * s for x, s in zip(losses, shifted.scales)])
+            losses = [x * w for x, w in zip(losses, shifted.weights)]
+        else:
+            self.mtp_metrics.add(losses)
+        return self.cfg.mtp_loss_coef / len(self.mtp) * sum(losses)
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The output head's mean cross-entropy of final-normed hidden states [B, T, d] (chunked

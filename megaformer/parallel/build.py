@@ -134,7 +134,7 @@ def build_model(
                 _stage_parts(cfg, topology, padded, model),
                 rank_stages(p.pipeline_schedule, pp, topology.pp_rank),
                 m.n_layers,
-                m.tie_embeddings,
+                m.tie_embeddings or m.mtp_depth > 0,  # the last stage holds the embedding
             )
             if pp > 1
             else None
@@ -236,8 +236,8 @@ class Materializer:
     shards. Modules of other pipeline stages stay on the meta device. With ``init=False`` (a
     checkpoint's shards follow) the values are left for the loader, or copied from ``reader``
     when given. ``partition(module)`` (ZeRO-3) then keeps this rank's partition of the module.
-    The small rest of the model (final norm, positions, buffers, the multi-token prediction
-    modules) is materialised at once."""
+    The small rest of the model (final norm, positions, buffers, and on the last stage the
+    multi-token prediction modules) is materialised at once."""
 
     def __init__(
         self,
@@ -255,7 +255,9 @@ class Materializer:
         self.blocks = {id(b): i for i, b in enumerate(model.layers)}
         for name, buf in list(model.named_buffers(recurse=False)):
             model.register_buffer(name, torch.empty_like(buf, device=device), persistent=False)
-        for mod in (model.final_norm, model.pos_embeddings, *model.mtp):
+        # the multi-token prediction modules run on the last pipeline stage only
+        mtp = model.mtp if pieces is None or pieces.head else ()
+        for mod in (model.final_norm, model.pos_embeddings, *mtp):
             if mod is not None:
                 self._fill(mod)
         model.reset_buffers()  # the sinusoidal table (meta blocks' buffers stay meta)

@@ -64,6 +64,7 @@ import torch.nn as nn
 from megaformer import comm
 from megaformer.kernels.attention import DocumentMask, document_ids, document_mask
 from megaformer.kernels.attention_block import block_backward, block_forward
+from megaformer.model.mtp import ShiftedTokens, shifted_sequences
 
 MODES = ("ring", "all_to_all")
 
@@ -192,6 +193,33 @@ class ContextParallel:
         dist.all_reduce(n, group=self.group)
         return loss * (n_local * self.size / n).to(loss.dtype)
 
+    def shifted_tokens(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, depth: int, ignore_index: int = -100
+    ) -> ShiftedTokens:
+        """The multi-token prediction inputs of this rank's parts ``input_ids``, ``labels``
+        [B, T/N]: the whole sequences (gathered) shifted by k = 1..depth, then split. With n_k
+        the counted labels of depth k (n_0: the main loss's), here and over the group, the scale
+        of depth k is N n_k,r / n_k and its weight that over the main loss's scale
+        (:meth:`scale_loss`, which the train step applies to the whole loss)."""
+        full_ids, full_labels = self.gather(input_ids), self.gather(labels)
+        parts = [
+            (self.split(i), self.split(lab))
+            for i, lab in shifted_sequences(full_ids, full_labels, depth)
+        ]
+        local = torch.stack(
+            [(lab != ignore_index).sum() for lab in [labels, *(lab for _, lab in parts)]]
+        ).to(torch.float64)
+        total = local.clone()
+        dist.all_reduce(total, group=self.group)
+        scales = local * self.size / total.clamp_min(1)
+        weights = scales[1:] / scales[0].clamp_min(1e-30)
+        return ShiftedTokens(
+            ids=[i for i, _ in parts],
+            labels=[lab for _, lab in parts],
+            scales=[s.float() for s in scales[1:]],
+            weights=[w.float() for w in weights],
+        )
+
     # ------------------------------------------------------------ attention
 
     def attention(
@@ -309,6 +337,10 @@ def _inputs_hook(cp: ContextParallel, documents: bool) -> Callable:
         kwargs = dict(kwargs, positions=cp.positions(first.shape[1], first.device))
         if documents and module.cfg.document_mask and kwargs.get("doc_ids") is None:
             kwargs["doc_ids"] = module.document_mask(first, build=cp.documents)
+        labels = args[1] if len(args) > 1 else kwargs.get("labels")
+        depth = len(getattr(module, "mtp", ()))
+        if documents and depth and module.training and labels is not None:
+            kwargs["mtp_shifted"] = cp.shifted_tokens(first, labels.to(first.device), depth)
         return args, kwargs
 
     return hook
@@ -322,13 +354,14 @@ def attach_inputs(cp: ContextParallel, module: nn.Module) -> None:
 
 def apply_context(model: nn.Module, topo: Any, mode: str) -> Optional[ContextParallel]:
     """Split ``model``'s sequences over the context-parallel group: every attention core becomes
-    a :class:`ContextParallelAttention` around the core it had, and the model's forward gets this
-    rank's global ``positions`` and the documents of the whole sequences (a pre-hook). The loss
+    a :class:`ContextParallelAttention` around the core it had (the multi-token prediction
+    modules' too), and the model's forward gets this rank's global ``positions``, the documents
+    of the whole sequences and the multi-token prediction inputs (a pre-hook). The loss
     is weighted by the train step (:func:`loss_weighting`)."""
     if topo.cp == 1:
         return None
     cp = ContextParallel(topo.groups.cp, topo.cp, topo.cp_rank, mode)
-    for block in model.layers:
+    for block in [*model.layers, *(m.block for m in getattr(model, "mtp", ()))]:
         block.attn.core = ContextParallelAttention(cp, block.attn.core)
     model.register_forward_pre_hook(_inputs_hook(cp, True), with_kwargs=True)
     return cp

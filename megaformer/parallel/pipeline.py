@@ -12,7 +12,12 @@ the gradient-accumulation steps and run on DeepSpeed's 1F1B schedule.
 
 What crosses a stage boundary is the hidden state x [B, T, d], and with ``model.document_mask``
 also the token ids (each stage rebuilds the documents' mask from them, once per micro-batch,
-instead of sending the mask). With ``model.loss_chunk_tokens`` the last layer passes x on and the
+instead of sending the mask), and with ``model.mtp_depth`` the token ids too: the last stage holds
+the multi-token prediction modules (in its final-norm layer), and its last layer hands the loss the
+head's output, the last block's output x_L and the ids, from which the loss adds the modules' losses.
+The embedding they share is on the last stage as a tied layer (the head itself with tied
+embeddings; else a layer after the head that passes its inputs on), which DeepSpeed keeps equal to
+the first stage's. With ``model.loss_chunk_tokens`` the last layer passes x on and the
 loss reads x and the head's weight a chunk of tokens at a time (no [B, T, V] logits). The MoE
 router losses r of a stage's blocks enter the backward where they are made: y = x forward, and
 dL/dr = the micro-batch's loss scale backward (:class:`RouterLosses`), so a stage's routers get
@@ -87,28 +92,31 @@ class RouterLosses:
 
 class PipelineBlock(nn.Module):
     """A block as a pipeline layer: x -> block(x), or (x, ids) -> (block(x, mask(ids)), ids)
-    with document masks; its router losses (if any) join the backward here."""
+    when the ids travel (``pass_ids``; with document masks, the mask of the ids); its router
+    losses (if any) join the backward here."""
 
     def __init__(
         self,
         block: nn.Module,
         masks: Optional[DocumentMasks],
         router: Optional[RouterLosses],
+        pass_ids: bool = False,
     ) -> None:
         super().__init__()
         self.block, self.masks, self.router = block, masks, router
+        self.pass_ids = pass_ids or masks is not None
 
     def forward(self, inputs: Any) -> Any:
-        if self.masks is None:
+        if not self.pass_ids:
             x = self.block(inputs)
         else:
             x, ids = inputs
-            x = self.block(x, doc_ids=self.masks(ids))
+            x = self.block(x, doc_ids=self.masks(ids)) if self.masks is not None else self.block(x)
         if self.router is not None and self.training and torch.is_grad_enabled():
             from megaformer.model.moe import take_router_losses
 
             x = self.router.add(x, take_router_losses(self.block))
-        return x if self.masks is None else (x, ids)
+        return (x, ids) if self.pass_ids else x
 
 
 class FinalNorm(nn.Module):
@@ -120,6 +128,40 @@ class FinalNorm(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return self.norm(inputs[0])
+
+
+class FinalNormMTP(nn.Module):
+    """The final norm as the pipeline layer after the last block, holding the multi-token
+    prediction modules (the loss runs them): (x_L, ids) -> (Norm(x_L), x_L, ids). With an untied
+    ``head`` it also holds the output head and applies it (unless the loss is chunked):
+    (x_L, ids) -> (head(Norm(x_L)), x_L, ids); the layer after it is then the embedding, tied to
+    the first stage's, which passes the tuple on."""
+
+    def __init__(
+        self, norm: nn.Module, mtp: nn.ModuleList, head: Optional[nn.Module], logits: bool
+    ) -> None:
+        super().__init__()
+        self.norm, self.mtp, self.head = norm, mtp, head
+        self.logits = logits and head is not None
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        x, ids = inputs
+        h = self.norm(x)
+        return (self.head(h) if self.logits else h), x, ids
+
+
+class MTPLoss:
+    """The pipeline's loss with multi-token prediction: ``main(out, labels)`` of the head's
+    output, plus the model's lambda / D sum_k L^k of (out, x_L, ids)."""
+
+    def __init__(self, main: Callable, model: nn.Module) -> None:
+        self.main, self.model = main, model
+
+    def __call__(self, outputs: tuple, labels: torch.Tensor) -> torch.Tensor:
+        out, residual, ids = outputs
+        loss = self.main(out, labels)
+        mtp = self.model.mtp_loss(residual, ids, labels.to(ids.device))
+        return loss if mtp is None else loss + mtp
 
 
 class HiddenToLoss(nn.Module):
@@ -167,6 +209,11 @@ def _pass_hidden(stage: EmbeddingStage, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _tied_head_keep(stage: EmbeddingStage, inputs: tuple) -> tuple:
+    """(Norm(x_L), x_L, ids) -> (logits, x_L, ids): the multi-token prediction loss's inputs."""
+    return (stage.lm_head(inputs[0]), *inputs[1:])
+
+
 class TiedEmbedding(nn.Module):
     """A LayerSpec "class" that hands back an already built module: DeepSpeed's specs build
     modules from classes, while megaformer builds the model's layers itself (each stage
@@ -208,14 +255,18 @@ def stage_parts(model: nn.Module, stages: int, partition: str) -> list[int]:
         weights = [0] + [1] * n_blocks + [0, 0]
     elif partition == "parameters":
         tied = model.cfg.tie_embeddings
+        mtp = list(getattr(model, "mtp", ()))
         emb = _param_count(
             model.tok_embeddings, model.pos_embeddings, model.lm_head if tied else None
         )
-        weights = (
-            [emb]
-            + [_param_count(b) for b in model.layers]
-            + [_param_count(model.final_norm), emb if tied else _param_count(model.lm_head)]
-        )
+        if mtp and not tied:  # [final norm, modules, head] [the embedding, tied]
+            last = [_param_count(model.final_norm, *mtp, model.lm_head), emb]
+        else:
+            last = [
+                _param_count(model.final_norm, *mtp),
+                emb if tied else _param_count(model.lm_head),
+            ]
+        weights = [emb] + [_param_count(b) for b in model.layers] + last
     else:
         raise ValueError(
             f"pipeline partition {partition!r}: expected 'layers', 'parameters' or block counts"
@@ -235,6 +286,8 @@ class StagePieces:
 
 
 def stage_pieces(parts: list[int], stage: int, n_blocks: int, tied: bool) -> StagePieces:
+    """``tied``: the last stage holds the embedding too (tied to the head, or read by the
+    multi-token prediction modules)."""
     lo, hi = parts[stage], parts[stage + 1]
     head = hi == n_blocks + 3  # the last stage: final norm and head
     return StagePieces(
@@ -291,26 +344,44 @@ def build_pipeline(
     cfg = model.cfg
     tied, chunked = cfg.tie_embeddings, cfg.loss_chunk_tokens > 0
     masks = DocumentMasks(model.document_mask) if cfg.document_mask else None
-    emb.pass_ids = masks is not None
+    mtp = len(model.mtp) > 0
+    if mtp and masks is not None:
+        raise ValueError("multi-token prediction under pipeline parallelism: no document masks")
+    emb.pass_ids = masks is not None or mtp
     layers: list = []
-    if tied:
+    if tied or mtp:  # the last stage holds the embedding too (the head, or the modules' input)
         layers.append(
             TiedLayerSpec("embed", TiedEmbedding, emb, tied_weight_attr=["tok_embeddings.weight"])
         )
     else:
         layers.append(emb)
-    if masks is not None or router_losses is not None:
-        layers.extend(PipelineBlock(b, masks, router_losses) for b in model.layers)
+    if masks is not None or router_losses is not None or mtp:
+        layers.extend(PipelineBlock(b, masks, router_losses, mtp) for b in model.layers)
     else:
         layers.extend(model.layers)
-    layers.append(FinalNorm(model.final_norm) if masks is not None else model.final_norm)
-    if tied:
+    if mtp:
+        untied_head = None if tied else model.lm_head
+        layers.append(FinalNormMTP(model.final_norm, model.mtp, untied_head, not chunked))
+        loss_fn = MTPLoss(loss_fn, model)
+    else:
+        layers.append(FinalNorm(model.final_norm) if masks is not None else model.final_norm)
+    if mtp and not tied:
         layers.append(
             TiedLayerSpec(
                 "embed",
                 TiedEmbedding,
                 emb,
-                forward_fn=_pass_hidden if chunked else _tied_head,
+                forward_fn=_pass_hidden,
+                tied_weight_attr=["tok_embeddings.weight"],
+            )
+        )
+    elif tied:
+        layers.append(
+            TiedLayerSpec(
+                "embed",
+                TiedEmbedding,
+                emb,
+                forward_fn=_pass_hidden if chunked else (_tied_head_keep if mtp else _tied_head),
                 tied_weight_attr=["tok_embeddings.weight"],
             )
         )
@@ -348,6 +419,7 @@ def build_pipeline(
         activation_checkpoint_interval=0,
     )
     pipe.router_losses = router_losses  # read by the train step (scale, logged loss)
+    pipe.mtp_metrics = model.mtp_metrics  # the multi-token prediction losses (the last stage's)
     return pipe
 
 

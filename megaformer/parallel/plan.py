@@ -227,6 +227,33 @@ def _scatter_input(group: ProcessGroup) -> Callable:
     return hook
 
 
+class _PaddedSequenceSplit:
+    """A block on whole sequences [B, S, d] under sequence parallelism (a multi-token prediction
+    module's, S = T - k need not divide by the TP degree p): x is padded with zero rows to
+    S' = p ceil(S / p), split over the group, run, gathered and cut back to S. Causal attention
+    keeps the padding out of rows < S; their gradients come back as the whole block's would."""
+
+    def __init__(self, group: ProcessGroup, size: int) -> None:
+        self.group, self.size = group, size
+        self.length: list[int] = []  # S of each call in flight (recomputation runs it again)
+
+    def attach(self, block: nn.Module) -> None:
+        block.register_forward_pre_hook(self.before, with_kwargs=True)
+        block.register_forward_hook(self.after)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        x = args[0]
+        S = x.shape[1]
+        self.length.append(S)
+        pad = -S % self.size
+        if pad:
+            x = torch.cat((x, x.new_zeros(x.shape[0], pad, *x.shape[2:])), dim=1)
+        return (scatter_seq(x, self.group), *args[1:]), kwargs
+
+    def after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return gather_seq_split_bwd(output, self.group)[:, : self.length.pop()]
+
+
 def _gather_output(group: ProcessGroup) -> Callable:
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return gather_seq_split_bwd(output, group)
@@ -254,11 +281,9 @@ def parallelize(
         return model
     group = topo.groups.tp
     sp = sequence_parallel
-    # the multi-token prediction modules' blocks are split as the model's (their inputs and
-    # outputs whole: not under sequence parallelism, whose splits follow the main blocks)
+    # the multi-token prediction modules' blocks are split as the model's; under sequence
+    # parallelism each splits its own (shorter) sequences (:class:`_PaddedSequenceSplit`)
     extra = [m.block for m in getattr(model, "mtp", ())]
-    if extra and sp:
-        raise ValueError("multi-token prediction does not run under sequence parallelism")
     for block in (*model.layers, *extra):
         if materialize is not None:
             materialize(block)
@@ -289,6 +314,8 @@ def parallelize(
     if sp:
         model.layers[0].register_forward_pre_hook(_scatter_input(group), with_kwargs=True)
         model.layers[-1].register_forward_hook(_gather_output(group))
+        for block in extra:
+            _PaddedSequenceSplit(group, topo.tp).attach(block)
 
     if materialize is not None:
         materialize(model.tok_embeddings)

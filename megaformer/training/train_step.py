@@ -111,7 +111,9 @@ class TrainStep:
         )
         # multi-token prediction: the step's mean of its losses over the data-parallel ranks
         mtp = (
-            engine.module.mtp_metrics.take(self.topo.groups.replica)
+            engine.module.mtp_metrics.take(
+                self.topo.groups.replica, self.topo.groups.pp, self.device
+            )
             if self.cfg.model.mtp_depth > 0
             else {}
         )

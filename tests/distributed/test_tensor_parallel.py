@@ -199,7 +199,8 @@ def _tp_suite(rank: int, world: int) -> dict:
         f"{variant}/{'sp' if sp else 'nosp'}": _tp_vs_reference(rank, world, variant, sp)
         for variant in VARIANTS
         for sp in (False, True)
-        if not (sp and VARIANTS[variant].get("mtp_depth"))  # refused under sequence parallelism
+        # MoE multi-token prediction blocks are refused under sequence parallelism
+        if not (sp and VARIANTS[variant].get("mtp_depth"))
     }
 
 

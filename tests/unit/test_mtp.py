@@ -138,15 +138,28 @@ def test_parameter_and_flop_counts_equal_the_module_and_the_flop_counter(mla):
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (["parallel.pipeline=2"], "model.mtp_depth=1 with parallel.pipeline=2: not supported"),
+        (["parallel.pipeline=2"], None),  # the last stage runs them (MoE blocks, untied)
+        (
+            [
+                "parallel.pipeline=2",
+                "model.tie_embeddings=true",
+                "parallel.pipeline_schedule=dualpipev",
+            ],
+            "model.mtp_depth=1 with parallel.pipeline=2: not supported (the modules run on",
+        ),
         (
             ["parallel.tensor=2", "parallel.sequence_parallel=true"],
-            "model.mtp_depth=1 with parallel.sequence_parallel=true: not supported",
+            "model.mtp_depth=1 with parallel.sequence_parallel=true: not supported (its MoE",
+        ),
+        (
+            ["parallel.tensor=2", "parallel.sequence_parallel=true", "model.moe.interval=0"],
+            None,  # dense modules split their own sequences
         ),
         (
             ["parallel.context=2", "parallel.context_mode=all_to_all"],
-            "model.mtp_depth=1 with parallel.context=2: not supported",
+            "model.mtp_depth=1 with parallel.context=2: not supported (its MoE blocks",
         ),
+        (["parallel.context=2", "model.moe.interval=0"], None),  # dense modules split
         (["model.mtp_depth=-1"], "model.mtp_depth=-1: must be >= 0"),
         (["parallel.tensor=2"], None),  # tensor parallelism without sequence parallelism runs
     ],

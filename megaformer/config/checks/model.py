@@ -87,16 +87,30 @@ def check_mtp(cfg: Config) -> None:
         m.mtp_depth < m.max_seq_len - 1,
         f"model.mtp_depth={m.mtp_depth}: must be below model.max_seq_len - 1",
     )
+    moe_modules = any(m.is_moe_layer(m.n_layers + k) for k in range(m.mtp_depth))
     for key, value, why in (
         ("model.position", m.position != "rope", "the modules reuse the rotary positions"),
         ("model.document_mask", m.document_mask, "its shifted sequences cross documents"),
-        ("parallel.pipeline", p.pipeline > 1, "the last stage would need the token ids"),
+        (
+            "parallel.pipeline",
+            p.pipeline > 1 and p.pipeline_schedule != "1f1b",
+            "the modules run on the 1f1b schedule's last stage only",
+        ),
+        (
+            "parallel.pipeline",
+            p.pipeline > 1 and p.context > 1,
+            "the last stage has no shifted sequences of the context ranks",
+        ),
         (
             "parallel.sequence_parallel",
-            p.tensor > 1 and p.sequence_parallel,
-            "its shorter sequences do not split like the main blocks'",
+            p.tensor > 1 and p.sequence_parallel and moe_modules,
+            "its MoE blocks would route the rows that pad its sequences",
         ),
-        ("parallel.context", p.context > 1, "its shifted sequences cross the context ranks"),
+        (
+            "parallel.context",
+            p.context > 1 and moe_modules,
+            "its MoE blocks would route the padding past each sequence's end",
+        ),
         ("parallel.expert", p.expert > 1, "its experts are not distributed yet"),
         ("parallel.zero_stage", p.zero_stage == 3, "its modules are not partitioned yet"),
     ):
