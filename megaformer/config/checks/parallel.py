@@ -252,6 +252,13 @@ def check_fp8(cfg: Config) -> None:
     multiples of 16 (emulation has no such constraint)."""
     t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor
     check_fp8_demotion(cfg)
+    cp = cfg.parallel.context
+    require(
+        t.fp8 == "off" or cp == 1,
+        f"train.fp8={t.fp8} with parallel.context={cp}: FP8 GEMMs scale the activations by "
+        "their amax over the tokens, which context parallelism splits over ranks and the "
+        "scales are not reduced over; use one of them",
+    )
     if t.fp8 == "off" or t.fp8_emulate:
         return
     dims = {
@@ -271,7 +278,6 @@ def check_fp8(cfg: Config) -> None:
             "FP8 GEMMs need; change the model's widths or use train.fp8=off",
         )
     # the weight gradient dW = dY^T X contracts over the micro-batch's tokens on this CP rank
-    cp = cfg.parallel.context
     if t.micro_batch_size is not None:  # null: resolved per world size, at launch
         tokens = t.micro_batch_size * cfg.seq_len // cp
         require(
