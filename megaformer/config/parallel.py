@@ -22,14 +22,22 @@ class ParallelConfig:
         "Pipeline-parallel degree: stages of consecutive blocks, run by "
         "DeepSpeed's pipeline engine on the schedule parallel.pipeline_schedule.",
     )
-    pipeline_schedule: Literal["1f1b", "dualpipev"] = option(
+    pipeline_schedule: Literal["1f1b", "interleaved", "dualpipev"] = option(
         "1f1b",
         "Order of the micro-batches' forward and backward passes over the stages: '1f1b' "
         "(one forward, one backward; idle fraction (p-1)/(m+p-1) for p stages and m "
-        "micro-batches) or 'dualpipev' (DeepSeek-V3's DualPipeV, DeepSpeed's engine: the blocks "
-        "are cut into 2p stages, rank r runs stages r and 2p-1-r so micro-batches go out and "
-        "come back, the embedding and the head both on the first rank; needs at least 2p "
-        "micro-batches per step and 2p blocks).",
+        "micro-batches), 'interleaved' (interleaved 1F1B: the blocks are cut into v*p stages, "
+        "v = parallel.pipeline_virtual_stages, rank r runs stages r, r+p, ...; idle fraction "
+        "(p-1)/(v*m+p-1) for v times the point-to-point traffic; needs a multiple of p "
+        "micro-batches per step and v*p blocks) or 'dualpipev' (DeepSeek-V3's DualPipeV, "
+        "DeepSpeed's engine: the blocks are cut into 2p stages, rank r runs stages r and 2p-1-r "
+        "so micro-batches go out and come back, the embedding and the head both on the first "
+        "rank; needs at least 2p micro-batches per step and 2p blocks).",
+    )
+    pipeline_virtual_stages: int = option(
+        2,
+        "Stages per pipeline rank (v) under parallel.pipeline_schedule=interleaved: the blocks "
+        "are cut into v * parallel.pipeline stages. Ignored by the other schedules.",
     )
     pipeline_partition: str = option(
         "layers",

@@ -132,7 +132,7 @@ def build_model(
         pieces = (
             rank_pieces(
                 _stage_parts(cfg, topology, padded, model),
-                rank_stages(p.pipeline_schedule, pp, topology.pp_rank),
+                rank_stages(p.pipeline_schedule, pp, topology.pp_rank, p.pipeline_virtual_stages),
                 m.n_layers,
                 m.tie_embeddings or m.mtp_depth > 0,  # the last stage holds the embedding
             )
@@ -193,6 +193,7 @@ def build_model(
         ),
         inputs_hook=(lambda m: attach_inputs(cp, m)) if cp is not None else None,
         schedule=p.pipeline_schedule,
+        virtual_stages=p.pipeline_virtual_stages,
         router_losses=(
             RouterLosses() if moe.interval > 0 and (moe.aux_loss_coef or moe.z_loss_coef) else None
         ),

@@ -295,12 +295,16 @@ def stage_pieces(parts: list[int], stage: int, n_blocks: int, tied: bool) -> Sta
     )
 
 
-def rank_stages(schedule: str, pp: int, pp_rank: int) -> tuple[int, ...]:
-    """The stages pipeline rank ``pp_rank`` of ``pp`` holds: (r,) under 1F1B; (r, 2p-1-r) under
-    DualPipeV, whose micro-batches go out through ranks 0..p-1 and come back through p-1..0, so
-    rank 0 holds both the embedding (stage 0) and the head (stage 2p-1)."""
+def rank_stages(schedule: str, pp: int, pp_rank: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """The stages pipeline rank ``pp_rank`` of ``pp`` holds: (r,) under 1F1B; (r, r+p, ...,
+    r+(v-1)p) under the interleaved schedule (v = ``virtual_stages``), so a micro-batch visits the
+    ranks v times; (r, 2p-1-r) under DualPipeV, whose micro-batches go out through ranks 0..p-1
+    and come back through p-1..0, so rank 0 holds both the embedding (stage 0) and the head
+    (stage 2p-1)."""
     if schedule == "dualpipev":
         return (pp_rank, 2 * pp - 1 - pp_rank)
+    if schedule == "interleaved":
+        return tuple(c * pp + pp_rank for c in range(virtual_stages))
     return (pp_rank,)
 
 
@@ -324,6 +328,7 @@ def build_pipeline(
     inputs_hook: Optional[Callable[[nn.Module], None]] = None,
     schedule: str = "1f1b",
     router_losses: Optional[RouterLosses] = None,
+    virtual_stages: int = 1,
 ) -> nn.Module:
     """A ``PipelineModule`` over ``model``'s layers for the grid in ``topo``. ``inputs_hook``
     (context parallelism) is applied to the embedding stage and to every block's attention, so
@@ -333,9 +338,15 @@ def build_pipeline(
 
     ``schedule="dualpipev"``: a ``DualPipeVModule`` cut into 2p stages, rank r running stages r
     and 2p-1-r (DeepSpeed picks its DualPipeV engine for it). The embedding and the head are both
-    on rank 0, so tied embeddings are one module there and need no gradient exchange."""
+    on rank 0, so tied embeddings are one module there and need no gradient exchange.
+
+    ``schedule="interleaved"``: an :class:`~megaformer.parallel.interleaved_engine.InterleavedModule`
+    cut into v p stages (v = ``virtual_stages``), rank r running stages r, r+p, ..., r+(v-1)p; the
+    embedding is on rank 0 and the head on rank p-1, as under 1F1B."""
     from deepspeed.pipe import DualPipeVModule, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from megaformer.parallel.interleaved_engine import InterleavedModule
 
     emb = EmbeddingStage(model)
     if inputs_hook is not None:
@@ -389,8 +400,8 @@ def build_pipeline(
         layers.append(HiddenToLoss(model.lm_head) if chunked else model.lm_head)
     # DeepSpeed's data axis is the replica group (DP x CP): the same rank order as the topology
     grid = PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.replicas)
-    dual = schedule == "dualpipev"
-    parts = stage_parts(model, 2 * topo.pp if dual else topo.pp, partition)
+    chunks = rank_stages(schedule, topo.pp, 0, virtual_stages)
+    parts = stage_parts(model, len(chunks) * topo.pp, partition)
 
     class MegaformerPipeline(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:
@@ -411,7 +422,16 @@ def build_pipeline(
                 (parts[second], parts[second + 1]),
             ]
 
-    pipe = (MegaformerDualPipeV if dual else MegaformerPipeline)(
+    class MegaformerInterleaved(InterleavedModule):
+        def _partition_layers(self, method: str = "uniform") -> None:
+            rank = self._topo.get_coord(self.global_rank).pipe
+            self.num_stages, self.parts = len(parts) - 1, parts
+            mine = rank_stages(schedule, topo.pp, rank, virtual_stages)
+            self.phase_bounds = [(parts[s], parts[s + 1]) for s in mine]
+            self._set_bounds(*self.phase_bounds[0])
+
+    cls = {"dualpipev": MegaformerDualPipeV, "interleaved": MegaformerInterleaved}
+    pipe = cls.get(schedule, MegaformerPipeline)(
         layers=layers,
         topology=grid,
         loss_fn=loss_fn,

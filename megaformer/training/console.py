@@ -109,7 +109,7 @@ def log_summary(
         tp,
         sp,
         pp,
-        f" ({cfg.parallel.pipeline_schedule})" if pp > 1 else "",
+        _schedule(cfg) if pp > 1 else "",
         cfg.parallel.zero_stage,
         cfg.train.optimizer,
         proc.device.type,
@@ -151,3 +151,11 @@ def log_summary(
             cfg.model.moe.top_k,
             f"; experts split over EP {cfg.parallel.expert}" if cfg.parallel.expert > 1 else "",
         )
+
+
+def _schedule(cfg: Config) -> str:
+    """' (1f1b)', ' (dualpipev)', ' (interleaved, 2 stages per rank)'."""
+    p = cfg.parallel
+    if p.pipeline_schedule == "interleaved":
+        return f" (interleaved, {p.pipeline_virtual_stages} stages per rank)"
+    return f" ({p.pipeline_schedule})"

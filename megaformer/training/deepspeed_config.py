@@ -50,12 +50,10 @@ def build_deepspeed_config(cfg: Config, grad_accum: int) -> dict:
         "wall_clock_breakdown": False,
     }
     p = cfg.parallel
-    if p.pipeline > 1 and (
-        (p.sequence_parallel and p.tensor > 1) or p.pipeline_schedule == "dualpipev"
-    ):
+    if p.pipeline > 1 and ((p.sequence_parallel and p.tensor > 1) or p.pipeline_schedule != "1f1b"):
         # DeepSpeed splits the activations it sends between stages over the TP group, assuming
         # they are replicated there; under sequence parallelism each TP rank holds its own part.
-        # DualPipeV sends whole activations (its engine refuses partitioned ones).
+        # DualPipeV and the interleaved schedule send whole activations.
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if t.precision == "bf16":  # zero_stage >= 1 (config validation refuses bf16 without ZeRO)
         # DeepSpeed accumulates bf16 gradients over micro-batches in bf16 unless told: fp32 takes

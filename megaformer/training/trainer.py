@@ -37,7 +37,7 @@ from megaformer.data.setup import setup_data
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.evaluation.training import TaskEvaluator
 from megaformer.kernels import native
-from megaformer.parallel import experts
+from megaformer.parallel import experts, interleaved_engine
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import context_disabled, split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
@@ -350,7 +350,8 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg.train))
         ds_config = build_deepspeed_config(self.cfg, self.grad_accum)
         step_class = train_step_class(self.cfg)
-        with experts.recognised_by_deepspeed(ep > 1):  # expert grads over expert-data groups
+        # expert grads over expert-data groups; the interleaved schedule's engine
+        with experts.recognised_by_deepspeed(ep > 1), interleaved_engine.engine_for(self.model):
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=self.model,
                 optimizer=optimizer,

@@ -52,10 +52,15 @@ def check_tensor_parallel(cfg: Config) -> None:
 
 
 def pipeline_stage_count(cfg: Config) -> int:
-    """The stages the blocks are cut into: PP under 1F1B, 2 * PP under DualPipeV (each rank holds
-    two)."""
+    """The stages the blocks are cut into: PP under 1F1B, v * PP under the interleaved schedule
+    (each rank holds v), 2 * PP under DualPipeV (each rank holds two)."""
     p = cfg.parallel
-    return 2 * p.pipeline if p.pipeline_schedule == "dualpipev" else p.pipeline
+    return p.pipeline * stages_per_rank(p.pipeline_schedule, p.pipeline_virtual_stages)
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """How many stages each pipeline rank holds under ``schedule``."""
+    return {"dualpipev": 2, "interleaved": virtual_stages}.get(schedule, 1)
 
 
 def check_pipeline(cfg: Config) -> None:
@@ -79,7 +84,8 @@ def check_pipeline(cfg: Config) -> None:
         n >= stages,
         f"parallel.pipeline={p.pipeline}: more stages than model.n_layers={n}"
         + (
-            f" (DualPipeV cuts the blocks into 2 * pipeline = {stages} stages)"
+            f" ({p.pipeline_schedule} cuts the blocks into {stages // p.pipeline} * pipeline "
+            f"= {stages} stages)"
             if stages > p.pipeline
             else ""
         ),
@@ -107,20 +113,28 @@ def check_pipeline_schedule(cfg: Config) -> None:
         f"parallel.pipeline_schedule={p.pipeline_schedule}: needs a pipeline "
         "(parallel.pipeline > 1)",
     )
+    name = p.pipeline_schedule
+    if name == "interleaved":
+        require(
+            p.pipeline_virtual_stages >= 2,
+            f"parallel.pipeline_virtual_stages={p.pipeline_virtual_stages}: the interleaved "
+            "schedule needs at least 2 stages per rank (with 1 it is parallel.pipeline_schedule="
+            "1f1b)",
+        )
     ds_pipe = (cfg.deepspeed or {}).get("pipeline", {})
     require(
         not any(ds_pipe.get(k) for k in ("pipe_partitioned", "grad_partitioned")),
-        "parallel.pipeline_schedule=dualpipev with deepspeed.pipeline.pipe_partitioned/"
-        "grad_partitioned: DualPipeV sends whole activations; set both to false",
+        f"parallel.pipeline_schedule={name} with deepspeed.pipeline.pipe_partitioned/"
+        "grad_partitioned: this schedule sends whole activations; set both to false",
     )
     require(
         not cfg.log.diagnostics,
-        "log.diagnostics=true with parallel.pipeline_schedule=dualpipev: the residual-stream "
+        f"log.diagnostics=true with parallel.pipeline_schedule={name}: the residual-stream "
         "diagnostics walk the stages in 1F1B order; switch one of them off",
     )
     require(
         not cfg.eval.tasks,
-        "eval.tasks with parallel.pipeline_schedule=dualpipev: task evaluation during training "
+        f"eval.tasks with parallel.pipeline_schedule={name}: task evaluation during training "
         "runs the stages in 1F1B order; evaluate the checkpoint with megaformer eval instead",
     )
 
@@ -128,13 +142,21 @@ def check_pipeline_schedule(cfg: Config) -> None:
 def check_pipeline_micro_batches(cfg: Config, grad_accum: int) -> None:
     """The micro-batches per optimizer step (``grad_accum``) the schedule needs."""
     p = cfg.parallel
+    per_step = (
+        "micro-batches per step, got {} (train.global_batch_size / (train.micro_batch_size * "
+        "data-parallel size)); raise the global batch or lower the micro-batch"
+    ).format(grad_accum)
     if p.pipeline > 1 and p.pipeline_schedule == "dualpipev":
         require(
             grad_accum >= 2 * p.pipeline,
             f"parallel.pipeline_schedule=dualpipev: needs at least 2 * pipeline = "
-            f"{2 * p.pipeline} micro-batches per step, got {grad_accum} (train.global_batch_size "
-            "/ (train.micro_batch_size * data-parallel size)); raise the global batch or lower "
-            "the micro-batch",
+            f"{2 * p.pipeline} {per_step}",
+        )
+    if p.pipeline > 1 and p.pipeline_schedule == "interleaved":
+        require(
+            grad_accum % p.pipeline == 0,
+            f"parallel.pipeline_schedule=interleaved: needs a multiple of pipeline = "
+            f"{p.pipeline} {per_step}",
         )
 
 
