@@ -99,6 +99,10 @@ class InterleavedModule(DualPipeVModule):
         """The pipeline rank that owns ``layer_idx`` (tied layers: which ranks share a weight)."""
         return PipelineModule.stage_owner(self, layer_idx) % self._topo.get_dim("pipe")
 
+    def _build(self) -> None:
+        DualPipeVModule._build(self)  # every chunk; its table of checkpointable layers has two
+        self.phase_checkpointable = [[] for _ in self.phase_bounds]
+
     def _each_chunk(self, method: Any, *args: Any, **kwargs: Any) -> None:
         for c in range(len(self.phase_bounds)):
             self.activate_phase(c)

@@ -31,13 +31,17 @@ from functools import lru_cache
 Pass = tuple[str, int, int]  # (F or B, chunk, micro-batch)
 
 
-def check_interleaved(p: int, m: int, v: int) -> None:
-    """ValueError unless (p ranks, m micro-batches, v chunks per rank) can run interleaved."""
+def check_interleaved(p: int, m: int, v: int, forward_only: bool = False) -> None:
+    """ValueError unless (p ranks, m micro-batches, v chunks per rank) can run interleaved
+    (forward passes only, as in evaluation: any m)."""
     if p < 2:
         raise ValueError("the interleaved schedule needs a pipeline of at least 2 ranks")
     if v < 2:
         raise ValueError(f"the interleaved schedule needs at least 2 stages per rank, got {v}")
-    if m < p or m % p:
+    if forward_only:
+        if m < 1:
+            raise ValueError(f"the interleaved schedule needs micro-batches, got {m}")
+    elif m < p or m % p:
         raise ValueError(
             f"the interleaved schedule needs a multiple of pipeline = {p} micro-batches per step, "
             f"got {m}"
@@ -109,7 +113,7 @@ class Round:
 def rounds(p: int, m: int, v: int, forward_only: bool = False) -> tuple[Round, ...]:
     """The whole step's rounds for all p ranks (the same on every rank: each rank builds its
     instructions from this one plan). RuntimeError if the passes wait on each other."""
-    check_interleaved(p, m, v)
+    check_interleaved(p, m, v, forward_only)
     units = [rank_units(p, m, v, r, forward_only) for r in range(p)]
     nxt = [0] * p
     made: dict[Pass, int] = {}  # (kind, stage, micro-batch) -> round it was produced in

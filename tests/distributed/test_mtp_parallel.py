@@ -177,12 +177,13 @@ def test_training_with_mtp_at_cp2_equals_one_process(tmp_path, mode):
         (2, 0, {"model.tie_embeddings": "false"}),
         (2, 16, {"model.tie_embeddings": "false"}),
         (4, 0, {"parallel.tensor": 2, "parallel.sequence_parallel": "true"}),
+        (2, 16, {"parallel.pipeline_schedule": "interleaved", "model.n_layers": 4}),
     ],
-    ids=["logits", "chunked-loss", "untied", "untied-chunked-loss", "tp2-sp"],
+    ids=["logits", "chunked-loss", "untied", "untied-chunked-loss", "tp2-sp", "interleaved"],
 )
 def test_training_with_mtp_at_pp2_equals_one_process(tmp_path, world, chunked, extra):
-    """1F1B over two stages, the modules, the head and the embedding (tied to the first stage's)
-    on the last (``mtp/loss`` is logged by the first)."""
+    """1F1B over two stages (and interleaved 1F1B over four), the modules, the head and the
+    embedding (tied to the first stage's) on the last (``mtp/loss`` is logged by the first)."""
     args = {"model.loss_chunk_tokens": chunked, **extra}
     ref = _train(1, tmp_path / "ref", {k: v for k, v in args.items() if "parallel" not in k})
     _same(ref, _train(world, tmp_path / "pp", {**args, "parallel.pipeline": 2}))

@@ -124,6 +124,36 @@ LAYOUTS = {  # name: (world, overrides)
             "train.micro_batch_size": 1,
         },
     ),
+    # interleaved 1F1B: rank r runs stages r and r+2 of 4 (embedding on rank 0, tied head on 1)
+    "pp2-interleaved": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "interleaved"}),
+    "pp2xdp2-zero1-interleaved": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "interleaved",
+            "parallel.zero_stage": 1,
+            "train.micro_batch_size": 1,
+            "train.recompute": "full",
+        },
+    ),
+    "pp2xtp2-sp-interleaved": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "interleaved",
+            "parallel.tensor": 2,
+            "parallel.sequence_parallel": "true",
+        },
+    ),
+    "pp2xcp2-ring-interleaved": (
+        4,
+        {
+            "parallel.pipeline": 2,
+            "parallel.pipeline_schedule": "interleaved",
+            "parallel.context": 2,
+            "train.micro_batch_size": 1,
+        },
+    ),
     "tp2xpp2xdp2": (
         8,
         {
@@ -170,6 +200,7 @@ STAGE_FEATURES = {
 SCHEDULES = {
     "1f1b-pp2": (2, {"parallel.pipeline": 2}),
     "dualpipev-pp2": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "dualpipev"}),
+    "interleaved-pp2": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "interleaved"}),
     "dualpipev-pp2xtp2-sp": (
         4,
         {
@@ -244,12 +275,15 @@ def test_stage_features_equal_one_process(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_dualpipev_with_expert_parallelism_equals_one_process(feature_references, tmp_path):
+@pytest.mark.parametrize("schedule", ["dualpipev", "interleaved"])
+def test_expert_parallelism_under_each_schedule_equals_one_process(
+    feature_references, tmp_path, schedule
+):
     """MoE blocks with router losses, their experts split over 2 data-parallel ranks, under
-    DualPipeV at PP=2 (one sample per micro-batch: 4 per step and DP rank)."""
+    DualPipeV and interleaved 1F1B at PP=2 (one sample per micro-batch: 4 per step and DP rank)."""
     extra = {
         "parallel.pipeline": 2,
-        "parallel.pipeline_schedule": "dualpipev",
+        "parallel.pipeline_schedule": schedule,
         "parallel.expert": 2,
         "parallel.zero_stage": 1,
         "train.micro_batch_size": 1,
@@ -301,30 +335,51 @@ def test_pipelined_evaluation_passes_the_ids_and_applies_the_head(feature_refere
         assert torch.equal(greedy, ref_greedy)
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_dualpipev_pp4_equals_one_process(tmp_path):
-    """DualPipeV at PP=4: 8 stages of one block each (rank r runs blocks r and 7-r), 8
-    micro-batches per step, tied embeddings on rank 0."""
+@pytest.fixture(scope="module")
+def eight_blocks(tmp_path_factory) -> tuple[dict, Path]:
+    """One process with 8 blocks and one sample per micro-batch (8 micro-batches per step)."""
     args = {**ARGS, "model.n_layers": 8, "train.micro_batch_size": 1}
-    ref = tmp_path / "ref"
+    ref = tmp_path_factory.mktemp("eight") / "ref"
     proc = run_cli(
         "train", "configs/quickstart.yaml", *tiny_overrides("stdlib", **args), "--run-dir", str(ref)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "pp4"
-    out = _train(
-        4, run, {**args, "parallel.pipeline": 4, "parallel.pipeline_schedule": "dualpipev"}
-    )
-    assert "PP 4 (dualpipev)" in out
+    return args, ref
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "world,extra,shown",
+    [
+        # 8 stages of one block (rank r runs blocks r and 7-r), tied embeddings on rank 0
+        (4, {"parallel.pipeline_schedule": "dualpipev"}, "PP 4 (dualpipev)"),
+        # 8 stages of one block, rank r runs blocks r and r+4; the head on rank 3
+        (4, {"parallel.pipeline_schedule": "interleaved"}, "PP 4 (interleaved, 2 stages"),
+        # 8 stages on 2 ranks: rank 0 runs blocks 0, 2, 4, 6 (v = 4)
+        (
+            2,
+            {"parallel.pipeline_schedule": "interleaved", "parallel.pipeline_virtual_stages": 4},
+            "PP 2 (interleaved, 4 stages",
+        ),
+    ],
+    ids=["dualpipev-pp4", "interleaved-pp4", "interleaved-pp2-v4"],
+)
+def test_eight_stages_equal_one_process(eight_blocks, tmp_path, world, extra, shown):
+    args, ref = eight_blocks
+    run = tmp_path / "run"
+    out = _train(world, run, {**args, "parallel.pipeline": world, **extra})
+    assert shown in out
     _compare(ref, run)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_resume_at_another_schedule_continues_the_same_losses(tmp_path):
-    """PP2 under 1F1B stops at step 2; resumed from its sharded checkpoint under DualPipeV (the
-    stages cut anew: 4 instead of 2), steps 3 and 4 equal the uninterrupted 1F1B run's."""
+@pytest.mark.parametrize("schedule", ["dualpipev", "interleaved"])
+def test_resume_at_another_schedule_continues_the_same_losses(tmp_path, schedule):
+    """PP2 under 1F1B stops at step 2; resumed from its sharded checkpoint under DualPipeV or
+    interleaved 1F1B (the stages cut anew: 4 instead of 2), steps 3 and 4 equal the uninterrupted
+    1F1B run's."""
     args = {
         **ARGS,
         "parallel.pipeline": 2,
@@ -339,20 +394,21 @@ def test_resume_at_another_schedule_continues_the_same_losses(tmp_path):
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_0000004")
     (resumed / "checkpoints" / "latest").write_text("step_0000002\n")
-    out = _train(2, resumed, {**args, "parallel.pipeline_schedule": "dualpipev"})
-    assert "resumed from" in out and "PP 2 (dualpipev)" in out
+    out = _train(2, resumed, {**args, "parallel.pipeline_schedule": schedule})
+    assert "resumed from" in out and f"PP 2 ({schedule}" in out
     a, b = _records(full), _records(resumed)
     for step in (3, 4):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
     assert a[4]["loss"] != a[3]["loss"]
 
 
-def _dualpipev_layout(rank: int, world: int) -> dict:
+def _stage_layout(rank: int, world: int, schedule: str) -> dict:
     _init_gloo()
     from deepspeed.pipe import DualPipeVModule
 
     from megaformer.config import load_config
     from megaformer.parallel.build import build_model
+    from megaformer.parallel.interleaved_engine import InterleavedModule
     from megaformer.parallel.topology import build_topology
 
     over = tiny_overrides(
@@ -361,7 +417,7 @@ def _dualpipev_layout(rank: int, world: int) -> dict:
             **ARGS,
             "model.vocab_size": 64,
             "parallel.pipeline": world,
-            "parallel.pipeline_schedule": "dualpipev",
+            "parallel.pipeline_schedule": schedule,
         },
     )
     cfg = load_config("configs/quickstart.yaml", over)
@@ -373,7 +429,9 @@ def _dualpipev_layout(rank: int, world: int) -> dict:
     }
     names = {built.param_names[id(p)] for p in built.model.parameters()}
     return {
-        "dual": isinstance(built.model, DualPipeVModule),
+        "module": {DualPipeVModule: "dual", InterleavedModule: "interleaved"}.get(
+            type(built.model).__mro__[1]
+        ),
         "materialised": materialised,
         "held": {
             n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("layers.") else "")
@@ -389,11 +447,26 @@ def test_dualpipev_ranks_hold_two_stages_and_rank0_the_embedding_and_head():
     only its stages' blocks."""
     from tests.dist_harness import run_ranks
 
-    r0, r1 = run_ranks(2, _dualpipev_layout, timeout=300)
-    assert r0["dual"] and r1["dual"]
+    r0, r1 = run_ranks(2, _stage_layout, "dualpipev", timeout=300)
+    assert r0["module"] == r1["module"] == "dual"
     assert r0["held"] == {"tok_embeddings", "layers.0", "layers.3", "final_norm"}
     assert r1["held"] == {"layers.1", "layers.2"}
     for r in (r0, r1):  # nothing of another rank's stages was allocated
+        assert r["materialised"] - {"final_norm", "pos_embeddings"} == r["held"] - {"final_norm"}
+
+
+@pytest.mark.multiprocess
+def test_interleaved_ranks_hold_every_pth_stage_and_the_ends_on_the_end_ranks():
+    """PP=2, v=2, 4 blocks: stages [embedding, block 0] [block 1] [block 2] [block 3, norm,
+    head]; rank 0 runs stages 0 and 2, rank 1 stages 1 and 3 and the tied head (a second copy of
+    the embedding, as under 1F1B); a rank builds only its stages' blocks."""
+    from tests.dist_harness import run_ranks
+
+    r0, r1 = run_ranks(2, _stage_layout, "interleaved", timeout=300)
+    assert r0["module"] == r1["module"] == "interleaved"
+    assert r0["held"] == {"tok_embeddings", "layers.0", "layers.2"}
+    assert r1["held"] == {"tok_embeddings", "layers.1", "layers.3", "final_norm"}
+    for r in (r0, r1):
         assert r["materialised"] - {"final_norm", "pos_embeddings"} == r["held"] - {"final_norm"}
 
 

@@ -129,7 +129,39 @@ BAD = [
     ),
     (
         {"parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"}, "model": {"n_layers": 3}},
-        "more stages than model.n_layers=3 (DualPipeV cuts the blocks into 2 * pipeline = 4",
+        "more stages than model.n_layers=3 (dualpipev cuts the blocks into 2 * pipeline = 4",
+    ),
+    (
+        {
+            "parallel": {
+                "pipeline": 2,
+                "pipeline_schedule": "interleaved",
+                "pipeline_virtual_stages": 3,
+            },
+            "model": {"n_layers": 4},
+        },
+        "more stages than model.n_layers=4 (interleaved cuts the blocks into 3 * pipeline = 6",
+    ),
+    (
+        {
+            "parallel": {
+                "pipeline": 2,
+                "pipeline_schedule": "interleaved",
+                "pipeline_virtual_stages": 1,
+            }
+        },
+        "parallel.pipeline_virtual_stages=1: the interleaved schedule needs at least 2 stages",
+    ),
+    (
+        {"parallel": {"pipeline_schedule": "interleaved"}},
+        "parallel.pipeline_schedule=interleaved: needs a pipeline (parallel.pipeline > 1)",
+    ),
+    (
+        {
+            "parallel": {"pipeline": 2, "pipeline_schedule": "interleaved"},
+            "log": {"diagnostics": True},
+        },
+        "diagnostics=true with parallel.pipeline_schedule=interleaved",
     ),
     (
         {
@@ -159,7 +191,7 @@ BAD = [
             "parallel": {"pipeline": 2, "pipeline_schedule": "dualpipev"},
             "deepspeed": {"pipeline": {"pipe_partitioned": True}},
         },
-        "DualPipeV sends whole activations",
+        "dualpipev with deepspeed.pipeline.pipe_partitioned/grad_partitioned: this schedule sends",
     ),
     (
         {
@@ -194,6 +226,20 @@ def test_world_size_checks():
     assert validate_for_world(cfg, 2) == 2
     with pytest.raises(ConfigError, match="micro_batch_size \\* data-parallel size = 2 \\* 3 = 6"):
         validate_for_world(cfg, 3)
+
+
+def test_interleaved_needs_a_multiple_of_pipeline_micro_batches():
+    cfg = config_from_dict(
+        {
+            "parallel": {"pipeline": 2, "pipeline_schedule": "interleaved"},
+            "train": {"micro_batch_size": 2, "global_batch_size": 12},
+        }
+    )
+    assert validate_for_world(cfg, 2) == 6  # 6 micro-batches: a multiple of pipeline = 2
+    with pytest.raises(ConfigError) as e:
+        validate_for_world(cfg, 4)  # DP 2: 3 micro-batches per step
+    assert "needs a multiple of pipeline = 2 micro-batches per step, got 3" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_dualpipev_needs_two_micro_batches_per_rank():
@@ -312,7 +358,7 @@ def test_choices_are_declared_once_as_literal_types():
             if allowed:
                 declared[f"{section}.{f.name}"] = allowed
     assert len(declared) == 21  # model.attention: mha | mla among them
-    assert declared["parallel.pipeline_schedule"] == ("1f1b", "dualpipev")
+    assert declared["parallel.pipeline_schedule"] == ("1f1b", "interleaved", "dualpipev")
     assert declared["model.attention"] == ("mha", "mla")
     assert declared["train.precision"] == ("fp32", "bf16", "fp16")
     assert declared["parallel.expert_dispatch"] == ("auto", "splits", "padded")

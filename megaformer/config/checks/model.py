@@ -93,8 +93,8 @@ def check_mtp(cfg: Config) -> None:
         ("model.document_mask", m.document_mask, "its shifted sequences cross documents"),
         (
             "parallel.pipeline",
-            p.pipeline > 1 and p.pipeline_schedule != "1f1b",
-            "the modules run on the 1f1b schedule's last stage only",
+            p.pipeline > 1 and p.pipeline_schedule == "dualpipev",
+            "the modules run on the last stage of the last rank (1f1b or interleaved)",
         ),
         (
             "parallel.pipeline",
