@@ -18,8 +18,10 @@ bubble shrunk v times, for v times the point-to-point traffic.
 :func:`rounds` places the passes in rounds: in round t every rank runs its next unit ([F], [F, B]
 or [B]) if every input it needs from another rank was produced in an earlier round, else it waits
 that round. After each round the outputs produced in it are exchanged in one batch per rank (each
-send and its receive are in the same round on both ranks), so the batches of two ranks always
-match. This is the order the engine (:mod:`megaformer.parallel.interleaved_engine`) runs; pure
+send and its receive are in the same round on both ranks), queued in the order of the stage
+boundary each crosses: two messages between the same two ranks in one round (a forward output and
+a backward one, of the same shape) cross different boundaries, so both ranks pair them alike, and
+the batches of two ranks always match. This is the order the engine (:mod:`megaformer.parallel.interleaved_engine`) runs; pure
 Python, no torch.
 """
 

@@ -39,6 +39,16 @@ parallelism (:mod:`megaformer.parallel.experts`) relies on two internals:
 * ``deepspeed.runtime.engine.MoE``, the name the engine's ``isinstance`` check for MoE layers
   reads, widened to megaformer's MoE block while ``deepspeed.initialize`` runs
   (``recognised_by_deepspeed``).
+
+The interleaved pipeline schedule (:mod:`megaformer.parallel.interleaved_engine`) subclasses
+DeepSpeed's ``DualPipeVModule`` (its ``_build``/``activate_phase``/``phase_bounds``/
+``phase_funcs``/``phase_checkpointable``) and ``DualPipeVEngine`` (its queued point-to-point
+``_queue_p2p``/``_exec_commit_p2p``/``_exec_send_*``/``_exec_recv_*`` over ``_first_send`` and
+``_recv_specs``, its ``_phase`` context and the ``grads``/``losses`` pipe buffers), calls
+``PipelineEngine.__init__`` and its ``_exec_forward_pass``/``_exec_backward_pass``/
+``_exec_load_micro_batch`` directly, and widens the name ``deepspeed.DualPipeVEngine`` (which
+``deepspeed.initialize`` reads to pick the engine of a DualPipeV module) to its own engine while
+``deepspeed.initialize`` runs (``engine_for``).
 """
 
 from __future__ import annotations
