@@ -1,6 +1,8 @@
-"""The interleaved engine on its own (a pipeline of small linear layers): its
-gradients equal one process's, it holds no more activations than the schedule's warm-up implies,
-and it leaves no buffer behind after a step or an evaluation."""
+"""The interleaved engine on its own (a pipeline of small linear layers): its gradients equal one
+process's, it holds no more activations than the schedule's warm-up implies, a step after the
+first reads nothing on the host and sends each boundary's activation and gradient once per
+micro-batch (2 (v p - 1) messages), and it leaves no buffer behind after a step or an
+evaluation."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def _engine_step(rank: int, world: int, n: int, m: int, v: int) -> dict:
 
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
+    from deepspeed import comm as ds_comm
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from megaformer.parallel.interleaved_engine import InterleavedModule, engine_for
@@ -106,6 +109,25 @@ def _engine_step(rank: int, world: int, n: int, m: int, v: int) -> dict:
     }
     loss = engine.train_batch(iter(_batches(m)))
     train_peak, after = peak, held  # after the step: every forward met its backward
+    # a second step: the shapes are known, so nothing is read on the host; the bytes it sends
+    sent, reads = [0], [0]
+    queue, item = engine._queue_p2p, torch.Tensor.item
+
+    def count_queue(op, tensors, stage):
+        if op is ds_comm.isend:
+            sent[0] += sum(t.numel() * t.element_size() for t in tensors)
+        queue(op, tensors, stage)
+
+    def count_item(t):
+        reads[0] += 1
+        return item(t)
+
+    engine._queue_p2p, torch.Tensor.item = count_queue, count_item
+    try:
+        engine.train_batch(iter(_batches(m)))
+    finally:
+        torch.Tensor.item = item
+        del engine._queue_p2p
     left = {k: sum(x is not None for x in b) for k, b in engine.pipe_buffers.items()}
     val = engine.eval_batch(iter(_batches(m + 1)), num_micro_batches=m + 1)
     left_eval = {k: sum(x is not None for x in b) for k, b in engine.pipe_buffers.items()}
@@ -114,6 +136,8 @@ def _engine_step(rank: int, world: int, n: int, m: int, v: int) -> dict:
         "val": float(val),
         "peak": train_peak,
         "after": after,
+        "sent": sent[0],
+        "host_reads": reads[0],
         "left": left,
         "left_eval": left_eval,
         "grads": grads,
@@ -145,5 +169,8 @@ def test_engine_step_equals_one_process_and_frees_its_buffers(world, n, m, v):
         assert all(v == 0 for v in o["left_eval"].values()), o["left_eval"]
     covered = sorted(i for o in out for i in o["grads"])
     assert covered == list(range(n))
+    # every stage boundary is crossed once forward and once backward per micro-batch
+    assert sum(o["sent"] for o in out) == 2 * (v * world - 1) * m * BATCH * D * 4
+    assert [o["host_reads"] for o in out] == [0] * world
     for r, o in enumerate(out):  # Megatron's warm-up: 2 (p-1-r) + (v-1) p forwards, then 1F1B
         assert o["peak"] == min(2 * (world - 1 - r) + (v - 1) * world + 1, m * v), (r, o["peak"])
