@@ -153,6 +153,13 @@ BAD = [
         "parallel.pipeline_virtual_stages=1: the interleaved schedule needs at least 2 stages",
     ),
     (
+        {
+            "parallel": {"pipeline": 2, "pipeline_schedule": "interleaved"},
+            "model": {"n_layers": 6},
+        },
+        "cuts model.n_layers=6 into pipeline * virtual stages = 4 stages of equal work",
+    ),
+    (
         {"parallel": {"pipeline_schedule": "interleaved"}},
         "parallel.pipeline_schedule=interleaved: needs a pipeline (parallel.pipeline > 1)",
     ),

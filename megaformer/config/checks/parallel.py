@@ -121,6 +121,14 @@ def check_pipeline_schedule(cfg: Config) -> None:
             "schedule needs at least 2 stages per rank (with 1 it is parallel.pipeline_schedule="
             "1f1b)",
         )
+        stages, n = p.pipeline * p.pipeline_virtual_stages, cfg.model.n_layers
+        require(
+            p.pipeline_partition != "layers" or n % stages == 0 or n < stages,
+            f"parallel.pipeline_virtual_stages={p.pipeline_virtual_stages}: the interleaved "
+            f"schedule cuts model.n_layers={n} into pipeline * virtual stages = {stages} stages "
+            "of equal work (every rank waits on the slowest chunk each round); choose a v with "
+            "v * pipeline dividing the blocks, or give parallel.pipeline_partition explicitly",
+        )
     ds_pipe = (cfg.deepspeed or {}).get("pipeline", {})
     require(
         not any(ds_pipe.get(k) for k in ("pipe_partitioned", "grad_partitioned")),
