@@ -8,8 +8,9 @@ data-parallel rank:
   engine.step()`` for each i (DeepSpeed applies the update at the accumulation boundary), and the
   logged loss is mean_i loss_i averaged over the data- and context-parallel ranks ("replica");
 * :class:`PipelineTrainStep` (``parallel.pipeline > 1``): DeepSpeed's pipeline engine over the
-  same micro-batches (``engine.train_batch``) on the schedule ``parallel.pipeline_schedule`` (1F1B,
-  or DualPipeV: DeepSpeed picks its engine for the DualPipeV module the build made), whose loss is
+  same micro-batches (``engine.train_batch``) on the schedule ``parallel.pipeline_schedule`` (1F1B;
+  interleaved 1F1B, megaformer's engine on DeepSpeed's; or DualPipeV, DeepSpeed's engine for the
+  DualPipeV module the build made), whose loss is
   already averaged over micro-batches and DP; MoE router losses are added from every stage.
 
 A new pipeline schedule is a new subclass; :func:`train_step_class` picks one from the config.
@@ -194,7 +195,8 @@ class TrainStep:
 
 
 class PipelineTrainStep(TrainStep):
-    """The step of this rank's pipeline stages (``deepspeed.pipe.PipelineModule``: 1F1B, or
+    """The step of this rank's pipeline stages (``deepspeed.pipe.PipelineModule``: 1F1B;
+    :class:`~megaformer.parallel.interleaved_engine.InterleavedModule`: interleaved 1F1B;
     ``DualPipeVModule``: DualPipeV)."""
 
     @staticmethod
