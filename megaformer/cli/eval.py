@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from typing import Any
 
-from megaformer.cli.common import launch_process, launched, layout_args
+from megaformer.cli.common import check_layout_args, launch_process, launched, layout_args
 from megaformer.errors import UserError
 
 NAME = "eval"
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: must be >= 1")
     resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
+    check_layout_args(args)
     proc = launch_process("eval", args.device, args.tp, args.pp, args.ep)
     manager = task_lib.task_manager(tasks, args.include_path)  # unknown task, or no lm-eval
     with launched(proc, args.tp, args.pp, args.ep) as topo:
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
             output=args.output,
             dtype=args.dtype,
             bootstrap_iters=args.bootstrap_iters,
+            schedule=args.schedule,
+            virtual_stages=args.virtual_stages,
         )
     if proc.is_main:
         print(out.table)
