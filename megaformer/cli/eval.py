@@ -89,13 +89,13 @@ def run(args: argparse.Namespace) -> int:
     from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation import tasks as task_lib
 
+    check_layout_args(args)
     tasks = task_lib.parse_tasks(args.tasks)
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: must be >= 1")
     resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
-    check_layout_args(args)
     proc = launch_process("eval", args.device, args.tp, args.pp, args.ep)
     manager = task_lib.task_manager(tasks, args.include_path)  # unknown task, or no lm-eval
     with launched(proc, args.tp, args.pp, args.ep) as topo:

@@ -86,10 +86,10 @@ def sampling_temperature(args: argparse.Namespace) -> float:
 def run(args: argparse.Namespace) -> int:
     from megaformer.checkpoint.layout import resolve_checkpoint
 
+    check_layout_args(args)
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k {args.top_k}: must be >= 1")
     resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
-    check_layout_args(args)
     proc = launch_process("generate", args.device, args.tp, args.pp)
     temperature = sampling_temperature(args)
     with launched(proc, args.tp, args.pp) as topo:
