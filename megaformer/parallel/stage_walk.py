@@ -75,7 +75,9 @@ class StageWalk:
         """``pipe`` (this rank's ``PipelineModule``, with the layer boundaries ``parts`` of every
         stage) holds the stages this walk runs on this rank, chunk by chunk; ValueError if not."""
         parts = pipe.parts
-        bounds = getattr(pipe, "phase_bounds", None) or [(pipe._local_start, pipe._local_stop)]
+        bounds = getattr(pipe, "phase_bounds", None)
+        if bounds is None:  # one stage per rank: its own
+            bounds = [(parts[pipe.stage_id], parts[pipe.stage_id + 1])]
         want = [(parts[s], parts[s + 1]) for s in self.mine()]
         if len(parts) - 1 != self.stages or [tuple(b) for b in bounds] != want:
             raise ValueError(

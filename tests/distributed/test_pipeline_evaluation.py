@@ -17,7 +17,7 @@ from tests.distributed.test_pipeline import (  # noqa: F401  (fixtures used belo
     feature_references,
     short_docs,
 )
-from tests.helpers import run_ranks, tiny_overrides
+from tests.helpers import run_ranks, run_torchrun, tiny_overrides
 
 SCHEDULES = ["interleaved", "dualpipev"]  # each cuts 4 blocks into 4 stages at PP = 2
 
@@ -118,11 +118,12 @@ def test_diagnostics_under_each_schedule_equal_one_process(schedule):
 
 TRAIN = {
     "model.n_layers": 4,
-    "train.steps": 2,
+    "train.steps": 4,
     "train.micro_batch_size": 2,  # 4 micro-batches per step: DualPipeV needs 2 * PP
     "eval.interval": 0,
     "log.diagnostics": "true",
     "log.diagnostics_interval": 2,
+    "eval.tasks_interval": 2,
     "eval.tasks_limit": 3,
 }
 
@@ -140,8 +141,8 @@ def _offline(mp: pytest.MonkeyPatch) -> None:
         mp.setenv(k, v)
 
 
-def _last(run: Path) -> dict:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+def _records(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 @pytest.fixture(scope="module")
@@ -161,19 +162,55 @@ def test_training_evaluates_tasks_and_logs_diagnostics_under_each_schedule(
     one_process_run, tmp_path, monkeypatch, schedule
 ):
     """eval.tasks and log.diagnostics while training on the live engine under the schedule
-    (PP = 2, 4 stages): the task scores and every diagnostic at the last step equal the
-    one-process run's."""
+    (PP = 2, 4 stages): the losses, the task scores and every diagnostic (steps 2 and 4) equal
+    the one-process run's, and so do megaformer eval's on the last checkpoint with its stages
+    placed by the other schedule."""
     _offline(monkeypatch)
     run = tmp_path / "run"
     layout = {"parallel.pipeline": 2, "parallel.pipeline_schedule": schedule}
     _train(2, run, {**TRAIN, **_task_args(), **layout})
-    got, ref = _last(run), _last(one_process_run)
-    assert got["step"] == ref["step"] == 2
-    keys = [
-        k for k in ref if k.startswith(("eval/", "resid/", "attn", "mlp_write/", "logit_lens/"))
-    ]
-    tasks = [k for k in keys if k.startswith("eval/")]
-    assert len(tasks) == 5, tasks  # the two tasks' metrics
-    assert len(keys) == len(tasks) + 1 + 4 * (5 + 2 * 4)
-    bad = {k: (got.get(k), ref[k]) for k in keys if got.get(k) != pytest.approx(ref[k], rel=1e-5)}
-    assert not bad, bad
+    runs, refs = _records(run), _records(one_process_run)
+    assert sorted(runs) == sorted(refs) == [1, 2, 3, 4]
+    for step, ref in refs.items():  # evaluating at step 2 changes nothing that follows
+        got = runs[step]
+        keys = [
+            k
+            for k in ref
+            if k in ("loss", "grad_norm")
+            or k.startswith(("eval/", "resid/", "attn", "mlp_write/", "logit_lens/"))
+        ]
+        tasks = [k for k in keys if k.startswith("eval/")]
+        assert len(tasks) == (5 if step % 2 == 0 else 0), tasks  # the two tasks' metrics
+        assert len(keys) == 2 + (len(tasks) + 1 + 4 * (5 + 2 * 4) if tasks else 0)
+        bad = {
+            k: (got.get(k), ref[k]) for k in keys if got.get(k) != pytest.approx(ref[k], rel=1e-5)
+        }
+        assert not bad, (step, bad)
+
+    # megaformer eval on the checkpoint, its stages placed by the other schedule: the same scores
+    other = next(s for s in SCHEDULES if s != schedule)
+    tasks_dir = _task_args()["eval.tasks_include_path"]
+    proc = run_torchrun(
+        2,
+        "eval",
+        str(run),
+        "--tasks",
+        _task_args()["eval.tasks"].strip("[]"),
+        "--limit",
+        "3",
+        "--include-path",
+        tasks_dir,
+        "--pp",
+        "2",
+        "--schedule",
+        other,
+        "--device",
+        "cpu",
+        "--output",
+        str(tmp_path / "eval.json"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scores = json.loads((tmp_path / "eval.json").read_text())["scores"]
+    assert sorted(scores) == sorted(tasks)
+    for key in tasks:
+        assert scores[key] == pytest.approx(runs[4][key], rel=1e-5, abs=1e-9), key
