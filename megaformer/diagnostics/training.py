@@ -121,13 +121,18 @@ class DiagnosticsHook:
         """The stages in order (:meth:`StageWalk.walk`): stage s's holder runs its blocks from the
         stream and passes the last one on; the holder of the output layer (``head``) computes
         every block's logit lens, its own blocks' as they run, the others' from the streams their
-        holders send it while the walk is at their stage."""
+        holders send it while the walk is at their stage. A stage before one of the head's own
+        sends it nothing more: its last stream is the next stage's input."""
         model, walk = self.model, self.walk
         head = walk.last
         out: dict[str, float] = {}
         rope = self._rope()
+        # the last stream of the stage just run, when it went to the head's rank for the lens
+        lens_sent: list[bool] = [False]
+        lens_kept: list[torch.Tensor] = []
 
         def run(stage: int, chunk: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+            lens_sent[0] = False
             if stage == 0:
                 x, _ = model.embed(self.ids)
                 out["resid/embed/rms"] = float(rms(x))
@@ -146,19 +151,30 @@ class DiagnosticsHook:
             if walk.rank != head:
                 for stream in streams:
                     self._send(stream, head)
+                lens_sent[0] = True
             return streams[-1]
 
         def lens_of(stage: int, holder: int) -> None:
             """On the head's rank: the logit lens of stage ``stage``'s blocks, from its holder."""
+            lens_kept.clear()
             if walk.rank != head:
                 return
             for index in self.blocks[stage]:
-                resid = self._recv(holder).to(self._stream_dtype(stage))
+                received = self._recv(holder)
+                resid = received.to(self._stream_dtype(stage))
                 loss = model.loss_fn(logit_lens_logits(model, resid), self.labels)
                 out[f"logit_lens/{layer_name(index, model.cfg.n_layers)}/loss"] = float(loss)
+                lens_kept[:] = [received]
+
+        def send(x: torch.Tensor, pp_rank: int) -> None:
+            if not (pp_rank == head and lens_sent[0]):
+                self._send(x, pp_rank)
+
+        def recv(pp_rank: int) -> torch.Tensor:
+            return lens_kept.pop() if walk.rank == head and lens_kept else self._recv(pp_rank)
 
         with eval_mode(model):
-            walk.walk(run, None, self._send, self._recv, between=lens_of)
+            walk.walk(run, None, send, recv, between=lens_of)
         merged: dict[str, float] = {}
         for piece in all_gather_objects(out, self.topo.groups.pp):
             merged.update(piece)

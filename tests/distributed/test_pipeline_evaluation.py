@@ -70,8 +70,9 @@ def test_pipelined_evaluation_under_each_schedule_equals_one_process(
 DIAG = {"model.n_layers": 4, "model.vocab_size": 96, "model.dropout": 0.1}
 
 
-def _diagnostics(rank: int, world: int, schedule: str) -> tuple[dict, dict]:
-    """(the pipeline's diagnostics under ``schedule`` at PP = world, one process's)."""
+def _diagnostics(rank: int, world: int, schedule: str) -> tuple[dict, dict, list]:
+    """(the pipeline's diagnostics under ``schedule`` at PP = world, one process's, the bytes of
+    each send of this rank)."""
     from megaformer.config import load_config
     from megaformer.diagnostics.metrics import residual_diagnostics
     from megaformer.diagnostics.training import DiagnosticsHook
@@ -97,7 +98,20 @@ def _diagnostics(rank: int, world: int, schedule: str) -> tuple[dict, dict]:
         built.model,
         walk=StageWalk.of_layout(cfg.parallel, topo),
     )
-    return hook(), residual_diagnostics(one, ids, labels, topo.groups.tp)  # a TP group of one
+    sent = []  # the streams this rank sends (each [B, T, d] fp32)
+    send = torch.distributed.send
+    torch.distributed.send = lambda t, *a, **k: (sent.append(t.numel() * 4), send(t, *a, **k))[1]
+    try:
+        got = hook()
+    finally:
+        torch.distributed.send = send
+    return got, residual_diagnostics(one, ids, labels, topo.groups.tp), sent  # a TP group of one
+
+
+# streams sent per pipeline rank: each stage's blocks' streams to the head's rank for the logit
+# lens, and a stage's last stream to the next stage's rank unless that is the same rank or the
+# head's (which has it already)
+DIAG_SENDS = {"1f1b": [2, 0], "interleaved": [2, 1], "dualpipev": [1, 2]}
 
 
 @pytest.mark.slow
@@ -106,12 +120,15 @@ def _diagnostics(rank: int, world: int, schedule: str) -> tuple[dict, dict]:
 def test_diagnostics_under_each_schedule_equal_one_process(schedule):
     """The residual-stream pass over 4 blocks on 2 pipeline ranks (1F1B: 2 stages; interleaved
     and DualPipeV: 4, DualPipeV's turn-around on rank 1 and its logit lens on rank 0): every
-    number of one process's, on every rank (1e-5)."""
-    for got, ref in run_ranks(2, _diagnostics, schedule, timeout=300):
+    number of one process's, on every rank (1e-5), for the sends counted."""
+    results = run_ranks(2, _diagnostics, schedule, timeout=300)
+    for got, ref, _ in results:
         assert got.pop("diag_time_s") > 0
         assert got.keys() == ref.keys() and len(ref) == 1 + 4 * (5 + 2 * 4)
         bad = {k: (got[k], v) for k, v in ref.items() if abs(got[k] - v) > 1e-5 * max(1, abs(v))}
         assert not bad, bad
+    stream = 2 * 32 * 32 * 4  # B x T x d fp32
+    assert [sent for _, _, sent in results] == [[stream] * n for n in DIAG_SENDS[schedule]]
 
 
 # ---------------------------------------------------------------------------- through training
