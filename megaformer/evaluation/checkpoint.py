@@ -58,6 +58,11 @@ def eval_layout(cfg: Config, topo: Any, schedule: str = "1f1b", virtual_stages: 
         raise UserError(
             f"{virtual_stages} virtual stages: the interleaved schedule needs 2 or more"
         )
+    if schedule == "dualpipev" and cfg.model.mtp_depth > 0:
+        raise UserError(
+            "the dualpipev schedule with multi-token prediction (model.mtp_depth="
+            f"{cfg.model.mtp_depth}): its modules run on the last rank; use 1f1b or interleaved"
+        )
     stages = pp * stages_per_rank(schedule, virtual_stages)
     if stages > cfg.model.n_layers:
         raise UserError(

@@ -67,6 +67,32 @@ def test_pipelined_evaluation_under_each_schedule_equals_one_process(
         assert tokens == ref_tokens and len(tokens) == 4
 
 
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory) -> Path:
+    """One process, 4 blocks with 2 multi-token prediction modules (tied embeddings)."""
+    from tests.distributed.test_pipeline import ARGS
+
+    run = tmp_path_factory.mktemp("mtp") / "run"
+    _train(1, run, {**ARGS, "model.mtp_depth": 2})
+    return run / "checkpoints" / "step_0000003"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipelined_evaluation_of_multi_token_prediction_equals_one_process(
+    mtp_checkpoint, schedule
+):
+    """The stages pass the ids along for the prediction modules, and the last stage hands the
+    head's output on with them; the runner scores the head's output (1F1B: 2 stages,
+    interleaved: 4)."""
+    for (logp, greedy), (ref_logp, ref_greedy), (tokens, ref_tokens), _ in run_ranks(
+        2, _scores_and_tokens, mtp_checkpoint, schedule, timeout=300
+    ):
+        assert torch.allclose(logp, ref_logp, rtol=1e-5, atol=1e-6)
+        assert torch.equal(greedy, ref_greedy) and tokens == ref_tokens
+
+
 DIAG = {"model.n_layers": 4, "model.vocab_size": 96, "model.dropout": 0.1}
 
 

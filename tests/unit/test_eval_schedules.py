@@ -51,6 +51,13 @@ def test_impossible_layouts_are_one_line_errors(pp, schedule, v, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_multi_token_prediction_is_refused_under_dualpipev_as_in_training():
+    cfg = config_from_dict({"model": {"n_layers": 4, "mtp_depth": 1}})
+    assert eval_layout(cfg, Degrees(pp=2), "interleaved").parallel.pipeline_virtual_stages == 2
+    with pytest.raises(UserError, match="dualpipev schedule with multi-token prediction"):
+        eval_layout(cfg, Degrees(pp=2), "dualpipev")
+
+
 def test_the_flags_are_checked_before_anything_starts(tmp_path):
     for command in (["eval", str(tmp_path), "--tasks", "x"], ["generate", str(tmp_path)]):
         assert_one_line_error(
