@@ -29,9 +29,28 @@ def load(args: argparse.Namespace) -> Any:
 
 def layout_args(p: argparse.ArgumentParser, experts: bool = False) -> None:
     """--tp and --pp (and with ``experts`` --ep): how a launch splits the model (the rest of the
-    world is data-parallel; experts are split over --ep of the data-parallel ranks)."""
+    world is data-parallel; experts are split over --ep of the data-parallel ranks); --schedule
+    and --virtual-stages: how the blocks are cut into pipeline stages and placed on the ranks."""
+    from megaformer.config.parallel import PIPELINE_SCHEDULES
+
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under a launcher (1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size under a launcher (1)")
+    p.add_argument(
+        "--schedule",
+        choices=PIPELINE_SCHEDULES,
+        default="1f1b",
+        help="how the blocks are cut into stages and placed on the --pp ranks, as the training "
+        "schedule of that name places them: 1f1b (one stage per rank, default), interleaved "
+        "(--virtual-stages per rank) or dualpipev (two per rank, the embedding and the head on "
+        "the first); the stages run one after the other in any case",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        metavar="V",
+        help="stages per pipeline rank under --schedule interleaved (2)",
+    )
     if experts:
         p.add_argument(
             "--ep",
@@ -39,6 +58,18 @@ def layout_args(p: argparse.ArgumentParser, experts: bool = False) -> None:
             default=1,
             help="expert-parallel size under a launcher (1): divides the data-parallel "
             "ranks and the number of experts",
+        )
+
+
+def check_layout_args(args: argparse.Namespace) -> None:
+    """--schedule and --virtual-stages against --pp (one-line UserError, before any launch)."""
+    from megaformer.errors import UserError
+
+    if args.schedule != "1f1b" and args.pp < 2:
+        raise UserError(f"--schedule {args.schedule}: needs a pipeline (--pp 2 or more)")
+    if args.schedule == "interleaved" and args.virtual_stages < 2:
+        raise UserError(
+            f"--virtual-stages {args.virtual_stages}: --schedule interleaved needs 2 or more"
         )
 
 

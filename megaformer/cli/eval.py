@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from typing import Any
 
-from megaformer.cli.common import launch_process, launched, layout_args
+from megaformer.cli.common import check_layout_args, launch_process, launched, layout_args
 from megaformer.errors import UserError
 
 NAME = "eval"
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from megaformer.checkpoint.layout import resolve_checkpoint
     from megaformer.evaluation import tasks as task_lib
 
+    check_layout_args(args)
     tasks = task_lib.parse_tasks(args.tasks)
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be >= 1")
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
             output=args.output,
             dtype=args.dtype,
             bootstrap_iters=args.bootstrap_iters,
+            schedule=args.schedule,
+            virtual_stages=args.virtual_stages,
         )
     if proc.is_main:
         print(out.table)

@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from typing import Any
 
-from megaformer.cli.common import launch_process, launched, layout_args
+from megaformer.cli.common import check_layout_args, launch_process, launched, layout_args
 from megaformer.errors import UserError
 
 NAME = "generate"
@@ -86,6 +86,7 @@ def sampling_temperature(args: argparse.Namespace) -> float:
 def run(args: argparse.Namespace) -> int:
     from megaformer.checkpoint.layout import resolve_checkpoint
 
+    check_layout_args(args)
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k {args.top_k}: must be >= 1")
     resolve_checkpoint(args.checkpoint)  # a missing checkpoint fails before anything starts
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
             temperature=temperature,
             top_k=args.top_k,
             seed=args.seed,
+            schedule=args.schedule,
+            virtual_stages=args.virtual_stages,
         )
     if proc.is_main:
         print(text)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
 from megaformer.config.fields import option
+
+PipelineSchedule = Literal["1f1b", "interleaved", "dualpipev"]
+PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 @dataclass
@@ -22,7 +26,7 @@ class ParallelConfig:
         "Pipeline-parallel degree: stages of consecutive blocks, run by "
         "DeepSpeed's pipeline engine on the schedule parallel.pipeline_schedule.",
     )
-    pipeline_schedule: Literal["1f1b", "interleaved", "dualpipev"] = option(
+    pipeline_schedule: PipelineSchedule = option(
         "1f1b",
         "Order of the micro-batches' forward and backward passes over the stages: '1f1b' "
         "(one forward, one backward; idle fraction (p-1)/(m+p-1) for p stages and m "

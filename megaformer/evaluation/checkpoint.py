@@ -24,11 +24,14 @@ from megaformer import __version__
 from megaformer.checkpoint import layout as ckpt_layout
 from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.config import Config, precision_dtype
+from megaformer.config.checks.parallel import stages_per_rank
+from megaformer.config.parallel import PIPELINE_SCHEDULES
 from megaformer.errors import CheckpointError, UserError
 from megaformer.evaluation import tasks as task_lib
 from megaformer.evaluation.forward import PipelineRunner, PlainRunner
 from megaformer.evaluation.harness import make_lm
 from megaformer.parallel.build import build_model
+from megaformer.parallel.stage_walk import StageWalk
 from megaformer.safe_files import check_file
 
 MAX_TOKENIZER_BYTES = 1 << 30
@@ -43,11 +46,29 @@ class EvalOutput:
     seconds: float
 
 
-def eval_layout(cfg: Config, topo: Any) -> Config:
-    """``cfg`` with the launch's layout and nothing that only training needs (no recomputation,
-    compilation, sequence parallelism or training schedule)."""
+def eval_layout(cfg: Config, topo: Any, schedule: str = "1f1b", virtual_stages: int = 2) -> Config:
+    """``cfg`` with the launch's layout, the pipeline ``schedule`` asked for (whichever trained
+    the checkpoint: the runner walks the stages of any schedule in order) and nothing that only
+    training needs (no recomputation, compilation, sequence parallelism or training schedule).
+    An explicit split of the blocks does not carry over (the stages may be others)."""
     tp, pp, ep = (topo.tp, topo.pp, topo.ep) if topo is not None else (1, 1, 1)
-    # the evaluation runner walks the stages in order: the 1F1B cut of the blocks
+    if schedule not in PIPELINE_SCHEDULES or (schedule != "1f1b" and pp < 2):
+        raise UserError(f"pipeline schedule {schedule!r} at pipeline size {pp}: use 1f1b")
+    if schedule == "interleaved" and virtual_stages < 2:
+        raise UserError(
+            f"{virtual_stages} virtual stages: the interleaved schedule needs 2 or more"
+        )
+    if schedule == "dualpipev" and cfg.model.mtp_depth > 0:
+        raise UserError(
+            "the dualpipev schedule with multi-token prediction (model.mtp_depth="
+            f"{cfg.model.mtp_depth}): its modules run on the last rank; use 1f1b or interleaved"
+        )
+    stages = pp * stages_per_rank(schedule, virtual_stages)
+    if stages > cfg.model.n_layers:
+        raise UserError(
+            f"--pp {pp} under the {schedule} schedule: {stages} stages for the checkpoint's "
+            f"{cfg.model.n_layers} blocks; use fewer"
+        )
     partition = cfg.parallel.pipeline_partition
     parallel = dataclasses.replace(
         cfg.parallel,
@@ -56,7 +77,8 @@ def eval_layout(cfg: Config, topo: Any) -> Config:
         context=1,
         expert=ep,
         sequence_parallel=False,
-        pipeline_schedule="1f1b",
+        pipeline_schedule=schedule,
+        pipeline_virtual_stages=virtual_stages,
         pipeline_partition="layers" if "," in partition else partition,
     )
     train = dataclasses.replace(cfg.train, recompute="none", compile=False)
@@ -64,10 +86,15 @@ def eval_layout(cfg: Config, topo: Any) -> Config:
 
 
 def load_runner(
-    ckpt: Path, topo: Any, device: torch.device, dtype: str = "fp32"
+    ckpt: Path,
+    topo: Any,
+    device: torch.device,
+    dtype: str = "fp32",
+    schedule: str = "1f1b",
+    virtual_stages: int = 2,
 ) -> tuple[Any, Any, Config]:
     """(runner, tokenizer, config) of checkpoint ``ckpt`` for this rank of ``topo`` (None: one
-    process)."""
+    process), its pipeline stages cut and held as ``schedule`` holds them."""
     from megaformer.data.tokenizer import load_tokenizer
 
     cfg = ckpt_layout.read_config(ckpt)
@@ -80,7 +107,7 @@ def load_runner(
         )
     check_file(tok_file, MAX_TOKENIZER_BYTES)
     tokenizer = load_tokenizer(tok_file)
-    cfg = eval_layout(cfg, topo)
+    cfg = eval_layout(cfg, topo, schedule, virtual_stages)
     if (ckpt / ckpt_layout.WEIGHTS).exists():  # each rank reads its own shards of the file
         from megaformer.checkpoint.sliced import SlicedWeights
 
@@ -102,7 +129,8 @@ def load_runner(
     )
     built.model.to(precision_dtype(dtype)).eval()
     if pipeline:
-        return PipelineRunner(built.model, built.plain, topo, device), tokenizer, cfg
+        walk = StageWalk.of_layout(cfg.parallel, topo)
+        return PipelineRunner(built.model, built.plain, topo, device, walk=walk), tokenizer, cfg
     return PlainRunner(built.model, device=device), tokenizer, cfg
 
 
@@ -117,6 +145,8 @@ def generate_from_checkpoint(
     temperature: float = 0.0,
     top_k: Optional[int] = None,
     seed: int = 0,
+    schedule: str = "1f1b",
+    virtual_stages: int = 2,
 ) -> str:
     """Prompt + continuation by the checkpoint at ``path``, built as :func:`load_runner` builds it
     for this rank of ``topo`` (collective; every rank returns the same text) in ``dtype`` (default:
@@ -135,7 +165,7 @@ def generate_from_checkpoint(
         )
     ckpt = ckpt_layout.resolve_checkpoint(path)
     dtype = dtype or ckpt_layout.read_config(ckpt).train.precision
-    runner, tokenizer, _ = load_runner(ckpt, topo, device, dtype)
+    runner, tokenizer, _ = load_runner(ckpt, topo, device, dtype, schedule, virtual_stages)
     if isinstance(runner, PlainRunner):
         return generate_text(
             runner.model,
@@ -167,6 +197,8 @@ def evaluate_checkpoint(
     output: Optional[str | Path] = None,
     dtype: str = "fp32",
     bootstrap_iters: int = 0,
+    schedule: str = "1f1b",
+    virtual_stages: int = 2,
 ) -> EvalOutput:
     """Run ``tasks`` on the checkpoint at ``path`` (collective over every rank of ``topo``);
     ``manager``: an lm-eval TaskManager that knows them (default: one built here)."""
@@ -177,7 +209,7 @@ def evaluate_checkpoint(
     ckpt = ckpt_layout.resolve_checkpoint(path)
     out_path = Path(output) if output else ckpt / "eval" / task_lib.results_name(tasks)
     manager = manager or task_lib.task_manager(tasks, include_path)
-    runner, tokenizer, cfg = load_runner(ckpt, topo, device, dtype)
+    runner, tokenizer, cfg = load_runner(ckpt, topo, device, dtype, schedule, virtual_stages)
     dp_group = topo.groups.dp if topo is not None else None
     # expert parallelism: the ranks of an expert group exchange tokens in every forward, so the
     # data-parallel ranks run their forwards together

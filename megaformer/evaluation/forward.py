@@ -12,11 +12,13 @@ Two runners, one interface:
   Greedy decoding reuses the model's KV cache (:func:`megaformer.generation.greedy_tokens`); under
   sequence parallelism (the sequence is split over the TP ranks, so one new token cannot be fed
   alone) each step recomputes the whole sequence instead.
-* :class:`PipelineRunner`: this rank's pipeline stage (``deepspeed.pipe.PipelineModule``, whose
-  ``forward`` runs the stage's layers). The activations go stage to stage by point-to-point sends
-  over the pipeline group (shape first, so any batch shape works); the last stage computes the
-  scores and broadcasts them to the other stages. Greedy decoding recomputes the sequence each
-  step (no cache across stages).
+* :class:`PipelineRunner`: this rank's pipeline stages (``deepspeed.pipe.PipelineModule``, whose
+  ``forward`` runs the exposed stage's layers), under any schedule: the stages run in order
+  (:class:`~megaformer.parallel.stage_walk.StageWalk`), each on the rank that holds it, the
+  activations going from the holder of one stage to the next by point-to-point sends over the
+  pipeline group (shape first, so any batch shape works; none where one rank holds both). The
+  last stage's rank computes the scores and broadcasts them to the other ranks. Greedy decoding
+  recomputes the sequence each step (no cache across stages).
 
 Every rank of a tensor- or pipeline-parallel group must call the same methods with the same
 inputs in the same order (the calls are collective over those groups).
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from megaformer.comm import recv_with_shape, send_with_shape
 from megaformer.model.decoding import decode
+from megaformer.parallel.stage_walk import StageWalk, chunks_of
 
 
 def token_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,41 +121,59 @@ def _greedy_recompute(
 
 
 class PipelineRunner:
-    """This rank's pipeline stage ``pipe`` (PipelineModule) of ``plain`` (the Transformer whose
-    ``output_logits`` drops the vocabulary padding and gathers a vocab-parallel head), with the
-    pipeline group of ``topo``."""
+    """This rank's pipeline stages ``pipe`` (a ``PipelineModule`` of one chunk, or one of several
+    exposed by ``activate_phase``) of ``plain`` (the Transformer whose ``output_logits`` drops the
+    vocabulary padding and gathers a vocab-parallel head), with the pipeline group of ``topo``,
+    walked in stage order by ``walk`` (:class:`~megaformer.parallel.stage_walk.StageWalk` of the
+    schedule ``pipe`` was built for; default 1F1B)."""
 
     def __init__(
-        self, pipe: Any, plain: Any, topo: Any, device: torch.device, seq_multiple: int = 1
+        self,
+        pipe: Any,
+        plain: Any,
+        topo: Any,
+        device: torch.device,
+        seq_multiple: int = 1,
+        walk: Optional[StageWalk] = None,
     ) -> None:
         self.pipe, self.plain, self.device = pipe, plain, device
         self.seq_multiple = seq_multiple
         self.max_length = plain.cfg.max_seq_len
         self.group = topo.groups.pp
-        self.stage, self.stages = topo.pp_rank, topo.pp
-        self.last = dist.get_global_rank(self.group, self.stages - 1)
+        self.walk = walk or StageWalk.of("1f1b", topo.pp, topo.pp_rank)
+        self.walk.check_module(pipe)
+        self.last = dist.get_global_rank(self.group, self.walk.last)
+        cfg = plain.cfg
+        self.with_ids = cfg.document_mask or cfg.mtp_depth > 0  # the ids travel with x
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, stage)
+    def _peer(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
 
-    def _send(self, x: Any) -> None:
-        for t in x if isinstance(x, tuple) else (x,):  # (hidden, ids) under document masks
-            send_with_shape(t, self._peer(self.stage + 1), self.group)
+    def _send(self, x: Any, rank: int) -> None:
+        for t in x if isinstance(x, tuple) else (x,):  # (hidden, ids) when the ids travel
+            send_with_shape(t, self._peer(rank), self.group)
 
-    def _recv(self, dtype: torch.dtype) -> Any:
-        x = recv_with_shape(self._peer(self.stage - 1), self.group, dtype, self.device)
-        if not self.plain.cfg.document_mask:
+    def _recv(self, rank: int) -> Any:
+        dtype = next(self.pipe.parameters()).dtype
+        x = recv_with_shape(self._peer(rank), self.group, dtype, self.device)
+        if not self.with_ids:
             return x
-        return x, recv_with_shape(self._peer(self.stage - 1), self.group, torch.long, self.device)
+        return x, recv_with_shape(self._peer(rank), self.group, torch.long, self.device)
 
     def _run_stages(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
-        """The last stage's logits over the real vocabulary (None on the other stages)."""
+        """The last stage's logits over the real vocabulary (None on the other ranks)."""
         ids = _pad_to(ids.to(self.device), self.seq_multiple)
-        dtype = next(self.pipe.parameters()).dtype
-        x = self.pipe(ids) if self.stage == 0 else self.pipe(self._recv(dtype))
-        if self.stage < self.stages - 1:
-            self._send(x)
+        with chunks_of(self.pipe) as activate:
+
+            def run(stage: int, chunk: int, x: Any) -> Any:
+                activate(chunk)
+                return self.pipe(x)
+
+            x = self.walk.walk(run, ids, self._send, self._recv)
+        if x is None:
             return None
+        if isinstance(x, tuple):  # multi-token prediction: (head output, x_L, ids)
+            x = x[0]
         if self.plain.cfg.loss_chunk_tokens > 0:  # the last layer passed the hidden states on
             x = self.plain.lm_head(x)
         return self.plain.output_logits(x)

@@ -3,7 +3,7 @@
 
 The model is the engine's own (no copy, no gather): under PP = 1 the engine's forward gives the
 logits (the tensor-parallel head gathers them; ZeRO-3 gathers each layer's weights as in
-training), under PP > 1 the stages pass activations point to point
+training), under PP > 1 the stages run in order, under any schedule, passing activations point to point
 (:class:`~megaformer.evaluation.forward.PipelineRunner`). The requests are split over the
 data-parallel ranks; under context parallelism the model runs whole sequences on every rank
 (the context group switched off, as the diagnostics do: exact, and without gradients nothing is
@@ -24,6 +24,7 @@ from megaformer.evaluation import tasks as task_lib
 from megaformer.evaluation.forward import PipelineRunner, PlainRunner
 from megaformer.evaluation.harness import make_lm
 from megaformer.parallel.context import context_disabled
+from megaformer.parallel.stage_walk import StageWalk
 
 
 class TaskEvaluator:
@@ -35,7 +36,7 @@ class TaskEvaluator:
         self.limit, self.interval = e.tasks_limit, e.tasks_interval
         self.last, self.at_end = cfg.train.steps, e.at_end
         self.manager = task_lib.task_manager(self.tasks, e.tasks_include_path)
-        p = cfg.parallel
+        p = self.parallel = cfg.parallel
         self.seq_multiple = p.tensor if p.sequence_parallel and p.tensor > 1 else 1
         # ranks of the replica (data x context) group that must run their forwards together
         self.lockstep = p.zero_stage == 3 or p.expert > 1
@@ -57,7 +58,14 @@ class TaskEvaluator:
         """({'eval/TASK/METRIC': value}, the table) on every rank (collective)."""
         module = engine.module
         if topo.pp > 1:
-            runner: Any = PipelineRunner(module, plain, topo, device, self.seq_multiple)
+            runner: Any = PipelineRunner(
+                module,
+                plain,
+                topo,
+                device,
+                self.seq_multiple,
+                StageWalk.of_layout(self.parallel, topo),
+            )
         else:
             runner = PlainRunner(
                 module, forward=engine, seq_multiple=self.seq_multiple, device=device

@@ -41,6 +41,7 @@ from megaformer.parallel import experts, interleaved_engine
 from megaformer.parallel.build import build_model
 from megaformer.parallel.context import context_disabled, split_sequence
 from megaformer.parallel.grad_norm import GradNormClipper
+from megaformer.parallel.stage_walk import StageWalk
 from megaformer.parallel.topology import build_topology, layout_groups
 from megaformer.runtime.collectives import host_group
 from megaformer.runtime.host_allocator import configure_host_allocator
@@ -294,13 +295,15 @@ class Trainer:
             if t.fp8 != "off" and t.fp8_demote_threshold > 0
             else None
         )
+        pipe = self.stepper.pipeline_module
         return DiagnosticsHook(
             self.plain_model,
             batch,
             self.cfg.log.diagnostics_interval,
             self.topo,
-            self.stepper.pipeline_module,
+            pipe,
             demotion,
+            StageWalk.of_layout(self.cfg.parallel, self.topo) if pipe is not None else None,
         )
 
     def _build_model(self) -> torch.nn.Module:

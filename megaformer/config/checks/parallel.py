@@ -135,16 +135,6 @@ def check_pipeline_schedule(cfg: Config) -> None:
         f"parallel.pipeline_schedule={name} with deepspeed.pipeline.pipe_partitioned/"
         "grad_partitioned: this schedule sends whole activations; set both to false",
     )
-    require(
-        not cfg.log.diagnostics,
-        f"log.diagnostics=true with parallel.pipeline_schedule={name}: the residual-stream "
-        "diagnostics walk the stages in 1F1B order; switch one of them off",
-    )
-    require(
-        not cfg.eval.tasks,
-        f"eval.tasks with parallel.pipeline_schedule={name}: task evaluation during training "
-        "runs the stages in 1F1B order; evaluate the checkpoint with megaformer eval instead",
-    )
 
 
 def check_pipeline_micro_batches(cfg: Config, grad_accum: int) -> None:
