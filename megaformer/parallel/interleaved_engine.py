@@ -17,10 +17,12 @@ computes the loss.
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
+from deepspeed import comm as ds_comm
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -58,28 +60,16 @@ class InterleavedSchedule(ds_schedule.PipeSchedule):
         last = v * p - 1
         for rnd in rounds(p, self.micro_batches, v, self.forward_only):
             cmds: list = []
-            for kind, c, j in rnd.passes[r]:
-                slot = self._slot(c, j)
-                if kind == "F":
-                    if c * p + r in (0, last):  # the inputs (rank 0), the labels (rank p-1)
-                        cmds.append(ds_schedule.LoadMicroBatch(slot))
-                    cmds.append(ds_schedule.ForwardPass(slot, phase=c))
-                else:
-                    cmds.append(ds_schedule.BackwardPass(slot, phase=c))
-            comm = []
-            for t in rnd.transfers:
-                if t.src == r:
-                    send = ds_schedule.SendActivation if t.kind == "F" else ds_schedule.SendGrad
-                    comm.append(
-                        (t.boundary, send(self._slot(t.chunk, t.micro_batch), phase=t.chunk))
-                    )
-                if t.dst == r:
-                    recv = ds_schedule.RecvActivation if t.kind == "F" else ds_schedule.RecvGrad
-                    slot = self._slot(t.dst_chunk, t.micro_batch)
-                    comm.append((t.boundary, recv(slot, phase=t.dst_chunk)))
-            if comm:
-                cmds += [cmd for _, cmd in sorted(comm, key=lambda x: x[0])]
-                cmds.append(ds_schedule.CommitP2P())
+            for half in (0, 1):  # each pass of the round, then what the round's passes made
+                for kind, c, j in rnd.passes[r][half : half + 1]:
+                    slot = self._slot(c, j)
+                    if kind == "F":
+                        if c * p + r in (0, last):  # the inputs (rank 0), the labels (rank p-1)
+                            cmds.append(ds_schedule.LoadMicroBatch(slot))
+                        cmds.append(ds_schedule.ForwardPass(slot, phase=c))
+                    else:
+                        cmds.append(ds_schedule.BackwardPass(slot, phase=c))
+                cmds += self._exchange([t for t in rnd.transfers if t.half == half])
             yield cmds
         if not self.forward_only:
             yield [
@@ -87,6 +77,21 @@ class InterleavedSchedule(ds_schedule.PipeSchedule):
                 ds_schedule.ReduceGrads(),
                 ds_schedule.OptimizerStep(),
             ]
+
+    def _exchange(self, transfers: list) -> list:
+        """This rank's sends and receives of ``transfers``, in boundary order, and their launch."""
+        r, comm = self.stage_id, []
+        for t in transfers:
+            if t.src == r:
+                send = ds_schedule.SendActivation if t.kind == "F" else ds_schedule.SendGrad
+                comm.append((t.boundary, send(self._slot(t.chunk, t.micro_batch), phase=t.chunk)))
+            if t.dst == r:
+                recv = ds_schedule.RecvActivation if t.kind == "F" else ds_schedule.RecvGrad
+                slot = self._slot(t.dst_chunk, t.micro_batch)
+                comm.append((t.boundary, recv(slot, phase=t.dst_chunk)))
+        if not comm:
+            return []
+        return [cmd for _, cmd in sorted(comm, key=lambda x: x[0])] + [ds_schedule.CommitP2P()]
 
 
 class InterleavedModule(DualPipeVModule):
@@ -147,6 +152,9 @@ class InterleavedEngine(DualPipeVEngine):
         self.chunks = len(self.module.phase_bounds)
         self._active_phase = None
         self._p2p_ops = []
+        self._recv_keys: list[tuple[str, int]] = []  # the buffers the queued receives fill
+        self._arriving: dict[tuple[str, int], _Batch] = {}  # buffer -> the batch bringing it
+        self._launched: deque = deque()  # the batches not waited for yet, oldest first
         self._first_send = [True] * self.chunks
         self._recv_specs = [None] * self.chunks
         self.pipe_buffers["grads"] = []
@@ -188,10 +196,47 @@ class InterleavedEngine(DualPipeVEngine):
         self._first_send = [True] * self.chunks
         self._recv_specs = [None] * self.chunks
 
+    def _exec_recv_activations(self, buffer_id: int, phase: int) -> None:
+        DualPipeVEngine._exec_recv_activations(self, buffer_id, phase)
+        self._recv_keys.append(("inputs", buffer_id))
+
+    def _exec_recv_grads(self, buffer_id: int, phase: int) -> None:
+        DualPipeVEngine._exec_recv_grads(self, buffer_id, phase)
+        self._recv_keys.append(("grads", buffer_id))
+
+    def _exec_commit_p2p(self) -> None:
+        """Launch the queued sends and receives as one batch, without waiting: a pass waits for
+        the batch that brings its input (:meth:`_arrived`), so a batch crosses while the rank
+        computes something else. Batches are waited for, and let go, two launches later (their
+        sent tensors freed) and at the end of the schedule."""
+        if not self._p2p_ops:
+            return
+        batch = _Batch(ds_comm.batch_isend_irecv(self._p2p_ops))
+        for key in self._recv_keys:
+            self._arriving[key] = batch
+        self._p2p_ops, self._recv_keys = [], []
+        self._launched.append(batch)
+        while len(self._launched) > 2:
+            self._launched.popleft().wait()
+
+    def _arrived(self, kind: str, buffer_id: int) -> None:
+        batch = self._arriving.pop((kind, buffer_id), None)
+        if batch is not None:
+            batch.wait()
+
+    def _exec_schedule(self, pipe_schedule: Any) -> None:
+        try:
+            PipelineEngine._exec_schedule(self, pipe_schedule)
+        finally:
+            while self._launched:
+                self._launched.popleft().wait()
+            self._arriving.clear()
+
     def _exec_load_micro_batch(self, buffer_id: int) -> None:
         PipelineEngine._exec_load_micro_batch(self, buffer_id)
 
     def _exec_forward_pass(self, buffer_id: int, phase: int) -> None:
+        self._arrived("inputs", buffer_id)
         with self._phase(phase):
             PipelineEngine._exec_forward_pass(self, buffer_id)
         loss_stage = self._is_loss_stage(phase)
@@ -204,6 +249,7 @@ class InterleavedEngine(DualPipeVEngine):
                 self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_backward_pass(self, buffer_id: int, phase: int) -> None:
+        self._arrived("grads", buffer_id)
         if self._is_loss_stage(phase):
             self.loss = self.pipe_buffers["losses"][buffer_id]
             self.pipe_buffers["losses"][buffer_id] = None
@@ -220,10 +266,28 @@ class InterleavedEngine(DualPipeVEngine):
 
     _INSTRUCTION_MAP = {
         **DualPipeVEngine._INSTRUCTION_MAP,
+        ds_schedule.RecvActivation: _exec_recv_activations,
+        ds_schedule.RecvGrad: _exec_recv_grads,
+        ds_schedule.CommitP2P: _exec_commit_p2p,
         ds_schedule.LoadMicroBatch: _exec_load_micro_batch,
         ds_schedule.ForwardPass: _exec_forward_pass,
         ds_schedule.BackwardPass: _exec_backward_pass,
     }
+
+
+class _Batch:
+    """One launched batch of sends and receives, waited for once (gloo's requests block again
+    on a second ``wait``)."""
+
+    def __init__(self, reqs: list) -> None:
+        self.reqs: Optional[list] = reqs
+
+    def wait(self) -> None:
+        """On CUDA the current stream waits for the batch, the host does not."""
+        if self.reqs is not None:
+            for req in self.reqs:
+                req.wait()
+            self.reqs = None
 
 
 @contextmanager

@@ -17,11 +17,14 @@ bubble shrunk v times, for v times the point-to-point traffic.
 
 :func:`rounds` places the passes in rounds: in round t every rank runs its next unit ([F], [F, B]
 or [B]) if every input it needs from another rank was produced in an earlier round, else it waits
-that round. After each round the outputs produced in it are exchanged in one batch per rank (each
-send and its receive are in the same round on both ranks), queued in the order of the stage
-boundary each crosses: two messages between the same two ranks in one round (a forward output and
-a backward one, of the same shape) cross different boundaries, so both ranks pair them alike, and
-the batches of two ranks always match. This is the order the engine (:mod:`megaformer.parallel.interleaved_engine`) runs; pure
+that round. The outputs are exchanged twice per round, in one batch per rank each time: after the
+first pass of every unit, what the first passes made; after the second, what the second passes
+made (each send and its receive are in the same batch on both ranks, and a rank makes one output
+per half-round, so two ranks exchange at most one message each way per batch; a rank's sends and
+receives are queued in the order of the stage boundary each crosses). In the steady state the
+forward output of a round crosses while both ranks run the round's backward, and the backward
+output while they run the next forward: the engine waits on a batch only before the pass that
+reads what it received (Megatron's overlapped point-to-point). This is the order the engine (:mod:`megaformer.parallel.interleaved_engine`) runs; pure
 Python, no torch.
 """
 
@@ -89,9 +92,10 @@ def producer(p: int, v: int, r: int, kind: str, c: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Transfer:
-    """An output crossing ranks after a round: pass (kind, chunk, micro-batch) of rank ``src``
+    """An output crossing ranks in a round: pass (kind, chunk, micro-batch) of rank ``src``
     goes to rank ``dst``'s chunk ``dst_chunk``; ``boundary`` is the stage boundary it crosses,
-    by its lower stage (forward s -> s+1 and backward s+1 -> s both give s)."""
+    by its lower stage (forward s -> s+1 and backward s+1 -> s both give s); ``half``: after the
+    first or the second pass of the round."""
 
     kind: str
     src: int
@@ -100,6 +104,7 @@ class Transfer:
     dst: int
     dst_chunk: int
     boundary: int
+    half: int  # 0: made by the first pass of the source's unit, 1: by the second
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ def rounds(p: int, m: int, v: int, forward_only: bool = False) -> tuple[Round, .
         for r, unit in enumerate(ran):
             if unit:
                 nxt[r] += 1
-            for kind, c, j in unit:
+            for half, (kind, c, j) in enumerate(unit):
                 s = stage_of(p, r, c)
                 made[(kind, s, j)] = t
                 if kind == "F" and s < last:
@@ -149,7 +154,7 @@ def rounds(p: int, m: int, v: int, forward_only: bool = False) -> tuple[Round, .
                 else:
                     continue
                 b = min(s, stage_of(p, dst, dc))
-                transfers.append(Transfer(kind, r, c, j, dst, dc, b))
+                transfers.append(Transfer(kind, r, c, j, dst, dc, b, half))
         if not any(ran):
             raise RuntimeError(f"interleaved schedule at p={p}, m={m}, v={v}: the passes wait")
         plan.append(Round(tuple(ran), tuple(transfers)))

@@ -118,11 +118,12 @@ def _engine_steps(p: int, m: int, v: int, r: int, forward_only: bool = False) ->
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (2, 4, 4), (4, 4, 3)])
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_engine_instructions_send_what_the_peer_receives(p, m, v, forward_only):
-    """The engine's instruction lists, round by round: rank a's sends to b are b's receives from
-    a (same buffer meaning: chunk and micro-batch on each side), each round that exchanges ends
-    with CommitP2P, sends and receives are queued in the order of the boundary they cross (so two
-    ranks pair two same-shaped messages alike, and the first exchange of shapes, blocking, never
-    waits in a cycle), and the step ends with the gradient reductions and the step."""
+    """The engine's instruction lists of all ranks: between any two ranks, the messages one
+    queues to send are, in order, the messages the other queues to receive (point-to-point
+    matches in that order, and an activation and a gradient have the same shape, so an order
+    slip would swap them silently); within one launch (CommitP2P) they are queued in boundary
+    order; every launch is in a round's lists; and the step ends with the gradient reductions and
+    the optimizer step."""
     from deepspeed.runtime.pipe import schedule as ds
 
     steps = [_engine_steps(p, m, v, r, forward_only) for r in range(p)]
@@ -134,35 +135,49 @@ def test_engine_instructions_send_what_the_peer_receives(p, m, v, forward_only):
                 ds.ReduceGrads,
                 ds.OptimizerStep,
             ]
-    for t in range(len(steps[0]) - (0 if forward_only else 1)):
-        sent, received = set(), set()
-        for r in range(p):
-            cmds = steps[r][t]
-            comm = [
-                c
-                for c in cmds
-                if isinstance(c, (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad))
-            ]
-            if comm:
-                assert isinstance(cmds[-1], ds.CommitP2P)
-            for cmd in comm:
-                c, slot = cmd.kwargs["phase"], cmd.buffer_id
-                assert slot // m == c
-                j = slot % m
-                s = _stage(p, r, c)
-                if isinstance(cmd, ds.SendActivation):
-                    sent.add(("F", s, s + 1, j))
-                elif isinstance(cmd, ds.SendGrad):
-                    sent.add(("B", s, s - 1, j))
-                elif isinstance(cmd, ds.RecvActivation):
-                    received.add(("F", s - 1, s, j))
-                else:
-                    received.add(("B", s + 1, s, j))
-            edge = {ds.SendActivation: 0, ds.RecvGrad: 0, ds.SendGrad: -1, ds.RecvActivation: -1}
-            bounds = [_stage(p, r, cmd.kwargs["phase"]) + edge[type(cmd)] for cmd in comm]
-            assert bounds == sorted(bounds)
-        assert sent == received, t
+    sends: dict = {}
+    recvs: dict = {}
+    edge = {ds.SendActivation: 0, ds.RecvGrad: 0, ds.SendGrad: -1, ds.RecvActivation: -1}
+    for r in range(p):
+        queued: list = []
+        for cmd in (c for step in steps[r] for c in step):
+            if isinstance(cmd, ds.CommitP2P):
+                assert queued and queued == sorted(queued)  # boundary order within a launch
+                queued = []
+                continue
+            if type(cmd) not in edge:
+                continue
+            c, slot = cmd.kwargs["phase"], cmd.buffer_id
+            assert slot // m == c
+            j, s = slot % m, _stage(p, r, c)
+            queued.append(s + edge[type(cmd)])
+            if isinstance(cmd, ds.SendActivation):
+                sends.setdefault((r, (r + 1) % p), []).append(("F", s, j))
+            elif isinstance(cmd, ds.SendGrad):
+                sends.setdefault((r, (r - 1) % p), []).append(("B", s, j))
+            elif isinstance(cmd, ds.RecvActivation):
+                recvs.setdefault(((r - 1) % p, r), []).append(("F", s - 1, j))
+            else:
+                recvs.setdefault(((r + 1) % p, r), []).append(("B", s + 1, j))
+        assert not queued  # nothing left unlaunched
+    assert sends == recvs
+    assert sum(len(x) for x in sends.values()) == (1 if forward_only else 2) * m * (v * p - 1)
     loads = [
         sum(isinstance(c, ds.LoadMicroBatch) for step in steps[r] for c in step) for r in range(p)
     ]
     assert loads == [m] + [0] * (p - 2) + [m]  # the inputs on rank 0, the labels on rank p-1
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4)])
+def test_a_steady_round_sends_the_forward_output_before_the_backward(p, m, v):
+    """In a round of [F, B] the forward's output is exchanged right after the forward (it crosses
+    while the backward runs), the backward's after the backward."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    for r in range(p):
+        for step in _engine_steps(p, m, v, r)[:-1]:
+            kinds = [type(c) for c in step]
+            if ds.BackwardPass in kinds and ds.ForwardPass in kinds:
+                f, b = kinds.index(ds.ForwardPass), kinds.index(ds.BackwardPass)
+                sent = [i for i, k in enumerate(kinds) if k is ds.SendActivation]
+                assert all(f < i < b for i in sent), kinds
