@@ -1,5 +1,6 @@
-"""The pipeline schedules on paper (megaformer.analysis.schedules) are the ones DeepSpeed runs, and
-their timelines give the published idle fractions."""
+"""The pipeline schedules on paper (megaformer.analysis.schedules) are the ones the engines run
+(DeepSpeed's 1F1B and DualPipeV, megaformer's interleaved 1F1B), and their timelines give the
+published idle fractions."""
 
 from __future__ import annotations
 
@@ -56,6 +57,72 @@ def test_dualpipev_timeline_idles_less_and_holds_p_and_a_half_stages(p, m):
     # 2p + 1 chunks of half a stage in flight on every rank (1F1B's first stage: p stages)
     assert t.in_flight == tuple(p + 0.5 for _ in range(p))
     assert p2p_sends_per_micro_batch("dualpipev", p) == 2 * p2p_sends_per_micro_batch("1f1b", p)
+
+
+def _engine_passes(p: int, m: int, r: int, v: int) -> list[tuple[str, int, int]]:
+    """(kind, chunk, micro-batch) of every pass the interleaved engine's schedule emits on rank r."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from megaformer.parallel.interleaved_engine import InterleavedSchedule
+
+    out = []
+    for step in InterleavedSchedule(micro_batches=m, stages=p, stage_id=r, chunks=v).steps():
+        for cmd in step:
+            if isinstance(cmd, (ds.ForwardPass, ds.BackwardPass)):
+                kind = "F" if isinstance(cmd, ds.ForwardPass) else "B"
+                c, slot = cmd.kwargs["phase"], cmd.kwargs["buffer_id"]
+                assert slot // m == c  # the engine's slot of (chunk c, micro-batch j): c m + j
+                out.append((kind, c, slot % m))
+    return out
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 6, 3), (4, 8, 2), (4, 12, 4), (8, 16, 2)])
+def test_interleaved_pass_order_is_the_engines(p, m, v):
+    for r in range(p):
+        emitted = _engine_passes(p, m, r, v)
+        assert rank_passes("interleaved", p, m, r, v) == [(k, c) for k, c, _ in emitted], r
+        for kind in "FB":  # the timeline numbers each chunk's micro-batches in order
+            for c in range(v):
+                assert [j for k, cc, j in emitted if (k, cc) == (kind, c)] == list(range(m))
+
+
+@pytest.mark.parametrize(
+    "p,m,v", [(2, 2, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (4, 16, 4), (8, 16, 2), (8, 32, 4)]
+)
+def test_interleaved_timeline_gives_the_formula(p, m, v):
+    t, one = simulate("interleaved", p, m, v=v), simulate("1f1b", p, m)
+    assert t.bubble == pytest.approx(formula_bubble("interleaved", p, m, v))
+    assert t.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+    assert all(i == pytest.approx(t.bubble) for i in t.idle)
+    # the same work, idle (p-1)(F+B)/v per rank: 1F1B's idle time divided by v
+    assert t.busy == one.busy
+    assert t.makespan - t.busy[0] == pytest.approx((one.makespan - one.busy[0]) / v)
+    assert step_factor("interleaved", p, m, v) == pytest.approx(1 + (p - 1) / (v * m))
+    # rank r holds its warm-up forwards and one more, of 1/v of a stage each (at most all vm)
+    held = tuple(min(2 * (p - 1 - r) + (v - 1) * p + 1, v * m) for r in range(p))
+    assert t.chunks_in_flight == held
+    assert t.in_flight == pytest.approx(tuple(h / v for h in held))
+    if m > p:  # more than 1F1B's p stages on rank 0: (2(p-1) + (v-1)p + 1)/v
+        assert t.in_flight[0] == pytest.approx((2 * (p - 1) + (v - 1) * p + 1) / v)
+        assert t.in_flight[0] > one.in_flight[0]
+    else:  # m = p: every forward is held before the first backward, p micro-batches as 1F1B
+        assert t.in_flight[0] == one.in_flight[0] == p
+    sends = p2p_sends_per_micro_batch("interleaved", p, v)
+    assert sends == 2 * (v * p - 1) >= v * p2p_sends_per_micro_batch("1f1b", p)
+
+
+def test_more_stages_per_rank_idle_less_and_send_more():
+    bubbles = [simulate("interleaved", 4, 16, v=v).bubble for v in (2, 3, 4)]
+    assert simulate("1f1b", 4, 16).bubble > bubbles[0] > bubbles[1] > bubbles[2]
+    sends = [p2p_sends_per_micro_batch("interleaved", 4, v) for v in (2, 3, 4)]
+    assert sends == [14, 22, 30]
+
+
+def test_interleaved_layout_rules():
+    with pytest.raises(ValueError, match="multiple of pipeline = 4 micro-batches per step, got 6"):
+        rank_passes("interleaved", 4, 6, 0, 2)
+    with pytest.raises(ValueError, match="at least 2 stages per rank, got 1"):
+        simulate("interleaved", 4, 8, v=1)
 
 
 def test_too_few_micro_batches_for_dualpipev():
