@@ -41,6 +41,11 @@ SCHEDULES = ("1f1b", "interleaved", "dualpipev")
 Pass = tuple[str, int]  # (F or B, phase)
 
 
+def schedule_label(schedule: str, v: int = 2) -> str:
+    """How tables name a schedule: its name, with v for the interleaved one ('interleaved v=2')."""
+    return f"{schedule} v={v}" if schedule == "interleaved" else schedule
+
+
 def stages_per_rank(schedule: str, v: int = 2) -> int:
     """The stages one rank holds: 1 under 1F1B, v interleaved, 2 under DualPipeV."""
     return {"interleaved": v, "dualpipev": 2}.get(schedule, 1)
