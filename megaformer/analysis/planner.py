@@ -50,7 +50,8 @@ and DP).
 Rules that reject a layout: TP must divide heads, KV heads and the FFN width and stay within a node
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
 must split into micro-batches x DP; ZeRO-3 not with TP > 1 (megaformer), ZeRO 2/3 not with PP > 1
-(DeepSpeed's pipeline engine); the interleaved schedule needs a multiple of PP micro-batches per
+(DeepSpeed's pipeline engine); the schedules other than 1F1B refuse multi-token prediction,
+``log.diagnostics`` and ``eval.tasks`` (as the config's checks do); the interleaved schedule needs a multiple of PP micro-batches per
 step and v PP layers; DualPipeV needs 2 PP micro-batches per step and 2 PP layers; memory must fit.
 Every PP > 1 layout is tried under each schedule (``1f1b``, ``interleaved`` with v = 2 ..
 ``MAX_VIRTUAL_STAGES`` stages per rank, ``dualpipev``): 1F1B holds PP micro-batches' activations
@@ -271,6 +272,11 @@ def _reject_reason(
     if gbs % (mb * dp):
         return f"global batch {gbs} not a multiple of micro-batch {mb} x DP {dp}"
     v = virtual_stages
+    if schedule != "1f1b" and m.mtp_depth:
+        return f"{schedule} with multi-token prediction: its modules run on 1F1B's last stage only"
+    if schedule != "1f1b" and (cfg.log.diagnostics or cfg.eval.tasks):
+        what = "log.diagnostics" if cfg.log.diagnostics else "eval.tasks"
+        return f"{schedule} with {what}: it walks the stages in 1F1B order"
     if schedule == "interleaved" and v * pp > m.n_layers:
         return f"interleaved with v = {v} cuts {v * pp} stages from {m.n_layers} layers"
     if schedule == "interleaved" and micro % pp:

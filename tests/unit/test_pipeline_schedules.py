@@ -111,6 +111,31 @@ def test_interleaved_timeline_gives_the_formula(p, m, v):
     assert sends == 2 * (v * p - 1) >= v * p2p_sends_per_micro_batch("1f1b", p)
 
 
+def _rounds_idle(p: int, m: int, v: int, f: float = 1.0, b: float = 2.0) -> tuple[float, ...]:
+    """Per rank, the idle fraction of the engine's rounds run with passes of f/v and b/v, each
+    exchange a rendezvous: both ranks of a transfer go on when both have finished the round."""
+    from megaformer.parallel.interleaved_schedule import rounds
+
+    t = [0.0] * p
+    for rnd in rounds(p, m, v):
+        end = [
+            t[r] + sum((f if k == "F" else b) / v for k, _, _ in rnd.passes[r]) for r in range(p)
+        ]
+        t = list(end)
+        for x in rnd.transfers:
+            both = max(end[x.src], end[x.dst])
+            t[x.src], t[x.dst] = max(t[x.src], both), max(t[x.dst], both)
+    return tuple(1 - (f + b) * m / max(t) for _ in range(p))
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (2, 8, 3), (4, 8, 2), (4, 16, 3), (8, 16, 2)])
+def test_the_engines_rounds_in_lockstep_idle_as_the_timeline(p, m, v):
+    """Grouping the passes in rounds, each exchanged in one batch, costs no idle time: the rounds
+    give the timeline's (and the formula's) bubble."""
+    t = simulate("interleaved", p, m, v=v)
+    assert _rounds_idle(p, m, v) == pytest.approx(t.idle)
+
+
 def test_more_stages_per_rank_idle_less_and_send_more():
     bubbles = [simulate("interleaved", 4, 16, v=v).bubble for v in (2, 3, 4)]
     assert simulate("1f1b", 4, 16).bubble > bubbles[0] > bubbles[1] > bubbles[2]

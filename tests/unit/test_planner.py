@@ -377,3 +377,19 @@ def test_the_interleaved_schedule_is_priced_by_its_timeline():
     assert params_per_rank(m, Layout(**base, schedule="interleaved")) == params_per_rank(
         m, Layout(**base)
     )
+
+
+def test_schedules_the_config_refuses_are_rejected_with_the_reason():
+    """Multi-token prediction, residual-stream diagnostics and task evaluation run on 1F1B only:
+    the planner leaves the other schedules out, in one line, as the config's checks would."""
+    hw = Hardware(16, 8, 80, 989.5, 450, 50, 0.6)
+    over = ["train.global_batch_size=32", "model.n_layers=24", "parallel.zero_stage=1"]
+    for extra, reason in (
+        ("model.mtp_depth=1", "{} with multi-token prediction: its modules run on 1F1B's last"),
+        ("log.diagnostics=true", "{} with log.diagnostics: it walks the stages in 1F1B order"),
+    ):
+        r = plan(load_config("configs/llama-7b.yaml", [*over, extra]), hw, micro_batches=(1,))
+        assert {x["layout"]["schedule"] for x in r["feasible"]} == {"1f1b"}
+        reasons = {x["reason"] for x in r["rejected"]}
+        for s in ("interleaved", "dualpipev"):
+            assert any(x.startswith(reason.format(s)) for x in reasons), (s, extra)
