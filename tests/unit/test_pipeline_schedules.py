@@ -136,6 +136,13 @@ def test_the_engines_rounds_in_lockstep_idle_as_the_timeline(p, m, v):
     assert _rounds_idle(p, m, v) == pytest.approx(t.idle)
 
 
+@pytest.mark.parametrize("f,b", [(1.0, 1.0), (1.0, 3.0), (2.0, 1.0)])
+def test_interleaved_idles_the_1f1b_bubble_over_v_at_any_pass_costs(f, b):
+    for p, m, v in ((4, 8, 2), (4, 16, 3), (8, 16, 2)):
+        t = simulate("interleaved", p, m, f, b, v)
+        assert [t.makespan - busy for busy in t.busy] == pytest.approx([(p - 1) * (f + b) / v] * p)
+
+
 def test_more_stages_per_rank_idle_less_and_send_more():
     bubbles = [simulate("interleaved", 4, 16, v=v).bubble for v in (2, 3, 4)]
     assert simulate("1f1b", 4, 16).bubble > bubbles[0] > bubbles[1] > bubbles[2]
