@@ -23,11 +23,11 @@ and its input is ready. Interleaved: F(c, j) on rank r after F(c, j) on r-1, or 
 on rank p-1 when r = 0; the loss's backward B(v-1, j) on rank p-1 after its forward; B(c, j) on r
 after B(c, j) on r+1, or after B(c+1, j) on rank 0 when r = p-1 (for any costs F and B every
 rank idles exactly (p-1)(F+B)/v). DualPipeV: F(phase 0) of micro-batch j on rank r after F(0, j)
-on r-1; the turn-around F(1, j) on rank p-1 after F(0, j) there, else after F(1, j) on r+1; the loss's
-backward B(1, j) on rank 0 (1F1B: B on the last rank) after its forward; B(1, j) on r after
-B(1, j) on r-1; B(0, j) on rank p-1 after B(1, j) there, else after B(0, j) on r+1. Communication
-takes no time, so the idle fraction is the schedule's own bubble (the pipeline's lower bound);
-``tools/bench_pipeline.py`` measures the real one beside it.
+on r-1; the turn-around F(1, j) on rank p-1 after F(0, j) there, else after F(1, j) on r+1; the
+loss's backward B(1, j) on rank 0 (1F1B: B on the last rank) after its forward; B(1, j) on r
+after B(1, j) on r-1; B(0, j) on rank p-1 after B(1, j) there, else after B(0, j) on r+1.
+Communication takes no time, so the idle fraction is the schedule's own bubble (the pipeline's
+lower bound); ``tools/bench_pipeline.py`` measures the real one beside it.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def test_dualpipev_timeline_idles_less_and_holds_p_and_a_half_stages(p, m):
 
 
 def _engine_passes(p: int, m: int, r: int, v: int) -> list[tuple[str, int, int]]:
-    """(kind, chunk, micro-batch) of every pass the interleaved engine's schedule emits on rank r."""
+    """(kind, chunk, micro-batch) of every pass the interleaved engine's schedule emits on
+    rank r."""
     from deepspeed.runtime.pipe import schedule as ds
 
     from megaformer.parallel.interleaved_engine import InterleavedSchedule

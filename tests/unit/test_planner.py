@@ -197,9 +197,10 @@ def test_the_build_peak_is_counted():
 
 
 def test_plan_searches_the_pipeline_schedules():
-    """Every PP > 1 layout is tried under 1F1B, interleaved and DualPipeV: DualPipeV's step has the shorter
-    bubble of its timeline, twice the p2p sends, PP + 1/2 micro-batches in flight on every rank and
-    the embedding with the head on rank 0; too few micro-batches or layers are reasons."""
+    """Every PP > 1 layout is tried under 1F1B, interleaved and DualPipeV: DualPipeV's step has
+    the shorter bubble of its timeline, twice the p2p sends, PP + 1/2 micro-batches in flight on
+    every rank and the embedding with the head on rank 0; too few micro-batches or layers are
+    reasons."""
     from megaformer.analysis.memory import Layout, activation_bytes, params_per_rank
     from megaformer.analysis.planner import evaluate
     from megaformer.analysis.schedules import formula_bubble
