@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import sys
 import time
 import weakref
@@ -177,10 +178,20 @@ def run(
     ]
     for p in procs:
         p.start()
-    res = sorted(q.get(timeout=900) for _ in procs)
+    res = []
+    deadline = time.monotonic() + 900
+    while len(res) < world:
+        try:
+            res.append(q.get(timeout=5))
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{sched} at PP={world}, m={m}: ranks (rank, exit code) {dead}")
     for p in procs:
         p.join()
-    return res
+    return sorted(res)
 
 
 def estimated_activations(args: argparse.Namespace, p: int, m: int, sched: str) -> float:
@@ -228,7 +239,7 @@ def _cannot_run(schedule: str, p: int, m: int, v: int, layers: int) -> str:
 
 
 def main() -> None:
-    from megaformer.analysis.schedules import formula_bubble, schedule_label
+    from megaformer.analysis.schedules import SCHEDULES, formula_bubble, schedule_label
 
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -238,8 +249,8 @@ def main() -> None:
     ap.add_argument(
         "--schedules",
         nargs="+",
-        default=["1f1b", "interleaved", "dualpipev"],
-        choices=["1f1b", "interleaved", "dualpipev"],
+        default=list(SCHEDULES),
+        choices=SCHEDULES,
     )
     ap.add_argument(
         "--virtual-stages", type=int, default=2, help="stages per rank, interleaved (2)"

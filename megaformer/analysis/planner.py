@@ -50,9 +50,10 @@ and DP).
 Rules that reject a layout: TP must divide heads, KV heads and the FFN width and stay within a node
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
 must split into micro-batches x DP; ZeRO-3 not with TP > 1 (megaformer), ZeRO 2/3 not with PP > 1
-(DeepSpeed's pipeline engine); the schedules other than 1F1B refuse multi-token prediction,
-``log.diagnostics`` and ``eval.tasks`` (as the config's checks do); the interleaved schedule needs a multiple of PP micro-batches per
-step and v PP layers; DualPipeV needs 2 PP micro-batches per step and 2 PP layers; memory must fit.
+(DeepSpeed's pipeline engine); the interleaved schedule needs a multiple of PP micro-batches per
+step and v PP layers; DualPipeV needs 2 PP micro-batches per step and 2 PP layers; a schedule the
+config's own checks refuse where they accept 1F1B (multi-token prediction under DualPipeV, ...)
+is rejected with their one-line message; memory must fit.
 Every PP > 1 layout is tried under each schedule (``1f1b``, ``interleaved`` with v = 2 ..
 ``MAX_VIRTUAL_STAGES`` stages per rank, ``dualpipev``): 1F1B holds PP micro-batches' activations
 on the first stage; interleaved (2(PP-1) + (v-1) PP + 1)/v there (more than PP when m > PP), the
@@ -66,6 +67,7 @@ count every expert (total parameters), FLOPs and MFU the active ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -83,7 +85,7 @@ from megaformer.analysis.schedules import (
 )
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config
-from megaformer.errors import UserError
+from megaformer.errors import ConfigError, UserError
 from megaformer.parallel.plan import padded_vocab_size
 
 RESERVE_GB = 2.0
@@ -272,11 +274,6 @@ def _reject_reason(
     if gbs % (mb * dp):
         return f"global batch {gbs} not a multiple of micro-batch {mb} x DP {dp}"
     v = virtual_stages
-    if schedule != "1f1b" and m.mtp_depth:
-        return f"{schedule} with multi-token prediction: its modules run on 1F1B's last stage only"
-    if schedule != "1f1b" and (cfg.log.diagnostics or cfg.eval.tasks):
-        what = "log.diagnostics" if cfg.log.diagnostics else "eval.tasks"
-        return f"{schedule} with {what}: it walks the stages in 1F1B order"
     if schedule == "interleaved" and v * pp > m.n_layers:
         return f"interleaved with v = {v} cuts {v * pp} stages from {m.n_layers} layers"
     if schedule == "interleaved" and micro % pp:
@@ -297,10 +294,34 @@ def _reject_reason(
     return None
 
 
+def _schedule_refusal(cfg: Config, pp: int, schedule: str, v: int) -> Optional[str]:
+    """The config's own one-line refusal of ``schedule`` (v stages per rank) on a pipeline of pp
+    ranks where its checks accept 1F1B on it (the features a schedule cannot carry: multi-token
+    prediction under DualPipeV, ...); None where they accept it, or refuse 1F1B too."""
+    from megaformer.config.checks.model import check_mtp
+    from megaformer.config.checks.parallel import check_pipeline, check_pipeline_schedule
+
+    def refusal(name: str, stages: int) -> Optional[str]:
+        par = dataclasses.replace(
+            cfg.parallel, pipeline=pp, pipeline_schedule=name, pipeline_virtual_stages=stages
+        )
+        try:
+            for check in (check_pipeline, check_pipeline_schedule, check_mtp):
+                check(dataclasses.replace(cfg, parallel=par))
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    if schedule == "1f1b" or refusal("1f1b", 1) is not None:
+        return None
+    return refusal(schedule, v)
+
+
 def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> dict:
     """{'assumptions', 'feasible' (best first), 'rejected'} for ``cfg`` on ``hw``."""
     cfg = resolve_vocab(cfg)
     feasible, rejected = [], []
+    refused: dict = {}  # (PP, schedule, v) -> the config's refusal of the schedule, or None
     long = cfg.seq_len >= 8192
     contexts = [(1, "ring")] + [
         (c, mode)
@@ -336,6 +357,9 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                         schedule=sched,
                         virtual_stages=v,
                     )
+                    if (pp, sched, v) not in refused:
+                        refused[pp, sched, v] = _schedule_refusal(cfg, pp, sched, v)
+                    why = why or refused[pp, sched, v]
                     key = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "micro_batch": mb}
                     if pp > 1:
                         key["schedule"] = sched
