@@ -51,9 +51,9 @@ Rules that reject a layout: TP must divide heads, KV heads and the FFN width and
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
 must split into micro-batches x DP; ZeRO-3 not with TP > 1 (megaformer), ZeRO 2/3 not with PP > 1
 (DeepSpeed's pipeline engine); the interleaved schedule needs a multiple of PP micro-batches per
-step and v PP layers; DualPipeV needs 2 PP micro-batches per step and 2 PP layers; a schedule the
-config's own checks refuse where they accept 1F1B (multi-token prediction under DualPipeV, ...)
-is rejected with their one-line message; memory must fit.
+step and v PP layers; DualPipeV needs 2 PP micro-batches per step and 2 PP layers; a pipeline
+layout the config's own checks refuse (bf16 without ZeRO-1, multi-token prediction under
+DualPipeV, ...) is rejected with their one-line message; memory must fit.
 Every PP > 1 layout is tried under each schedule (``1f1b``, ``interleaved`` with v = 2 ..
 ``MAX_VIRTUAL_STAGES`` stages per rank, ``dualpipev``): 1F1B holds PP micro-batches' activations
 on the first stage; interleaved (2(PP-1) + (v-1) PP + 1)/v there (more than PP when m > PP), the
@@ -294,34 +294,39 @@ def _reject_reason(
     return None
 
 
-def _schedule_refusal(cfg: Config, pp: int, schedule: str, v: int) -> Optional[str]:
-    """The config's own one-line refusal of ``schedule`` (v stages per rank) on a pipeline of pp
-    ranks where its checks accept 1F1B on it (the features a schedule cannot carry: multi-token
-    prediction under DualPipeV, ...); None where they accept it, or refuse 1F1B too."""
+def _config_refusal(cfg: Config, lay: Layout) -> Optional[str]:
+    """The config's own one-line refusal of its pipeline at layout ``lay``, by the checks that
+    need no world size: the pipeline's (bf16 needs ZeRO-1, the stages, ...), its schedule's and
+    multi-token prediction's (its modules run on one last stage, which DualPipeV does not have);
+    None where they accept it."""
     from megaformer.config.checks.model import check_mtp
     from megaformer.config.checks.parallel import check_pipeline, check_pipeline_schedule
 
-    def refusal(name: str, stages: int) -> Optional[str]:
-        par = dataclasses.replace(
-            cfg.parallel, pipeline=pp, pipeline_schedule=name, pipeline_virtual_stages=stages
-        )
-        try:
-            for check in (check_pipeline, check_pipeline_schedule, check_mtp):
-                check(dataclasses.replace(cfg, parallel=par))
-        except ConfigError as e:
-            return str(e)
-        return None
-
-    if schedule == "1f1b" or refusal("1f1b", 1) is not None:
-        return None
-    return refusal(schedule, v)
+    parallel = dataclasses.replace(
+        cfg.parallel,
+        tensor=lay.tp,
+        context=lay.cp,
+        context_mode=lay.cp_mode,
+        pipeline=lay.pp,
+        expert=lay.ep,
+        zero_stage=lay.zero,
+        sequence_parallel=lay.sequence_parallel,
+        pipeline_schedule=lay.schedule,
+        pipeline_virtual_stages=lay.virtual_stages if lay.schedule == "interleaved" else 2,
+    )
+    try:
+        for check in (check_pipeline, check_pipeline_schedule, check_mtp):
+            check(dataclasses.replace(cfg, parallel=parallel))
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> dict:
     """{'assumptions', 'feasible' (best first), 'rejected'} for ``cfg`` on ``hw``."""
     cfg = resolve_vocab(cfg)
     feasible, rejected = [], []
-    refused: dict = {}  # (PP, schedule, v) -> the config's refusal of the schedule, or None
+    refused: dict = {}  # pipeline layout and schedule -> the config's refusal of it, or None
     long = cfg.seq_len >= 8192
     contexts = [(1, "ring")] + [
         (c, mode)
@@ -357,9 +362,27 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                         schedule=sched,
                         virtual_stages=v,
                     )
-                    if (pp, sched, v) not in refused:
-                        refused[pp, sched, v] = _schedule_refusal(cfg, pp, sched, v)
-                    why = why or refused[pp, sched, v]
+                    base = Layout(
+                        tp=tp,
+                        cp=cp,
+                        dp=dp,
+                        pp=pp,
+                        ep=ep,
+                        zero=zero,
+                        micro_batch=mb,
+                        grad_accum=cfg.train.global_batch_size // (mb * dp),
+                        sequence_parallel=tp > 1,
+                        precision=cfg.train.precision,
+                        device="cuda",
+                        cp_mode=cp_mode,
+                        schedule=sched,
+                        virtual_stages=v,
+                        optimizer=cfg.train.optimizer,
+                    )
+                    at = (tp, cp, cp_mode, pp, ep, zero, sched, v)
+                    if not why and pp > 1 and at not in refused:
+                        refused[at] = _config_refusal(cfg, base)
+                    why = why or refused.get(at)
                     key = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "micro_batch": mb}
                     if pp > 1:
                         key["schedule"] = sched
@@ -372,26 +395,8 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                     if why:
                         rejected.append({**key, "reason": why})
                         continue
-                    accum = cfg.train.global_batch_size // (mb * dp)
                     for rc in ("none", "selective", "full"):
-                        lay = Layout(
-                            tp=tp,
-                            cp=cp,
-                            dp=dp,
-                            pp=pp,
-                            ep=ep,
-                            zero=zero,
-                            micro_batch=mb,
-                            grad_accum=accum,
-                            recompute=rc,
-                            sequence_parallel=tp > 1,
-                            precision=cfg.train.precision,
-                            device="cuda",
-                            cp_mode=cp_mode,
-                            schedule=sched,
-                            virtual_stages=v,
-                            optimizer=cfg.train.optimizer,
-                        )
+                        lay = dataclasses.replace(base, recompute=rc)
                         r = evaluate(cfg, hw, lay)
                         need = r["memory_gb"] + RESERVE_GB
                         if need > hw.memory_gb:

@@ -380,27 +380,48 @@ def test_the_interleaved_schedule_is_priced_by_its_timeline():
     )
 
 
-def test_schedules_the_config_refuses_are_rejected_with_its_reason():
-    """A schedule the config's checks refuse (multi-token prediction runs on one last stage, which
-    DualPipeV does not have) is rejected with their one-line message, where they accept 1F1B;
-    the schedules they accept stay in the search."""
+def test_pipeline_layouts_the_config_refuses_are_rejected_with_its_reason():
+    """Every feasible pipeline layout passes the config's own checks at that layout (bf16 needs
+    ZeRO-1 on a pipeline; multi-token prediction runs on one last stage, which DualPipeV does not
+    have); the refused ones are rejected with the config's one-line message."""
     from dataclasses import replace
 
     from megaformer.config import ConfigError
     from megaformer.config.checks.model import check_mtp
+    from megaformer.config.checks.parallel import check_pipeline, check_pipeline_schedule
+
+    def refusal(cfg, L):
+        parallel = replace(
+            cfg.parallel,
+            tensor=L["tp"],
+            pipeline=L["pp"],
+            zero_stage=L["zero"],
+            sequence_parallel=L["tp"] > 1,
+            pipeline_schedule=L["schedule"],
+            pipeline_virtual_stages=max(L["virtual_stages"], 2),
+        )
+        try:
+            for check in (check_pipeline, check_pipeline_schedule, check_mtp):
+                check(replace(cfg, parallel=parallel))
+        except ConfigError as e:
+            return str(e)
+        return None
 
     hw = Hardware(16, 8, 80, 989.5, 450, 50, 0.6)
-    over = ["train.global_batch_size=32", "model.n_layers=24", "parallel.zero_stage=1"]
-    cfg = load_config("configs/llama-7b.yaml", [*over, "model.mtp_depth=1"])
+    over = ["train.global_batch_size=32", "model.n_layers=24", "model.mtp_depth=1"]
+    over.append("parallel.zero_stage=1")
+    cfg = load_config("configs/llama-7b.yaml", over)  # bf16
     r = plan(cfg, hw, (1,))
-    feasible = {x["layout"]["schedule"] for x in r["feasible"] if x["layout"]["pp"] == 2}
-    reasons = {x["reason"] for x in r["rejected"] if x["pp"] == 2}
-    for schedule in ("1f1b", "interleaved", "dualpipev"):
-        parallel = replace(cfg.parallel, pipeline=2, pipeline_schedule=schedule)
-        try:
-            check_mtp(replace(cfg, parallel=parallel))
-        except ConfigError as e:  # dualpipev: "model.mtp_depth=1 with parallel.pipeline=2 ..."
-            assert schedule not in feasible and str(e) in reasons, schedule
-        else:
-            assert schedule in feasible, schedule
-    assert "dualpipev" not in feasible and "1f1b" in feasible
+    piped = [x["layout"] for x in r["feasible"] if x["layout"]["pp"] > 1]
+    assert piped and all(refusal(cfg, L) is None for L in piped)
+    assert {L["zero"] for L in piped} == {1}
+    assert "1f1b" in {L["schedule"] for L in piped} and "dualpipev" not in {
+        L["schedule"] for L in piped
+    }
+    reasons = {x["reason"] for x in r["rejected"]}
+    zero0 = dict(piped[0], zero=0)
+    dual = dict(piped[0], schedule="dualpipev")
+    assert refusal(cfg, zero0).startswith("train.precision=bf16 with parallel.pipeline=")
+    assert refusal(cfg, zero0) in reasons
+    assert refusal(cfg, dual).startswith("model.mtp_depth=1 with parallel.pipeline=")
+    assert refusal(cfg, dual) in reasons
