@@ -1,15 +1,19 @@
 """Pipeline bubble, step time and per-rank activation memory of each schedule, measured beside the
 schedules' formulas and the memory estimator.
 
-    python tools/bench_pipeline.py [--stages 2 4] [--micro-batches 8 16] [--schedules 1f1b dualpipev]
+    python tools/bench_pipeline.py [--stages 2 4] [--micro-batches 8 16]
+        [--schedules 1f1b interleaved dualpipev] [--virtual-stages 2]
 
-Runs DeepSpeed's pipeline engine (1F1B, or its DualPipeV engine) on gloo processes of this machine
-over equal-cost stages and prints, for each PP, schedule and number of micro-batches m:
+Runs DeepSpeed's pipeline engine (1F1B, its DualPipeV engine, or megaformer's interleaved engine
+with v = --virtual-stages stages per rank) on gloo processes of this machine over equal-cost
+stages, built as training builds them, and prints, for each PP, schedule and number of
+micro-batches m:
 
 * the measured bubble: per rank, 1 - (time in forward/backward compute) / (step time) from
   timestamps around each pass, and the mean over ranks, beside the formula
   (:func:`megaformer.analysis.schedules.formula_bubble`: (p-1)/(m+p-1) under 1F1B,
-  (2p - 5/2)/(2p - 5/2 + 3m) under DualPipeV with a backward costing two forwards);
+  (p-1)/(vm+p-1) interleaved, (2p - 5/2)/(2p - 5/2 + 3m) under DualPipeV with a backward costing
+  two forwards);
 * the step time over 1F1B's at the same PP and m;
 * per rank, the peak bytes of activations held for backward (saved-tensor hooks: a tensor counts
   from the moment autograd saves it until it is freed), the busiest rank's beside the estimator's
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import sys
 import time
 import weakref
@@ -92,6 +97,7 @@ def _stage(
 
     from megaformer.config import Config, ParallelConfig, TrainConfig
     from megaformer.parallel.build import build_model
+    from megaformer.parallel.interleaved_engine import engine_for
     from megaformer.parallel.topology import build_topology
     from megaformer.training.distributed import disable_cpu_shm_comm_op
 
@@ -103,7 +109,10 @@ def _stage(
     run = Config(
         model=cfg,
         parallel=ParallelConfig(
-            pipeline=world, pipeline_partition="layers", pipeline_schedule=schedule_name
+            pipeline=world,
+            pipeline_partition="layers",
+            pipeline_schedule=schedule_name,
+            pipeline_virtual_stages=args.virtual_stages,
         ),
         train=TrainConfig(seed=0, recompute=recompute),
     )
@@ -115,9 +124,10 @@ def _stage(
         "steps_per_print": 2**31 - 1,
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
     }
-    engine, _, _, _ = deepspeed.initialize(
-        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1e-4), config=ds
-    )
+    with engine_for(pipe):  # the interleaved schedule's engine for its module, as training
+        engine, _, _, _ = deepspeed.initialize(
+            model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1e-4), config=ds
+        )
     busy = [0.0]
 
     def timed(fn):
@@ -168,10 +178,20 @@ def run(
     ]
     for p in procs:
         p.start()
-    res = sorted(q.get(timeout=900) for _ in procs)
+    res = []
+    deadline = time.monotonic() + 900
+    while len(res) < world:
+        try:
+            res.append(q.get(timeout=5))
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{sched} at PP={world}, m={m}: ranks (rank, exit code) {dead}")
     for p in procs:
         p.join()
-    return res
+    return sorted(res)
 
 
 def estimated_activations(args: argparse.Namespace, p: int, m: int, sched: str) -> float:
@@ -179,7 +199,13 @@ def estimated_activations(args: argparse.Namespace, p: int, m: int, sched: str) 
     from megaformer.analysis.memory import Layout, activation_bytes
 
     lay = Layout(
-        pp=p, micro_batch=args.batch, grad_accum=m, precision="fp32", device="cpu", schedule=sched
+        pp=p,
+        micro_batch=args.batch,
+        grad_accum=m,
+        precision="fp32",
+        device="cpu",
+        schedule=sched,
+        virtual_stages=args.virtual_stages,
     )
     return activation_bytes(model_config(args), args.seq, lay, 257)["total"]
 
@@ -197,15 +223,38 @@ def model_config(args: argparse.Namespace) -> Any:
     )
 
 
+def _cannot_run(schedule: str, p: int, m: int, v: int, layers: int) -> str:
+    """Why ``schedule`` cannot run p ranks with m micro-batches over ``layers`` blocks ('' if it
+    can)."""
+    from megaformer.analysis.schedules import stages_per_rank
+
+    stages = p * stages_per_rank(schedule, v)
+    if stages > layers:
+        return f"{stages} stages from {layers} layers"
+    if schedule == "dualpipev" and m < 2 * p:
+        return f"DualPipeV needs 2 x PP = {2 * p} micro-batches"
+    if schedule == "interleaved" and m % p:
+        return f"interleaved needs a multiple of PP = {p} micro-batches"
+    return ""
+
+
 def main() -> None:
-    from megaformer.analysis.schedules import formula_bubble
+    from megaformer.analysis.schedules import SCHEDULES, formula_bubble, schedule_label
 
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "dualpipev"])
+    ap.add_argument(
+        "--schedules",
+        nargs="+",
+        default=list(SCHEDULES),
+        choices=SCHEDULES,
+    )
+    ap.add_argument(
+        "--virtual-stages", type=int, default=2, help="stages per rank, interleaved (2)"
+    )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
@@ -218,14 +267,18 @@ def main() -> None:
         f"{args.batch}, fp32, gloo on {os.cpu_count()} CPU cores"
     )
     print(
-        f"{'PP':>2} {'schedule':>9} {'m':>3} {'idle per rank (measured)':<26} {'mean':>5} "
+        f"{'PP':>2} {'schedule':>15} {'m':>3} {'idle per rank (measured)':<26} {'mean':>5} "
         f"{'formula':>7} {'step s':>7} {'/1f1b':>6} {'act MB busiest':>14} {'estimator':>9}"
     )
+    v = args.virtual_stages
     for p in args.stages:
         for m in args.micro_batches:
             base = None
             for sched in args.schedules:
-                if sched == "dualpipev" and m < 2 * p:
+                name = schedule_label(sched, v)
+                why = _cannot_run(sched, p, m, v, args.layers)
+                if why:
+                    print(f"{p:>2} {name:>15} {m:>3} skipped: {why}")
                     continue
                 res = run(p, args, m, "none", sched)
                 idle = [1 - busy / step for _, busy, step, _ in res]
@@ -236,8 +289,8 @@ def main() -> None:
                 peak = max(x for *_, x in res)
                 est = estimated_activations(args, p, m, sched)
                 print(
-                    f"{p:>2} {sched:>9} {m:>3} {per:<26} {sum(idle) / p:5.2f} "
-                    f"{formula_bubble(sched, p, m):7.2f} {step:7.2f} {ratio} "
+                    f"{p:>2} {name:>15} {m:>3} {per:<26} {sum(idle) / p:5.2f} "
+                    f"{formula_bubble(sched, p, m, v):7.2f} {step:7.2f} {ratio} "
                     f"{peak / 1e6:14.2f} {est / 1e6:9.2f}"
                 )
     if not args.recompute_table:

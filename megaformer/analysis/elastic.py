@@ -39,16 +39,24 @@ def layout_words(layout: dict) -> list[str]:
     ]
     if layout["cp"] > 1:
         words.append(f"parallel.context_mode={layout['cp_mode']}")
+    schedule = layout.get("schedule", "1f1b")  # the schedule the planner priced
+    words.append(f"parallel.pipeline_schedule={schedule}")
+    if schedule == "interleaved":
+        words.append(f"parallel.pipeline_virtual_stages={layout['virtual_stages']}")
     return words
 
 
 def describe(layout: dict) -> str:
+    schedule = layout.get("schedule", "1f1b")
+    if schedule == "interleaved":
+        schedule += f" with {layout['virtual_stages']} stages per rank"
     return (
         f"TP={layout['tp']} PP={layout['pp']} DP={layout['dp']}"
         + (f" CP={layout['cp']} ({layout['cp_mode']})" if layout["cp"] > 1 else "")
         + (f" EP={layout['ep']}" if layout["ep"] > 1 else "")
         + f" ZeRO-{layout['zero']} micro-batch {layout['micro_batch']} x accumulation "
         f"{layout['grad_accum']}, recompute {layout['recompute']}"
+        + (f", schedule {schedule}" if layout["pp"] > 1 else "")
     )
 
 

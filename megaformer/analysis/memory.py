@@ -50,7 +50,10 @@ implementation (e = bytes of the activation dtype; d, h_q, h_kv, f as in flops.p
     output projection needs it), so with fused attention it saves only the log-sum-exp: its gain is
     the s^2 softmax/dropout tensors of a non-fused kernel (Korthikanti's 5as/h term), which the
     fused kernels never store. Pipeline 1F1B: the first stage holds min(PP, micro-batches) micro-
-    batches of its L/PP layers in flight; DualPipeV: every rank PP + 1/2 (:func:`pipeline_in_flight`),
+    batches of its L/PP layers in flight; interleaved with v stages per rank: rank 0 holds
+    min(2(PP-1) + (v-1) PP + 1, v m) chunks of L/(v PP) layers, (2(PP-1) + (v-1) PP + 1)/v
+    micro-batches of its L/PP layers when m > PP (PP = 4, v = 2: 5.5), the embedding on rank 0 and
+    the head on rank PP-1 as 1F1B; DualPipeV: every rank PP + 1/2 (:func:`pipeline_in_flight`),
     and rank 0 both the embedding and the head (tied: one table).
 
 Checked against the CPU allocator's measured bytes (:mod:`megaformer.analysis.measure`) in
@@ -93,6 +96,7 @@ class Layout:
     device: str = "cuda"  # cuda or cpu (which norm and dropout implementations run)
     cp_mode: str = "ring"  # ring or all_to_all
     schedule: str = "1f1b"  # the pipeline schedule (megaformer.analysis.schedules) under pp > 1
+    virtual_stages: int = 1  # v, the stages per rank under the interleaved schedule (v >= 2)
     optimizer: str = "adamw"  # train.optimizer: adamw or muon
 
     @property
@@ -143,7 +147,8 @@ def params_per_rank(cfg: ModelConfig, layout: Layout, padded_vocab: Optional[int
     else:
         block_sum = layers * block
     emb = V * d // t + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
-    both = layout.pp == 1 or layout.schedule == "dualpipev"  # one rank holds embedding and head
+    # one rank holds embedding and head (1F1B and interleaved: rank 0 and rank PP-1)
+    both = layout.pp == 1 or layout.schedule == "dualpipev"
     head = norm_params(cfg) + (V * d // t if (not cfg.tie_embeddings or not both) else 0)
     if both:
         return block_sum + emb + head
@@ -388,13 +393,15 @@ def layer_activation_bytes(
 
 def pipeline_in_flight(layout: Layout) -> float:
     """Micro-batches whose activations (of this rank's L/PP layers) the busiest rank holds at
-    once: min(PP, m) under 1F1B (the first stage), PP + 1/2 under DualPipeV (2 PP + 1 chunks of
-    half the layers, on every rank), from the schedule's pass order."""
+    once: min(PP, m) under 1F1B (the first stage); interleaved min(2(PP-1) + (v-1) PP + 1, v m)
+    chunks of 1/v of the layers (rank 0); PP + 1/2 under DualPipeV (2 PP + 1 chunks of half the
+    layers, on every rank); from the schedule's pass order."""
     if layout.pp == 1:
         return 1.0
     from megaformer.analysis.schedules import simulate
 
-    return max(simulate(layout.schedule, layout.pp, layout.grad_accum).in_flight)
+    t = simulate(layout.schedule, layout.pp, layout.grad_accum, v=layout.virtual_stages)
+    return max(t.in_flight)
 
 
 def activation_bytes(

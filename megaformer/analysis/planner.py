@@ -8,7 +8,8 @@ stated bandwidths and nothing overlapped but the ring's K/V passes with its kern
 pessimistic, comparable ranking, not a promise):
 
     compute   = hardware FLOPs / (GPUs * peak * efficiency) * k(schedule, PP, m)   m micro-batches;
-                k = 1 + (PP-1)/m under 1F1B, the DualPipeV timeline's step over its busy time
+                k = 1 + (PP-1)/m under 1F1B, 1 + (PP-1)/(v m) interleaved with v stages per
+                rank, the DualPipeV timeline's step over its busy time
                 (:mod:`megaformer.analysis.schedules`: a backward costing two forwards);
                 the attention core (scores and values) at its fused kernel's rate on the blocks it
                 runs (:mod:`megaformer.analysis.attention_time`: whole sequences for one process
@@ -19,8 +20,9 @@ pessimistic, comparable ranking, not a promise):
     DP        = gradient all-reduce 2 (d-1)/d * P*e_g / BW (ZeRO 2: reduce-scatter + all-gather,
                 same volume; ZeRO 3: x1.5 for the parameter all-gathers); BW = intra if TP*DP fits a
                 node, else inter
-    PP        = m * 2 (PP-1) point-to-point sends of b*s*h*e bytes (DualPipeV: 4 (PP-1), out
-                and back) over PP ranks at the inter/intra bandwidth
+    PP        = m * 2 (PP-1) point-to-point sends of b*s*h*e bytes (interleaved: 2 (v PP - 1),
+                every stage boundary between ranks; DualPipeV: 4 (PP-1), out and back) over PP
+                ranks at the inter/intra bandwidth
     CP        = per layer and micro-batch: the ring's passes its kernels do not hide (each step's K/V
                 pass beyond that step's kernel time, every fp32 dK/dV pass), or the all-to-all's
                 q/k/v/out exchange (:func:`megaformer.analysis.memory.context_comm_bytes`) / BW; intra
@@ -48,9 +50,14 @@ and DP).
 Rules that reject a layout: TP must divide heads, KV heads and the FFN width and stay within a node
 (more is allowed but slow; it is not rejected); PP at most n_layers; the global batch
 must split into micro-batches x DP; ZeRO-3 not with TP > 1 (megaformer), ZeRO 2/3 not with PP > 1
-(DeepSpeed's pipeline engine); DualPipeV needs 2 PP micro-batches per step and 2 PP layers; memory
-must fit. Every PP > 1 layout is tried under each schedule (``1f1b``, ``dualpipev``): DualPipeV
-holds PP + 1/2 micro-batches' activations on every rank (1F1B: PP on the first stage) and the
+(DeepSpeed's pipeline engine); the interleaved schedule needs a multiple of PP micro-batches per
+step and v PP layers; DualPipeV needs 2 PP micro-batches per step and 2 PP layers; a pipeline
+layout the config's own checks refuse (bf16 without ZeRO-1, multi-token prediction under
+DualPipeV, ...) is rejected with their one-line message; memory must fit.
+Every PP > 1 layout is tried under each schedule (``1f1b``, ``interleaved`` with v = 2 ..
+``MAX_VIRTUAL_STAGES`` stages per rank, ``dualpipev``): 1F1B holds PP micro-batches' activations
+on the first stage; interleaved (2(PP-1) + (v-1) PP + 1)/v there (more than PP when m > PP), the
+embedding on rank 0 and the head on rank PP-1 as 1F1B; DualPipeV PP + 1/2 on every rank and the
 embedding and head both on rank 0. MoE models (``model.moe``): TP must also divide the
 expert and shared-expert widths, no ZeRO-3 with EP > 1, no CP with a capacity factor; memory
 and checkpoints
@@ -60,7 +67,9 @@ count every expert (total parameters), FLOPs and MFU the active ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -69,20 +78,27 @@ from megaformer.analysis.attention_time import attention_seconds, recomputed_sha
 from megaformer.analysis.flops import forward_flops, fp8_forward_flops, fp8_share, step_flops
 from megaformer.analysis.memory import DTYPE_BYTES, Layout, estimate, pipeline_in_flight
 from megaformer.analysis.schedules import (
-    SCHEDULES,
     p2p_sends_per_micro_batch,
+    schedule_label,
     simulate,
     step_factor,
 )
 from megaformer.analysis.summary import resolve_vocab
 from megaformer.config import Config
-from megaformer.errors import UserError
+from megaformer.errors import ConfigError, UserError
 from megaformer.parallel.plan import padded_vocab_size
 
 RESERVE_GB = 2.0
 GB = 1e9
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master weight + Adam's first and second moments
 MUON_CHECKPOINT_BYTES_PER_PARAM = 8  # fp32 master weight + Muon's momentum
+MAX_VIRTUAL_STAGES = 4  # the interleaved schedule is tried with v = 2 .. this stages per rank
+# (schedule, v) tried for every PP > 1 layout
+PIPELINE_SCHEDULES = (
+    ("1f1b", 1),
+    *(("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)),
+    ("dualpipev", 1),
+)
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,8 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
 
     layers = math.ceil(m.n_layers / lay.pp)
     # the pipeline's idle time: 1 + (PP-1)/m under 1F1B, the schedule's timeline otherwise
-    bubble = step_factor(lay.schedule, lay.pp, micro)
+    v = lay.virtual_stages
+    bubble = step_factor(lay.schedule, lay.pp, micro, v)
     # the attention core at its kernels' rate, by what the context mode runs (attention_time)
     fwd = forward_flops(m, s)
     core = (fwd.attn_scores + fwd.attn_values) * gbs
@@ -156,7 +173,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         + _allreduce_s(X * e, lay.expert_replicas, dp_bw)
     ) * (1.5 if lay.zero == 3 else 1.0)
     pp_bw = hw.inter_gbps if lay.tp * lay.pp > node else hw.intra_gbps
-    sends = p2p_sends_per_micro_batch(lay.schedule, lay.pp)  # over the pipeline
+    sends = p2p_sends_per_micro_batch(lay.schedule, lay.pp, v)  # over the pipeline
     pp_time = micro * sends * act / (pp_bw * GB) / lay.pp if lay.pp > 1 else 0.0
     if lay.cp_mode == "ring":  # the passes a ring step's kernels do not hide
         cp_time = micro * layers * attn["exposed"]
@@ -207,7 +224,7 @@ def evaluate(cfg: Config, hw: Hardware, lay: Layout) -> dict:
         },
         "mfu": fl.model / (step * hw.gpus * peak),
         "pipeline": {
-            "bubble": simulate(lay.schedule, lay.pp, micro).bubble if lay.pp > 1 else 0.0,
+            "bubble": simulate(lay.schedule, lay.pp, micro, v=v).bubble if lay.pp > 1 else 0.0,
             "in_flight": pipeline_in_flight(lay),
             "p2p_gb_per_rank": micro * sends * act / lay.pp / GB if lay.pp > 1 else 0.0,
         },
@@ -232,8 +249,10 @@ def _reject_reason(
     mb: int,
     cp_mode: str = "ring",
     schedule: str = "1f1b",
+    virtual_stages: int = 1,
 ) -> Optional[str]:
     m, gbs = cfg.model, cfg.train.global_batch_size
+    micro = gbs // (mb * dp)  # micro-batches per step (when the batch splits)
     if cp > 1 and cp_mode == "ring" and cfg.seq_len % (2 * cp):
         return f"CP={cp} (ring) needs the sequence {cfg.seq_len} divisible by {2 * cp}"
     if cp > 1 and cp_mode == "all_to_all" and (m.n_heads // tp) % cp:
@@ -254,13 +273,18 @@ def _reject_reason(
         return f"PP={pp} > {m.n_layers} layers"
     if gbs % (mb * dp):
         return f"global batch {gbs} not a multiple of micro-batch {mb} x DP {dp}"
+    v = virtual_stages
+    if schedule == "interleaved" and v * pp > m.n_layers:
+        return f"interleaved with v = {v} cuts {v * pp} stages from {m.n_layers} layers"
+    if schedule == "interleaved" and micro % pp:
+        return (
+            f"interleaved needs a multiple of PP = {pp} micro-batches per step, "
+            f"this layout has {micro}"
+        )
     if schedule == "dualpipev" and 2 * pp > m.n_layers:
         return f"DualPipeV cuts {2 * pp} stages from {m.n_layers} layers"
-    if schedule == "dualpipev" and gbs // (mb * dp) < 2 * pp:
-        return (
-            f"DualPipeV needs 2 x PP = {2 * pp} micro-batches per step, "
-            f"this layout has {gbs // (mb * dp)}"
-        )
+    if schedule == "dualpipev" and micro < 2 * pp:
+        return f"DualPipeV needs 2 x PP = {2 * pp} micro-batches per step, this layout has {micro}"
     if zero == 3 and tp > 1:
         return "ZeRO-3 with TP > 1 is not supported by megaformer"
     if zero >= 2 and pp > 1:
@@ -270,10 +294,39 @@ def _reject_reason(
     return None
 
 
+def _config_refusal(cfg: Config, lay: Layout) -> Optional[str]:
+    """The config's own one-line refusal of its pipeline at layout ``lay``, by the checks that
+    need no world size: the pipeline's (bf16 needs ZeRO-1, the stages, ...), its schedule's and
+    multi-token prediction's (its modules run on one last stage, which DualPipeV does not have);
+    None where they accept it."""
+    from megaformer.config.checks.model import check_mtp
+    from megaformer.config.checks.parallel import check_pipeline, check_pipeline_schedule
+
+    parallel = dataclasses.replace(
+        cfg.parallel,
+        tensor=lay.tp,
+        context=lay.cp,
+        context_mode=lay.cp_mode,
+        pipeline=lay.pp,
+        expert=lay.ep,
+        zero_stage=lay.zero,
+        sequence_parallel=lay.sequence_parallel,
+        pipeline_schedule=lay.schedule,
+        pipeline_virtual_stages=lay.virtual_stages if lay.schedule == "interleaved" else 2,
+    )
+    try:
+        for check in (check_pipeline, check_pipeline_schedule, check_mtp):
+            check(dataclasses.replace(cfg, parallel=parallel))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> dict:
     """{'assumptions', 'feasible' (best first), 'rejected'} for ``cfg`` on ``hw``."""
     cfg = resolve_vocab(cfg)
     feasible, rejected = [], []
+    refused: dict = {}  # pipeline layout and schedule -> the config's refusal of it, or None
     long = cfg.seq_len >= 8192
     contexts = [(1, "ring")] + [
         (c, mode)
@@ -288,8 +341,8 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
             for pp in _divisors(hw.gpus // (tp * cp)):
                 dp = hw.gpus // (tp * cp * pp)
                 experts = _divisors(dp) if cfg.model.moe_layers else [1]
-                schedules = SCHEDULES if pp > 1 else ("1f1b",)
-                for ep, zero, mb, sched in (
+                schedules = PIPELINE_SCHEDULES if pp > 1 else (("1f1b", 1),)
+                for ep, zero, mb, (sched, v) in (
                     (ep, z, mb, sc)
                     for ep in experts
                     for z in (0, 1, 2, 3)
@@ -297,11 +350,44 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                     for sc in schedules
                 ):
                     why = _reject_reason(
-                        cfg, tp, cp, dp, pp, ep, zero=zero, mb=mb, cp_mode=cp_mode, schedule=sched
+                        cfg,
+                        tp,
+                        cp,
+                        dp,
+                        pp,
+                        ep,
+                        zero=zero,
+                        mb=mb,
+                        cp_mode=cp_mode,
+                        schedule=sched,
+                        virtual_stages=v,
                     )
+                    base = Layout(
+                        tp=tp,
+                        cp=cp,
+                        dp=dp,
+                        pp=pp,
+                        ep=ep,
+                        zero=zero,
+                        micro_batch=mb,
+                        grad_accum=cfg.train.global_batch_size // (mb * dp),
+                        sequence_parallel=tp > 1,
+                        precision=cfg.train.precision,
+                        device="cuda",
+                        cp_mode=cp_mode,
+                        schedule=sched,
+                        virtual_stages=v,
+                        optimizer=cfg.train.optimizer,
+                    )
+                    at = (tp, cp, cp_mode, pp, ep, zero, sched, v)
+                    if not why and pp > 1 and at not in refused:
+                        refused[at] = _config_refusal(cfg, base)
+                    why = why or refused.get(at)
                     key = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "micro_batch": mb}
                     if pp > 1:
                         key["schedule"] = sched
+                    if sched == "interleaved":
+                        key["virtual_stages"] = v
                     if cp > 1:
                         key.update(cp=cp, cp_mode=cp_mode)
                     if ep > 1:
@@ -309,25 +395,8 @@ def plan(cfg: Config, hw: Hardware, micro_batches: tuple = (1, 2, 4, 8, 16)) -> 
                     if why:
                         rejected.append({**key, "reason": why})
                         continue
-                    accum = cfg.train.global_batch_size // (mb * dp)
                     for rc in ("none", "selective", "full"):
-                        lay = Layout(
-                            tp=tp,
-                            cp=cp,
-                            dp=dp,
-                            pp=pp,
-                            ep=ep,
-                            zero=zero,
-                            micro_batch=mb,
-                            grad_accum=accum,
-                            recompute=rc,
-                            sequence_parallel=tp > 1,
-                            precision=cfg.train.precision,
-                            device="cuda",
-                            cp_mode=cp_mode,
-                            schedule=sched,
-                            optimizer=cfg.train.optimizer,
-                        )
+                        lay = dataclasses.replace(base, recompute=rc)
                         r = evaluate(cfg, hw, lay)
                         need = r["memory_gb"] + RESERVE_GB
                         if need > hw.memory_gb:
@@ -396,7 +465,7 @@ def format_plan(r: dict, top: int = 10) -> str:
         f"{a['intra_gbps']:g} GB/s, network {a['inter_gbps']:g} GB/s per GPU; "
         "no overlap but the ring's K/V passes; "
         f"{a['reserve_gb']:g} GB reserved; global batch {a['global_batch']} x {a['seq_len']}",
-        f"{'TP':>3s} {'PP':>3s} {'schedule':>9s} {'bubble':>6s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} "
+        f"{'TP':>3s} {'PP':>3s} {'schedule':>15s} {'bubble':>6s} {'DP':>4s} {'ZeRO':>4s} {'mb':>3s} "
         f"{'recompute':>9s} {'mem GB':>7s} {'step s':>8s} {'MFU':>6s} {'ckpt GB/rank':>12s}  "
         "time split (compute/TP/DP/PP)",
     ]
@@ -420,9 +489,9 @@ def format_plan(r: dict, top: int = 10) -> str:
     for x in shown:
         L, t = x["layout"], x["time"]
         cp = f"{L['cp']} {L['cp_mode']}" if L["cp"] > 1 else "1"
-        sched = L["schedule"] if L["pp"] > 1 else "-"
+        sched = schedule_label(L["schedule"], L["virtual_stages"]) if L["pp"] > 1 else "-"
         lines.append(
-            f"{L['tp']:>3d} {L['pp']:>3d} {sched:>9s} {100 * x['pipeline']['bubble']:>5.1f}% "
+            f"{L['tp']:>3d} {L['pp']:>3d} {sched:>15s} {100 * x['pipeline']['bubble']:>5.1f}% "
             f"{L['dp']:>4d} "
             + (f"{cp:>13s} " if cp_col else "")
             + (f"{L['ep']:>3d} " if ep_col else "")
@@ -450,13 +519,17 @@ def format_plan(r: dict, top: int = 10) -> str:
     lines.append(f"{len(r['feasible'])} feasible, {len(r['rejected'])} rejected; e.g.:")
     seen = set()
     for x in r["rejected"]:
-        kind = x["reason"].split(" ")[0]
+        kind = re.sub(r"[0-9.]+", "#", x["reason"])  # one example of each reason
         if kind in seen:
             continue
         seen.add(kind)
         lines.append(
             f"  TP {x['tp']} PP {x['pp']}"
-            + (f" {x['schedule']}" if "schedule" in x else "")
+            + (
+                f" {schedule_label(x['schedule'], x.get('virtual_stages', 1))}"
+                if "schedule" in x
+                else ""
+            )
             + f" DP {x['dp']}"
             + (f" CP {x['cp']} {x['cp_mode']}" if "cp" in x else "")
             + (f" EP {x['ep']}" if "ep" in x else "")

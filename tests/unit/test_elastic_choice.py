@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megaformer.analysis.elastic import layout_words, relayout
+from megaformer.analysis.elastic import describe, layout_words, relayout
 from megaformer.errors import ConfigError, UserError
 
 
@@ -45,3 +45,19 @@ def test_the_planners_best_accepted_layout_for_another_world(tmp_path):
         relayout(
             lambda w: w or Config, 2, tmp_path, lambda c: {"feasible": [], "rejected": []}, check
         )
+
+
+def test_the_overrides_name_the_schedule_the_planner_priced():
+    """A pipeline layout resumes under the schedule its step time was modelled with (and its v);
+    a layout without a pipeline sets 1F1B back, whatever the config's schedule was."""
+    lay = row(1, 4, 1, 1.0)["layout"]
+    lay.update(schedule="interleaved", virtual_stages=3)
+    words = layout_words(lay)
+    assert words[-2:] == [
+        "parallel.pipeline_schedule=interleaved",
+        "parallel.pipeline_virtual_stages=3",
+    ]
+    assert describe(lay).endswith("recompute none, schedule interleaved with 3 stages per rank")
+    lay.update(schedule="dualpipev")
+    assert layout_words(lay)[-1] == "parallel.pipeline_schedule=dualpipev"
+    assert layout_words(row(2, 1, 2, 1.0)["layout"])[-1] == "parallel.pipeline_schedule=1f1b"

@@ -133,3 +133,25 @@ def test_activation_scaling_with_sp_and_recompute_and_korthikanti():
     assert korthikanti_layer_bytes(
         s, b, h, heads, t=8, sp=True, recompute="selective"
     ) == pytest.approx(34 * s * b * h / 8)
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_pipeline_holds_its_warm_up_in_flight(v):
+    """Interleaved with v stages per rank: rank 0 holds 2(p-1) + (v-1)p + 1 chunks of 1/v of its
+    layers when m > p (every forward, m micro-batches, when m = p); the parameters per rank are
+    1F1B's (the embedding on rank 0, the head on rank p-1)."""
+    from megaformer.analysis.memory import pipeline_in_flight
+
+    cfg = ModelConfig(**dict(LLAMA, n_layers=16))  # 16 stages at most: v p <= 16
+    kw = dict(pp=4, micro_batch=2, precision="fp32", device="cpu")
+    lay = Layout(**kw, grad_accum=8, schedule="interleaved", virtual_stages=v)
+    assert pipeline_in_flight(lay) == pytest.approx((2 * 3 + (v - 1) * 4 + 1) / v)
+    assert (
+        pipeline_in_flight(Layout(**kw, grad_accum=4, schedule="interleaved", virtual_stages=v))
+        == 4
+    )
+    one = Layout(**kw, grad_accum=8)
+    a, b = activation_bytes(cfg, 32, one), activation_bytes(cfg, 32, lay)
+    assert b["layers"] == pytest.approx(a["layers"] * pipeline_in_flight(lay) / 4)
+    assert b["output"] == a["output"]
+    assert params_per_rank(cfg, lay) == params_per_rank(cfg, one)

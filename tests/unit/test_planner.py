@@ -197,9 +197,10 @@ def test_the_build_peak_is_counted():
 
 
 def test_plan_searches_the_pipeline_schedules():
-    """Every PP > 1 layout is tried under 1F1B and DualPipeV: DualPipeV's step has the shorter
-    bubble of its timeline, twice the p2p sends, PP + 1/2 micro-batches in flight on every rank and
-    the embedding with the head on rank 0; too few micro-batches or layers are reasons."""
+    """Every PP > 1 layout is tried under 1F1B, interleaved and DualPipeV: DualPipeV's step has
+    the shorter bubble of its timeline, twice the p2p sends, PP + 1/2 micro-batches in flight on
+    every rank and the embedding with the head on rank 0; too few micro-batches or layers are
+    reasons."""
     from megaformer.analysis.memory import Layout, activation_bytes, params_per_rank
     from megaformer.analysis.planner import evaluate
     from megaformer.analysis.schedules import formula_bubble
@@ -210,7 +211,7 @@ def test_plan_searches_the_pipeline_schedules():
     )
     r = plan(small, hw, micro_batches=(1, 2))
     scheds = {x["layout"]["schedule"] for x in r["feasible"] if x["layout"]["pp"] > 1}
-    assert scheds == {"1f1b", "dualpipev"}
+    assert scheds == {"1f1b", "interleaved", "dualpipev"}
     reasons = {x["reason"] for x in r["rejected"] if x.get("schedule") == "dualpipev"}
     assert "DualPipeV needs 2 x PP = 16 micro-batches per step, this layout has 8" in reasons
     assert "DualPipeV cuts 32 stages from 24 layers" in reasons
@@ -302,3 +303,125 @@ def test_ring_steps_are_priced_on_their_busiest_rank():
     r = attention_seconds(m, s, Layout(cp=8, precision="bf16"), 1e15, 450)
     block = 4 * c * c * m.n_heads * m.head_dim / (1e15 * kernel_efficiency(c))
     assert r["compute"] == pytest.approx(3 * sum(busiest) * block)
+
+
+def test_plan_searches_the_interleaved_schedule_and_its_stages_per_rank():
+    """Every PP > 1 layout is tried interleaved with v = 2 .. 4 stages per rank; a count of
+    micro-batches that is not a multiple of PP, or more stages than layers, is a reason; the
+    table names the schedule with its v."""
+    from megaformer.analysis.planner import format_plan
+
+    hw = Hardware(16, 8, 80, 989.5, 450, 50, 0.6)
+    small = load_config(
+        "configs/llama-7b.yaml", ["train.global_batch_size=24", "model.n_layers=24"]
+    )
+    r = plan(small, hw, micro_batches=(1, 2))
+    tried = {
+        (x["layout"]["pp"], x["layout"]["virtual_stages"])
+        for x in r["feasible"]
+        if x["layout"]["schedule"] == "interleaved"
+    }
+    assert {(2, 2), (2, 3), (2, 4), (4, 2), (4, 3)} <= tried
+    for x in r["feasible"]:
+        L = x["layout"]
+        if L["schedule"] == "interleaved":
+            assert L["grad_accum"] % L["pp"] == 0 and L["virtual_stages"] * L["pp"] <= 24
+    reasons = {x["reason"] for x in r["rejected"] if x.get("schedule") == "interleaved"}
+    # 24 = 1 x DP 8 x 3 micro-batches on PP 2; on PP 8 (DP 2): 24 / (2 x 2) = 6
+    needs = "interleaved needs a multiple of PP = {} micro-batches per step, this layout has {}"
+    assert needs.format(2, 3) in reasons and needs.format(8, 6) in reasons
+    assert "interleaved with v = 4 cuts 32 stages from 24 layers" in reasons
+    assert "interleaved with v = 3 cuts 48 stages from 24 layers" in reasons
+    text = format_plan(r, top=len(r["feasible"]))
+    assert " interleaved v=2 " in text and " interleaved v=4 " in text
+    # each kind of reason once among the examples: both interleaved rules show
+    assert "interleaved with v =" in text and "interleaved needs a multiple" in text
+
+
+def test_the_interleaved_schedule_is_priced_by_its_timeline():
+    """Interleaved with v stages per rank: the bubble (p-1)/(vm+p-1) shortens the compute, the
+    p2p sends grow to 2 (vp-1) per micro-batch, rank 0 holds (2(p-1) + (v-1)p + 1)/v stages'
+    activations (5.5 at p = 4, v = 2; 1F1B: 4), and the embedding and the head stay on
+    different ranks (the same parameters per rank as 1F1B)."""
+    from megaformer.analysis.memory import Layout, activation_bytes, params_per_rank
+    from megaformer.analysis.planner import evaluate
+    from megaformer.analysis.schedules import formula_bubble
+
+    hw = Hardware(16, 8, 80, 989.5, 450, 50, 0.6)
+    cfg = load_config("configs/llama-7b.yaml", ["train.global_batch_size=64"])
+    base = dict(tp=2, pp=4, dp=2, zero=1, micro_batch=1, grad_accum=32, precision="bf16")
+    one = evaluate(cfg, hw, Layout(**base))
+    two, four = (
+        evaluate(cfg, hw, Layout(**base, schedule="interleaved", virtual_stages=v)) for v in (2, 4)
+    )
+    for r, v in ((two, 2), (four, 4)):
+        assert r["pipeline"]["bubble"] == pytest.approx(formula_bubble("interleaved", 4, 32, v))
+        assert r["pipeline"]["bubble"] == pytest.approx(3 / (v * 32 + 3))
+        # the p2p time and volume scale with the sends: 2 (4v - 1) against 1F1B's 2 x 3
+        assert r["time"]["pp_comm"] == pytest.approx(one["time"]["pp_comm"] * (4 * v - 1) / 3)
+        assert r["pipeline"]["p2p_gb_per_rank"] == pytest.approx(
+            one["pipeline"]["p2p_gb_per_rank"] * (4 * v - 1) / 3
+        )
+        # the compute shrinks by the bubble: (1 + 3/(32v)) / (1 + 3/32)
+        ratio = (1 + 3 / (32 * v)) / (1 + 3 / 32)
+        assert r["time"]["compute"] == pytest.approx(one["time"]["compute"] * ratio)
+    assert four["pipeline"]["bubble"] < two["pipeline"]["bubble"] < one["pipeline"]["bubble"]
+    assert (one["pipeline"]["in_flight"], two["pipeline"]["in_flight"]) == (4, 5.5)
+    assert four["pipeline"]["in_flight"] == pytest.approx((6 + 3 * 4 + 1) / 4)
+    m = cfg.model
+    a1, a2 = (
+        activation_bytes(m, cfg.seq_len, Layout(**base, **kw))
+        for kw in ({}, {"schedule": "interleaved", "virtual_stages": 2})
+    )
+    assert a2["layers"] == pytest.approx(a1["layers"] * 5.5 / 4)
+    assert two["memory"]["activations"] > one["memory"]["activations"]
+    assert params_per_rank(m, Layout(**base, schedule="interleaved")) == params_per_rank(
+        m, Layout(**base)
+    )
+
+
+def test_pipeline_layouts_the_config_refuses_are_rejected_with_its_reason():
+    """Every feasible pipeline layout passes the config's own checks at that layout (bf16 needs
+    ZeRO-1 on a pipeline; multi-token prediction runs on one last stage, which DualPipeV does not
+    have); the refused ones are rejected with the config's one-line message."""
+    from dataclasses import replace
+
+    from megaformer.config import ConfigError
+    from megaformer.config.checks.model import check_mtp
+    from megaformer.config.checks.parallel import check_pipeline, check_pipeline_schedule
+
+    def refusal(cfg, L):
+        parallel = replace(
+            cfg.parallel,
+            tensor=L["tp"],
+            pipeline=L["pp"],
+            zero_stage=L["zero"],
+            sequence_parallel=L["tp"] > 1,
+            pipeline_schedule=L["schedule"],
+            pipeline_virtual_stages=max(L["virtual_stages"], 2),
+        )
+        try:
+            for check in (check_pipeline, check_pipeline_schedule, check_mtp):
+                check(replace(cfg, parallel=parallel))
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    hw = Hardware(16, 8, 80, 989.5, 450, 50, 0.6)
+    over = ["train.global_batch_size=32", "model.n_layers=24", "model.mtp_depth=1"]
+    over.append("parallel.zero_stage=1")
+    cfg = load_config("configs/llama-7b.yaml", over)  # bf16
+    r = plan(cfg, hw, (1,))
+    piped = [x["layout"] for x in r["feasible"] if x["layout"]["pp"] > 1]
+    assert piped and all(refusal(cfg, L) is None for L in piped)
+    assert {L["zero"] for L in piped} == {1}
+    assert "1f1b" in {L["schedule"] for L in piped} and "dualpipev" not in {
+        L["schedule"] for L in piped
+    }
+    reasons = {x["reason"] for x in r["rejected"]}
+    zero0 = dict(piped[0], zero=0)
+    dual = dict(piped[0], schedule="dualpipev")
+    assert refusal(cfg, zero0).startswith("train.precision=bf16 with parallel.pipeline=")
+    assert refusal(cfg, zero0) in reasons
+    assert refusal(cfg, dual).startswith("model.mtp_depth=1 with parallel.pipeline=")
+    assert refusal(cfg, dual) in reasons
