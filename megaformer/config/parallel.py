@@ -32,8 +32,9 @@ class ParallelConfig:
         "(one forward, one backward; idle fraction (p-1)/(m+p-1) for p stages and m "
         "micro-batches), 'interleaved' (interleaved 1F1B: the blocks are cut into v*p stages, "
         "v = parallel.pipeline_virtual_stages, rank r runs stages r, r+p, ...; idle fraction "
-        "(p-1)/(v*m+p-1) for 2(vp-1) point-to-point sends per micro-batch instead of 2(p-1); needs "
-        "a multiple of p micro-batches per step and model.n_layers divisible by v*p) or 'dualpipev' (DeepSeek-V3's DualPipeV, "
+        "(p-1)/(v*m+p-1) for 2(vp-1) point-to-point sends per micro-batch instead of "
+        "2(p-1); needs a multiple of p micro-batches per step and model.n_layers divisible by "
+        "v*p) or 'dualpipev' (DeepSeek-V3's DualPipeV, "
         "DeepSpeed's engine: the blocks are cut into 2p stages, rank r runs stages r and 2p-1-r "
         "so micro-batches go out and come back, the embedding and the head both on the first "
         "rank; needs at least 2p micro-batches per step and 2p blocks).",
