@@ -133,6 +133,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return float((a - b).norm() / max(float(b.norm()), floor, 1e-30))
 
 
+def _full_gradients(model: torch.nn.Module, world: int, group) -> dict[str, torch.Tensor]:
+    """Every gradient of ``model`` at full shape: the tensor-parallel shards, flattened into one
+    buffer, gathered with one all-gather (a collective per parameter made this test wait on
+    thousands of them) and concatenated along each parameter's partition dimension."""
+    named = list(model.named_parameters())
+    sharded = [(n, p) for n, p in named if getattr(p, "tensor_model_parallel", False)]
+    flat = torch.cat([p.grad.reshape(-1) for _, p in sharded])
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat, group=group)
+    full, offset = {}, 0
+    for n, p in sharded:
+        k = p.grad.numel()
+        pieces = [part[offset : offset + k].view_as(p.grad) for part in parts]
+        full[n] = torch.cat(pieces, dim=p.partition_dim)
+        offset += k
+    return {n: full.get(n, p.grad) for n, p in named}
+
+
 def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
     from megaformer.parallel.grad_norm import global_grad_norm
 
@@ -161,14 +179,10 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
             n: p.grad[:257] if ("emb" in n or "lm_head" in n) else p.grad
             for n, p in ref.named_parameters()
         }
-        tp_grads = {}
-        for n, p in tp.named_parameters():
-            g = p.grad
-            if getattr(p, "tensor_model_parallel", False):
-                parts = [torch.empty_like(g) for _ in range(world)]
-                dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
-                g = torch.cat(parts, dim=p.partition_dim)
-            tp_grads[n] = g[:257] if ("emb" in n or "lm_head" in n) else g
+        tp_grads = {
+            n: g[:257] if ("emb" in n or "lm_head" in n) else g
+            for n, g in _full_gradients(tp, world, topo.group("tp")).items()
+        }
         assert tp_grads.keys() == ref_grads.keys()
         total = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
         errs = {n: _rel(tp_grads[n], ref_grads[n], 1e-3 * total) for n in ref_grads}
