@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
 from tests.helpers import (
     cli_main,
+    full_gradients,
     reference_and_tensor_parallel,
     run_cli,
     run_torchrun,
@@ -133,24 +133,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return float((a - b).norm() / max(float(b.norm()), floor, 1e-30))
 
 
-def _full_gradients(model: torch.nn.Module, world: int, group) -> dict[str, torch.Tensor]:
-    """Every gradient of ``model`` at full shape: the tensor-parallel shards, flattened into one
-    buffer, gathered with one all-gather (a collective per parameter made this test wait on
-    thousands of them) and concatenated along each parameter's partition dimension."""
-    named = list(model.named_parameters())
-    sharded = [(n, p) for n, p in named if getattr(p, "tensor_model_parallel", False)]
-    flat = torch.cat([p.grad.reshape(-1) for _, p in sharded])
-    parts = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(parts, flat, group=group)
-    full, offset = {}, 0
-    for n, p in sharded:
-        k = p.grad.numel()
-        pieces = [part[offset : offset + k].view_as(p.grad) for part in parts]
-        full[n] = torch.cat(pieces, dim=p.partition_dim)
-        offset += k
-    return {n: full.get(n, p.grad) for n, p in named}
-
-
 def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
     from megaformer.parallel.grad_norm import global_grad_norm
 
@@ -181,7 +163,7 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
         }
         tp_grads = {
             n: g[:257] if ("emb" in n or "lm_head" in n) else g
-            for n, g in _full_gradients(tp, world, topo.group("tp")).items()
+            for n, g in full_gradients(tp, world, topo.group("tp")).items()
         }
         assert tp_grads.keys() == ref_grads.keys()
         total = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
