@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megaformer.runtime import spawn  # noqa: E402
-from tests.helpers import cluster_overrides, run_process, step_records, subprocess_env, torchrun_cmd  # noqa: E402
+from tests.helpers import cluster_overrides, run_torchrun, step_records, subprocess_env  # noqa: E402
 
 torch.set_num_threads(1)  # 2-core machines: tests and their subprocess ranks must not oversubscribe
 # Ranks and "fresh" CLI processes fork from one server per session that has imported these once.
@@ -59,13 +59,12 @@ def text_corpus(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def ddp_reference(tmp_path_factory: Any) -> Path:
-    """An uninterrupted 2-rank torchrun run of :func:`~tests.helpers.cluster_overrides` (the
-    numbers to match)."""
+    """An uninterrupted 2-rank run of :func:`~tests.helpers.cluster_overrides` (the numbers to
+    match), on ranks forked with torchrun's environment: the launcher tests compare their real
+    launches with it."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = run_process(
-        torchrun_cmd(
-            2, "train", "configs/quickstart.yaml", *cluster_overrides(), "--run-dir", str(run_dir)
-        )
+    proc = run_torchrun(
+        2, "train", "configs/quickstart.yaml", *cluster_overrides(), "--run-dir", str(run_dir)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(step_records(run_dir)) == [1, 2, 3, 4, 5, 6]

@@ -345,6 +345,35 @@ def reference_and_tensor_parallel(cfg: Any, world: int, rank: int, sp: bool) -> 
     return ref, tp, topo, full_state_dict(tp, topo)
 
 
+def full_gradients(model: Any, tp: int, tp_group: Any, cp: int = 1, cp_group: Any = None) -> dict:
+    """Every gradient of ``model`` (a rank's tensor- and context-parallel copy) at one process's
+    full shape, by name: first averaged over the context group as DeepSpeed averages over DP x CP
+    (in place: the optimizer steps on the average), then the tensor-parallel shards concatenated
+    along each parameter's partition dimension. One all-reduce and one all-gather of flattened
+    buffers: a collective per parameter had the equivalence tests wait on thousands of them."""
+    import torch
+    import torch.distributed as dist
+
+    named = list(model.named_parameters())
+    if cp > 1:
+        flat = torch.cat([p.grad.reshape(-1) for _, p in named])
+        dist.all_reduce(flat, group=cp_group)
+        flat.div_(cp)
+        for (_, p), g in zip(named, flat.split([p.numel() for _, p in named])):
+            p.grad.copy_(g.view_as(p.grad))
+    grads = {n: p.grad for n, p in named}
+    sharded = [(n, p) for n, p in named if getattr(p, "tensor_model_parallel", False)]
+    if tp > 1 and sharded:
+        flat = torch.cat([p.grad.reshape(-1) for _, p in sharded])
+        parts = [torch.empty_like(flat) for _ in range(tp)]
+        dist.all_gather(parts, flat, group=tp_group)
+        sizes = [p.numel() for _, p in sharded]
+        pieces = [part.split(sizes) for part in parts]
+        for i, (n, p) in enumerate(sharded):
+            grads[n] = torch.cat([piece[i].view_as(p.grad) for piece in pieces], p.partition_dim)
+    return grads
+
+
 def keep_only(run: Path, step: int) -> None:
     """Keep only the checkpoint of ``step`` in ``run``, as if the run had stopped there."""
     import shutil

@@ -27,7 +27,14 @@ import torch.distributed as dist
 
 from megaformer.config import MLAConfig
 from tests.dist_harness import run_ranks
-from tests.helpers import cli_main, run_cli, run_torchrun, step_records, tiny_overrides
+from tests.helpers import (
+    cli_main,
+    full_gradients,
+    run_cli,
+    run_torchrun,
+    step_records,
+    tiny_overrides,
+)
 
 EOD = 7
 VOCAB = 257
@@ -195,16 +202,8 @@ def _model_case(rank: int, topo, mode: str, sp: bool, variant: str, docs: bool) 
             n: p.grad[:VOCAB] if ("emb" in n or "lm_head" in n) else p.grad
             for n, p in ref.named_parameters()
         }
-        grads = {}
-        for n, p in model.named_parameters():
-            dist.all_reduce(p.grad, group=topo.group("cp"))  # DeepSpeed: averaged over DP x CP
-            p.grad.div_(topo.cp)
-            g = p.grad
-            if getattr(p, "tensor_model_parallel", False):
-                parts = [torch.empty_like(g) for _ in range(topo.tp)]
-                dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
-                g = torch.cat(parts, dim=p.partition_dim)
-            grads[n] = g[:VOCAB] if ("emb" in n or "lm_head" in n) else g
+        full = full_gradients(model, topo.tp, topo.group("tp"), topo.cp, topo.group("cp"))
+        grads = {n: g[:VOCAB] if ("emb" in n or "lm_head" in n) else g for n, g in full.items()}
         assert grads.keys() == ref_grads.keys()
         total = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
         errs.append(max(_rel(grads[n], ref_grads[n], 1e-3 * total) for n in ref_grads))

@@ -18,9 +18,11 @@ from megaformer.checkpoint.weights import load_weights
 from megaformer.training import preemption
 from megaformer.training.watchdog import StepWatchdog
 from tests.helpers import (
+    ROOT,
     assert_one_line_error,
     cluster_overrides,
     run_cli,
+    run_module,
     run_process,
     step_records,
     subprocess_env,
@@ -44,6 +46,19 @@ def launch(
     )
     env = subprocess_env(MEGAFORMER_FAULT=fault, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")
     return run_process(cmd, env=env)
+
+
+def launch_forked(run_dir: Path, fault: str, *extra: str) -> subprocess.CompletedProcess:
+    """The 2-rank run of :func:`launch` on ranks forked with torchrun's environment (no launcher:
+    for faults the ranks handle themselves, where torchrun would only watch them exit)."""
+    argv = ["train", "configs/quickstart.yaml", *cluster_overrides(), *extra]
+    return run_module(
+        2,
+        "megaformer",
+        [*argv, "--run-dir", str(run_dir)],
+        env=subprocess_env(MEGAFORMER_FAULT=fault),
+        cwd=ROOT,
+    )
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -100,10 +115,11 @@ def test_nan_on_one_rank_is_skipped_then_a_stalled_rank_trips_the_watchdog(tmp_p
     steps 1 and 2 identical), training goes on; rank 1 then stalls in step 5 -> each rank's watchdog
     writes its stacks to logs/rank_N.log, rank 0 names rank 1 as the rank its collective waits for
     (logs/hang.log) and the run ends non-zero within seconds (15 s limit: a
-    step on a loaded 2-core machine can take over 5 s, which fired the watchdog early)."""
+    step on a loaded 2-core machine can take over 5 s, which fired the watchdog early). The ranks
+    are forked: the watchdog ends its own process, no launcher takes part."""
     run = tmp_path / "run"
     t0 = time.monotonic()
-    proc = launch(
+    proc = launch_forked(
         run,
         "nan@step=2,rank=1;stall@step=5,rank=1",
         "parallel.zero_stage=2",

@@ -23,7 +23,7 @@ from tests.dist_harness import run_ranks
 from tests.distributed.test_context_parallel import MODELS as CP_MODELS
 from tests.distributed.test_context_parallel import _rel
 from tests.distributed.test_pipeline import _compare
-from tests.helpers import run_cli, run_torchrun, step_records, tiny_overrides
+from tests.helpers import full_gradients, run_cli, run_torchrun, step_records, tiny_overrides
 
 VOCAB = 257
 MODELS = {name: CP_MODELS[name] for name in ("mha-rope", "mla")}
@@ -80,15 +80,9 @@ def _model_case(rank: int, topo, mode: str, variant: str, sp: bool) -> dict:
             n: p.grad[:VOCAB] if ("emb" in n or "lm_head" in n) else p.grad
             for n, p in ref.named_parameters()
         }
-        grads = {}
-        for n, p in model.named_parameters():
-            dist.all_reduce(p.grad, group=topo.group("cp"))  # DeepSpeed: averaged over DP x CP
-            g = p.grad.div_(topo.cp)
-            if getattr(p, "tensor_model_parallel", False):
-                parts = [torch.empty_like(g) for _ in range(topo.tp)]
-                dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
-                g = torch.cat(parts, dim=p.partition_dim)
-            grads[n] = g[:VOCAB] if ("emb" in n or "lm_head" in n) else g
+        # averaged over the context group as DeepSpeed averages over DP x CP, gathered over TP
+        full = full_gradients(model, topo.tp, topo.group("tp"), topo.cp, topo.group("cp"))
+        grads = {n: g[:VOCAB] if ("emb" in n or "lm_head" in n) else g for n, g in full.items()}
         assert grads.keys() == ref_grads.keys()
         assert all(float(g.norm()) > 0 for n, g in ref_grads.items() if n.startswith("mtp."))
         total = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())

@@ -239,6 +239,22 @@ def reference(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def chain(reference, tmp_path_factory) -> list[tuple[str, Path, str]]:
+    """The resumes round the layouts: (layout, run, stdout) of each link of :data:`CHAIN` after
+    the reference. Link i copies the previous run, keeps only its checkpoint of step 2i, trains
+    to step 2i + 2 at its own layout and saves: B's step 4 and C's step 6 are written at B and C."""
+    links = []
+    prev = reference
+    for i, layout in enumerate(CHAIN[1:], start=1):
+        run = tmp_path_factory.mktemp("chain") / f"{i}-{layout}"
+        shutil.copytree(prev, run)
+        keep_only(run, 2 * i)
+        links.append((layout, run, train4(run, layout, 2 * i + 2)))
+        prev = run
+    return links
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_every_rank_writes_its_own_share(reference):
@@ -247,13 +263,15 @@ def test_every_rank_writes_its_own_share(reference):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_every_layout_writes_each_element_once_and_a_quarter_per_rank(tmp_path):
-    """The per-rank write bound of the reference's layout (A) holds for B (ZeRO-3), C (PP2) and
-    D (ZeRO-0)."""
-    for layout in ("B", "C", "D"):
-        run = tmp_path / layout
-        train4(run, layout, 2)
-        _each_rank_writes_its_share(run / "checkpoints" / "step_0000002")
+def test_every_layout_writes_each_element_once_and_a_quarter_per_rank(chain, tmp_path):
+    """The per-rank write bound of the reference's layout (A) holds for B (ZeRO-3) and C (PP2),
+    read from the checkpoints their links of the chain wrote, and for D (ZeRO-0), trained here."""
+    written = {layout: run for layout, run, _ in chain}
+    _each_rank_writes_its_share(written["B"] / "checkpoints" / "step_0000004")
+    _each_rank_writes_its_share(written["C"] / "checkpoints" / "step_0000006")
+    run = tmp_path / "D"
+    train4(run, "D", 2)
+    _each_rank_writes_its_share(run / "checkpoints" / "step_0000002")
 
 
 def _each_rank_writes_its_share(ckpt: Path) -> None:
@@ -275,14 +293,9 @@ def _each_rank_writes_its_share(ckpt: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_resume_round_the_layouts_from_the_shards(reference, tmp_path):
+def test_resume_round_the_layouts_from_the_shards(reference, chain):
     ref = losses(reference)
-    prev = reference
-    for i, layout in enumerate(CHAIN[1:], start=1):
-        run = tmp_path / f"{i}-{layout}"
-        shutil.copytree(prev, run)
-        keep_only(run, 2 * i)
-        out = train4(run, layout, 2 * i + 2)
+    for i, (layout, run, out) in enumerate(chain, start=1):
         assert "at a new layout" in out
         # each byte read once per replica group: 1/world of the state per rank, not the masters
         # of the whole TP x PP shard on top (41.7% from PP2 x DP2 at TP2 x DP2 before). Under
@@ -299,7 +312,6 @@ def test_resume_round_the_layouts_from_the_shards(reference, tmp_path):
                 got[step],
                 ref[step],
             )
-        prev = run
     assert ref[2 * len(CHAIN)] < ref[2]  # it trains: the comparison is not between constants
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
 from tests.helpers import (
     cli_main,
+    full_gradients,
     reference_and_tensor_parallel,
     run_cli,
     run_torchrun,
@@ -161,14 +161,10 @@ def _tp_vs_reference(rank: int, world: int, variant: str, sp: bool) -> dict:
             n: p.grad[:257] if ("emb" in n or "lm_head" in n) else p.grad
             for n, p in ref.named_parameters()
         }
-        tp_grads = {}
-        for n, p in tp.named_parameters():
-            g = p.grad
-            if getattr(p, "tensor_model_parallel", False):
-                parts = [torch.empty_like(g) for _ in range(world)]
-                dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
-                g = torch.cat(parts, dim=p.partition_dim)
-            tp_grads[n] = g[:257] if ("emb" in n or "lm_head" in n) else g
+        tp_grads = {
+            n: g[:257] if ("emb" in n or "lm_head" in n) else g
+            for n, g in full_gradients(tp, world, topo.group("tp")).items()
+        }
         assert tp_grads.keys() == ref_grads.keys()
         total = float(torch.stack([g.norm() for g in ref_grads.values()]).norm())
         errs = {n: _rel(tp_grads[n], ref_grads[n], 1e-3 * total) for n in ref_grads}

@@ -251,7 +251,7 @@ def _tp_moe_fp8(rank: int, world: int, sp: bool) -> dict:
     every gradient, gathered over TP (the routed experts split like the FFN: W1/W3 by rows, W2 by
     columns, their split amaxes all-reduced)."""
     from megaformer.parallel.fp8 import apply_fp8
-    from tests.helpers import reference_and_tensor_parallel
+    from tests.helpers import full_gradients, reference_and_tensor_parallel
 
     ref, tp, topo, _ = reference_and_tensor_parallel(_moe_cfg(), world, rank, sp)
     for model, group in ((ref, None), (tp, topo.group("tp"))):
@@ -264,12 +264,8 @@ def _tp_moe_fp8(rank: int, world: int, sp: bool) -> dict:
         loss.backward()
         losses.append(float(loss))
     errs = {}
-    for (name, p), r in zip(tp.named_parameters(), ref.parameters()):
-        g = p.grad
-        if getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(g) for _ in range(world)]
-            dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
-            g = torch.cat(parts, dim=p.partition_dim)
+    full = full_gradients(tp, world, topo.group("tp"))
+    for (name, g), r in zip(full.items(), ref.parameters()):
         g, rg = g[: r.grad.shape[0]], r.grad
         errs[name] = float((g - rg).norm() / rg.norm().clamp(min=1e-12))
     return {"losses": losses, "errs": errs}

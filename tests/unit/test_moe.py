@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megaformer.config import ModelConfig, MoEConfig, load_config
 from megaformer.errors import ConfigError
 from megaformer.model.moe import MoE, end_of_step
 from megaformer.model.transformer import Transformer
 from tests.dist_harness import run_ranks
-from tests.helpers import reference_and_tensor_parallel, run_cli, tiny_overrides
+from tests.helpers import full_gradients, reference_and_tensor_parallel, run_cli, tiny_overrides
 
 
 def _cfg(**moe) -> ModelConfig:
@@ -270,12 +269,7 @@ def _tp_case(rank: int, world: int, moe: dict, sp: bool) -> dict:
         }
         total = float(torch.stack([g.norm() for g in ref_g.values()]).norm())
         worst = 0.0
-        for n, p in tp.named_parameters():
-            g = p.grad
-            if getattr(p, "tensor_model_parallel", False):
-                parts = [torch.empty_like(g) for _ in range(world)]
-                dist.all_gather(parts, g.contiguous(), group=topo.group("tp"))
-                g = torch.cat(parts, dim=p.partition_dim)
+        for n, g in full_gradients(tp, world, topo.group("tp")).items():
             g = g[:37] if "emb" in n or "lm_head" in n else g
             worst = max(worst, _rel(g, ref_g[n], 1e-3 * total))
         errs.append(worst)

@@ -13,7 +13,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,15 @@ from megaformer.checkpoint import weights as ckpt_weights
 from megaformer.checkpoint.legacy import engine_files
 from megaformer.config import Config, load_config
 from megaformer.errors import CheckpointError, ConfigError, DataError, UserError
-from tests.helpers import assert_one_line_error, cli_main, run_process, tiny_model, tiny_overrides
+from tests.helpers import (
+    ROOT,
+    assert_one_line_error,
+    cli_main,
+    run_module,
+    subprocess_env,
+    tiny_model,
+    tiny_overrides,
+)
 
 VICTIM_TEXT = "victim: must stay exactly like this\n"
 
@@ -703,14 +710,18 @@ ADDRESS_LIMIT = 3 << 30  # each bomb below asks for more; the genuine work needs
 
 
 def run_limited(*args: str) -> subprocess.CompletedProcess:
-    """``megaformer ARGS`` in a fresh process whose address space is capped at
-    :data:`ADDRESS_LIMIT`: a file that sizes an allocation fails there, never on the machine."""
-    code = (
-        "import resource, sys\n"
-        f"resource.setrlimit(resource.RLIMIT_AS, ({ADDRESS_LIMIT}, {ADDRESS_LIMIT}))\n"
-        "from megaformer.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    """``megaformer ARGS`` in a process of its own (forked from the preloaded server) whose address
+    space is capped at :data:`ADDRESS_LIMIT`: a file that sizes an allocation fails there, never
+    on the machine."""
+    return run_module(
+        1,
+        "tests.address_limited",
+        [str(ADDRESS_LIMIT), *args],
+        torchrun=False,
+        env=subprocess_env(),
+        cwd=ROOT,
+        timeout=600,
     )
-    return run_process([sys.executable, "-c", code, *args], timeout=600)
 
 
 def test_no_allocation_is_sized_by_a_file_before_it_is_checked(tmp_path, sharded_run):
