@@ -10,6 +10,7 @@ Megatron indexed data) plugs in behind the same ``iter_documents`` seam.
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
@@ -22,10 +23,38 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 def stdlib_files() -> list[Path]:
     """The standard library's .py files, without installed third-party packages, in sorted order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        f for f in root.rglob("*.py") if not _SKIP_DIRS.intersection(f.relative_to(root).parts)
-    )
+    return list(iter_stdlib_files())
+
+
+def iter_stdlib_files() -> Iterator[Path]:
+    """:func:`stdlib_files` one at a time, each folder listed when the walk reaches it: a walk
+    that visits each folder's entries sorted by name yields paths in sorted order (paths sort
+    component by component), so a reader that stops after a few files lists a few folders, not
+    the whole library."""
+    yield from _py_files(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def _py_files(folder: Path) -> Iterator[Path]:
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name in _SKIP_DIRS:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            yield from _py_files(folder / entry.name)
+        elif entry.name.endswith(".py"):
+            yield folder / entry.name
+
+
+def _nonempty(files: Iterator[Path]) -> Iterator[Path]:
+    """``files``, or the stdlib source's error if there are none."""
+    first = next(files, None)
+    if first is None:
+        raise DataError("data.source=stdlib: no .py files found in this Python's standard library")
+    yield first
+    yield from files
 
 
 def source_files(source: str) -> list[Path]:
@@ -93,7 +122,8 @@ def iter_documents(
 ) -> Iterator[str]:
     """Yield the non-empty documents of ``source``, stopping after ``max_bytes`` bytes of text."""
     total = 0
-    for path in source_files(source):
+    files = source_files(source) if source != "stdlib" else _nonempty(iter_stdlib_files())
+    for path in files:
         if path.suffix in (".json", ".jsonl"):
             docs: Iterator[str] = _json_documents(path, text_field)
         else:

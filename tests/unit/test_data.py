@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,24 @@ def test_stdlib_corpus_is_present_and_has_no_site_packages():
     assert not any("site-packages" in f.parts for f in files)
     docs = list(iter_documents("stdlib", max_bytes=50_000))
     assert sum(len(d) for d in docs) <= 50_000 and docs
+
+
+def test_stdlib_files_are_walked_in_sorted_order():
+    """The lazy walk (each folder's entries sorted by name) yields exactly the sorted list of the
+    library's .py files outside site-packages and __pycache__, and the documents come in that
+    order."""
+    import sysconfig
+
+    from megaformer.data.corpus import _SKIP_DIRS, iter_stdlib_files
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rglob = sorted(
+        f for f in root.rglob("*.py") if not _SKIP_DIRS.intersection(f.relative_to(root).parts)
+    )
+    walked = list(iter_stdlib_files())
+    assert walked == rglob and len(walked) > 100
+    first = next(iter_documents("stdlib"))
+    assert first == rglob[0].read_text(encoding="utf-8", errors="replace")
 
 
 def test_folder_txt_and_jsonl_sources(tmp_path, text_corpus):
