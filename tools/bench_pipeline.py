@@ -131,13 +131,13 @@ def _stage(
         )
     busy = [0.0]
 
-    def timed(fn):
+    def timed(fn, sign: float = 1.0):
         def run(*a, **k):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                busy[0] += time.perf_counter() - t0
+                busy[0] += sign * (time.perf_counter() - t0)
 
         return run
 
@@ -148,18 +148,7 @@ def _stage(
     for kind in (schedule.ForwardPass, schedule.BackwardPass):
         engine._INSTRUCTION_MAP[kind] = timed(engine._INSTRUCTION_MAP[kind])
     if hasattr(engine, "_arrived"):  # the interleaved engine waits for a pass's input inside it
-
-        def waited(fn):
-            def run(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    busy[0] -= time.perf_counter() - t0  # waiting, not computing
-
-            return run
-
-        engine._arrived = waited(engine._arrived)
+        engine._arrived = timed(engine._arrived, sign=-1.0)  # waiting, not computing
     x = torch.randint(0, 257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batches = [(x, x)] * m
     engine.train_batch(iter(batches))  # warm-up

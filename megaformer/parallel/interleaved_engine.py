@@ -115,12 +115,12 @@ class InterleavedModule(DualPipeVModule):
         self.activate_phase(0)
 
     def _precompute_checkpointable_values(self) -> None:
-        for c in range(len(self.phase_bounds)):
-            self.activate_phase(c)
-            self.is_checkpointable_results_interval = None  # cached per interval, not per chunk
-            PipelineModule._precompute_checkpointable_values(self)
-            self.phase_checkpointable[c] = self.is_checkpointable_results
-        self.activate_phase(0)
+        def one_chunk(module: "InterleavedModule") -> None:
+            module.is_checkpointable_results_interval = None  # cached per interval, not chunk
+            PipelineModule._precompute_checkpointable_values(module)
+            module.phase_checkpointable[module.active_phase] = module.is_checkpointable_results
+
+        self._each_chunk(one_chunk)
 
     def save_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._each_chunk(PipelineModule.save_state_dict, *args, **kwargs)
@@ -137,12 +137,9 @@ class InterleavedEngine(DualPipeVEngine):
     :class:`InterleavedModule` (``phase`` in the instructions is the chunk)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.chunks, self._active_phase = (
-            0,
-            None,
-        )  # the parent's set-up sees a plain pipeline (is_last_stage: rank p-1)
-        # DualPipeV's own __init__ checks DualPipeV's micro-batch rule; the interleaved
-        # schedule's is checked below
+        # the parent's set-up sees a plain pipeline (is_last_stage: rank p-1); DualPipeV's own
+        # __init__ would check DualPipeV's micro-batch rule, the interleaved one is checked below
+        self.chunks, self._active_phase = 0, None
         PipelineEngine.__init__(self, *args, **kwargs)
         assert isinstance(self.module, InterleavedModule), "model must be an InterleavedModule"
         assert not (self.is_pipe_partitioned or self.is_grad_partitioned), (
@@ -150,7 +147,6 @@ class InterleavedEngine(DualPipeVEngine):
         )
         check_interleaved(self.num_stages, self.micro_batches, len(self.module.phase_bounds))
         self.chunks = len(self.module.phase_bounds)
-        self._active_phase = None
         self._p2p_ops = []
         self._recv_keys: list[tuple[str, int]] = []  # the buffers the queued receives fill
         self._arriving: dict[tuple[str, int], _Batch] = {}  # buffer -> the batch bringing it

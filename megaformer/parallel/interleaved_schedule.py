@@ -78,16 +78,20 @@ def stage_of(p: int, r: int, c: int) -> int:
     return c * p + r
 
 
+def place(p: int, s: int) -> tuple[int, int]:
+    """(rank, chunk) that holds stage s."""
+    return s % p, s // p
+
+
 def producer(p: int, v: int, r: int, kind: str, c: int) -> tuple[int, int]:
     """(rank, chunk) whose pass of the same kind and micro-batch produces the input of pass
-    (kind, c) on rank r; (-1, -1) for the first stage's forward (the data); the last stage's
-    backward reads its own forward (returned as (r, c))."""
+    (kind, c) on rank r: stage s-1's forward, stage s+1's backward; (-1, -1) for the first
+    stage's forward (the data); the last stage's backward reads its own forward (returned as
+    (r, c))."""
     s = stage_of(p, r, c)
     if kind == "F":
-        return (-1, -1) if s == 0 else ((r - 1) % p, c if r > 0 else c - 1)
-    if s == v * p - 1:
-        return (r, c)
-    return ((r + 1) % p, c if r < p - 1 else c + 1)
+        return (-1, -1) if s == 0 else place(p, s - 1)
+    return (r, c) if s == v * p - 1 else place(p, s + 1)
 
 
 @dataclass(frozen=True)
@@ -147,14 +151,9 @@ def rounds(p: int, m: int, v: int, forward_only: bool = False) -> tuple[Round, .
             for half, (kind, c, j) in enumerate(unit):
                 s = stage_of(p, r, c)
                 made[(kind, s, j)] = t
-                if kind == "F" and s < last:
-                    dst, dc = (r + 1) % p, c if r < p - 1 else c + 1
-                elif kind == "B" and s > 0:
-                    dst, dc = (r - 1) % p, c if r > 0 else c - 1
-                else:
-                    continue
-                b = min(s, stage_of(p, dst, dc))
-                transfers.append(Transfer(kind, r, c, j, dst, dc, b, half))
+                to = s + 1 if kind == "F" else s - 1  # the stage that reads this output
+                if 0 <= to <= last:
+                    transfers.append(Transfer(kind, r, c, j, *place(p, to), min(s, to), half))
         if not any(ran):
             raise RuntimeError(f"interleaved schedule at p={p}, m={m}, v={v}: the passes wait")
         plan.append(Round(tuple(ran), tuple(transfers)))
